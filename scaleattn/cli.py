@@ -1,0 +1,277 @@
+"""Command line: ``scaleattn generate | import | fit | certify | evaluate | bench | submit``.
+
+Bad input exits with code 2 and one line naming the problem (``--debug`` shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+
+EXIT_BAD_INPUT = 2
+
+
+def _storage_options(pairs) -> dict | None:
+    """``["key=value", ...]`` -> dict (values parsed as JSON where they parse: numbers, true/false)."""
+    if not pairs:
+        return None
+    out = {}
+    for p in pairs:
+        if "=" not in p:
+            raise ValueError(f"--storage-option expects KEY=VALUE, got {p!r}")
+        k, v = p.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    if "endpoint_url" in out:  # s3fs takes the endpoint inside client_kwargs
+        out.setdefault("client_kwargs", {})["endpoint_url"] = out.pop("endpoint_url")
+    return out
+
+
+def _add_cluster_args(p):
+    g = p.add_argument_group("cluster")
+    g.add_argument("--scheduler", metavar="ADDRESS",
+                   help="join a running Dask scheduler (tcp://HOST:8786 or tls://...); default $DASK_SCHEDULER_ADDRESS,"
+                        " else an embedded local cluster")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes of the embedded cluster (default: one per core)")
+    g.add_argument("--threads-per-worker", type=int, default=1, metavar="N", help="threads per worker (default 1)")
+    g.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="start a dask-cuda cluster with N GPU workers (needs the gpu extra)")
+    g.add_argument("--local", action="store_true", help="run in this process without Dask (small data, debugging)")
+
+
+def _add_io_args(p, out=True):
+    if out:
+        p.add_argument("--overwrite", action="store_true", help="replace the output if it exists")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", default=None,
+                   help="fsspec option for s3:// and other URLs (repeatable), e.g. endpoint_url=http://...")
+
+
+def _add_output_args(p):
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or summaries on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaleattn",
+        description="Learn multi-head linear attention by certified least squares on Dask [Yau et al. 2025].",
+    )
+    parser.add_argument("--version", action="version", version=f"scaleattn {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="write a synthetic dataset (mhla teacher or associative memory)")
+    gsub = gen.add_subparsers(dest="task", required=True, metavar="TASK")
+    m = gsub.add_parser("mhla", help="realizable data from a random H-head MHLA teacher [Y25 Sec. 4.1]")
+    m.add_argument("path", help="output dataset (Zarr group path or URL)")
+    m.add_argument("--d", type=int, default=2, help="token dimension d (default 2)")
+    m.add_argument("--heads", type=int, default=1, help="teacher heads H (default 1)")
+    m.add_argument("--length", type=int, default=100, help="tokens per sequence T (default 100)")
+    m.add_argument("--samples", type=int, default=512, help="sequences N (default 512)")
+    m.add_argument("--d-out", type=int, default=None, help="output dimension (default d)")
+    m.add_argument("--noise", type=float, default=0.0, help="std of Gaussian target noise (default 0)")
+    m.add_argument("--causal", action="store_true", help="targets at every prefix (N, T, d_out)")
+    m.add_argument("--variable-lengths", action="store_true", help="random lengths in [1, T], zero padded")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
+    _add_io_args(m)
+    a = gsub.add_parser("assoc", help="associative memory task [Y25 Sec. 4.2]")
+    a.add_argument("path", help="output dataset")
+    a.add_argument("--pairs", type=int, default=2, help="key-value pairs K (default 2)")
+    a.add_argument("--dim", type=int, default=None, help="key/value dimension (default K); tokens have 2*dim")
+    a.add_argument("--samples", type=int, default=2**14, help="sequences (default 16384)")
+    a.add_argument("--orthogonal", action="store_true", help="orthogonal keys and values: not identifiable")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--chunk-samples", type=int, default=None)
+    _add_io_args(a)
+
+    imp = sub.add_parser("import", help="turn user arrays or a time-series CSV (or a built-in real dataset) into a dataset")
+    imp.add_argument("path", help="output dataset")
+    src = imp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--npz", metavar="FILE", help=".npz with arrays tokens (N,T,d), targets, optional lengths; or a .npy of tokens")
+    src.add_argument("--csv", metavar="FILE", help="CSV of a multivariate time series (header row), cut into windows")
+    src.add_argument("--builtin", choices=["digits"], help="digits: scikit-learn's 8x8 digits, 7 pixel rows predict the 8th")
+    imp.add_argument("--length", type=int, default=16, help="CSV: tokens per window (default 16)")
+    imp.add_argument("--horizon", type=int, default=1, help="CSV: steps ahead to predict (default 1)")
+    imp.add_argument("--step", type=int, default=1, help="CSV: stride between windows (default 1)")
+    imp.add_argument("--causal", action="store_true", help="CSV: predict the next value at every prefix")
+    imp.add_argument("--columns", nargs="+", default=None, help="CSV: columns to use (default all)")
+    _add_io_args(imp)
+
+    f = sub.add_parser("fit", help="fit MHLA by least squares on Dask, certify identifiability, recover heads")
+    f.add_argument("dataset", help="dataset (Zarr group path or URL)")
+    f.add_argument("--out", required=True, help="run directory: report.json, model.zarr, stats.zarr")
+    f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
+    f.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
+    f.add_argument("--no-exact-mse", action="store_true",
+                   help="skip the second data pass; train MSE from the statistics (floor ~eps*mean y^2)")
+    f.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="worker array device (default auto)")
+    _add_cluster_args(f)
+    _add_io_args(f)
+    _add_output_args(f)
+
+    c = sub.add_parser("certify", help="identifiability certificate only (Gram matrix, no targets needed)")
+    c.add_argument("dataset")
+    c.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
+    _add_cluster_args(c)
+    _add_io_args(c, out=False)
+    _add_output_args(c)
+
+    e = sub.add_parser("evaluate", help="mean squared error of a model on a dataset")
+    e.add_argument("model", help="model store (RUN/model.zarr)")
+    e.add_argument("dataset")
+    _add_cluster_args(e)
+    _add_io_args(e, out=False)
+    _add_output_args(e)
+
+    b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default) or tensor attention")
+    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor"])
+    b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
+    b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+
+    try:
+        from . import submit
+
+        s = sub.add_parser("submit", help="send a fit as a DaskJob to a Kubernetes cluster (dask-kubernetes operator)")
+        submit.add_arguments(s)
+    except ImportError:  # pragma: no cover - submit is part of the package
+        pass
+    return parser
+
+
+def _cluster(args):
+    import contextlib
+
+    if getattr(args, "local", False):
+        return contextlib.nullcontext(None)
+    from .cluster import connect
+
+    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, quiet=args.quiet)
+
+
+def _emit(args, payload: dict, text: str) -> None:
+    if args.json:
+        print(json.dumps(payload, indent=2, default=float))
+    elif not args.quiet:
+        print(text)
+
+
+def _cmd_generate(args) -> int:
+    from . import generate
+
+    opts = _storage_options(args.storage_option)
+    if args.task == "mhla":
+        ds = generate.generate_mhla(args.path, args.d, args.heads, args.length, args.samples, d_out=args.d_out,
+                                    noise=args.noise, causal=args.causal, variable_lengths=args.variable_lengths,
+                                    seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
+                                    storage_options=opts)
+    else:
+        ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
+                                     seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
+                                     storage_options=opts)
+    print(f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}")
+    return 0
+
+
+def _cmd_import(args) -> int:
+    from . import generate
+
+    opts = _storage_options(args.storage_option)
+    kw = dict(overwrite=args.overwrite, storage_options=opts)
+    if args.npz:
+        ds = generate.import_arrays(args.path, args.npz, **kw)
+    elif args.csv:
+        ds = generate.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
+                                 causal=args.causal, columns=args.columns, **kw)
+    else:
+        ds = generate.load_digits_dataset(args.path, **kw)
+    print(f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}")
+    return 0
+
+
+def _cmd_fit(args) -> int:
+    from .dataset import open_dataset
+    from .job import fit, format_report, parse_heads
+
+    opts = _storage_options(args.storage_option)
+    heads = parse_heads(args.heads)
+    ds = open_dataset(args.dataset, opts)  # validate before starting a cluster
+    with _cluster(args) as client:
+        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, exact_mse=not args.no_exact_mse,
+                  overwrite=args.overwrite, progress=not (args.quiet or args.json), storage_options=opts,
+                  device=args.device)
+    _emit(args, res.report, format_report(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr")
+    return 0
+
+
+def _cmd_certify(args) -> int:
+    from .dataset import open_dataset
+    from .job import certify_dataset
+
+    opts = _storage_options(args.storage_option)
+    ds = open_dataset(args.dataset, opts)
+    with _cluster(args) as client:
+        cert = certify_dataset(ds, client=client, rtol=args.rtol, progress=not (args.quiet or args.json))
+    s = cert.summary()
+    verdict = "identifiable" if cert.identifiable else f"NOT identifiable (ambiguous dimension {cert.ambiguous_dim})"
+    _emit(args, s, f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
+                   f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict}")
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    from .dataset import open_dataset
+    from .model import MHLAModel, evaluate
+
+    opts = _storage_options(args.storage_option)
+    model = MHLAModel.load(args.model, opts)
+    ds = open_dataset(args.dataset, opts)
+    with _cluster(args) as client:
+        r = evaluate(model, ds, client, progress=not (args.quiet or args.json))
+    _emit(args, r, f"MSE {r['mse']:.6g}  (relative {r['relative_mse']:.3g}, mean y^2 {r['target_mean_square']:.4g}, rows {r['n_rows']:,})")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.suite == "tensor":
+        from .bench.tensor import run
+    else:
+        from .bench.core import run
+    run(args.out, quick=args.quick)
+    return 0
+
+
+def _cmd_submit(args) -> int:
+    from . import submit
+
+    return submit.run(args)
+
+
+COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
+            "evaluate": _cmd_evaluate, "bench": _cmd_bench, "submit": _cmd_submit}
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``scaleattn`` command; returns the exit code."""
+    from .dataset import DatasetError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (DatasetError, ValueError, FileExistsError, FileNotFoundError, MemoryError) as e:
+        if args.debug:
+            raise
+        print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""MHLA datasets as Zarr v3 groups (DESIGN §7): open, validate, read row blocks, write.
+
+Layout of a dataset group::
+
+    tokens   float (N, T, d)        dims ("sample", "position", "embed"), chunked along N
+    lengths  int   (N,)             optional; 1 <= lengths <= T, padding positions are zero and ignored
+    targets  float (N, d_out)       last-token data, dims ("sample", "output")
+             float (N, T, d_out)    causal (prefix) data, dims ("sample", "position", "output")
+    teacher/V (H, d_out, d), teacher/Q (H, d, d)   optional ground truth of generated data
+
+Group attributes: ``format = "scaleattn-dataset"``, ``format_version``, ``causal`` and free-form metadata.
+Input stores are only ever opened read-only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from . import _storage
+
+FORMAT = "scaleattn-dataset"
+FORMAT_VERSION = 1
+DIMS = {
+    "tokens": ("sample", "position", "embed"),
+    "lengths": ("sample",),
+    "targets": ("sample", "output"),
+    "targets_causal": ("sample", "position", "output"),
+}
+
+
+class DatasetError(ValueError):
+    """A dataset is malformed; the message names the array and, where it applies, the first bad sample."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A validated, read-only handle on a dataset group (cheap to pickle to Dask workers).
+
+    Attributes: ``url``, ``n_samples`` (N), ``length`` (T), ``d``, ``d_out`` (0 without targets),
+    ``causal``, ``has_lengths``, ``chunk_samples`` (rows per Zarr chunk of ``tokens``), ``storage_options``.
+    """
+
+    url: str
+    n_samples: int
+    length: int
+    d: int
+    d_out: int
+    causal: bool
+    has_lengths: bool
+    chunk_samples: int
+    storage_options: dict | None = None
+    fingerprint: str = ""
+
+    @property
+    def n_chunks(self) -> int:
+        return math.ceil(self.n_samples / self.chunk_samples)
+
+    @property
+    def has_targets(self) -> bool:
+        return self.d_out > 0
+
+    def group(self):
+        """The Zarr group, opened read-only (cached per process)."""
+        return _open_cached(self.url, _freeze(self.storage_options))
+
+    def read(self, start: int, stop: int, targets: bool = True, check: bool = True):
+        """Read samples ``[start, stop)``: ``(tokens, lengths, targets)`` as numpy arrays.
+
+        ``lengths`` / ``targets`` are None when absent (or not requested). With ``check``, values are
+        validated and a :class:`DatasetError` names the array and the first bad (global) sample index.
+        """
+        g = self.group()
+        tok = np.asarray(g["tokens"][start:stop])
+        lens = np.asarray(g["lengths"][start:stop]) if self.has_lengths else None
+        y = np.asarray(g["targets"][start:stop]) if (targets and self.has_targets) else None
+        if check:
+            _check_values("tokens", tok, start)
+            if lens is not None:
+                bad = np.flatnonzero((lens < 1) | (lens > self.length))
+                if bad.size:
+                    i = int(bad[0])
+                    raise DatasetError(
+                        f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {self.length}"
+                    )
+            if y is not None:
+                _check_values("targets", y, start)
+        return tok, lens, y
+
+    def teacher(self):
+        """Ground-truth heads ``(V (H, d_out, d), Q (H, d, d))`` of a generated dataset, or None."""
+        g = self.group()
+        try:
+            t = g["teacher"]
+            return np.asarray(t["V"][...]), np.asarray(t["Q"][...])
+        except KeyError:
+            return None
+
+    @property
+    def attrs(self) -> dict:
+        return dict(self.group().attrs)
+
+
+def _freeze(opts):
+    return tuple(sorted((opts or {}).items()))
+
+
+@functools.lru_cache(maxsize=16)
+def _open_cached(url, frozen_opts):
+    return _storage.open_group(url, "r", dict(frozen_opts) or None)
+
+
+def _check_values(name, a, start):
+    if a.ndim == 0 or a.shape[0] == 0:
+        return
+    ok = np.isfinite(a).reshape(a.shape[0], -1).all(axis=1)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise DatasetError(f"{name}: sample {start + i} contains NaN or Inf")
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating)
+
+
+def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
+    """Open and validate the structure of a dataset group (shapes, dtypes, metadata; values are checked
+    when rows are read).
+
+    Parameters
+    ----------
+    url : str
+        Local path or fsspec URL (``s3://bucket/data.zarr``) of a Zarr v3 group.
+    storage_options : dict, optional
+        fsspec options (endpoint, credentials) for URLs.
+
+    Raises
+    ------
+    DatasetError
+        Not a Zarr group, corrupt metadata, missing ``tokens``, wrong number of dimensions, non-float dtype,
+        mismatched sample counts, T or d_out mismatch, an empty dataset.
+    """
+    url = str(url)
+    if not _storage.exists(url, storage_options):
+        raise DatasetError(f"{url}: no such dataset")
+    try:
+        g = _storage.open_group(url, "r", storage_options)
+    except Exception as e:  # zarr raises several types for a non-group / corrupt metadata
+        raise DatasetError(f"{url}: not a readable Zarr group ({type(e).__name__}: {e})") from None
+    try:
+        names = set(g.array_keys())
+    except Exception as e:
+        raise DatasetError(f"{url}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
+    if "tokens" not in names:
+        raise DatasetError(f"{url}: missing array 'tokens' (found: {sorted(names) or 'none'})")
+
+    def get(name):
+        try:
+            return g[name]
+        except Exception as e:
+            raise DatasetError(f"{name}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
+
+    tok = get("tokens")
+    if tok.ndim != 3:
+        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
+    if not _is_float(tok.dtype):
+        raise DatasetError(f"tokens: expected a float dtype, got {tok.dtype}")
+    N, T, d = tok.shape
+    if N == 0 or T == 0 or d == 0:
+        raise DatasetError(f"tokens: empty dataset (shape {tok.shape})")
+    has_lengths = "lengths" in names
+    if has_lengths:
+        lens = get("lengths")
+        if lens.ndim != 1 or lens.shape[0] != N:
+            raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lens.shape}")
+        if not np.issubdtype(lens.dtype, np.integer):
+            raise DatasetError(f"lengths: expected an integer dtype, got {lens.dtype}")
+    d_out, causal = 0, bool(g.attrs.get("causal", False))
+    if "targets" in names:
+        y = get("targets")
+        if not _is_float(y.dtype):
+            raise DatasetError(f"targets: expected a float dtype, got {y.dtype}")
+        if y.ndim not in (2, 3):
+            raise DatasetError(
+                f"targets: expected (sample, output) or (sample, position, output), got shape {y.shape}"
+            )
+        if y.shape[0] != N:
+            raise DatasetError(f"targets: {y.shape[0]} samples but tokens has {N}")
+        causal = y.ndim == 3
+        if causal and y.shape[1] != T:
+            raise DatasetError(f"targets: {y.shape[1]} positions but tokens has T = {T}")
+        d_out = int(y.shape[-1])
+        if d_out == 0:
+            raise DatasetError("targets: d_out = 0")
+    chunk = int(tok.chunks[0])
+    fp = f"{N}x{T}x{d}:{d_out}:{int(causal)}:{int(has_lengths)}:{chunk}:{g.attrs.get('uid', '')}"
+    return Dataset(url, N, T, d, d_out, causal, has_lengths, chunk, storage_options, fp)
+
+
+def default_chunk_samples(T: int, d: int, target_bytes: float = 4e6) -> int:
+    """Samples per Zarr chunk so that a chunk of float64 tokens is about ``target_bytes``."""
+    return max(1, int(target_bytes // (8 * T * d)))
+
+
+def create_dataset(
+    url,
+    n_samples: int,
+    length: int,
+    d: int,
+    d_out: int = 0,
+    *,
+    causal: bool = False,
+    lengths: bool = False,
+    chunk_samples: int | None = None,
+    attrs: dict | None = None,
+    storage_options: dict | None = None,
+):
+    """Create an empty dataset group (mode ``w``) and return the writable Zarr group.
+
+    Write it with :func:`write_block` in chunk-aligned slabs. Use through :func:`write_dataset` or the
+    generators, which wrap it in an atomic output.
+    """
+    import uuid
+
+    chunk = int(chunk_samples or default_chunk_samples(length, d))
+    g = _storage.open_group(url, "w", storage_options)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "causal": bool(causal), "uid": uuid.uuid4().hex}
+    g.attrs.update({**(attrs or {}), **meta})
+    g.create_array(
+        "tokens", shape=(n_samples, length, d), chunks=(chunk, length, d), dtype="float64",
+        dimension_names=DIMS["tokens"], attributes={"description": "token sequences, token-major", "units": "1"},
+    )
+    if lengths:
+        g.create_array(
+            "lengths", shape=(n_samples,), chunks=(chunk,), dtype="int64", dimension_names=DIMS["lengths"],
+            attributes={"description": "valid tokens per sequence; later positions are zero padding"},
+        )
+    if d_out:
+        shape = (n_samples, length, d_out) if causal else (n_samples, d_out)
+        g.create_array(
+            "targets", shape=shape, chunks=(chunk,) + shape[1:], dtype="float64",
+            dimension_names=DIMS["targets_causal" if causal else "targets"],
+            attributes={"description": "regression targets" + (" per prefix" if causal else " of the last token")},
+        )
+    return g
+
+
+def write_block(group, start: int, tokens, targets=None, lengths=None) -> None:
+    """Write samples ``[start, start + len(tokens))``; ``start`` must be a multiple of the chunk size (so
+    every write covers whole chunks and no two writers share one: misaligned writes lose data)."""
+    chunk = group["tokens"].chunks[0]
+    n = len(tokens)
+    if start % chunk or (n % chunk and start + n != group["tokens"].shape[0]):
+        raise ValueError(f"write_block: rows [{start}, {start + n}) are not aligned to chunks of {chunk}")
+    group["tokens"][start : start + n] = np.asarray(tokens, dtype=np.float64)
+    if lengths is not None:
+        group["lengths"][start : start + n] = np.asarray(lengths, dtype=np.int64)
+    if targets is not None:
+        group["targets"][start : start + n] = np.asarray(targets, dtype=np.float64)
+
+
+def write_dataset(
+    url,
+    tokens,
+    targets=None,
+    lengths=None,
+    *,
+    chunk_samples: int | None = None,
+    attrs: dict | None = None,
+    teacher=None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+) -> Dataset:
+    """Write arrays (numpy, or dask with any chunking) as a dataset group and return it opened.
+
+    Parameters
+    ----------
+    tokens : (N, T, d) float; targets : (N, d_out) or (N, T, d_out) float, optional; lengths : (N,) int, optional
+    teacher : (V, Q), optional
+        Ground-truth heads stored under ``teacher/``.
+
+    Writes go slab by slab aligned to the store's chunks, into a temporary store renamed on success.
+
+    Raises
+    ------
+    DatasetError
+        Mismatched shapes (the same checks :func:`open_dataset` applies) or non-finite values.
+    FileExistsError
+        ``url`` exists and ``overwrite`` is False.
+    """
+    N, T, d = tokens.shape
+    causal = targets is not None and targets.ndim == 3
+    d_out = 0 if targets is None else targets.shape[-1]
+    for name, a in (("targets", targets), ("lengths", lengths)):
+        if a is not None and a.shape[0] != N:
+            raise DatasetError(f"{name}: {a.shape[0]} samples but tokens has {N}")
+    with _storage.atomic_output(url, overwrite, storage_options) as tmp:
+        g = create_dataset(
+            tmp, N, T, d, d_out, causal=causal, lengths=lengths is not None, chunk_samples=chunk_samples,
+            attrs=attrs, storage_options=storage_options,
+        )
+        chunk = g["tokens"].chunks[0]
+        step = chunk * max(1, int(64e6 // (8 * T * d * chunk)))  # whole chunks, ~64 MB per slab
+        for a in range(0, N, step):
+            b = min(N, a + step)
+            tok = np.asarray(tokens[a:b], dtype=np.float64)
+            y = None if targets is None else np.asarray(targets[a:b], dtype=np.float64)
+            lens = None if lengths is None else np.asarray(lengths[a:b])
+            _check_values("tokens", tok, a)
+            if y is not None:
+                _check_values("targets", y, a)
+            write_block(g, a, tok, y, lens)
+        if teacher is not None:
+            write_teacher(g, *teacher)
+    return open_dataset(url, storage_options)
+
+
+def write_teacher(group, V, Q) -> None:
+    """Store ground-truth heads ``V`` (H, d_out, d) and ``Q`` (H, d, d) under ``teacher/``."""
+    t = group.create_group("teacher", attributes={"description": "ground-truth MHLA heads of the generator"})
+    t.create_array("V", data=np.asarray(V, np.float64), dimension_names=("head", "output", "embed"))
+    t.create_array("Q", data=np.asarray(Q, np.float64), dimension_names=("head", "embed", "embed_2"))

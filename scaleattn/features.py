@@ -1,0 +1,158 @@
+"""Cubic features of multi-head linear attention and the compact Gram factors.
+
+A one-layer MHLA model is linear in ``phi(Z) = vech(S) (x) x`` with ``S = Z^T Z`` and ``x`` the last token
+([Y25] §2.1, Algorithm 2, Corollary 2.4; DESIGN §2). Feature ``(P, l)`` with ``P = (j, k)``, ``j <= k``, is
+flattened P-major: index ``P * d + l``. ``m = d(d+1)/2`` and ``psi = m * d``.
+
+The compact Gram (DESIGN §3) uses ``u = vech(s s^T)`` and ``v = vech(x x^T)``: ``Tc = sum_i u_i v_i^T`` holds
+every distinct entry of ``G = sum_i phi_i phi_i^T`` once per symmetry class, 4x fewer multiply-adds than
+``phi^T phi``. All functions take numpy or cupy arrays and return arrays of the same module.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ._backend import get_xp
+
+
+def n_pairs(d: int) -> int:
+    """``m = d(d+1)/2``: entries of the upper triangle (``vech``) of a d x d symmetric matrix."""
+    return d * (d + 1) // 2
+
+
+def n_features(d: int) -> int:
+    """``psi = d^2 (d+1) / 2``: number of cubic MHLA features ([Y25] §2.1: 6, 40, 288 for d = 2, 4, 8)."""
+    return n_pairs(d) * d
+
+
+@functools.lru_cache(maxsize=64)
+def triu_index(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-major upper-triangle indices of an n x n matrix.
+
+    Returns ``(I, J, pos)``: ``I, J`` (n(n+1)/2,) int64 with ``I <= J``, and ``pos`` (n, n) int64 mapping
+    ``(i, j)`` and ``(j, i)`` to the vech position of ``(min, max)``.
+    """
+    I, J = np.triu_indices(n)
+    pos = np.empty((n, n), dtype=np.int64)
+    pos[I, J] = np.arange(I.size)
+    pos[J, I] = np.arange(I.size)
+    return I, J, pos
+
+
+def vech(a, n: int | None = None):
+    """Upper triangle, row-major, of the trailing (n, n) axes of ``a``: shape (..., n(n+1)/2)."""
+    n = a.shape[-1] if n is None else n
+    xp = get_xp(a)
+    I, J, _ = triu_index(n)
+    return a[..., xp.asarray(I), xp.asarray(J)]
+
+
+def token_features(tokens, lengths=None, causal: bool = False):
+    """Per-row token Gram ``s = vech(S)`` and query token ``x`` of MHLA samples ([Y25] Def. 2.1, DESIGN §1).
+
+    Parameters
+    ----------
+    tokens : array (n, T, d), float
+        Token-major sequences; positions at or past ``lengths[i]`` are padding (ignored).
+    lengths : array (n,), int, optional
+        Valid length of each sequence, ``1 <= lengths <= T``. Default: all ``T``.
+    causal : bool
+        ``False``: one row per sequence, ``S = sum_t z_t z_t^T`` over the valid tokens, ``x`` the last valid
+        token. ``True`` (prefix mode): one row per valid position t, ``S_t = sum_{s<=t} z_s z_s^T``, ``x = z_t``
+        (cumulative sums, O(T d^2) per sequence); rows are ordered sequence-major.
+
+    Returns
+    -------
+    s : array (rows, m), float64
+    x : array (rows, d), float64
+    """
+    xp = get_xp(tokens)
+    z = xp.asarray(tokens, dtype=xp.float64)
+    n, T, d = z.shape
+    I, J, _ = triu_index(d)
+    if lengths is not None:
+        lengths = xp.asarray(lengths)
+        valid = xp.arange(T)[None, :] < lengths[:, None]  # (n, T)
+        z = z * valid[..., None]  # padding rows are zero by format; enforce it
+    outer = z[..., xp.asarray(I)] * z[..., xp.asarray(J)]  # (n, T, m)
+    if not causal:
+        s = outer.sum(axis=1)
+        last = (lengths - 1) if lengths is not None else xp.full(n, T - 1)
+        x = z[xp.arange(n), last]
+        return s, x
+    s = xp.cumsum(outer, axis=1)
+    if lengths is None:
+        return s.reshape(n * T, -1), z.reshape(n * T, d)
+    return s[valid], z[valid]
+
+
+def row_targets(targets, lengths=None, causal: bool = False):
+    """Targets aligned with the rows of :func:`token_features`: (rows, d_out) float64.
+
+    ``targets`` is (n, d_out) for last-token data or (n, T, d_out) for causal data.
+    """
+    xp = get_xp(targets)
+    y = xp.asarray(targets, dtype=xp.float64)
+    if not causal:
+        return y
+    n, T, _ = y.shape
+    if lengths is None:
+        return y.reshape(n * T, -1)
+    valid = xp.arange(T)[None, :] < xp.asarray(lengths)[:, None]
+    return y[valid]
+
+
+def phi(s, x):
+    """Dense cubic features ``phi = vech(S) (x) x`` ([Y25] H(Z), DESIGN §2): (rows, psi), P-major.
+
+    Used for prediction checks and the naive baselines; the statistics never form it.
+    """
+    return (s[:, :, None] * x[:, None, :]).reshape(s.shape[0], -1)
+
+
+def compact_factors(s, x, out_u=None):
+    """Compact Gram factors ``u = vech(s s^T)`` (rows, m(m+1)/2) and ``v = vech(x x^T)`` (rows, d(d+1)/2).
+
+    ``Tc = u^T v`` (DESIGN §3). ``u`` is built slice by slice into ``out_u`` (or a new buffer) so that no
+    (rows, m(m+1)/2) index temporaries are made.
+    """
+    xp = get_xp(s, x)
+    rows, m = s.shape
+    mm = m * (m + 1) // 2
+    u = xp.empty((rows, mm), dtype=xp.float64) if out_u is None else out_u[:rows]
+    off = 0
+    for p in range(m):  # u[:, (p, q>=p)] = s_p * s_q
+        w = m - p
+        xp.multiply(s[:, p : p + 1], s[:, p:], out=u[:, off : off + w])
+        off += w
+    v = vech(x[:, :, None] * x[:, None, :])
+    return u, v
+
+
+def expand_compact_gram(gram_compact, d: int):
+    """Expand the compact Gram ``Tc`` (m(m+1)/2, d(d+1)/2) to the full feature Gram ``G`` (psi, psi).
+
+    ``G[(P,l),(P',l')] = Tc[vech(P,P'), vech(l,l')]`` (DESIGN §3). Done once, on the solver node.
+    """
+    xp = get_xp(gram_compact)
+    m = n_pairs(d)
+    _, _, ppos = triu_index(m)
+    _, _, lpos = triu_index(d)
+    ppos, lpos = xp.asarray(ppos), xp.asarray(lpos)
+    psi = m * d
+    G = gram_compact[ppos[:, None, :, None], lpos[None, :, None, :]]
+    return G.reshape(psi, psi)
+
+
+def predict_rows(coef, s, x):
+    """Predictions ``y_hat = phi @ coef`` of rows without forming ``phi``: (rows, d_out).
+
+    ``coef`` (psi, d_out) is viewed as (m, d, d_out): ``y_hat[i, a] = sum_{P,l} s[i,P] coef[P,l,a] x[i,l]``.
+    """
+    xp = get_xp(coef, s, x)
+    m, d = s.shape[1], x.shape[1]
+    c = xp.asarray(coef).reshape(m, d, -1)
+    t = (s @ c.reshape(m, -1)).reshape(s.shape[0], d, -1)  # (rows, d, d_out)
+    return xp.einsum("rl,rla->ra", x, t)

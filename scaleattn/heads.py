@@ -1,0 +1,158 @@
+"""From coefficients to attention heads and back ([Y25] Algorithm 1; DESIGN §2, §5).
+
+``W[a, j, k, l] = sum_h V_h[a, j] Q_h[k, l]`` viewed as a (d_out*d, d*d) matrix; the data see only the
+symmetrised coefficients ``c = p(W)`` (DESIGN §2). Heads are rank-one terms of W.
+
+- :func:`coef_from_heads`: ``c(Theta)`` of a model, the paper's ``p(Theta)`` (Cor. 2.4, eq. 15's argument).
+- :func:`svd_heads`: the paper's Algorithm 1 heads: split off-diagonal coefficients in half, SVD.
+- :func:`minimal_heads`: the fewest heads computing the same function (beyond the paper: alternating
+  projections between rank-r matrices and the affine set ``{W : p(W) = c}``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .features import n_pairs, triu_index
+
+
+def _shape(coef, d):
+    coef = np.asarray(coef, dtype=np.float64)
+    m = n_pairs(d)
+    if coef.shape[0] != m * d:
+        raise ValueError(f"coef has {coef.shape[0]} rows, expected psi = {m * d} for d = {d}")
+    return coef.reshape(m, d, -1)
+
+
+def coef_to_W(coef, d: int) -> np.ndarray:
+    """Symmetric-split W (d_out*d, d*d) of coefficients (psi, d_out) ([Y25] Alg. 1 step 3; DESIGN §5).
+
+    ``W[a,j,k,l] = W[a,k,j,l] = c[(j,k),l] / 2`` for ``j < k`` and ``W[a,j,j,l] = c[(j,j),l]``.
+    """
+    c = _shape(coef, d)  # (m, d, d_out)
+    I, J, _ = triu_index(d)
+    half = np.where(I == J, 1.0, 0.5)[:, None, None] * c
+    W = np.zeros((c.shape[2], d, d, d))  # [a, j, k, l]
+    W[:, I, J, :] = np.moveaxis(half, 2, 0)
+    W[:, J, I, :] = np.moveaxis(half, 2, 0)
+    return W.reshape(c.shape[2] * d, d * d)
+
+
+def coef_from_W(W, d: int, d_out: int) -> np.ndarray:
+    """``c = p(W)`` (psi, d_out): ``c[(j,k),l,a] = W[a,j,k,l] + W[a,k,j,l]`` (j < k), ``W[a,j,j,l]`` (j = k)."""
+    W4 = np.asarray(W).reshape(d_out, d, d, d)
+    I, J, _ = triu_index(d)
+    sym = W4[:, I, J, :] + np.where(I != J, 1.0, 0.0)[None, :, None] * W4[:, J, I, :]  # (a, m, l)
+    return np.moveaxis(sym, 0, 2).reshape(-1, d_out)
+
+
+def coef_from_heads(V, Q) -> np.ndarray:
+    """Coefficients ``c(Theta)`` (psi, d_out) of heads ``V`` (H, d_out, d), ``Q`` (H, d, d) (DESIGN §2).
+
+    Two models compute the same function iff their coefficients agree ([Y25] Cor. 2.4).
+    """
+    V, Q = np.asarray(V, np.float64), np.asarray(Q, np.float64)
+    H, d_out, d = V.shape
+    W = np.einsum("haj,hkl->ajkl", V, Q).reshape(d_out * d, d * d)
+    return coef_from_W(W, d, d_out)
+
+
+def coef_distance(coef_a, coef_b) -> float:
+    """``||c - c'||_F``, the paper's distance between models (eq. 15; DESIGN §2)."""
+    return float(np.linalg.norm(np.asarray(coef_a) - np.asarray(coef_b)))
+
+
+def _fold(U, s, Vt, d, d_out):
+    r = s.size
+    root = np.sqrt(s)
+    V = (U[:, :r] * root).T.reshape(r, d_out, d)
+    Q = (Vt[:r].T * root).T.reshape(r, d, d)
+    return V, Q
+
+
+@dataclasses.dataclass
+class Heads:
+    """Attention heads ``V`` (H, d_out, d), ``Q`` (H, d, d) with the singular values of W (``spectrum``) and
+    the relative residual ``||p(W_H) - c|| / ||c||`` of the coefficients they reproduce."""
+
+    V: np.ndarray
+    Q: np.ndarray
+    spectrum: np.ndarray
+    residual: float
+    method: str
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.V.shape[0])
+
+
+def svd_heads(coef, d: int, rtol: float = 1e-12) -> Heads:
+    """Heads by SVD of the symmetric-split W ([Y25] Alg. 1; DESIGN §5): ``V_r = fold(sqrt(sigma_r) u_r)``,
+    ``Q_r = fold(sqrt(sigma_r) v_r)``, keeping ``sigma_r > rtol * sigma_1``. Up to ``min(d_out*d, d^2)`` heads."""
+    coef = np.asarray(coef, np.float64)
+    d_out = coef.shape[1]
+    W = coef_to_W(coef, d)
+    U, s, Vt = np.linalg.svd(W, full_matrices=False)
+    r = int((s > rtol * s[0]).sum()) if s.size and s[0] > 0 else 0
+    V, Q = _fold(U, s[:r], Vt, d, d_out)
+    return Heads(V, Q, s, _residual(V, Q, coef), "svd")
+
+
+def _residual(V, Q, coef) -> float:
+    ref = np.linalg.norm(coef)
+    if V.shape[0] == 0:
+        return 1.0 if ref > 0 else 0.0
+    return float(np.linalg.norm(coef_from_heads(V, Q) - coef) / max(ref, 1e-300))
+
+
+def _project_affine(W, coef, d, d_out):
+    """Closest W' (Frobenius) with p(W') = coef: shift each symmetric pair by half its defect."""
+    defect = coef_from_W(W, d, d_out) - coef  # (psi, d_out)
+    I, J, _ = triu_index(d)
+    dm = np.moveaxis(defect.reshape(-1, d, d_out), 2, 0)  # (a, m, l)
+    W4 = W.reshape(d_out, d, d, d).copy()
+    o = I != J
+    corr = np.where(o[None, :, None], dm / 2, dm)
+    W4[:, I, J, :] -= corr
+    W4[:, J[o], I[o], :] -= corr[:, o, :]
+    return W4.reshape(d_out * d, d * d)
+
+
+def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=None) -> Heads:
+    """Best r-head model found by alternating projections between rank-r matrices (truncated SVD) and the
+    affine set ``{W : p(W) = coef}`` (DESIGN §5, beyond [Y25]). Returns the rank-r heads of the last iterate;
+    their residual is 0 (to ``tol``) when r heads can represent the function exactly."""
+    coef = np.asarray(coef, np.float64)
+    d_out = coef.shape[1]
+    W = coef_to_W(coef, d) if W0 is None else W0
+    ref = max(np.linalg.norm(coef), 1e-300)
+    for _ in range(iters):
+        U, s, Vt = np.linalg.svd(W, full_matrices=False)
+        Wr = (U[:, :r] * s[:r]) @ Vt[:r]
+        res = np.linalg.norm(coef_from_W(Wr, d, d_out) - coef) / ref
+        if res <= tol:
+            break
+        W = _project_affine(Wr, coef, d, d_out)
+    V, Q = _fold(U, s[:r], Vt, d, d_out)
+    return Heads(V, Q, s, _residual(V, Q, coef), f"rank-{r}")
+
+
+def minimal_heads(coef, d: int, tol: float = 1e-10, iters: int = 500, max_heads: int | None = None):
+    """The fewest heads whose coefficients match ``coef`` to ``tol`` relative (DESIGN §5, beyond [Y25]).
+
+    Searches r = 1, 2, ... up to the SVD head count. Returns ``(heads, tried)`` with ``tried`` a list of
+    ``(r, relative coefficient residual)``.
+    """
+    full = svd_heads(coef, d)
+    upper = full.n_heads if max_heads is None else min(full.n_heads, max_heads)
+    tried = []
+    for r in range(1, upper):
+        h = rank_r_heads(coef, d, r, iters=iters, tol=tol * 1e-3)
+        tried.append((r, h.residual))
+        if h.residual <= tol:
+            h.method = "minimal"
+            return h, tried
+    tried.append((full.n_heads, full.residual))
+    full.method = "minimal"
+    return full, tried
