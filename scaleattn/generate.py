@@ -224,3 +224,21 @@ def _positive(**kw):
     for k, v in kw.items():
         if v is None or int(v) < 1:
             raise ValueError(f"{k} must be >= 1, got {v}")
+
+
+def make_icl_regression(k: int = 4, context: int = 20, samples: int = 4096, seed=0):
+    """In-context linear regression (Garg et al. 2022; von Oswald et al. 2023): ``dict(tokens, targets)``.
+
+    Each sample draws ``w ~ N(0, I_k)`` and ``x_i ~ N(0, I_k)``; tokens (samples, context + 1, k + 1) float64
+    are ``(x_i, w^T x_i)`` for ``i < context`` and the query ``(x_q, 0)`` last; targets (samples, 1) are
+    ``w^T x_q`` (last-token data, d = k + 1, d_out = 1). ``seed``: anything ``numpy.random.default_rng`` takes.
+    Raises ``ValueError`` for ``k``, ``context`` or ``samples`` below 1.
+    """
+    _positive(k=k, context=context, samples=samples)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((samples, k))
+    x = rng.standard_normal((samples, context + 1, k))
+    y = np.einsum("ntk,nk->nt", x, w)
+    tokens = np.concatenate([x, y[..., None]], -1)
+    tokens[:, -1, k] = 0.0  # the query's label slot
+    return dict(tokens=tokens, targets=y[:, -1:].copy())
