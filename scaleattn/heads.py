@@ -7,6 +7,11 @@ symmetrised coefficients ``c = p(W)`` (DESIGN §2). Heads are rank-one terms of 
 - :func:`svd_heads`: the paper's Algorithm 1 heads: split off-diagonal coefficients in half, SVD.
 - :func:`minimal_heads`: the fewest heads computing the same function (beyond the paper: alternating
   projections between rank-r matrices and the affine set ``{W : p(W) = c}``).
+- :func:`best_heads` / :func:`loss_vs_heads`: the lowest-training-loss model with H heads (alternating least
+  squares on the statistics, DESIGN §3) and the loss-versus-heads curve.
+- :func:`ambiguity_witness`: when the certificate fails, two models with equal training loss that disagree
+  on a concrete input (DESIGN §4).
+- :func:`compare_models`: distance ``||c(Theta) - c(Theta')||_F`` (eq. 15) and a function-equivalence verdict.
 """
 from __future__ import annotations
 
@@ -81,6 +86,10 @@ class Heads:
     spectrum: np.ndarray
     residual: float
     method: str
+    #: training sum of squared residuals of these heads from the statistics (None when not computed)
+    sse: float | None = None
+    #: loss-versus-heads curve: ``[(H, sse), ...]`` for each head count tried
+    curve: list = dataclasses.field(default_factory=list)
 
     @property
     def n_heads(self) -> int:
@@ -119,6 +128,9 @@ def _project_affine(W, coef, d, d_out):
     return W4.reshape(d_out * d, d * d)
 
 
+_STALL = 50
+
+
 def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=None) -> Heads:
     """Best r-head model found by alternating projections between rank-r matrices (truncated SVD) and the
     affine set ``{W : p(W) = coef}`` (DESIGN §5, beyond [Y25]). Returns the rank-r heads of the last iterate;
@@ -127,11 +139,14 @@ def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=
     d_out = coef.shape[1]
     W = coef_to_W(coef, d) if W0 is None else W0
     ref = max(np.linalg.norm(coef), 1e-300)
-    for _ in range(iters):
+    history = []
+    for it in range(iters):
         U, s, Vt = np.linalg.svd(W, full_matrices=False)
         Wr = (U[:, :r] * s[:r]) @ Vt[:r]
         res = np.linalg.norm(coef_from_W(Wr, d, d_out) - coef) / ref
-        if res <= tol:
+        history.append(res)
+        # stop when feasible, or stalled (< 1% progress in 50 sweeps: a rate that could not reach tol anyway)
+        if res <= tol or (it >= _STALL and res > 0.99 * history[it - _STALL]):
             break
         W = _project_affine(Wr, coef, d, d_out)
     V, Q = _fold(U, s[:r], Vt, d, d_out)
@@ -156,3 +171,320 @@ def minimal_heads(coef, d: int, tol: float = 1e-10, iters: int = 500, max_heads:
     tried.append((full.n_heads, full.residual))
     full.method = "minimal"
     return full, tried
+
+
+# ---- loss-optimal heads from the statistics (beyond [Y25]) ------------------------------------------------
+#: largest d for which the loss-optimal head search builds the d^3 x d^3 Gram of the unsymmetrised features
+ALS_MAX_D = 16
+
+
+def _full_index(d: int) -> np.ndarray:
+    """Feature index ``pos(j,k) * d + l`` of each full index ``(j, k, l)`` (d^3,), j-major."""
+    _, _, pos = triu_index(d)
+    return (pos[:, :, None] * d + np.arange(d)[None, None, :]).reshape(-1)
+
+
+class _LossInW:
+    """The training loss as a quadratic in ``W`` (DESIGN §3): with ``W4[a, j, (k,l)] = sum_h V_h[a,j] Q_h[k,l]``
+    and unsymmetrised features ``S_jk x_l = phi[pos(j,k), l]``,
+    ``sse(W) = yy - 2 sum_a <W4[a], Bf[..., a]> + sum_a W4[a] . Gf . W4[a]`` with ``Gf = G[idx, idx]``."""
+
+    def __init__(self, stats, gram=None):
+        d = stats.d
+        self.stats, self.d, self.d_out = stats, d, stats.d_out
+        self.G = np.asarray(stats.gram() if gram is None else gram)
+        idx = _full_index(d)
+        self.Gf = self.G[np.ix_(idx, idx)].reshape(d, d * d, d, d * d)  # [j, (k,l), j', (k',l')]
+        self.Bf = np.asarray(stats.moments)[idx].reshape(d, d * d, self.d_out)  # [j, (k,l), a]
+
+    def sse(self, V, Q) -> float:
+        if V.shape[0] == 0:
+            return float(self.stats.yy)
+        return self.stats.sse(coef_from_heads(V, Q), self.G)
+
+    def v_step(self, Qm):
+        """Optimal V (H, d_out, d) for fixed ``Qm`` (H, d*d): one (H d)-dim system shared by all outputs."""
+        H, d = Qm.shape[0], self.d
+        GQ = np.tensordot(self.Gf, Qm, axes=([3], [1]))  # (j, m, i, g)
+        M = np.einsum("hm,jmig->hjgi", Qm, GQ).reshape(H * d, H * d)
+        R = np.einsum("hm,jma->hja", Qm, self.Bf).reshape(H * d, self.d_out)
+        return _psd_solve(M, R).reshape(H, d, self.d_out).transpose(0, 2, 1)
+
+    def q_step(self, V, full: bool = False):
+        """Optimal ``Qm`` (H, d*d) for fixed V (H, d_out, d): one (H d^2)-dim system ``M q = R``
+        (``full``: also return M and R, so that ``sse = yy - 2 R.q + q.M.q``)."""
+        H, d2 = V.shape[0], self.d * self.d
+        K = np.einsum("haj,gai->hjgi", V, V)
+        M = np.tensordot(K, self.Gf, axes=([1, 3], [0, 2])).transpose(0, 2, 1, 3).reshape(H * d2, H * d2)
+        R = np.einsum("haj,jma->hm", V, self.Bf).reshape(H * d2)
+        Qm = _psd_solve(M, R[:, None]).reshape(H, d2)
+        return (Qm, M, R) if full else Qm
+
+    def descent_head(self, V, Q):
+        """Best single head to add to (V, Q): top singular pair of the negative gradient, exact line search."""
+        d, d_out = self.d, self.d_out
+        W4 = np.einsum("haj,hm->ajm", V, Q.reshape(Q.shape[0], -1)) if V.shape[0] else np.zeros((d_out, d, d * d))
+        R = np.moveaxis(self.Bf, 2, 0) - np.tensordot(W4, self.Gf, axes=([1, 2], [0, 1]))  # (a, i, n)
+        U, s, Vt = np.linalg.svd(R.reshape(d_out * d, d * d), full_matrices=False)
+        Dm = np.outer(U[:, 0], Vt[0]).reshape(d_out, d, d * d)
+        curv = float(np.einsum("ajm,jmin,ain->", Dm, self.Gf, Dm))
+        t = s[0] / curv if curv > 0 and s[0] > 0 else 0.0
+        root = np.sqrt(t)
+        return (root * U[:, 0]).reshape(1, d_out, d), (root * Vt[0]).reshape(1, d, d)
+
+
+def _psd_solve(M, R):
+    """Solve ``M X = R`` for a symmetric PSD ``M`` (Cholesky with a relative jitter, least squares fallback)."""
+    import scipy.linalg
+
+    jitter = 1e-13 * max(float(np.max(np.diag(M))), 1e-300)
+    try:
+        return scipy.linalg.cho_solve(scipy.linalg.cho_factor(M + jitter * np.eye(M.shape[0])), R)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(M, R, rcond=None)[0]
+
+
+def _als(loss: _LossInW, V, Q, iters: int, rtol: float):
+    """Alternating least squares over V and Q from (V, Q); each half-step cannot increase the loss.
+    Returns ``(sse, V, Q)`` of the best iterate (sse by the statistics formula)."""
+    H, d = V.shape[0], loss.d
+    Qm = Q.reshape(H, d * d)
+    yy = float(loss.stats.yy)
+    best = (loss.sse(V, Q), V, Q)
+    for _ in range(iters):
+        V = loss.v_step(Qm)
+        Qm, M, R = loss.q_step(V, full=True)
+        q = Qm.reshape(-1)
+        cur = float(yy - 2 * R @ q + q @ (M @ q))  # sse of the new (V, Q): the q-step's quadratic
+        nv = np.linalg.norm(V.reshape(H, -1), axis=1)
+        nq = np.linalg.norm(Qm, axis=1)
+        f = np.sqrt(np.where((nv > 0) & (nq > 0), nq / np.where(nv > 0, nv, 1.0), 1.0))
+        V, Qm = V * f[:, None, None], Qm / f[:, None]  # balance ||V_h|| = ||Q_h||: same W, better conditioned
+        prev = best[0]
+        if cur < prev:
+            best = (cur, V, Qm.reshape(H, d, d))
+        if prev - cur <= rtol * abs(cur) + 1e-15 * yy:
+            break
+    sse = loss.sse(best[1], best[2])
+    return (sse, best[1], best[2])
+
+
+def _grow(loss: _LossInW, V, Q, prev_sse: float, iters: int, rtol: float):
+    """Model with one head more than (V, Q): add the best descent head, then ALS; never worse than
+    ``prev_sse`` (else (V, Q) plus a zero head). Returns ``(sse, V, Q)``."""
+    v1, q1 = loss.descent_head(V, Q)
+    sse, Vn, Qn = _als(loss, np.concatenate([V, v1]), np.concatenate([Q, q1]), iters, rtol)
+    if sse > prev_sse:
+        return prev_sse, np.concatenate([V, 0 * v1]), np.concatenate([Q, 0 * q1])
+    return sse, Vn, Qn
+
+
+def _heads_of(V, Q, coef, method, sse) -> Heads:
+    W = np.einsum("haj,hm->ajm", V, Q.reshape(Q.shape[0], -1)).reshape(-1, Q.shape[1] ** 2)
+    return Heads(V, Q, np.linalg.svd(W, compute_uv=False), _residual(V, Q, coef), method, sse=sse)
+
+
+def loss_vs_heads(stats, max_heads: int, gram=None, iters: int = 200, rtol: float = 1e-9) -> list[Heads]:
+    """Lowest-training-loss models with H = 1 .. ``max_heads`` heads found from the statistics (beyond [Y25]).
+
+    Minimises ``L(W) = (yy - 2 tr(c^T B) + tr(c^T G c)) / N`` with ``c = p(W)`` over ``W`` of rank H by
+    alternating least squares over V and Q (each half-step is a linear least-squares problem in the
+    statistics; DESIGN §3). Model H starts from model H-1 plus the best descent head (the top singular pair
+    of the negative gradient with an exact line search), so the losses are non-increasing in H.
+    Returns one :class:`Heads` per H with ``sse`` set (``residual`` relative to the least-squares fit).
+    Raises ``ValueError`` for ``d > ALS_MAX_D`` (the (d^3, d^3) Gram would be too large) or statistics
+    without targets.
+    """
+    if stats.d > ALS_MAX_D:
+        raise ValueError(f"loss-optimal head search needs d <= {ALS_MAX_D}, got d = {stats.d}")
+    if stats.d_out == 0:
+        raise ValueError("these statistics have no targets; cannot compute losses")
+    from .solver import solve
+
+    loss = _LossInW(stats, gram)
+    coef = solve(stats).coef
+    d, d_out = stats.d, stats.d_out
+    V, Q, sse = np.zeros((0, d_out, d)), np.zeros((0, d, d)), float(stats.yy)
+    out = []
+    for H in range(1, max_heads + 1):
+        sse, V, Q = _grow(loss, V, Q, sse, iters, rtol)
+        out.append(_heads_of(V, Q, coef, f"als-{H}", sse))
+    return out
+
+
+def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, curve: bool = True,
+                 iters: int = 200) -> Heads:
+    """Heads for the fitted coefficients ``coef`` (psi, d_out), with losses from the statistics.
+
+    ``heads``: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` (the fewest heads reproducing ``coef`` to ``tol``
+    relative) or an int H, an upper bound: when r <= H heads reproduce ``coef`` the r-head exact model is
+    returned, else the H-head model of lowest training loss found.
+
+    For r = 1, 2, ...: the lowest-loss r-head model by ALS (as :func:`loss_vs_heads`), then alternating
+    projections onto ``{W : p(W) = coef}`` at rank r (DESIGN §5), started from the ALS model when that
+    explains the data as well as ``coef`` (it then converges in a few sweeps), else from the symmetric
+    split; the first r whose projection reproduces ``coef`` is exact. A lossy H-head model is the best of
+    ALS-from-growth, ALS-from-the-projection and the projection itself.
+
+    The result's ``sse`` is its training sum of squares and ``curve`` lists ``(r, sse)`` for r = 1 .. its
+    head count. For ``d > ALS_MAX_D`` only alternating projections run (``curve`` has the last model).
+    """
+    coef = np.asarray(coef, np.float64)
+    d, d_out = stats.d, coef.shape[1]
+    G = np.asarray(stats.gram() if gram is None else gram)
+
+    def sse_of(V, Q):
+        return stats.sse(coef_from_heads(V, Q), G) if V.shape[0] else float(stats.yy)
+
+    if heads == "svd":
+        h = svd_heads(coef, d)
+        h.sse = sse_of(h.V, h.Q)
+        h.curve = [(h.n_heads, h.sse)]
+        return h
+    from threadpoolctl import threadpool_limits
+
+    # thousands of small BLAS calls: extra threads only contend (10x slower on a loaded 2-core box)
+    with threadpool_limits(limits=1 if d <= SMALL_D else None, user_api="blas"):
+        return _search(stats, coef, heads, G, sse_of, tol, curve, iters)
+
+
+#: up to this d the head search runs single-threaded BLAS (its matrices are small)
+SMALL_D = 8
+
+
+def _search(stats, coef, heads, G, sse_of, tol, curve, iters) -> Heads:
+    d, d_out = stats.d, coef.shape[1]
+    n_max = min(d_out * d, d * d)
+    H = n_max if heads == "minimal" else min(int(heads), n_max)
+    method = "minimal" if heads == "minimal" else f"best-{H}"
+    loss = _LossInW(stats, G) if curve and d <= ALS_MAX_D else None
+    best_sse = stats.sse(coef, G)
+    explainable = max(float(stats.yy) - best_sse, 0.0)
+    V, Q, sse = np.zeros((0, d_out, d)), np.zeros((0, d, d)), float(stats.yy)
+    points = []
+    for r in range(1, H + 1):
+        if loss is not None:
+            sse, V, Q = _grow(loss, V, Q, sse, iters, 1e-9)
+        if r == n_max:
+            h = svd_heads(coef, d)  # exact with the maximal head count
+        else:
+            h = None
+            if loss is not None and sse - best_sse <= 1e-6 * explainable:
+                W0 = np.einsum("haj,hm->ajm", V, Q.reshape(r, -1)).reshape(d_out * d, d * d)
+                h = rank_r_heads(coef, d, r, tol=tol * 1e-3, W0=W0)
+            if h is None or h.residual > tol:
+                h = rank_r_heads(coef, d, r, tol=tol * 1e-3)
+        if h.residual <= tol:
+            h.sse, h.method = sse_of(h.V, h.Q), method
+            h.curve = points + [(h.n_heads, h.sse)]
+            return h
+        points.append((r, sse if loss is not None else sse_of(h.V, h.Q)))
+    # no exact model with H heads: the lowest training loss found
+    cands = [(sse_of(h.V, h.Q), h.V, h.Q)]
+    if d <= ALS_MAX_D:
+        cands.append(_als(loss or _LossInW(stats, G), h.V, h.Q, iters, 1e-9))
+    if loss is not None:
+        cands.append((sse, V, Q))
+    sse, V, Q = min(cands, key=lambda t: t[0])
+    out = _heads_of(V, Q, coef, method, sse)
+    out.curve = points[:-1] + [(H, sse)]
+    return out
+
+
+# ---- ambiguity witness and model comparison ------------------------------------------------------------
+@dataclasses.dataclass
+class Witness:
+    """Two models that fit the training data equally well but compute different functions (DESIGN §4).
+
+    ``coef_a`` is the fit, ``coef_b = coef_a + t n e_a^T`` with ``n`` (psi,) the null direction of the Gram
+    with the smallest Rayleigh quotient; ``tokens`` (T, d) is an input on which their last-token predictions
+    ``prediction_a``, ``prediction_b`` (d_out,) differ; ``sse_a``, ``sse_b`` their training sums of squares
+    (``sse_b - sse_a = t^2 n^T G n + 2 t n^T (G c_a - B_a)`` exactly, no cancellation against yy).
+    """
+
+    coef_a: np.ndarray
+    coef_b: np.ndarray
+    tokens: np.ndarray
+    prediction_a: np.ndarray
+    prediction_b: np.ndarray
+    sse_a: float
+    sse_b: float
+    n_out: int
+    target_sum_squares: float
+
+    def summary(self) -> dict:
+        """JSON-ready: tokens, predictions, losses (MSE over rows and outputs) and their relative gap."""
+        la, lb = max(self.sse_a, 0.0) / self.n_out, max(self.sse_b, 0.0) / self.n_out  # floor ~eps * mean y^2
+        return {"tokens": self.tokens.tolist(), "prediction_a": self.prediction_a.tolist(),
+                "prediction_b": self.prediction_b.tolist(), "loss_a": float(la), "loss_b": float(lb),
+                "loss_relative_difference": float(abs(self.sse_b - self.sse_a) / max(
+                    self.sse_a, self.sse_b, self.target_sum_squares, 1e-300)),
+                "prediction_difference": float(np.linalg.norm(self.prediction_b - self.prediction_a)),
+                "coef_distance": coef_distance(self.coef_a, self.coef_b)}
+
+
+def ambiguity_witness(solution, stats, gram=None, length: int | None = None, candidates: int = 16,
+                      seed: int = 0, loss_rtol: float = 1e-12) -> Witness | None:
+    """Witness of non-identifiability ([Y25] Lemma 2.3 fails; DESIGN §4): ``None`` when identifiable.
+
+    Moves the fit along the null direction ``n`` of the Gram (in ``solution.null_basis``) with the smallest
+    ``n^T G n``, in the output column of largest coefficient norm, by a step ``t`` that changes the
+    prediction on the witness input by about the scale of the targets, shrunk if needed so that the
+    training losses agree to ``loss_rtol`` relative (to the larger of the loss and ``yy``, the scale the
+    statistics resolve). The witness input (``length`` tokens, default d + 1, entries N(0, 1/length)) is the
+    best of ``candidates`` random draws by ``|phi . n| / ||phi||``.
+    """
+    from .features import phi as features_phi
+    from .features import predict_rows, token_features
+
+    Nb = np.asarray(solution.null_basis)
+    if Nb.shape[1] == 0:
+        return None
+    G = np.asarray(stats.gram() if gram is None else gram)
+    c = np.asarray(solution.coef, np.float64)
+    d = stats.d
+    w, U = np.linalg.eigh(Nb.T @ (G @ Nb))
+    n = Nb @ U[:, 0]
+    n /= np.linalg.norm(n)
+    a = int(np.argmax(np.linalg.norm(c, axis=0)))
+    T = d + 1 if length is None else int(length)
+    rng = np.random.default_rng(seed)
+    tok = rng.standard_normal((candidates, T, d)) / np.sqrt(T)
+    s, x = token_features(tok)
+    f = features_phi(s, x)
+    score = np.abs(f @ n) / np.maximum(np.linalg.norm(f, axis=1), 1e-300)
+    i = int(np.argmax(score))
+    pa = predict_rows(c, s[i : i + 1], x[i : i + 1])[0]
+    unit = float(f[i] @ n)
+    scale = max(float(np.linalg.norm(pa)), np.sqrt(stats.target_mean_square), 1e-12)
+    t = scale / unit if unit != 0 else 0.0
+    sse_a = stats.sse(c, G)
+    nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
+    ref = max(abs(sse_a), float(stats.yy), 1e-300)
+    for _ in range(60):  # shrink until the losses agree (the gap is t^2 nGn + 2 t cross)
+        gap = t * t * nGn + 2 * t * cross
+        if abs(gap) <= loss_rtol * ref:
+            break
+        t *= 0.5
+    cb = c.copy()
+    cb[:, a] += t * n
+    pb = predict_rows(cb, s[i : i + 1], x[i : i + 1])[0]
+    return Witness(c, cb, tok[i], pa, pb, float(sse_a), float(sse_a + t * t * nGn + 2 * t * cross),
+                   max(stats.n_rows * stats.d_out, 1), float(stats.yy))
+
+
+def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
+    """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2) and the
+    verdict ``equivalent`` (distance <= ``rtol`` x the larger coefficient norm: the two compute the same
+    function on every input of every length, Cor. 2.4). Also the distance of the stored coefficients
+    (what ``predict`` uses). Raises ``ValueError`` when (d, d_out) differ."""
+    if (model_a.d, model_a.d_out) != (model_b.d, model_b.d_out):
+        raise ValueError(f"models have (d, d_out) = {(model_a.d, model_a.d_out)} and {(model_b.d, model_b.d_out)}:"
+                         " they do not map the same inputs to the same outputs")
+    ca, cb = coef_from_heads(model_a.V, model_a.Q), coef_from_heads(model_b.V, model_b.Q)
+    dist = coef_distance(ca, cb)
+    norm = max(float(np.linalg.norm(ca)), float(np.linalg.norm(cb)))
+    return {"d": model_a.d, "d_out": model_a.d_out, "n_heads_a": model_a.n_heads, "n_heads_b": model_b.n_heads,
+            "distance": dist, "relative_distance": dist / norm if norm > 0 else 0.0,
+            "coef_distance": coef_distance(model_a.coef, model_b.coef), "rtol": rtol,
+            "equivalent": bool(dist <= rtol * norm)}
