@@ -1,0 +1,156 @@
+"""Checkpoints, resume and lost workers (DESIGN §6): same statistics, bit for bit, after any interruption."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from scaleattn import __version__
+from scaleattn.checkpoint import Checkpoint
+from scaleattn.dataset import write_dataset
+from scaleattn.generate import generate_mhla, make_mhla
+from scaleattn.job import fit
+from scaleattn.statistics import Statistics, compute_statistics, row_groups, tile_bounds
+
+
+def _same(a: Statistics, b: Statistics):
+    np.testing.assert_array_equal(a.gram_compact, b.gram_compact)
+    np.testing.assert_array_equal(a.moments, b.moments)
+    assert a.yy == b.yy and a.n_rows == b.n_rows
+
+
+@pytest.fixture
+def data(tmp_path):
+    D = make_mhla(d=3, heads=2, length=8, samples=64, causal=True, seed=3)
+    D["tokens"][:8] = 0.0  # the first group's partial is all zeros: zarr writes no chunk for it
+    D["targets"][:8] = 0.0
+    return write_dataset(tmp_path / "d.zarr", D["tokens"], D["targets"], chunk_samples=8)
+
+
+def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
+    ck = str(tmp_path / "ck.zarr")
+    ref = compute_statistics(data, group_samples=8, tile_rows=8)  # 8 groups x 3 tiles, no checkpoint
+    first, again, info = {}, {}, {}
+    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=first), ref)
+    assert (first["groups_computed"], first["groups_resumed"], first["tiles"]) == (8, 0, 3)
+    # the all-zero partial has no chunk key, yet it is done: the done-mask, not the keys, is the authority
+    assert not os.path.exists(os.path.join(ck, "gram_compact", "c", "0", "0", "0"))
+    assert os.path.exists(os.path.join(ck, "gram_compact", "c", "1", "0", "0"))
+    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=again), ref)
+    assert (again["groups_computed"], again["groups_resumed"], again["tasks_computed"]) == (0, 8, 0)
+    # forget two groups' tiles (as if the job died before their done flags were written): only they are redone
+    g = zarr.open_group(ck, mode="r+")
+    g["done"][2, 1] = False
+    g["done"][5, :] = False
+    g["gram_compact"][5] = np.nan  # a half-written partial is never read: it is recomputed and overwritten
+    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=info), ref)
+    assert (info["groups_computed"], info["groups_resumed"], info["tasks_computed"]) == (2, 6, 4)
+    assert Checkpoint.open(ck, data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
+
+
+def test_resume_on_a_cluster_reads_partials_on_the_workers(data, tmp_path, client):
+    ck = str(tmp_path / "ck.zarr")
+    ref = compute_statistics(data, group_samples=16, tile_rows=8)  # in-process, same tree
+    _same(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck), ref)
+    zarr.open_group(ck, mode="r+")["done"][1:3, 0] = False
+    info = {}
+    _same(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck, info=info), ref)
+    assert (info["groups"], info["tiles"], info["groups_computed"], info["tasks_computed"]) == (4, 3, 2, 2)
+
+
+def test_foreign_checkpoint_is_refused(data, tmp_path):
+    ck = str(tmp_path / "ck.zarr")
+    compute_statistics(data, group_samples=16, checkpoint=ck)
+    with pytest.raises(ValueError, match="groups"):  # another grouping
+        compute_statistics(data, group_samples=8, checkpoint=ck)
+    with pytest.raises(ValueError, match="tiles"):
+        compute_statistics(data, group_samples=16, tile_rows=10, checkpoint=ck)
+    with pytest.raises(ValueError, match="d_out"):  # a Gram-only build is not a fit's build
+        compute_statistics(data, group_samples=16, targets=False, checkpoint=ck)
+    tok, _, y = data.read(0, data.n_samples)
+    for other in (write_dataset(tmp_path / "same.zarr", tok, y, chunk_samples=8),  # same values, new dataset uid
+                  write_dataset(tmp_path / "rechunk.zarr", tok, y, chunk_samples=16)):
+        with pytest.raises(ValueError, match="dataset_fingerprint"):
+            compute_statistics(other, group_samples=16, checkpoint=ck)
+    zarr.open_group(ck, mode="r+").attrs["scaleattn_version"] = "0.0.1"
+    with pytest.raises(ValueError, match=f"scaleattn_version.*{__version__}"):
+        compute_statistics(data, group_samples=16, checkpoint=ck)
+    os.makedirs(tmp_path / "junk")
+    with pytest.raises(ValueError, match="not a scaleattn checkpoint|different build"):
+        compute_statistics(data, checkpoint=str(tmp_path / "junk"))
+
+
+def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
+    out = str(tmp_path / "run")
+    ck = out + ".checkpoint.zarr"
+    compute_statistics(data, checkpoint=ck)  # as left by an interrupted fit
+    with pytest.raises(FileExistsError, match="--resume"):
+        fit(data, out, exact_mse=False, plots=False)
+    res = fit(data, out, exact_mse=False, plots=False, resume=True, keep_checkpoint=True)
+    assert res.report["groups_computed"] == 0 and res.report["groups_resumed"] == res.report["groups"] == 8
+    assert res.report["checkpoint"] == ck and os.path.exists(ck)
+    res2 = fit(data, out, exact_mse=False, plots=False, overwrite=True)  # starts over, then cleans up
+    assert res2.report["groups_computed"] == 8 and res2.report["groups_resumed"] == 0
+    assert not os.path.exists(ck)
+    _same(res.statistics, res2.statistics)
+
+
+def _cli(args, env=None):
+    return subprocess.run([sys.executable, "-m", "scaleattn.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_killed_fit_process_resumes_with_identical_statistics(tmp_path):
+    ds = generate_mhla(tmp_path / "d.zarr", d=3, heads=2, length=10, samples=64, causal=True, chunk_samples=8, seed=1)
+    out = str(tmp_path / "run")
+    ck = out + ".checkpoint.zarr"
+    args = ["fit", ds.url, "--out", out, "--local", "--no-exact-mse", "--no-plots", "--quiet"]
+    r = _cli(args, {"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # the process dies after 3 of 8 groups
+    assert r.returncode == 75, r.stderr
+    assert not os.path.exists(out) and os.path.exists(ck)
+    assert zarr.open_group(ck, mode="r")["done"][...].all(axis=1).sum() == 3
+    r = _cli(args)
+    assert r.returncode == 2 and "--resume" in r.stderr
+    r = _cli(args + ["--resume", "--json"])
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["groups"], report["groups_computed"], report["groups_resumed"]) == (8, 5, 3)
+    assert not os.path.exists(ck)  # removed after success
+    _same(Statistics.load(os.path.join(out, "stats.zarr")), compute_statistics(ds))  # uninterrupted build
+
+
+def test_lost_worker_mid_fit_gives_the_same_statistics(data, tmp_path, monkeypatch):
+    from distributed import Client, LocalCluster
+
+    ck = str(tmp_path / "ck.zarr")
+    ref = compute_statistics(data, group_samples=8)
+    monkeypatch.setenv("SCALEATTN_TEST_TASK_DELAY", "0.5")  # inherited by the worker processes: slow tasks
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        client.run(lambda: None)  # workers are up
+        out, info = {}, {}
+        th = threading.Thread(target=lambda: out.update(
+            st=compute_statistics(data, client, group_samples=8, checkpoint=ck, info=info)))
+        th.start()
+        done = 0
+        deadline = time.monotonic() + 120
+        while done < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                done = int(zarr.open_group(ck, mode="r")["done"][...].sum())
+            except Exception:  # not created yet
+                pass
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[0]
+        os.kill(pids[victim], signal.SIGKILL)  # the worker process dies mid-fit (its nanny restarts it)
+        th.join(180)
+        assert not th.is_alive()
+        assert 2 <= done < 8  # killed while groups were still running
+    _same(out["st"], ref)
+    assert zarr.open_group(ck, mode="r")["done"][...].all()

@@ -1,0 +1,105 @@
+"""Column tiling of the compact Gram (DESIGN §6): tiled == untiled == dense numpy, whatever the tiling."""
+import numpy as np
+import pytest
+
+from scaleattn.dataset import write_dataset
+from scaleattn.features import compact_factors, n_pairs, phi, row_targets, token_features
+from scaleattn.generate import make_mhla
+from scaleattn.statistics import MAX_TILE_BYTES, compute_statistics, group_statistics, row_groups, tile_bounds
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    D = make_mhla(d=4, heads=2, length=9, samples=60, d_out=3, causal=True, variable_lengths=True, seed=7)
+    ds = write_dataset(tmp_path_factory.mktemp("t") / "d.zarr", D["tokens"], D["targets"], D["lengths"],
+                       chunk_samples=8)
+    # independent reference: dense features, G = phi^T phi, B = phi^T y (DESIGN §2-3)
+    s, x = token_features(D["tokens"], D["lengths"], causal=True)
+    P = phi(s, x)
+    y = row_targets(D["targets"], D["lengths"], causal=True)
+    return ds, P.T @ P, P.T @ y, float((y * y).sum()), P.shape[0]
+
+
+def test_compact_factors_cols_are_the_columns_of_u():
+    rng = np.random.default_rng(0)
+    s, x = rng.normal(size=(7, 10)), rng.normal(size=(7, 4))  # m = 10: u has 55 columns
+    u, v = compact_factors(s, x)
+    # u = vech(s s^T) computed independently
+    I, J = np.triu_indices(10)
+    np.testing.assert_array_equal(u, s[:, I] * s[:, J])
+    for c0, c1 in [(0, 55), (0, 1), (3, 17), (9, 10), (10, 11), (54, 55), (20, 20), (40, 55)]:
+        ut, vt = compact_factors(s, x, cols=slice(c0, c1))
+        assert ut.shape == (7, c1 - c0)
+        np.testing.assert_array_equal(ut, u[:, c0:c1])
+        np.testing.assert_array_equal(vt, v)
+    buf = np.full((9, 55), np.nan)
+    ut, _ = compact_factors(s, x, buf, cols=slice(12, 30))
+    np.testing.assert_array_equal(ut, u[:, 12:30])
+
+
+def test_tile_bounds_cover_tc_and_bound_memory():
+    assert tile_bounds(8) == [(0, 666)]  # small jobs: one task per group
+    assert len(tile_bounds(16)) == 1 and len(tile_bounds(32)) == 3  # Tc at d=32 is 0.6 GB > 256 MB
+    for d in (32, 48, 64):
+        m = n_pairs(d)
+        mm, nv = m * (m + 1) // 2, d * (d + 1) // 2
+        t = tile_bounds(d)
+        assert t[0][0] == 0 and t[-1][1] == mm and all(a[1] == b[0] for a, b in zip(t, t[1:]))
+        assert max(8 * (c1 - c0) * nv for c0, c1 in t) <= MAX_TILE_BYTES  # no task holds more than one tile
+    assert len(tile_bounds(64)) == 141  # d = 64: Tc 36 GB in 141 tiles
+    assert tile_bounds(4, tile_rows=20) == [(0, 20), (20, 40), (40, 55)]
+    assert tile_bounds(4, max_tile_bytes=8 * 10 * 10) == [(c, min(55, c + 10)) for c in range(0, 55, 10)]
+    assert tile_bounds(64, max_tile_bytes=None) == [(0, 2080 * 2081 // 2)]
+
+
+@pytest.mark.parametrize("tile_rows,group_samples", [(None, None), (5, 160), (7, 32), (20, 16), (54, 48), (55, 160)])
+def test_tiled_statistics_match_untiled_and_dense(data, tile_rows, group_samples):
+    ds, G, B, yy, N = data
+    base = compute_statistics(ds)
+    info = {}
+    st = compute_statistics(ds, tile_rows=tile_rows, group_samples=group_samples, info=info)
+    assert info["tiles"] == (1 if tile_rows is None else -(-55 // tile_rows))
+    assert _rel(st.gram_compact, base.gram_compact) <= 1e-12
+    assert _rel(st.gram(), G) <= 1e-12 and _rel(st.moments, B) <= 1e-12
+    assert st.n_rows == N and st.yy == pytest.approx(yy, rel=1e-12)
+    assert st.gram_compact.shape == base.gram_compact.shape and st.moments.shape == (40, 3)
+
+
+def test_tile_partial_holds_only_its_rows(data):
+    ds, *_ = data
+    full = group_statistics(ds, 0, 32)
+    t = group_statistics(ds, 0, 32, targets=False, cols=(20, 40))
+    assert t.gram_compact.shape == (20, 10) and t.moments.shape == (40, 0)  # memory: tile rows x d(d+1)/2
+    assert t.n_rows == full.n_rows
+    assert _rel(t.gram_compact, full.gram_compact[20:40]) <= 1e-13
+
+
+def test_small_max_tile_bytes_turns_tiling_on(data):
+    ds, G, *_ = data
+    info = {}
+    st = compute_statistics(ds, max_tile_bytes=8 * 10 * 10, info=info)
+    assert info["tiles"] == 6 and _rel(st.gram(), G) <= 1e-12
+    assert info["groups"] == len(row_groups(ds, max_groups=16))
+
+
+def test_distributed_tiled_is_bit_identical_to_local(data, client):
+    ds, G, B, *_ = data
+    info = {}
+    local = compute_statistics(ds, tile_rows=13)  # one process
+    dist = compute_statistics(ds, client, tile_rows=13, group_samples=16, split_every=3, info=info)  # 2 workers
+    local3 = compute_statistics(ds, tile_rows=13, group_samples=16, split_every=3)
+    assert info["tiles"] == 5
+    # same groups, same fixed reduction order -> same bits, whatever the workers
+    np.testing.assert_array_equal(dist.gram_compact, local3.gram_compact)
+    np.testing.assert_array_equal(dist.moments, local3.moments)
+    assert dist.yy == local3.yy and dist.n_rows == local3.n_rows
+    assert _rel(dist.gram_compact, local.gram_compact) <= 1e-12 and _rel(dist.gram(), G) <= 1e-12
+    # a different chunking of the same data gives the same statistics to round-off
+    D = ds.read(0, ds.n_samples)
+    other = write_dataset(ds.url + ".rechunk", D[0], D[2], D[1], chunk_samples=24)
+    re = compute_statistics(other, client, tile_rows=29)
+    assert _rel(re.gram_compact, local.gram_compact) <= 1e-12 and _rel(re.moments, B) <= 1e-12
