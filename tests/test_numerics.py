@@ -1,0 +1,179 @@
+"""Numerical edge cases of the solve (DESIGN §4), each against an independent dense computation.
+
+The reference is always built here from the definition (phi = vech(Z^T Z) (x) x, DESIGN §2) and solved with
+numpy/scipy on the dense (rows, psi) matrix -- never through scaleattn.features or the Gram -- so the check
+does not share code (or the squared condition number of the normal equations) with the solver.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+
+from scaleattn.solver import default_rtol, solve
+from scaleattn.statistics import statistics_from_arrays
+
+
+def dense_phi(tokens, causal=False):
+    """(rows, psi) cubic features straight from the definition, P-major, j <= k row-major."""
+    n, T, d = tokens.shape
+    I, J = np.triu_indices(d)
+    if causal:
+        S = np.cumsum(np.einsum("ntj,ntk->ntjk", tokens, tokens), axis=1).reshape(n * T, d, d)
+        x = tokens.reshape(n * T, d)
+    else:
+        S = np.einsum("ntj,ntk->njk", tokens, tokens)
+        x = tokens[:, -1]
+    return np.einsum("rp,rl->rpl", S[:, I, J], x).reshape(len(x), -1)
+
+
+def col_scaled_lstsq(P, y, drop=0):
+    """Least squares on column-normalised P by SVD (min-norm; ``drop`` smallest singular values removed)."""
+    norms = np.linalg.norm(P, axis=0)
+    s_ = np.where(norms > 0, 1 / np.where(norms > 0, norms, 1), 0.0)
+    U, s, Vt = np.linalg.svd(P * s_, full_matrices=False)
+    k = len(s) - drop
+    return s_[:, None] * (Vt[:k].T @ ((U[:, :k].T @ y) / s[:k, None]))
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def rel_mse(P, c, y):
+    return np.mean((P @ c - y) ** 2) / np.mean(y**2)
+
+
+@pytest.mark.parametrize("kind", ["plane", "zero-coordinate", "line"])
+def test_rank_deficient_min_norm(kind):
+    """Exactly rank-deficient features: the min-norm least-squares answer (pinv), the true rank, no blow-up."""
+    rng = np.random.default_rng(0)
+    tok = rng.standard_normal((400, 5, 3))
+    if kind == "plane":  # tokens span a plane: psi = 18, rank 3 * 2 = 6
+        tok[..., 2] = tok[..., 0] - 2 * tok[..., 1]
+    elif kind == "zero-coordinate":  # an all-zero coordinate: zero features (diag G = 0)
+        tok[..., 1] = 0.0
+    else:  # tokens on a line: rank 1
+        tok = rng.standard_normal((400, 5, 1)) * np.array([1.0, -2.0, 0.5])
+    y = rng.standard_normal((400, 2))  # not realizable: the residual is non-zero
+    P = dense_phi(tok)
+    c_ref = np.linalg.pinv(P, rcond=1e-10) @ y
+    rank_ref = np.linalg.matrix_rank(P)
+    sol = solve(statistics_from_arrays(tok, y))
+    assert rank_ref < 18
+    assert sol.rank == rank_ref and sol.certificate.ambiguous_dim == 18 - rank_ref
+    assert not sol.certificate.identifiable
+    assert np.all(np.isfinite(sol.coef))
+    assert rel(sol.coef, c_ref) < 1e-10
+    # min-norm: no component in null(Phi) (basis from the dense SVD), and the same residual as lstsq
+    _, _, Vt = np.linalg.svd(P)
+    null = Vt[rank_ref:].T
+    assert np.linalg.norm(null.T @ sol.coef) < 1e-10 * np.linalg.norm(sol.coef)
+    res_ref = scipy.linalg.lstsq(P, y)[1].sum() if rank_ref == P.shape[1] else np.sum((P @ c_ref - y) ** 2)
+    assert sol.sse == pytest.approx(res_ref, rel=1e-9)
+    # the reported null basis spans the same space
+    nb = sol.null_basis
+    assert nb.shape == (18, 18 - rank_ref)
+    assert np.linalg.norm(P @ nb) < 1e-8 * np.linalg.norm(P)
+
+
+def test_all_zero_tokens():
+    """All-zero data: rank 0, coefficients exactly 0, finite certificate fields."""
+    tok = np.zeros((20, 4, 2))
+    y = np.random.default_rng(0).standard_normal((20, 2))
+    sol = solve(statistics_from_arrays(tok, y))
+    assert sol.rank == 0 and np.array_equal(sol.coef, np.zeros((6, 2)))
+    assert sol.certificate.lambda_max == 0 and sol.sse == pytest.approx(np.sum(y**2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_constant_coordinate(causal):
+    """A constant token coordinate (a 'bias' feature): full rank here; matches lstsq on the dense features."""
+    rng = np.random.default_rng(1)
+    tok = rng.standard_normal((300, 5, 3))
+    tok[..., 1] = 1.0
+    y = rng.standard_normal((300, 5, 2) if causal else (300, 2))
+    P, Y = dense_phi(tok, causal), y.reshape(-1, 2)
+    c_ref = scipy.linalg.lstsq(P, Y)[0]
+    sol = solve(statistics_from_arrays(tok, y))
+    assert sol.rank == np.linalg.matrix_rank(P) == 18
+    assert rel(sol.coef, c_ref) < 1e-10
+
+
+def test_badly_scaled_coordinates():
+    """Coordinates at 1e-6, 1 and 1e6 (features from 1e-18 to 1e18): Jacobi scaling keeps every real direction
+    and recovers every coefficient; plain lstsq on the raw features loses most of them."""
+    rng = np.random.default_rng(2)
+    d = 3
+    scales = np.array([1e-6, 1.0, 1e6])
+    I, J = np.triu_indices(d)
+    fscale = (scales[I][:, None] * scales[J][:, None] * scales[None, :]).ravel()  # scale of each feature
+    tok0 = rng.standard_normal((2000, 4, d))
+    c0 = rng.standard_normal((18, 2))
+    y = dense_phi(tok0) @ c0
+    tok, c_true = tok0 * scales, c0 / fscale[:, None]  # the same data in badly scaled coordinates
+    sol = solve(statistics_from_arrays(tok, y))
+    assert sol.rank == 18 and sol.certificate.identifiable
+    assert np.max(np.abs(sol.coef - c_true) / np.abs(c_true)) < 1e-9  # every coefficient, down to 1e-18 scale
+    P = dense_phi(tok)
+    assert np.max(np.abs(col_scaled_lstsq(P, y) - c_true) / np.abs(c_true)) < 1e-9  # the reference agrees
+    assert np.linalg.matrix_rank(P) < 18  # ...and unscaled rank decisions would drop real directions
+
+
+def test_badly_scaled_lambda_min():
+    """The certificate's lambda_min(Lambda_D) of badly scaled full-rank data (~1e-35 next to lambda_max ~1e37)
+    is the true one (80-digit eigenvalues of the same Gram with mpmath), not eigvalsh's round-off (0)."""
+    mpmath = pytest.importorskip("mpmath")
+    rng = np.random.default_rng(2)
+    tok = rng.standard_normal((2000, 4, 3)) * np.array([1e-6, 1.0, 1e6])
+    y = rng.standard_normal((2000, 2))
+    cert = solve(statistics_from_arrays(tok, y)).certificate
+    P = dense_phi(tok)
+    G = P.T @ P / len(P)  # entrywise accurate in float64 (every term of an entry has the same scale)
+    with mpmath.workdps(80):
+        ref = float(min(mpmath.eigsy(mpmath.matrix(G.tolist()), eigvals_only=True)))
+    assert cert.identifiable and 1e-36 < ref < 1e-34
+    assert cert.lambda_min == pytest.approx(ref, rel=1e-10)
+    assert abs(np.linalg.eigvalsh(G)[0] - ref) > 1e6 * ref  # plain eigvalsh cannot see it
+
+
+def _near_collinear(n, eps, seed):
+    rng = np.random.default_rng(seed)
+    tok = rng.standard_normal((n, 3, 2))
+    tok[..., 1] = tok[..., 0] + eps * rng.standard_normal((n, 3))
+    return tok, rng
+
+
+def test_cutoff_does_not_grow_with_n():
+    """10^6 rows with a real direction whose Jacobi-scaled eigenvalue is ~6e-12 x lambda_max: far above the
+    round-off cutoff 16 psi eps, below an N-growing cutoff like N * eps (2e-10). It must be kept: the fit is
+    exact, while dropping it (the reference SVD truncated by one) leaves an error 8 orders of magnitude larger."""
+    n = 10**6
+    tok, rng = _near_collinear(n, 0.03, 1)
+    c_true = rng.standard_normal((6, 1))
+    P = dense_phi(tok)
+    y = P @ c_true
+    sol = solve(statistics_from_arrays(tok, y))
+    w = sol.certificate.spectrum_scaled
+    assert sol.certificate.rtol == default_rtol(6)  # the same cutoff at any N
+    assert default_rtol(6) < w[0] / w[-1] < n * np.finfo(float).eps
+    assert sol.rank == 6 and sol.certificate.identifiable
+    mse, mse_dropped = rel_mse(P, sol.coef, y), rel_mse(P, col_scaled_lstsq(P, y, drop=1), y)
+    assert mse < 1e-17 and mse_dropped > 1e-13 and mse < 1e-4 * mse_dropped
+    # the smallest scaled eigenvalue is the reference's smallest squared singular value
+    s = np.linalg.svd(P / np.linalg.norm(P, axis=0), compute_uv=False)
+    assert w[0] == pytest.approx(s[-1] ** 2, rel=1e-3)
+
+
+def test_near_singular_full_rank():
+    """Near-singular (condition ~1e8 after scaling) but full rank, noisy targets: the lstsq answer."""
+    tok, rng = _near_collinear(20000, 0.2, 3)
+    y = dense_phi(tok) @ rng.standard_normal((6, 2)) + 1e-3 * rng.standard_normal((20000, 2))
+    P = dense_phi(tok)
+    c_ref = col_scaled_lstsq(P, y)
+    sol = solve(statistics_from_arrays(tok, y))
+    cond = sol.certificate.condition_number
+    assert 1e5 < cond < 1e12 and sol.rank == 6
+    assert rel(sol.coef, c_ref) < cond * 1e-14
+    # the statistics' SSE formula has a round-off floor ~ eps * sum(y^2) (Statistics.sse)
+    assert sol.sse == pytest.approx(np.sum((P @ c_ref - y) ** 2), abs=1e-12 * np.sum(y**2))
