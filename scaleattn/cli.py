@@ -42,6 +42,11 @@ def _add_cluster_args(p):
     g.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="start a dask-cuda cluster with N GPU workers (needs the gpu extra)")
     g.add_argument("--local", action="store_true", help="run in this process without Dask (small data, debugging)")
+    g.add_argument("--tls-ca-file", metavar="PEM", default=None,
+                   help="TLS: CA certificate; with --tls-cert/--tls-key all Dask traffic is encrypted (the embedded"
+                        " cluster too). Default: the dask config distributed.comm.tls.*")
+    g.add_argument("--tls-cert", metavar="PEM", default=None, help="TLS: certificate of this client (and embedded cluster)")
+    g.add_argument("--tls-key", metavar="PEM", default=None, help="TLS: private key of --tls-cert")
 
 
 def _add_io_args(p, out=True):
@@ -105,12 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fit", help="fit MHLA by least squares on Dask, certify identifiability, recover heads")
     f.add_argument("dataset", help="dataset (Zarr group path or URL)")
-    f.add_argument("--out", required=True, help="run directory: report.json, model.zarr, stats.zarr")
+    f.add_argument("--out", required=True,
+                   help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
     f.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
+    f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
+                   help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the second data pass; train MSE from the statistics (floor ~eps*mean y^2)")
     f.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="worker array device (default auto)")
+    f.add_argument("--resume", action="store_true",
+                   help="continue an interrupted fit from its checkpoint: finished row groups are not recomputed")
+    f.add_argument("--checkpoint", metavar="PATH", default=None,
+                   help="checkpoint store of the statistics build (default OUT.checkpoint.zarr next to --out)")
+    f.add_argument("--keep-checkpoint", action="store_true", help="keep the checkpoint after a successful fit")
+    f.add_argument("--no-plots", action="store_true", help="do not write the PNG plots next to report.json")
     _add_cluster_args(f)
     _add_io_args(f)
     _add_output_args(f)
@@ -122,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(c, out=False)
     _add_output_args(c)
 
+    cmp_ = sub.add_parser("compare", help="distance ||c(A) - c(B)|| of two models and whether they compute the same"
+                                         " function (exit 0 same, 1 different)")
+    cmp_.add_argument("model_a", metavar="MODEL_A", help="model store (RUN/model.zarr)")
+    cmp_.add_argument("model_b", metavar="MODEL_B", help="model store")
+    cmp_.add_argument("--rtol", type=float, default=1e-8,
+                      help="equivalent when the distance is at most RTOL x the larger coefficient norm (default 1e-8)")
+    _add_io_args(cmp_, out=False)
+    _add_output_args(cmp_)
+
     e = sub.add_parser("evaluate", help="mean squared error of a model on a dataset")
     e.add_argument("model", help="model store (RUN/model.zarr)")
     e.add_argument("dataset")
@@ -129,10 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(e, out=False)
     _add_output_args(e)
 
+    pl = sub.add_parser("plot", help="PNG plots of a run: spectrum of Lambda_D, head spectrum, loss vs heads, predictions")
+    pl.add_argument("run", metavar="RUN_DIR", help="run directory written by `scaleattn fit`")
+    pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNG files (default RUN_DIR)")
+    pl.add_argument("--dataset", default=None,
+                    help="dataset for the predictions plot (default: the one recorded in report.json)")
+    _add_io_args(pl, out=False)
+
     b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default) or tensor attention")
     b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor"])
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    b.add_argument("--vs", choices=["adamw"], default=None,
+                   help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
 
     try:
         from . import submit
@@ -149,9 +181,11 @@ def _cluster(args):
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
-    from .cluster import connect
+    from .cluster import connect, tls_security
 
-    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, quiet=args.quiet)
+    security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
+    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
+                   quiet=args.quiet)
 
 
 def _emit(args, payload: dict, text: str) -> None:
@@ -195,17 +229,25 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_fit(args) -> int:
+    from . import _storage
     from .dataset import open_dataset
     from .job import fit, format_report, parse_heads
 
     opts = _storage_options(args.storage_option)
     heads = parse_heads(args.heads)
     ds = open_dataset(args.dataset, opts)  # validate before starting a cluster
+    if not ds.has_targets:
+        raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
+    if _storage.exists(args.out, opts) and not args.overwrite:  # ... and refuse an existing output before too
+        raise FileExistsError(f"output {args.out!r} already exists (pass --overwrite to replace it)")
     with _cluster(args) as client:
-        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, exact_mse=not args.no_exact_mse,
+        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, ridge=args.ridge,
+                  exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=not (args.quiet or args.json), storage_options=opts,
-                  device=args.device)
-    _emit(args, res.report, format_report(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr")
+                  device=args.device, plots=not args.no_plots, resume=args.resume, checkpoint=args.checkpoint,
+                  keep_checkpoint=args.keep_checkpoint)
+    _emit(args, res.report, format_report(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
+          + ("" if args.no_plots else ", *.png"))
     return 0
 
 
@@ -237,13 +279,36 @@ def _cmd_evaluate(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from .plot import save_run_plots
+
+    opts = _storage_options(args.storage_option)
+    for p in save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts):
+        print(f"wrote {p}")
+    return 0
+
+
 def _cmd_bench(args) -> int:
-    if args.suite == "tensor":
+    if args.vs == "adamw":
+        from .bench.adamw import run
+    elif args.suite == "tensor":
         from .bench.tensor import run
     else:
         from .bench.core import run
     run(args.out, quick=args.quick)
     return 0
+
+
+def _cmd_compare(args) -> int:
+    from .heads import compare_models
+    from .model import MHLAModel
+
+    opts = _storage_options(args.storage_option)
+    r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
+    verdict = "EQUIVALENT: same function on every input" if r["equivalent"] else "DIFFERENT functions"
+    _emit(args, r, f"||c(A) - c(B)||_F = {r['distance']:.4g}  (relative {r['relative_distance']:.3g}, rtol {r['rtol']:.1e};"
+                   f" heads {r['n_heads_a']} vs {r['n_heads_b']})\n{verdict}")
+    return 0 if r["equivalent"] else 1
 
 
 def _cmd_submit(args) -> int:
@@ -252,8 +317,8 @@ def _cmd_submit(args) -> int:
     return submit.run(args)
 
 
-COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
-            "evaluate": _cmd_evaluate, "bench": _cmd_bench, "submit": _cmd_submit}
+COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify, "compare": _cmd_compare,
+            "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench, "submit": _cmd_submit}
 
 
 def main(argv=None) -> int:
@@ -271,6 +336,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # anything else: still one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"scaleattn {args.command}: error: {type(e).__name__}: {e} (scaleattn --debug ... shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 
 import numpy as np
@@ -64,7 +65,10 @@ class Dataset:
 
     def group(self):
         """The Zarr group, opened read-only (cached per process)."""
-        return _open_cached(self.url, _freeze(self.storage_options))
+        frozen = _freeze(self.storage_options)
+        if frozen is None:  # options that are not plain data (objects): open without the cache
+            return _storage.open_group(self.url, "r", self.storage_options)
+        return _open_cached(self.url, frozen)
 
     def read(self, start: int, stop: int, targets: bool = True, check: bool = True):
         """Read samples ``[start, stop)``: ``(tokens, lengths, targets)`` as numpy arrays.
@@ -73,18 +77,22 @@ class Dataset:
         validated and a :class:`DatasetError` names the array and the first bad (global) sample index.
         """
         g = self.group()
-        tok = np.asarray(g["tokens"][start:stop])
-        lens = np.asarray(g["lengths"][start:stop]) if self.has_lengths else None
-        y = np.asarray(g["targets"][start:stop]) if (targets and self.has_targets) else None
+
+        def get(name):
+            try:
+                return np.asarray(g[name][start:stop])
+            except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
+                raise DatasetError(
+                    f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
+                ) from None
+
+        tok = get("tokens")
+        lens = get("lengths") if self.has_lengths else None
+        y = get("targets") if (targets and self.has_targets) else None
         if check:
             _check_values("tokens", tok, start)
             if lens is not None:
-                bad = np.flatnonzero((lens < 1) | (lens > self.length))
-                if bad.size:
-                    i = int(bad[0])
-                    raise DatasetError(
-                        f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {self.length}"
-                    )
+                _check_lengths(lens, start, self.length)
             if y is not None:
                 _check_values("targets", y, start)
         return tok, lens, y
@@ -104,12 +112,16 @@ class Dataset:
 
 
 def _freeze(opts):
-    return tuple(sorted((opts or {}).items()))
+    """Hashable form of fsspec options (nested dicts such as s3fs ``client_kwargs`` included), None if not JSON."""
+    try:
+        return json.dumps(opts or {}, sort_keys=True)
+    except TypeError:
+        return None
 
 
 @functools.lru_cache(maxsize=16)
 def _open_cached(url, frozen_opts):
-    return _storage.open_group(url, "r", dict(frozen_opts) or None)
+    return _storage.open_group(url, "r", json.loads(frozen_opts) or None)
 
 
 def _check_values(name, a, start):
@@ -121,8 +133,65 @@ def _check_values(name, a, start):
         raise DatasetError(f"{name}: sample {start + i} contains NaN or Inf")
 
 
+def _check_lengths(lens, start, T):
+    bad = np.flatnonzero((lens < 1) | (lens > T))
+    if bad.size:
+        i = int(bad[0])
+        raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
+
+
 def _is_float(dtype) -> bool:
-    return np.issubdtype(dtype, np.floating)
+    """Real floating point only: integer, bool, complex, string and object dtypes are refused."""
+    try:
+        return np.issubdtype(dtype, np.floating)
+    except TypeError:  # dtypes numpy cannot classify (zarr string / bytes types)
+        return False
+
+
+def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int, bool]:
+    """Check shapes and dtypes of dataset arrays (anything with ``shape``/``ndim``/``dtype``: zarr, numpy,
+    dask) against the layout of DESIGN §7; values are not read. Returns ``(N, T, d, d_out, causal)``.
+
+    Raises
+    ------
+    DatasetError
+        Wrong number of dimensions, a non-float ``tokens``/``targets`` dtype (integer, bool, complex, string,
+        object), a non-integer ``lengths``, mismatched sample counts, a ``targets`` T or d_out of 0 / mismatch,
+        an empty dataset.
+    """
+    if tokens.ndim != 3:
+        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
+    if not _is_float(tokens.dtype):
+        raise DatasetError(f"tokens: expected a float dtype, got {tokens.dtype}")
+    N, T, d = (int(n) for n in tokens.shape)
+    if N == 0 or T == 0 or d == 0:
+        raise DatasetError(f"tokens: empty dataset (shape {tokens.shape})")
+    if lengths is not None:
+        if lengths.ndim != 1 or lengths.shape[0] != N:
+            raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lengths.shape}")
+        try:
+            is_int = np.issubdtype(lengths.dtype, np.integer)
+        except TypeError:
+            is_int = False
+        if not is_int:
+            raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
+    d_out, causal = 0, False
+    if targets is not None:
+        if not _is_float(targets.dtype):
+            raise DatasetError(f"targets: expected a float dtype, got {targets.dtype}")
+        if targets.ndim not in (2, 3):
+            raise DatasetError(
+                f"targets: expected (sample, output) or (sample, position, output), got shape {targets.shape}"
+            )
+        if targets.shape[0] != N:
+            raise DatasetError(f"targets: {targets.shape[0]} samples but tokens has {N}")
+        causal = targets.ndim == 3
+        if causal and targets.shape[1] != T:
+            raise DatasetError(f"targets: {targets.shape[1]} positions but tokens has T = {T}")
+        d_out = int(targets.shape[-1])
+        if d_out == 0:
+            raise DatasetError(f"targets: d_out = 0 (shape {targets.shape})")
+    return N, T, d, d_out, causal
 
 
 def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
@@ -153,47 +222,23 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
         names = set(g.array_keys())
     except Exception as e:
         raise DatasetError(f"{url}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
+    for name in ("tokens", "lengths", "targets"):  # zarr skips members whose metadata it cannot parse
+        if name not in names and _storage.exists(_storage.join(url, f"{name}/zarr.json"), storage_options):
+            raise DatasetError(f"{name}: corrupt Zarr metadata in {url} (not a readable array)")
     if "tokens" not in names:
         raise DatasetError(f"{url}: missing array 'tokens' (found: {sorted(names) or 'none'})")
 
     def get(name):
         try:
-            return g[name]
+            return g[name] if name in names else None
         except Exception as e:
             raise DatasetError(f"{name}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
 
     tok = get("tokens")
-    if tok.ndim != 3:
-        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
-    if not _is_float(tok.dtype):
-        raise DatasetError(f"tokens: expected a float dtype, got {tok.dtype}")
-    N, T, d = tok.shape
-    if N == 0 or T == 0 or d == 0:
-        raise DatasetError(f"tokens: empty dataset (shape {tok.shape})")
+    N, T, d, d_out, causal = check_arrays(tok, get("targets"), get("lengths"))
     has_lengths = "lengths" in names
-    if has_lengths:
-        lens = get("lengths")
-        if lens.ndim != 1 or lens.shape[0] != N:
-            raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lens.shape}")
-        if not np.issubdtype(lens.dtype, np.integer):
-            raise DatasetError(f"lengths: expected an integer dtype, got {lens.dtype}")
-    d_out, causal = 0, bool(g.attrs.get("causal", False))
-    if "targets" in names:
-        y = get("targets")
-        if not _is_float(y.dtype):
-            raise DatasetError(f"targets: expected a float dtype, got {y.dtype}")
-        if y.ndim not in (2, 3):
-            raise DatasetError(
-                f"targets: expected (sample, output) or (sample, position, output), got shape {y.shape}"
-            )
-        if y.shape[0] != N:
-            raise DatasetError(f"targets: {y.shape[0]} samples but tokens has {N}")
-        causal = y.ndim == 3
-        if causal and y.shape[1] != T:
-            raise DatasetError(f"targets: {y.shape[1]} positions but tokens has T = {T}")
-        d_out = int(y.shape[-1])
-        if d_out == 0:
-            raise DatasetError("targets: d_out = 0")
+    if d_out == 0:
+        causal = bool(g.attrs.get("causal", False))
     chunk = int(tok.chunks[0])
     fp = f"{N}x{T}x{d}:{d_out}:{int(causal)}:{int(has_lengths)}:{chunk}:{g.attrs.get('uid', '')}"
     return Dataset(url, N, T, d, d_out, causal, has_lengths, chunk, storage_options, fp)
@@ -214,46 +259,65 @@ def create_dataset(
     causal: bool = False,
     lengths: bool = False,
     chunk_samples: int | None = None,
+    shard_samples: int | None = None,
     attrs: dict | None = None,
     storage_options: dict | None = None,
 ):
     """Create an empty dataset group (mode ``w``) and return the writable Zarr group.
 
-    Write it with :func:`write_block` in chunk-aligned slabs. Use through :func:`write_dataset` or the
-    generators, which wrap it in an atomic output.
+    ``shard_samples`` (a multiple of the chunk size) stores the chunks in Zarr v3 shards of that many samples.
+    Write it with :func:`write_block` in slabs aligned to chunks and shards. Use through :func:`write_dataset`
+    or the generators, which wrap it in an atomic output. Raises ``ValueError`` for a bad shard size.
     """
     import uuid
 
     chunk = int(chunk_samples or default_chunk_samples(length, d))
+    if shard_samples is not None and (shard_samples < chunk or shard_samples % chunk):
+        raise ValueError(f"shard_samples = {shard_samples} must be a multiple of chunk_samples = {chunk}")
+
+    def layout(shape):  # chunks (and shards) along the sample axis only
+        kw = {"chunks": (chunk,) + tuple(shape[1:])}
+        if shard_samples is not None:
+            kw["shards"] = (int(shard_samples),) + tuple(shape[1:])
+        return kw
+
     g = _storage.open_group(url, "w", storage_options)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "causal": bool(causal), "uid": uuid.uuid4().hex}
     g.attrs.update({**(attrs or {}), **meta})
     g.create_array(
-        "tokens", shape=(n_samples, length, d), chunks=(chunk, length, d), dtype="float64",
+        "tokens", shape=(n_samples, length, d), **layout((n_samples, length, d)), dtype="float64",
         dimension_names=DIMS["tokens"], attributes={"description": "token sequences, token-major", "units": "1"},
     )
     if lengths:
         g.create_array(
-            "lengths", shape=(n_samples,), chunks=(chunk,), dtype="int64", dimension_names=DIMS["lengths"],
+            "lengths", shape=(n_samples,), **layout((n_samples,)), dtype="int64", dimension_names=DIMS["lengths"],
             attributes={"description": "valid tokens per sequence; later positions are zero padding"},
         )
     if d_out:
         shape = (n_samples, length, d_out) if causal else (n_samples, d_out)
         g.create_array(
-            "targets", shape=shape, chunks=(chunk,) + shape[1:], dtype="float64",
+            "targets", shape=shape, **layout(shape), dtype="float64",
             dimension_names=DIMS["targets_causal" if causal else "targets"],
             attributes={"description": "regression targets" + (" per prefix" if causal else " of the last token")},
         )
     return g
 
 
+def write_unit(group) -> int:
+    """Samples per write unit of a dataset group: the shard size along N when sharded, else the chunk size
+    (DESIGN §6: every write covers whole units, so no two writers ever share a chunk or a shard)."""
+    arrays = [group[k] for k in ("tokens", "lengths", "targets") if k in group]
+    return math.lcm(*(int((a.shards or a.chunks)[0]) for a in arrays))
+
+
 def write_block(group, start: int, tokens, targets=None, lengths=None) -> None:
-    """Write samples ``[start, start + len(tokens))``; ``start`` must be a multiple of the chunk size (so
-    every write covers whole chunks and no two writers share one: misaligned writes lose data)."""
-    chunk = group["tokens"].chunks[0]
+    """Write samples ``[start, start + len(tokens))``; ``start`` and ``len(tokens)`` must be multiples of
+    :func:`write_unit` (the last block may end at N), so every write covers whole chunks and shards and no two
+    writers share one: misaligned writes lose data. Raises ``ValueError`` otherwise."""
+    chunk = write_unit(group)
     n = len(tokens)
     if start % chunk or (n % chunk and start + n != group["tokens"].shape[0]):
-        raise ValueError(f"write_block: rows [{start}, {start + n}) are not aligned to chunks of {chunk}")
+        raise ValueError(f"write_block: rows [{start}, {start + n}) are not aligned to chunks/shards of {chunk}")
     group["tokens"][start : start + n] = np.asarray(tokens, dtype=np.float64)
     if lengths is not None:
         group["lengths"][start : start + n] = np.asarray(lengths, dtype=np.int64)
@@ -268,6 +332,7 @@ def write_dataset(
     lengths=None,
     *,
     chunk_samples: int | None = None,
+    shard_samples: int | None = None,
     attrs: dict | None = None,
     teacher=None,
     overwrite: bool = False,
@@ -281,28 +346,28 @@ def write_dataset(
     teacher : (V, Q), optional
         Ground-truth heads stored under ``teacher/``.
 
-    Writes go slab by slab aligned to the store's chunks, into a temporary store renamed on success.
+    chunk_samples, shard_samples : int, optional
+        Samples per Zarr chunk (default ~4 MB) and per shard (default unsharded).
+
+    Writes go slab by slab aligned to the store's chunks and shards (:func:`write_unit`), whatever the input's
+    chunking, into a temporary store renamed on success.
 
     Raises
     ------
     DatasetError
-        Mismatched shapes (the same checks :func:`open_dataset` applies) or non-finite values.
+        Bad shapes or dtypes (:func:`check_arrays`, the checks :func:`open_dataset` applies), non-finite values
+        or lengths outside ``[1, T]`` (naming the first bad sample); nothing is written then.
     FileExistsError
         ``url`` exists and ``overwrite`` is False.
     """
-    N, T, d = tokens.shape
-    causal = targets is not None and targets.ndim == 3
-    d_out = 0 if targets is None else targets.shape[-1]
-    for name, a in (("targets", targets), ("lengths", lengths)):
-        if a is not None and a.shape[0] != N:
-            raise DatasetError(f"{name}: {a.shape[0]} samples but tokens has {N}")
+    N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)
     with _storage.atomic_output(url, overwrite, storage_options) as tmp:
         g = create_dataset(
             tmp, N, T, d, d_out, causal=causal, lengths=lengths is not None, chunk_samples=chunk_samples,
-            attrs=attrs, storage_options=storage_options,
+            shard_samples=shard_samples, attrs=attrs, storage_options=storage_options,
         )
-        chunk = g["tokens"].chunks[0]
-        step = chunk * max(1, int(64e6 // (8 * T * d * chunk)))  # whole chunks, ~64 MB per slab
+        chunk = write_unit(g)
+        step = chunk * max(1, int(64e6 // (8 * T * d * chunk)))  # whole chunks and shards, ~64 MB per slab
         for a in range(0, N, step):
             b = min(N, a + step)
             tok = np.asarray(tokens[a:b], dtype=np.float64)
@@ -311,6 +376,8 @@ def write_dataset(
             _check_values("tokens", tok, a)
             if y is not None:
                 _check_values("targets", y, a)
+            if lens is not None:
+                _check_lengths(lens, a, T)
             write_block(g, a, tok, y, lens)
         if teacher is not None:
             write_teacher(g, *teacher)
@@ -320,5 +387,7 @@ def write_dataset(
 def write_teacher(group, V, Q) -> None:
     """Store ground-truth heads ``V`` (H, d_out, d) and ``Q`` (H, d, d) under ``teacher/``."""
     t = group.create_group("teacher", attributes={"description": "ground-truth MHLA heads of the generator"})
-    t.create_array("V", data=np.asarray(V, np.float64), dimension_names=("head", "output", "embed"))
-    t.create_array("Q", data=np.asarray(Q, np.float64), dimension_names=("head", "embed", "embed_2"))
+    t.create_array("V", data=np.asarray(V, np.float64), dimension_names=("head", "output", "embed"),
+                   attributes={"description": "teacher value/output matrices V_h"})
+    t.create_array("Q", data=np.asarray(Q, np.float64), dimension_names=("head", "embed", "embed_2"),
+                   attributes={"description": "teacher fused key-query matrices Q_h"})

@@ -76,13 +76,12 @@ def token_features(tokens, lengths=None, causal: bool = False):
         lengths = xp.asarray(lengths)
         valid = xp.arange(T)[None, :] < lengths[:, None]  # (n, T)
         z = z * valid[..., None]  # padding rows are zero by format; enforce it
-    outer = z[..., xp.asarray(I)] * z[..., xp.asarray(J)]  # (n, T, m)
-    if not causal:
-        s = outer.sum(axis=1)
+    if not causal:  # S = Z^T Z per sample as a batched matmul: no (n, T, m) temporary
+        s = vech(xp.matmul(z.transpose(0, 2, 1), z))
         last = (lengths - 1) if lengths is not None else xp.full(n, T - 1)
         x = z[xp.arange(n), last]
         return s, x
-    s = xp.cumsum(outer, axis=1)
+    s = xp.cumsum(z[..., xp.asarray(I)] * z[..., xp.asarray(J)], axis=1)  # (n, T, m)
     if lengths is None:
         return s.reshape(n * T, -1), z.reshape(n * T, d)
     return s[valid], z[valid]
@@ -112,23 +111,43 @@ def phi(s, x):
     return (s[:, :, None] * x[:, None, :]).reshape(s.shape[0], -1)
 
 
-def compact_factors(s, x, out_u=None):
+@functools.lru_cache(maxsize=64)
+def _pair_offsets(m: int) -> np.ndarray:
+    """``off[p]`` = first column of ``u = vech(s s^T)`` holding pair ``(p, q >= p)``; ``off[m] = m(m+1)/2``."""
+    return np.concatenate([[0], np.cumsum(np.arange(m, 0, -1))]).astype(np.int64)
+
+
+def pair_products(s, cols: slice | None = None, out=None):
+    """Columns ``cols`` of ``u = vech(s s^T)``: (rows, width) float64, ``u[:, (p, q)] = s_p * s_q`` (q >= p).
+
+    ``cols`` is a step-1 slice of the m(m+1)/2 axis (default all). ``out`` (rows', >= width), rows' >= rows,
+    receives the result (pass a C-contiguous (rows, width) buffer to get a contiguous ``u``); no index
+    temporaries are made: one multiply per pair row ``p`` that meets ``cols`` (DESIGN §3, §6 column tiles).
+    """
+    xp = get_xp(s)
+    rows, m = s.shape
+    off = _pair_offsets(m)
+    c0, c1, _ = (slice(0, int(off[m])) if cols is None else cols).indices(int(off[m]))
+    width = max(c1 - c0, 0)
+    u = xp.empty((rows, width), dtype=xp.float64) if out is None else out[:rows, :width]
+    p = max(int(np.searchsorted(off, c0, side="right")) - 1, 0)
+    while p < m and off[p] < c1:  # u[:, (p, q>=p)] = s_p * s_q, clipped to columns [c0, c1)
+        lo, hi = max(int(off[p]), c0), min(int(off[p + 1]), c1)
+        q0 = p + lo - int(off[p])
+        xp.multiply(s[:, p : p + 1], s[:, q0 : q0 + hi - lo], out=u[:, lo - c0 : hi - c0])
+        p += 1
+    return u
+
+
+def compact_factors(s, x, out_u=None, cols: slice | None = None):
     """Compact Gram factors ``u = vech(s s^T)`` (rows, m(m+1)/2) and ``v = vech(x x^T)`` (rows, d(d+1)/2).
 
     ``Tc = u^T v`` (DESIGN §3). ``u`` is built slice by slice into ``out_u`` (or a new buffer) so that no
-    (rows, m(m+1)/2) index temporaries are made.
+    (rows, m(m+1)/2) index temporaries are made. ``cols`` (a step-1 slice of the m(m+1)/2 axis) builds only
+    those columns of ``u``, shape (rows, cols width): the factor of one column tile of ``Tc`` (DESIGN §6).
+    See :func:`pair_products`.
     """
-    xp = get_xp(s, x)
-    rows, m = s.shape
-    mm = m * (m + 1) // 2
-    u = xp.empty((rows, mm), dtype=xp.float64) if out_u is None else out_u[:rows]
-    off = 0
-    for p in range(m):  # u[:, (p, q>=p)] = s_p * s_q
-        w = m - p
-        xp.multiply(s[:, p : p + 1], s[:, p:], out=u[:, off : off + w])
-        off += w
-    v = vech(x[:, :, None] * x[:, None, :])
-    return u, v
+    return pair_products(s, cols, out_u), vech(x[:, :, None] * x[:, None, :])
 
 
 def expand_compact_gram(gram_compact, d: int):

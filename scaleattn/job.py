@@ -16,7 +16,7 @@ import numpy as np
 
 from . import __version__, _storage
 from .dataset import Dataset, open_dataset
-from .heads import Heads, coef_distance, coef_from_heads, minimal_heads, rank_r_heads, svd_heads
+from .heads import Heads, ambiguity_witness, coef_distance, coef_from_heads, search_heads, svd_heads
 from .model import MHLAModel, evaluate
 from .solver import Certificate, Solution, certify, solve
 from .statistics import Statistics, compute_statistics
@@ -35,21 +35,34 @@ def parse_heads(heads) -> str | int:
     return h
 
 
-def recover_heads(coef, d: int, heads="svd") -> Heads:
-    """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model)."""
+def recover_heads(coef, d: int, heads="svd", stats: Statistics | None = None) -> Heads:
+    """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
+
+    With ``stats`` the heads carry their training loss and the loss-versus-heads curve
+    (:func:`scaleattn.heads.search_heads`); without, only ``"svd"`` is available.
+    """
     heads = parse_heads(heads)
-    if heads == "svd":
+    if stats is None:
+        if heads != "svd":
+            raise ValueError(f"heads={heads!r} needs the statistics (the training loss decides)")
         return svd_heads(coef, d)
-    if heads == "minimal":
-        return minimal_heads(coef, d)[0]
-    return rank_r_heads(coef, d, heads)
+    return search_heads(stats, coef, heads)
 
 
-def model_from_statistics(stats: Statistics, causal: bool = False, heads="svd", rtol=None):
-    """Solve, certify and recover heads from statistics alone: ``(MHLAModel, Solution, Heads)``."""
-    sol = solve(stats, rtol)
-    h = recover_heads(sol.coef, stats.d, heads)
-    model = MHLAModel(sol.coef, h.V, h.Q, stats.d, causal)
+#: heads reproducing the fitted coefficients to this relative residual define the same model
+EXACT_HEADS_RTOL = 1e-10
+
+
+def model_from_statistics(stats: Statistics, causal: bool = False, heads="svd", rtol=None, ridge: float = 0.0):
+    """Solve, certify and recover heads from statistics alone: ``(MHLAModel, Solution, Heads)``.
+
+    When the heads cannot reproduce the fit (``heads=H`` below the minimal head count) the model's
+    coefficients are the heads' own ``c(Theta)``: the model is the H-head model.
+    """
+    sol = solve(stats, rtol, ridge=ridge)
+    h = recover_heads(sol.coef, stats.d, heads, stats)
+    coef = sol.coef if h.residual <= EXACT_HEADS_RTOL else coef_from_heads(h.V, h.Q)
+    model = MHLAModel(coef, h.V, h.Q, stats.d, causal)
     return model, sol, h
 
 
@@ -72,8 +85,9 @@ class FitResult:
 
 
 def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: float | None = None,
-        exact_mse: bool = True, overwrite: bool = False, progress: bool = False,
-        storage_options: dict | None = None, device: str = "auto") -> FitResult:
+        ridge: float = 0.0, exact_mse: bool = True, overwrite: bool = False, progress: bool = False,
+        storage_options: dict | None = None, device: str = "auto", plots: bool = True, resume: bool = False,
+        checkpoint: str | None = None, keep_checkpoint: bool = False) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -86,14 +100,25 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     client : distributed.Client, optional
         Cluster to run on (:func:`scaleattn.cluster.connect`); None computes in this process.
     heads : "svd" | "minimal" | int
+    ridge : float
+        Scaled ridge strength (:func:`scaleattn.solver.solve`); the report gives the effective dof.
     exact_mse : bool
         Measure the training MSE by a second pass over the data (exact to round-off even at 1e-30), in
         addition to the statistics formula (whose floor is about eps * mean(y^2)).
+    plots : bool
+        With ``out``, also write the PNG plots of :func:`scaleattn.plot.save_run_plots` next to the report.
+    checkpoint : str, optional
+        Checkpoint store of the statistics build (DESIGN §6; :mod:`scaleattn.checkpoint`); default
+        ``out + ".checkpoint.zarr"`` when ``out`` is given. Written while running, removed after success
+        unless ``keep_checkpoint``. An existing one is refused unless ``resume`` (skip the finished row
+        groups; the statistics are bit-identical to an uninterrupted run) or ``overwrite`` (start over).
 
     Raises
     ------
     DatasetError
-        Malformed input (names the array and sample). ``ValueError`` for a dataset without targets.
+        Malformed input (names the array and sample). ``ValueError`` for a dataset without targets, or a
+        checkpoint made from another dataset, chunking or version. ``FileExistsError`` for an existing
+        checkpoint without ``resume`` or ``overwrite``.
     """
     t0 = time.perf_counter()
     heads = parse_heads(heads)
@@ -102,12 +127,32 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
         raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
     if out is not None and _storage.exists(out, storage_options) and not overwrite:
         raise FileExistsError(f"output {out!r} already exists (pass --overwrite to replace it)")
+    from .memory import check_fit_memory
+
+    check_fit_memory(ds.d, ds.d_out, client=client)  # refuse before the build: InsufficientMemoryError
     times = {}
     t = time.perf_counter()
-    stats = compute_statistics(ds, client, progress=progress, device=device)
+    ckpt = checkpoint or (str(out).rstrip("/") + ".checkpoint.zarr" if out is not None else None)
+    if ckpt is not None and not resume and _storage.exists(ckpt, storage_options):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {ckpt!r} of an unfinished fit exists: pass --resume to continue it,"
+                                  " or --overwrite to start over")
+        _storage.remove(ckpt, storage_options)
+    build = {}
+    new_ckpt = ckpt is not None and not _storage.exists(ckpt, storage_options)
+    try:
+        stats = compute_statistics(ds, client, progress=progress, device=device, checkpoint=ckpt,
+                                   storage_options=storage_options, info=build)
+    except ValueError:  # bad input (DatasetError): nothing worth resuming; a crash or interrupt keeps it
+        if new_ckpt:
+            _storage.remove(ckpt, storage_options)
+        raise
     times["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
-    model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol)
+    from .cluster import status
+
+    with status(f"solve (psi {stats.psi:,}) and heads ({heads})", progress):
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol, ridge)
     times["solve_and_heads"] = time.perf_counter() - t
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     cert = sol.certificate
@@ -118,7 +163,14 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
         "train_mse_stats": max(sol.sse, 0.0) / n_out, "target_mean_square": stats.target_mean_square,
         "n_heads": model.n_heads, "heads_method": h.method, "heads_residual": h.residual,
         "head_singular_values": h.spectrum.tolist(),
+        "loss_vs_heads": [{"heads": int(k), "train_mse_stats": max(v, 0.0) / n_out} for k, v in h.curve],
+        "ridge": sol.ridge, "effective_dof": sol.effective_dof,
     }
+    if h.sse is not None:
+        report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
+    wit = ambiguity_witness(sol, stats)
+    if wit is not None:
+        report["witness"] = wit.summary()
     if exact_mse:
         t = time.perf_counter()
         ev = evaluate(model, ds, client, progress=progress)
@@ -132,6 +184,8 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     if teacher is not None:
         report["teacher_heads"] = int(teacher[0].shape[0])
         report["teacher_coef_distance"] = coef_distance(sol.coef, coef_from_heads(*teacher))
+    report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
+    report["checkpoint"] = ckpt if keep_checkpoint else None
     report["timings"] = times
     report["scaleattn_version"] = __version__
     report["dataset"] = ds.url
@@ -139,17 +193,38 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     result = FitResult(model, stats, sol, h, report)
     if out is not None:
         write_run(result, out, overwrite=overwrite, storage_options=storage_options)
+        if plots:
+            _write_plots(result, out, ds, storage_options)
+    if ckpt is not None and not keep_checkpoint:
+        _storage.remove(ckpt, storage_options)
     return result
 
 
+def _write_plots(result: FitResult, out: str, ds, storage_options=None) -> None:
+    """PNG plots next to the report; a plotting failure warns but never fails a finished fit."""
+    import warnings
+
+    from .plot import save_run_plots
+
+    try:
+        save_run_plots(result, out, dataset=ds, storage_options=storage_options)
+    except Exception as e:  # the run is already written; plots are a convenience
+        warnings.warn(f"plots not written to {out}: {type(e).__name__}: {e}", stacklevel=3)
+
+
 def write_run(result: FitResult, out: str, overwrite: bool = False, storage_options=None) -> None:
-    """Write ``report.json``, ``model.zarr`` and ``stats.zarr`` under ``out`` (all or nothing)."""
+    """Write ``report.json``, ``model.zarr``, ``stats.zarr`` and ``spectrum.zarr`` (eigenvalues of the
+    certificate, :func:`scaleattn.plot.save_spectrum`) under ``out`` (all or nothing)."""
     with _storage.atomic_output(out, overwrite, storage_options) as tmp:
         if not _storage.is_url(tmp):
             os.makedirs(tmp, exist_ok=True)
         result.model.save(_storage.join(tmp, "model.zarr"), storage_options=storage_options)
         result.statistics.save(_storage.join(tmp, "stats.zarr"), storage_options=storage_options,
                                attrs={"dataset": result.report.get("dataset", "")})
+        if result.certificate.eigenvalues is not None:
+            from .plot import save_spectrum
+
+            save_spectrum(result.certificate, _storage.join(tmp, "spectrum.zarr"), storage_options)
         fs, path = _storage.fs_for(_storage.join(tmp, "report.json"), storage_options)
         with fs.open(path, "w") as f:
             json.dump(result.report, f, indent=2, default=_json_default)
@@ -182,6 +257,17 @@ def format_report(r: dict) -> str:
         f"train MSE {r['train_mse']:.4g}  (relative {r['relative_train_mse']:.3g}; mean y^2 {r['target_mean_square']:.4g})",
         f"heads {r['n_heads']} ({r['heads_method']})" + (
             f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}" if "teacher_heads" in r else ""),
+        *([("loss vs heads: " + "  ".join(f"{e['heads']}:{e['train_mse_stats']:.3g}" for e in r["loss_vs_heads"]))]
+          if len(r.get("loss_vs_heads", [])) > 1 else []),
+        *([f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output"]
+          if r.get("ridge") else []),
+        *([f"witness: two fits with train MSE {r['witness']['loss_a']:.6g} and {r['witness']['loss_b']:.6g} predict"
+           f" {_vec(r['witness']['prediction_a'])} vs {_vec(r['witness']['prediction_b'])} on a {len(r['witness']['tokens'])}-token"
+           " input (report.json: witness.tokens)"] if "witness" in r else []),
         f"wall time {r['seconds']:.2f} s",
     ]
     return "\n".join(lines)
+
+
+def _vec(v, k: int = 4) -> str:
+    return "[" + ", ".join(f"{x:.3g}" for x in v[:k]) + (", ...]" if len(v) > k else "]")

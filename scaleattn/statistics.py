@@ -7,19 +7,29 @@ targets, so one ``Tc`` serves any number of target sets (and the certificate nee
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
+import os
+import time
 
 import numpy as np
 
 from . import _storage
 from ._backend import get_xp, to_numpy
-from .features import compact_factors, expand_compact_gram, n_features, n_pairs, row_targets, token_features
+from .features import expand_compact_gram, n_features, n_pairs, pair_products, row_targets, token_features, vech
 
 FORMAT = "scaleattn-statistics"
 FORMAT_VERSION = 1
-#: feature rows per GEMM block: big enough for an efficient GEMM, small enough that u stays in memory
+#: feature rows per block (s, x and v are formed for this many rows at a time)
 BLOCK_ROWS = 1024
+#: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels (256 x 256 x 8 B = 512 KiB: stays in L2) and
+#: accumulates each with one BLAS GEMM into its slice of Tc (:func:`gram_update`)
+PANEL_ROWS = 256
+PANEL_COLS = 256
+#: below this many multiply-adds per call the kernel runs on one thread (thread start-up would dominate)
+MIN_THREAD_MACS = 50_000_000
 
 
 @dataclasses.dataclass
@@ -119,7 +129,7 @@ class Statistics:
 
 
 def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bool = False,
-               block_rows: int = BLOCK_ROWS) -> Statistics:
+               block_rows: int = BLOCK_ROWS, cols: slice | None = None) -> Statistics:
     """Add a block of samples to ``stats`` in place (and return it).
 
     Parameters
@@ -128,29 +138,120 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         numpy or cupy (the statistics' arrays must live on the same device).
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
+    cols : slice, optional
+        Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
 
-    Rows are processed ``block_rows`` at a time: ``Tc += u^T v`` (one GEMM, DESIGN §3), ``B += s^T (x (x) y)``.
+    Rows are processed ``block_rows`` at a time: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3),
+    ``B += s^T (x (x) y)``. Memory: O(block_rows * (m + d^2)) beyond the statistics, whatever ``n``.
     """
-    xp = get_xp(tokens)
     n, T, d = tokens.shape
     per = T if causal else 1
     step = max(1, block_rows // per)
-    u_buf = None
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        lens = None if lengths is None else lengths[a:b]
-        s, x = token_features(tokens[a:b], lens, causal)
-        if u_buf is None or u_buf.shape[0] < s.shape[0]:
-            u_buf = xp.empty((max(s.shape[0], step * per if causal else step), stats.gram_compact.shape[0]))
-        u, v = compact_factors(s, x, u_buf)
-        stats.gram_compact += u.T @ v
-        if targets is not None:
-            y = row_targets(targets[a:b], lens, causal)
-            xy = (x[:, :, None] * y[:, None, :]).reshape(x.shape[0], -1)
-            stats.moments += (s.T @ xy).reshape(stats.moments.shape)
-            stats.yy += float((y * y).sum())
-        stats.n_rows += int(s.shape[0])
+    threads = _kernel_threads(tokens)
+    with contextlib.ExitStack() as stack:
+        if threads > 1:  # parallelism comes from gram_update's threads; small BLAS calls stay single-threaded
+            stack.enter_context(_blas_controller().limit(limits=1))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            lens = None if lengths is None else lengths[a:b]
+            s, x = token_features(tokens[a:b], lens, causal)
+            gram_update(stats.gram_compact, s, x, cols, threads=threads)
+            if targets is not None:
+                y = row_targets(targets[a:b], lens, causal)
+                xy = (x[:, :, None] * y[:, None, :]).reshape(x.shape[0], -1)
+                stats.moments += (s.T @ xy).reshape(stats.moments.shape)
+                stats.yy += float((y * y).sum())
+            stats.n_rows += int(s.shape[0])
     return stats
+
+
+def _gemm_acc(c, a, b) -> None:
+    """``c += a^T @ b`` in place. numpy: one BLAS dgemm with ``beta = 1`` writing straight into ``c`` (no
+    temporary the size of ``c``); cupy (or a non-contiguous ``c``): ``c += a.T @ b``."""
+    if isinstance(c, np.ndarray) and c.flags.c_contiguous and c.dtype == np.float64:
+        from scipy.linalg.blas import dgemm
+
+        # Fortran view: c^T (k, w) += b^T (k, r) @ a (r, w), every operand passed as an F-contiguous view
+        if a.flags.f_contiguous:  # "NN": the fastest case (u built column-major by gram_update)
+            out = dgemm(1.0, b.T, a, beta=1.0, c=c.T, overwrite_c=True)
+        else:
+            out = dgemm(1.0, b.T, a.T, beta=1.0, c=c.T, trans_b=True, overwrite_c=True)
+        if not np.shares_memory(out, c):  # pragma: no cover - f2py copied c (should not happen)
+            c[...] = out.T
+        return
+    c += a.T @ b
+
+
+def _kernel_threads(a) -> int:
+    """Threads for :func:`gram_update`: this process's BLAS thread count (numpy input), 1 for cupy.
+
+    Dask workers run one BLAS thread (``threads_per_worker = 1``); a single process uses all its cores."""
+    if get_xp(a) is not np:
+        return 1
+    return max([int(c.num_threads or 1) for c in _blas_controller().lib_controllers] or [1])
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    """threadpoolctl controller of the loaded BLAS libraries (numpy's and scipy's), made once (a scan is slow)."""
+    import scipy.linalg.blas  # noqa: F401  (load scipy's BLAS before the scan)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
+
+
+def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, panel_rows: int = PANEL_ROWS,
+                panel_cols: int = PANEL_COLS):
+    """The compact-Gram kernel: ``gram += u[:, cols]^T v`` with ``u = vech(s s^T)``, ``v = vech(x x^T)``
+    (DESIGN §3), in place; returns ``gram``.
+
+    Parameters
+    ----------
+    gram : array (width, d(d+1)/2) float64
+        Rows ``cols`` of ``Tc`` (all of ``Tc``, (m(m+1)/2, d(d+1)/2), when ``cols`` is None); numpy or cupy.
+    s : array (rows, m) float64; x : array (rows, d) float64
+        From :func:`~scaleattn.features.token_features`, same module as ``gram``.
+    cols : slice, optional
+        Step-1 column range of ``u`` (a column tile of ``Tc``, DESIGN §6).
+    threads : int
+        numpy only: the panels are split over this many threads (disjoint slices of ``gram``, one BLAS thread
+        each), so forming ``u`` runs in parallel too. The result does not depend on ``threads`` (each entry is
+        summed by one thread in the same order).
+
+    ``u`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer and
+    accumulated with one GEMM ``gram[panel] += u_panel^T v`` (``beta = 1``, no temporary). Multiply-adds:
+    ``rows * width * d(d+1)/2``; extra memory: ``threads * panel_rows * panel_cols`` floats.
+    """
+    xp = get_xp(gram, s, x)
+    mm = n_pairs(s.shape[1])
+    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
+    if gram.shape[0] != c1 - c0:
+        raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
+    v = xp.ascontiguousarray(vech(x[:, :, None] * x[:, None, :]))
+    sT = xp.ascontiguousarray(s.T)  # (m, rows): u panels are built column-major, one contiguous run per pair
+    rows = s.shape[0]
+    panel_rows, panel_cols = max(1, int(panel_rows)), max(1, int(panel_cols))
+    panels = [(a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols)]
+
+    def work(mine):
+        buf = xp.empty(panel_rows * panel_cols)
+        for a, b in mine:
+            g = gram[a - c0 : b - c0]
+            for r in range(0, rows, panel_rows):
+                sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
+                out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0]).T  # (rows', width), F-contiguous
+                _gemm_acc(g, pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
+
+    threads = max(1, min(int(threads), len(panels), rows * (c1 - c0) * v.shape[1] // MIN_THREAD_MACS + 1))
+    if xp is not np or threads == 1:
+        work(panels)
+        return gram
+    from concurrent.futures import ThreadPoolExecutor
+
+    share = math.ceil(len(panels) / threads)  # contiguous shares: each thread writes its own rows of gram
+    with _blas_controller().limit(limits=1), ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, [panels[i : i + share] for i in range(0, len(panels), share)]))
+    return gram
 
 
 def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=BLOCK_ROWS) -> Statistics:
@@ -164,37 +265,74 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
 
 
 # ---- distributed build ----------------------------------------------------------------------------------
-def row_groups(dataset, group_samples: int | None = None) -> list[tuple[int, int]]:
+#: the compact Gram is split into column tiles when it is larger than this (bytes, DESIGN §6)
+MAX_TILE_BYTES = 256e6
+#: default cap on the number of row groups when tiled: parallelism then comes from the tiles, and the number
+#: of partials (and of checkpointed bytes) stays groups x |Tc| instead of chunks x |Tc|
+TILED_MAX_GROUPS = 16
+
+
+def row_groups(dataset, group_samples: int | None = None, max_groups: int | None = None) -> list[tuple[int, int]]:
     """Split samples into contiguous groups of whole Zarr chunks (one Dask task each).
 
     The split depends only on the dataset (never on the number of workers), so the reduction tree and the
     statistics are bit-identical across worker counts, retries and resumes (DESIGN §6). By default about
-    32 MB of tokens per group, and at least 8 groups when the dataset has 8 chunks.
+    32 MB of tokens per group, and at least 8 groups when the dataset has 8 chunks; ``max_groups`` enlarges
+    the default groups so that there are at most that many.
     """
     N, chunk = dataset.n_samples, dataset.chunk_samples
     if group_samples is None:
         bytes_per_chunk = 8 * chunk * dataset.length * dataset.d
         per = max(1, int(32e6 // bytes_per_chunk))
         per = min(per, max(1, math.ceil(dataset.n_chunks / 8)))
+        if max_groups:
+            per = max(per, math.ceil(dataset.n_chunks / max_groups))
         group_samples = per * chunk
     group_samples = max(chunk, (int(group_samples) // chunk) * chunk)
     return [(a, min(N, a + group_samples)) for a in range(0, N, group_samples)]
 
 
-def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto") -> Statistics:
+def tile_bounds(d: int, tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES) -> list[tuple[int, int]]:
+    """Row ranges ``[c0, c1)`` of the compact Gram ``Tc`` (= column ranges of ``u = vech(s s^T)``), DESIGN §6.
+
+    One tile ``[(0, m(m+1)/2)]`` while ``Tc`` fits in ``max_tile_bytes`` (None: never tile); otherwise tiles of
+    ``tile_rows`` rows (default: as many as fit in ``max_tile_bytes``), all equal but the last. At d = 64
+    (``Tc`` 36 GB) the default gives 141 tiles of 256 MB.
+    """
+    m = n_pairs(d)
+    mm, nv = m * (m + 1) // 2, d * (d + 1) // 2
+    if tile_rows is None:
+        if max_tile_bytes is None or 8 * mm * nv <= max_tile_bytes:
+            return [(0, mm)]
+        tile_rows = int(max_tile_bytes // (8 * nv))
+    tile_rows = max(1, min(int(tile_rows), mm))
+    return [(c, min(mm, c + tile_rows)) for c in range(0, mm, tile_rows)]
+
+
+def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
+                     cols: tuple[int, int] | None = None) -> Statistics:
     """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task).
 
     ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
+    ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
+    ((c1 - c0, d(d+1)/2); memory bounded by the tile and one block of rows, DESIGN §6); ``B``, ``yy`` and
+    ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile).
     Raises :class:`~scaleattn.dataset.DatasetError` on bad values (naming the array and the sample).
     """
     xp = _device_module(device)
-    stats = Statistics.zeros(dataset.d, dataset.d_out if targets else 0, xp)
+    if cols is None:
+        stats = Statistics.zeros(dataset.d, dataset.d_out if targets else 0, xp)
+        sl = None
+    else:
+        sl = slice(int(cols[0]), int(cols[1]))
+        stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
+                           xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
     for a in range(start, stop, dataset.chunk_samples):
         b = min(stop, a + dataset.chunk_samples)
         tok, lens, y = dataset.read(a, b, targets=targets)
         if xp is not np:
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
-        accumulate(stats, tok, y, lens, dataset.causal)
+        accumulate(stats, tok, y, lens, dataset.causal, cols=sl)
     return stats.to_numpy()
 
 
@@ -229,39 +367,148 @@ def tree_reduce(parts: list, combine, split_every: int = 8):
     return parts[0]
 
 
+def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
+    """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
+    is read back (a retry after a lost worker or a resume recomputes nothing); a new one is written there, then
+    marked done, by this worker."""
+    if ckpt is not None and ckpt.is_done(gi, ti):
+        return ckpt.read(gi, ti)
+    delay = float(os.environ.get("SCALEATTN_TEST_TASK_DELAY", 0) or 0)  # test hook: slow tasks down
+    if delay:
+        time.sleep(delay)
+    part = group_statistics(dataset, start, stop, targets and ti == 0, device, cols)
+    if ckpt is not None:
+        ckpt.write(gi, ti, part)
+    return part
+
+
+def _assemble(tiles: list, d: int) -> Statistics:
+    """Concatenate per-tile statistics (tile 0 carries ``B`` and ``yy``) into one :class:`Statistics`."""
+    first = tiles[0]
+    rows = {int(t.n_rows) for t in tiles}
+    if len(rows) != 1:
+        raise RuntimeError(f"tiles disagree on the row count: {sorted(rows)}")
+    gram = first.gram_compact if len(tiles) == 1 else np.concatenate([t.gram_compact for t in tiles], axis=0)
+    return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), d)
+
+
+def _stop_after_groups() -> int | None:
+    """Test hook ``SCALEATTN_TEST_STOP_AFTER_GROUPS=k``: the client process exits (code 75, no cleanup) once
+    k row groups have been computed and checkpointed in this run, as a crash would."""
+    v = os.environ.get("SCALEATTN_TEST_STOP_AFTER_GROUPS")
+    return int(v) if v else None
+
+
 def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
-                       split_every: int = 8, device: str = "auto", progress: bool = False) -> Statistics:
+                       split_every: int = 8, device: str = "auto", progress: bool = False,
+                       tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
+                       checkpoint: str | None = None, storage_options: dict | None = None,
+                       info: dict | None = None) -> Statistics:
     """Build the statistics of a dataset on a Dask cluster by tree reduction (DESIGN §6).
 
-    Each task streams one row group (:func:`row_groups`) and accumulates locally; partials are combined by
-    :func:`tree_reduce` on the workers; only the final statistics come back to the client.
+    Each task streams one row group (:func:`row_groups`) for one column tile of ``Tc`` (:func:`tile_bounds`;
+    a single tile unless ``Tc`` exceeds ``max_tile_bytes``) and accumulates locally. Partials are combined per
+    tile by :func:`tree_reduce` on the workers, always in group order, so the result is bit-identical for any
+    worker count, completion order, retry or resume; tiled and untiled builds agree to round-off. The client
+    receives only the per-tile roots and concatenates them (so it holds the whole ``Tc``: at d = 64, 36 GB;
+    a distributed solver for that size is future work).
 
     Parameters
     ----------
     dataset : Dataset
         From :func:`scaleattn.dataset.open_dataset`.
     client : distributed.Client, optional
-        Without one the groups are processed in this process (same tree, same bits).
+        Without one the tasks run in this process (same tree, same bits).
     targets : bool
         False builds only the Gram (enough for the certificate).
+    group_samples : int, optional
+        Samples per row group (rounded to whole chunks); default from :func:`row_groups` (at most
+        ``TILED_MAX_GROUPS`` groups when tiled).
+    tile_rows, max_tile_bytes
+        Tiling (:func:`tile_bounds`): rows of ``Tc`` per tile, or the size above which ``Tc`` is tiled.
+    checkpoint : str, optional
+        Checkpoint store (:class:`scaleattn.checkpoint.Checkpoint`), created if absent: every finished partial
+        is written there by its worker and marked done; partials already done are read back, not recomputed.
+        ``storage_options`` are its fsspec options (default the dataset's).
+    info : dict, optional
+        Filled with ``groups``, ``tiles``, ``groups_computed``, ``groups_resumed`` (groups whose every tile was
+        read from the checkpoint), ``tasks_computed``, ``tasks_resumed``, ``checkpoint``.
     progress : bool
         Show a progress bar driven by this job's futures.
+
+    Raises
+    ------
+    ValueError
+        ``checkpoint`` exists but belongs to another dataset, chunking, grouping, tiling or version.
+    DatasetError
+        Bad values in the dataset.
     """
-    groups = row_groups(dataset, group_samples)
+    tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
+    groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if len(tiles) > 1 else None)
+    ckpt = None
+    done = np.zeros((len(groups), len(tiles)), dtype=bool)
+    if checkpoint is not None:
+        from .checkpoint import Checkpoint
+
+        opts = dataset.storage_options if storage_options is None else storage_options
+        ckpt = Checkpoint.open(checkpoint, dataset, groups, tiles, targets, opts)
+        done = ckpt.done_mask()
+    if info is not None:
+        info.update({"groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
+                     "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
+                     "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
+    stop_after = _stop_after_groups()
+    todo = [gi for gi in range(len(groups)) if not done[gi].all()]
     if client is None:
         from .cluster import progress_bar
 
-        parts = []
+        parts = [[None] * len(tiles) for _ in groups]
         with progress_bar(len(groups), "statistics", progress) as advance:
-            for a, b in groups:
-                parts.append(group_statistics(dataset, a, b, targets, device))
+            for gi, (a, b) in enumerate(groups):
+                for ti, cols in enumerate(tiles):
+                    parts[gi][ti] = _partial(dataset, gi, ti, a, b, cols, targets, device, ckpt)
                 advance()
-        return tree_reduce(parts, _add_all, split_every)
+                if stop_after is not None and gi in todo and todo.index(gi) + 1 >= stop_after:
+                    os._exit(75)
+        roots = [tree_reduce([p[ti] for p in parts], _add_all, split_every) for ti in range(len(tiles))]
+        return _assemble(roots, dataset.d)
     from .cluster import wait_with_progress
 
-    tag = f"{dataset.fingerprint}-{int(targets)}"
-    futs = [client.submit(group_statistics, dataset, a, b, targets, device, key=f"stats-group-{tag}-{a}-{b}",
-                          retries=3) for a, b in groups]
-    root = tree_reduce(futs, lambda *p: client.submit(_add_all, *p, retries=3), split_every)
-    wait_with_progress(futs, "statistics", progress)
-    return root.result() if hasattr(root, "result") else root
+    tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
+    futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, retries=3,
+                           key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
+            for gi, (a, b) in enumerate(groups)]
+    roots = [tree_reduce([f[ti] for f in futs], lambda *p: client.submit(_add_all, *p, retries=3), split_every)
+             for ti in range(len(tiles))]
+    flat = [f for row in futs for f in row]
+    try:
+        if stop_after is not None:
+            _exit_after_groups(futs, todo, stop_after)
+        wait_with_progress(flat, "statistics", progress)
+        return _assemble(client.gather(roots), dataset.d)
+    except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
+        client.cancel(flat + [r for r in roots if hasattr(r, "key")])
+        raise
+
+
+def _url_token(url: str) -> str:
+    """A short stable token of a store URL (for task keys)."""
+    import hashlib
+
+    return hashlib.sha1(str(url).encode()).hexdigest()[:10]
+
+
+def _exit_after_groups(futs, todo: list[int], k: int) -> None:
+    """The test hook of :func:`_stop_after_groups` for the Dask path."""
+    from distributed import as_completed
+
+    left = {gi: len(futs[gi]) for gi in todo}
+    owner = {f.key: gi for gi in todo for f in futs[gi]}
+    finished = 0
+    for fut in as_completed([f for gi in todo for f in futs[gi]]):
+        gi = owner[fut.key]
+        left[gi] -= 1
+        if left[gi] == 0:
+            finished += 1
+            if finished >= k:
+                os._exit(75)
