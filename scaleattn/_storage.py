@@ -1,4 +1,11 @@
-"""Where stores live: local paths or fsspec URLs (``s3://...``), opened through zarr; atomic outputs."""
+"""Where stores live: local paths or fsspec URLs (``s3://...``), opened through zarr; atomic outputs.
+
+URLs go through fsspec (s3fs for ``s3://``) with the caller's ``storage_options``; what they leave out comes
+from the standard environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, and the
+endpoint ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` (read by botocore >= 1.31 itself). An unreachable
+endpoint or refused credentials raise :class:`StorageError` (a ``ValueError``: the CLI exits with code 2).
+See docs/object-storage.md.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +14,41 @@ import shutil
 import uuid
 
 import zarr
+
+#: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
+_REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
+
+
+class StorageError(ValueError):
+    """An object store cannot be reached or refuses access (endpoint, credentials, permissions).
+
+    The message names the URL, the underlying error and where the endpoint and credentials come from."""
+
+
+def _storage_error(url: str, e: BaseException) -> StorageError | None:
+    """``e`` as a :class:`StorageError`, or None when it is not an access problem (e.g. a missing key)."""
+    if isinstance(e, (FileNotFoundError, StorageError)) or not isinstance(e, Exception):
+        return None
+    remote = type(e).__module__.split(".")[0] in _REMOTE_ERROR_MODULES
+    if not (remote or isinstance(e, (PermissionError, ConnectionError, TimeoutError))):
+        return None
+    hint = ("check the endpoint (--storage-option endpoint_url=http://HOST:PORT or AWS_ENDPOINT_URL) and the"
+            " credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or --storage-option key=..."
+            " --storage-option secret=...)") if str(url).startswith(("s3://", "s3a://")) else (
+            "check the URL, the --storage-option values and the credentials")
+    return StorageError(f"{url}: cannot access the object store ({type(e).__name__}: {e}); {hint}")
+
+
+@contextlib.contextmanager
+def _remote_access(url: str):
+    """Turn connection / credential / permission errors of a URL operation into :class:`StorageError`."""
+    try:
+        yield
+    except Exception as e:
+        err = _storage_error(url, e)
+        if err is None:
+            raise
+        raise err from e
 
 
 def is_url(path: str) -> bool:
@@ -27,30 +69,37 @@ def fs_for(url: str, storage_options: dict | None = None):
 
 
 def exists(url: str, storage_options: dict | None = None) -> bool:
-    """True when something (file, directory or prefix) exists at ``url``."""
+    """True when something (file, directory or prefix) exists at ``url``; :class:`StorageError` when a URL's
+    store cannot be reached or refuses the credentials (never a silent False)."""
     if not is_url(url):
         return os.path.exists(url)
-    fs, p = fs_for(url, storage_options)
-    return fs.exists(p)
+    with _remote_access(url):
+        fs, p = fs_for(url, storage_options)
+        return fs.exists(p)
 
 
 def remove(url: str, storage_options: dict | None = None) -> None:
-    """Delete ``url`` recursively if it exists."""
+    """Delete ``url`` recursively if it exists (:class:`StorageError` as :func:`exists`)."""
     if not is_url(url):
         if os.path.isdir(url):
             shutil.rmtree(url)
         elif os.path.exists(url):
             os.remove(url)
         return
-    fs, p = fs_for(url, storage_options)
-    if fs.exists(p):
-        fs.rm(p, recursive=True)
+    with _remote_access(url):
+        fs, p = fs_for(url, storage_options)
+        if fs.exists(p):
+            fs.rm(p, recursive=True)
 
 
 def open_group(url: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
-    """Open a Zarr v3 group; ``mode='r'`` never writes to the store."""
-    kwargs = {"storage_options": storage_options} if (is_url(url) and storage_options) else {}
-    return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None, **kwargs)
+    """Open a Zarr v3 group; ``mode='r'`` never writes to the store. URLs go through zarr's fsspec store
+    with ``storage_options``. Raises :class:`StorageError` when the store cannot be reached."""
+    if not is_url(url):
+        return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None)
+    with _remote_access(url):
+        return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None,
+                               storage_options=storage_options or {})
 
 
 @contextlib.contextmanager

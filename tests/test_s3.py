@@ -1,0 +1,174 @@
+"""Object storage over the real S3 protocol (issue 7 item 1): a moto server on 127.0.0.1, a dataset uploaded
+to it, `scaleattn fit / evaluate / certify` run as real processes against s3:// (workers included), an
+interrupted fit resumed from its s3 checkpoint, and the results compared bit for bit with a local-disk fit."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from scaleattn.generate import generate_mhla  # noqa: E402
+from scaleattn.job import fit  # noqa: E402
+from scaleattn.model import MHLAModel, evaluate  # noqa: E402
+from scaleattn.solver import certify  # noqa: E402
+from scaleattn.statistics import Statistics, compute_statistics  # noqa: E402
+
+BUCKET = "scaleattn-test"
+KEY, SECRET = "testing-key", "testing-secret"  # moto accepts any key while its IAM auth is off
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra) -> dict:
+    """The environment of a CLI process: dummy credentials, no AWS config of this machine, no proxy."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k.lower() not in (
+        "http_proxy", "https_proxy", "all_proxy")}
+    env.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
+               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, NO_PROXY="127.0.0.1,localhost")
+    env.update(extra)
+    return env
+
+
+def _cli(args, **env):
+    return subprocess.run([sys.executable, "-m", "scaleattn.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=_clean_env(**env))
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server with one bucket holding a dataset uploaded from local disk, and the local-disk fit."""
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = "http://127.0.0.1:%d" % server.get_host_and_port()[1]
+        # the test process reads with fresh instances and no listing cache: other processes write the bucket
+        opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint},
+                "skip_instance_cache": True, "use_listings_cache": False}
+        fs = s3fs.S3FileSystem(**opts)
+        fs.mkdir(BUCKET)
+        tmp = tmp_path_factory.mktemp("s3")
+        ds = generate_mhla(tmp / "d.zarr", d=3, heads=2, length=10, samples=64, causal=True, chunk_samples=8, seed=1)
+        fs.put(str(tmp / "d.zarr"), f"{BUCKET}/d.zarr", recursive=True)  # the same bytes on both sides
+        local = fit(ds, str(tmp / "run"), plots=False)  # in-process, no Dask: same reduction tree, same bits
+        yield {"endpoint": endpoint, "opts": opts, "fs": fs, "local": local, "local_ds": ds, "tmp": tmp}
+    finally:
+        server.stop()
+
+
+def _url(path: str) -> str:
+    return f"s3://{BUCKET}/{path}"
+
+
+def _same_run(s3, run_url: str, local):
+    """Statistics and model written under ``run_url`` equal the local fit's bit for bit."""
+    st = Statistics.load(run_url + "/stats.zarr", s3["opts"])
+    assert np.array_equal(st.gram_compact, local.statistics.gram_compact)
+    assert np.array_equal(st.moments, local.statistics.moments)
+    assert (st.yy, st.n_rows) == (local.statistics.yy, local.statistics.n_rows)
+    m = MHLAModel.load(run_url + "/model.zarr", s3["opts"])
+    for name in ("coef", "V", "Q"):
+        assert np.array_equal(getattr(m, name), getattr(local.model, name)), name
+
+
+def test_fit_from_s3_to_s3_on_workers_is_bit_identical_to_local(s3):
+    # the endpoint comes only from --storage-option: the 2 worker processes must receive it to read anything
+    r = _cli(["fit", _url("d.zarr"), "--out", _url("run1"), "--storage-option", f"endpoint_url={s3['endpoint']}",
+              "--workers", "2", "--json"])
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    _same_run(s3, _url("run1"), s3["local"])
+    fs = s3["fs"]
+    with fs.open(f"{BUCKET}/run1/report.json") as f:
+        assert json.load(f)["lambda_min"] == report["lambda_min"] == s3["local"].report["lambda_min"]
+    assert report["train_mse"] < 1e-25 and report["identifiable"]  # realizable data, DESIGN §9
+    assert report["dataset"] == _url("d.zarr")
+    names = set(fs.ls(f"{BUCKET}/run1", detail=False))
+    assert {f"{BUCKET}/run1/{n}" for n in ("report.json", "model.zarr", "stats.zarr", "spectrum.png")} <= names
+    assert not fs.exists(f"{BUCKET}/run1.checkpoint.zarr")  # removed after success
+
+
+def test_evaluate_and_certify_from_s3_with_the_endpoint_from_the_environment(s3):
+    # AWS_ENDPOINT_URL alone (botocore >= 1.31 reads it; workers inherit the environment of the embedded cluster)
+    local = s3["local"]
+    local.model.save(str(s3["tmp"] / "model.zarr"))
+    s3["fs"].put(str(s3["tmp"] / "model.zarr"), f"{BUCKET}/model.zarr", recursive=True)
+    r = _cli(["evaluate", _url("model.zarr"), _url("d.zarr"), "--workers", "1", "--json"],
+             AWS_ENDPOINT_URL=s3["endpoint"])
+    assert r.returncode == 0, r.stderr
+    ev, want = json.loads(r.stdout), evaluate(local.model, s3["local_ds"])
+    assert ev["n_rows"] == want["n_rows"] == 640
+    assert ev["target_mean_square"] == pytest.approx(want["target_mean_square"], rel=1e-14)
+    assert ev["mse"] == pytest.approx(want["mse"], rel=1e-6, abs=1e-32)
+    r = _cli(["certify", _url("d.zarr"), "--local", "--json"], AWS_ENDPOINT_URL_S3=s3["endpoint"])
+    assert r.returncode == 0, r.stderr
+    cert, want = json.loads(r.stdout), certify(compute_statistics(s3["local_ds"], targets=False)).summary()
+    assert (cert["lambda_min"], cert["lambda_max"], cert["rank"]) == (want["lambda_min"], want["lambda_max"], want["rank"])
+    assert cert["identifiable"] is True
+
+
+def test_interrupted_s3_fit_resumes_from_its_s3_checkpoint_bit_identical(s3):
+    args = ["fit", _url("d.zarr"), "--out", _url("run2"), "--storage-option", f"endpoint_url={s3['endpoint']}",
+            "--no-plots", "--quiet"]
+    # the client dies after 3 of 8 groups, as a crash would (its workers die with it; slow tasks leave work undone)
+    r = _cli(args + ["--workers", "1"], SCALEATTN_TEST_STOP_AFTER_GROUPS="3", SCALEATTN_TEST_TASK_DELAY="0.3")
+    assert r.returncode == 75, r.stderr
+    fs = s3["fs"]
+    assert not fs.exists(f"{BUCKET}/run2") and fs.exists(f"{BUCKET}/run2.checkpoint.zarr")
+    import zarr
+
+    done = zarr.open_group(_url("run2.checkpoint.zarr"), mode="r", storage_options=s3["opts"])["done"][...]
+    n_done = int(done.all(axis=1).sum())
+    assert 3 <= n_done < 8  # the workers wrote their partials to s3 before the client died
+    r = _cli(args + ["--local"])
+    assert r.returncode == 2 and "--resume" in r.stderr
+    r = _cli(args + ["--workers", "1", "--resume", "--json"])  # a new cluster picks up the s3 checkpoint
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["groups"], report["groups_resumed"], report["groups_computed"]) == (8, n_done, 8 - n_done)
+    assert not fs.exists(f"{BUCKET}/run2.checkpoint.zarr")
+    _same_run(s3, _url("run2"), s3["local"])
+
+
+def _set_moto_auth(endpoint: str, count: str) -> None:
+    """Turn moto's IAM authentication on ("0": unknown access keys are refused) or off ("inf")."""
+    req = urllib.request.Request(endpoint + "/moto-api/reset-auth", data=count.encode(), method="POST",
+                                 headers={"Content-Type": "text/plain"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+
+
+def _assert_clear_error(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and all(w in r.stderr for w in words), r.stderr
+
+
+def test_bad_endpoint_bucket_and_credentials_exit_2_with_a_clear_message(s3):
+    ep = f"endpoint_url={s3['endpoint']}"
+    r = _cli(["certify", _url("d.zarr"), "--local", "--storage-option", f"endpoint_url=http://127.0.0.1:{_free_port()}"],
+             AWS_MAX_ATTEMPTS="1")  # nothing listens there; one attempt instead of botocore's retries
+    _assert_clear_error(r, "cannot access the object store", "EndpointConnectionError", "endpoint_url")
+    r = _cli(["fit", "s3://no-such-bucket/d.zarr", "--out", _url("x"), "--local", "--storage-option", ep])
+    _assert_clear_error(r, "no such dataset")
+    r = _cli(["certify", _url("d.zarr"), "--local", "--storage-option", ep], AWS_ACCESS_KEY_ID="",
+             AWS_SECRET_ACCESS_KEY="")
+    _assert_clear_error(r, "cannot access the object store", "NoCredentialsError", "AWS_ACCESS_KEY_ID")
+    _set_moto_auth(s3["endpoint"], "0")  # from now on moto checks keys against its (empty) IAM: ours are unknown
+    try:
+        r = _cli(["fit", _url("d.zarr"), "--out", _url("x"), "--local", "--storage-option", ep])
+    finally:
+        _set_moto_auth(s3["endpoint"], "inf")
+    _assert_clear_error(r, "cannot access the object store", "Forbidden", "AWS_SECRET_ACCESS_KEY")
+    assert not s3["fs"].exists(f"{BUCKET}/x")
