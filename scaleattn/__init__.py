@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 from .dataset import Dataset, DatasetError, open_dataset, write_dataset  # noqa: E402
 from .statistics import Statistics, compute_statistics, statistics_from_arrays  # noqa: E402
 from .solver import Certificate, Solution, certify, solve  # noqa: E402
-from .heads import Heads, coef_distance, coef_from_heads, minimal_heads, svd_heads  # noqa: E402
+from .heads import Heads, coef_distance, coef_from_heads, compare_models, search_heads, svd_heads  # noqa: E402
 from .model import MHLAModel, MHLARegressor, evaluate  # noqa: E402
 from .job import FitResult, certify_dataset, fit  # noqa: E402
 
 __all__ = [
     "Dataset", "DatasetError", "open_dataset", "write_dataset", "Statistics", "compute_statistics",
     "statistics_from_arrays", "Certificate", "Solution", "certify", "solve", "Heads", "coef_distance",
-    "coef_from_heads", "minimal_heads", "svd_heads", "MHLAModel", "MHLARegressor", "evaluate",
+    "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel", "MHLARegressor", "evaluate",
     "FitResult", "certify_dataset", "fit", "__version__",
 ]

@@ -56,6 +56,12 @@ def is_url(path: str) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
 
 
+def local_path(path) -> str:
+    """``file:///x/y`` -> ``/x/y``; other paths and URLs unchanged."""
+    p = str(path)
+    return p[len("file://"):] if p.startswith("file://") else p
+
+
 def join(base: str, name: str) -> str:
     """Join a store path or URL and a child name."""
     return f"{str(base).rstrip('/')}/{name}"
@@ -72,7 +78,7 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
     """True when something (file, directory or prefix) exists at ``url``; :class:`StorageError` when a URL's
     store cannot be reached or refuses the credentials (never a silent False)."""
     if not is_url(url):
-        return os.path.exists(url)
+        return os.path.exists(local_path(url))
     with _remote_access(url):
         fs, p = fs_for(url, storage_options)
         return fs.exists(p)
@@ -81,6 +87,7 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
 def remove(url: str, storage_options: dict | None = None) -> None:
     """Delete ``url`` recursively if it exists (:class:`StorageError` as :func:`exists`)."""
     if not is_url(url):
+        url = local_path(url)
         if os.path.isdir(url):
             shutil.rmtree(url)
         elif os.path.exists(url):
@@ -96,7 +103,7 @@ def open_group(url: str, mode: str = "r", storage_options: dict | None = None) -
     """Open a Zarr v3 group; ``mode='r'`` never writes to the store. URLs go through zarr's fsspec store
     with ``storage_options``. Raises :class:`StorageError` when the store cannot be reached."""
     if not is_url(url):
-        return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None)
+        return zarr.open_group(local_path(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None)
     with _remote_access(url):
         return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None,
                                storage_options=storage_options or {})
@@ -107,10 +114,11 @@ def atomic_output(url: str, overwrite: bool = False, storage_options: dict | Non
     """Yield a temporary location next to ``url`` that becomes ``url`` only if the block succeeds.
 
     A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``url`` is
-    refused (``FileExistsError``) unless ``overwrite``; it is replaced only after the new output is complete.
-    On object stores (no rename) the output is written in place and removed on failure.
+    refused (``FileExistsError``) unless ``overwrite``; locally it is replaced only after the new output is
+    complete. Object stores cannot rename: there ``overwrite`` deletes the old output first, and the new one
+    is written in place and removed on failure.
     """
-    url = str(url).rstrip("/")
+    url = local_path(url).rstrip("/")
     if exists(url, storage_options) and not overwrite:
         raise FileExistsError(f"output {url!r} already exists (pass --overwrite to replace it)")
     if is_url(url):
@@ -124,10 +132,12 @@ def atomic_output(url: str, overwrite: bool = False, storage_options: dict | Non
     parent = os.path.dirname(os.path.abspath(url))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(url)}.partial-{uuid.uuid4().hex[:8]}")
+    aside = f"{tmp}.old"
     try:
         yield tmp
-        if os.path.exists(url):
-            remove(url)
+        if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
+            os.replace(url, aside)
         os.replace(tmp, url)
     finally:
         remove(tmp)
+        remove(aside)

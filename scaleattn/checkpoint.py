@@ -92,7 +92,6 @@ class Checkpoint:
         if any(b - a != tile_rows for a, b in self.tiles[:-1]):
             raise ValueError("checkpoint tiles must have equal widths (except the last) to align with chunks")
         g = _storage.open_group(self.url, "w", self.storage_options)
-        g.attrs.update({**attrs, "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
         g.create_array("gram_compact", shape=(ng, mm, nv), chunks=(1, tile_rows, nv), dtype="float64",
                        fill_value=0.0, dimension_names=("group", "vech_pair", "vech_token"))
         if self.d_out:
@@ -103,6 +102,8 @@ class Checkpoint:
                        dimension_names=("group", "tile"))
         g.create_array("done", shape=(ng, nt), chunks=(1, 1), dtype="bool", fill_value=False,
                        dimension_names=("group", "tile"))
+        # the layout attributes last: a creation cut short has none and is refused, never resumed
+        g.attrs.update({**attrs, "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
 
     def _group(self, mode: str = "r"):
         return _storage.open_group(self.url, mode, self.storage_options)

@@ -189,8 +189,10 @@ def _cluster(args):
 
 
 def _emit(args, payload: dict, text: str) -> None:
+    from .job import _json_default
+
     if args.json:
-        print(json.dumps(payload, indent=2, default=float))
+        print(json.dumps(payload, indent=2, default=_json_default))
     elif not args.quiet:
         print(text)
 

@@ -12,8 +12,10 @@ import sys
 
 
 def default_workers() -> int:
-    """One worker process per core."""
-    return max(1, os.cpu_count() or 1)
+    """One worker process per core available to this process (cgroup and affinity limits honoured)."""
+    from dask.system import CPU_COUNT
+
+    return max(1, CPU_COUNT)
 
 
 def tls_security(ca_file: str | None = None, cert: str | None = None, key: str | None = None):
@@ -45,7 +47,7 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
 
 @contextlib.contextmanager
 def connect(scheduler: str | None = None, workers: int | None = None, threads_per_worker: int = 1,
-            gpus: int | None = None, security=None, quiet: bool = False, dashboard: bool = True):
+            gpus: int | None = None, security=None, quiet: bool = False):
     """Yield a ``distributed.Client`` for one job and close what this call started.
 
     Parameters
@@ -68,32 +70,31 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     from distributed import Client, LocalCluster
 
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    if scheduler and (workers or gpus):
+        raise ValueError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own workers")
     kwargs = {} if security is None else {"security": security}
-    if scheduler:
-        client = Client(scheduler, **kwargs)
-        cluster = None
-    else:
-        # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
-        common = dict(dashboard_address="127.0.0.1:0", **kwargs)
-        if gpus:
-            try:
-                from dask_cuda import LocalCUDACluster
-            except ImportError:
-                raise RuntimeError("--gpus needs dask-cuda and cupy: pip install 'scaleattn[gpu]'") from None
-            cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1", **common)
+    with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
+        if scheduler:
+            client = stack.enter_context(Client(scheduler, **kwargs))
         else:
-            cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=threads_per_worker,
-                                   processes=True, host="127.0.0.1", **common)
-        client = Client(cluster, **kwargs)
-    if not quiet:
-        link = getattr(client, "dashboard_link", None)
-        print(f"dask: {len(client.scheduler_info().get('workers', {}))} workers, dashboard {link}", file=sys.stderr)
-    try:
+            # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
+            common = dict(dashboard_address="127.0.0.1:0", **kwargs)
+            if gpus:
+                try:
+                    from dask_cuda import LocalCUDACluster
+                except ImportError:
+                    raise RuntimeError("--gpus needs dask-cuda and cupy: pip install 'scaleattn[gpu]'") from None
+                cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+                                           **common)
+            else:
+                cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=threads_per_worker,
+                                       processes=True, host="127.0.0.1", **common)
+            stack.enter_context(cluster)
+            client = stack.enter_context(Client(cluster, **kwargs))
+        if not quiet:
+            link = getattr(client, "dashboard_link", None)
+            print(f"dask: {len(client.scheduler_info().get('workers', {}))} workers, dashboard {link}", file=sys.stderr)
         yield client
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
 
 
 def _in_notebook() -> bool:

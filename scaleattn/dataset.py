@@ -68,7 +68,7 @@ class Dataset:
         frozen = _freeze(self.storage_options)
         if frozen is None:  # options that are not plain data (objects): open without the cache
             return _storage.open_group(self.url, "r", self.storage_options)
-        return _open_cached(self.url, frozen)
+        return _open_cached(self.url, frozen, self.fingerprint)  # a store overwritten in place gets a new uid
 
     def read(self, start: int, stop: int, targets: bool = True, check: bool = True):
         """Read samples ``[start, stop)``: ``(tokens, lengths, targets)`` as numpy arrays.
@@ -82,6 +82,9 @@ class Dataset:
             try:
                 return np.asarray(g[name][start:stop])
             except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
+                access = _storage._storage_error(self.url, e)
+                if access is not None:  # the store is unreachable, not the data bad: keep it resumable
+                    raise access from None
                 raise DatasetError(
                     f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
                 ) from None
@@ -120,7 +123,7 @@ def _freeze(opts):
 
 
 @functools.lru_cache(maxsize=16)
-def _open_cached(url, frozen_opts):
+def _open_cached(url, frozen_opts, fingerprint):
     return _storage.open_group(url, "r", json.loads(frozen_opts) or None)
 
 

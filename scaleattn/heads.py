@@ -5,8 +5,8 @@ symmetrised coefficients ``c = p(W)`` (DESIGN §2). Heads are rank-one terms of 
 
 - :func:`coef_from_heads`: ``c(Theta)`` of a model, the paper's ``p(Theta)`` (Cor. 2.4, eq. 15's argument).
 - :func:`svd_heads`: the paper's Algorithm 1 heads: split off-diagonal coefficients in half, SVD.
-- :func:`minimal_heads`: the fewest heads computing the same function (beyond the paper: alternating
-  projections between rank-r matrices and the affine set ``{W : p(W) = c}``).
+- :func:`search_heads`: the fewest heads computing the same function, or the best H-head model (beyond the
+  paper: loss-optimal ALS from the statistics plus alternating projections onto ``{W : p(W) = c}``).
 - :func:`best_heads` / :func:`loss_vs_heads`: the lowest-training-loss model with H heads (alternating least
   squares on the statistics, DESIGN §3) and the loss-versus-heads curve.
 - :func:`ambiguity_witness`: when the certificate fails, two models with equal training loss that disagree
@@ -151,26 +151,6 @@ def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=
         W = _project_affine(Wr, coef, d, d_out)
     V, Q = _fold(U, s[:r], Vt, d, d_out)
     return Heads(V, Q, s, _residual(V, Q, coef), f"rank-{r}")
-
-
-def minimal_heads(coef, d: int, tol: float = 1e-10, iters: int = 500, max_heads: int | None = None):
-    """The fewest heads whose coefficients match ``coef`` to ``tol`` relative (DESIGN §5, beyond [Y25]).
-
-    Searches r = 1, 2, ... up to the SVD head count. Returns ``(heads, tried)`` with ``tried`` a list of
-    ``(r, relative coefficient residual)``.
-    """
-    full = svd_heads(coef, d)
-    upper = full.n_heads if max_heads is None else min(full.n_heads, max_heads)
-    tried = []
-    for r in range(1, upper):
-        h = rank_r_heads(coef, d, r, iters=iters, tol=tol * 1e-3)
-        tried.append((r, h.residual))
-        if h.residual <= tol:
-            h.method = "minimal"
-            return h, tried
-    tried.append((full.n_heads, full.residual))
-    full.method = "minimal"
-    return full, tried
 
 
 # ---- loss-optimal heads from the statistics (beyond [Y25]) ------------------------------------------------

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import __version__, _storage
-from .dataset import Dataset, open_dataset
+from .dataset import Dataset, DatasetError, open_dataset
 from .heads import Heads, ambiguity_witness, coef_distance, coef_from_heads, search_heads, svd_heads
 from .model import MHLAModel, evaluate
 from .solver import Certificate, Solution, certify, solve
@@ -143,7 +143,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     try:
         stats = compute_statistics(ds, client, progress=progress, device=device, checkpoint=ckpt,
                                    storage_options=storage_options, info=build)
-    except ValueError:  # bad input (DatasetError): nothing worth resuming; a crash or interrupt keeps it
+    except DatasetError:  # bad data: nothing worth resuming; a crash, interrupt or StorageError keeps it
         if new_ckpt:
             _storage.remove(ckpt, storage_options)
         raise
@@ -160,7 +160,9 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     report = {
         "n_rows": stats.n_rows, "n_samples": ds.n_samples, "length": ds.length, "d": ds.d, "d_out": ds.d_out,
         "causal": ds.causal, "psi": stats.psi, **cert.summary(),
-        "train_mse_stats": max(sol.sse, 0.0) / n_out, "target_mean_square": stats.target_mean_square,
+        # the saved model's loss: the least-squares fit's, unless heads=H could not reproduce it
+        "train_mse_stats": max(sol.sse if model.coef is sol.coef else h.sse, 0.0) / n_out,
+        "lstsq_train_mse_stats": max(sol.sse, 0.0) / n_out, "target_mean_square": stats.target_mean_square,
         "n_heads": model.n_heads, "heads_method": h.method, "heads_residual": h.residual,
         "head_singular_values": h.spectrum.tolist(),
         "loss_vs_heads": [{"heads": int(k), "train_mse_stats": max(v, 0.0) / n_out} for k, v in h.curve],
@@ -183,7 +185,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     teacher = ds.teacher()
     if teacher is not None:
         report["teacher_heads"] = int(teacher[0].shape[0])
-        report["teacher_coef_distance"] = coef_distance(sol.coef, coef_from_heads(*teacher))
+        report["teacher_coef_distance"] = coef_distance(model.coef, coef_from_heads(*teacher))
     report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
     report["checkpoint"] = ckpt if keep_checkpoint else None
     report["timings"] = times

@@ -153,9 +153,13 @@ def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> 
 
         cf = client.scatter(coef, broadcast=True)
         futs = [client.submit(group_errors, dataset, a, b, cf, retries=3) for a, b in groups]
-        root = tree_reduce(futs, lambda *p: client.submit(_sum, *p), 8)
-        wait_with_progress(futs, "evaluate", progress)
-        tot = root.result()
+        root = tree_reduce(futs, lambda *p: client.submit(_sum, *p, retries=3), 8)
+        try:
+            wait_with_progress(futs, "evaluate", progress)
+            tot = root.result()
+        except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
+            client.cancel(futs + [root])
+            raise
     sse, yy, count = tot
     mse, ms = sse / max(count, 1), yy / max(count, 1)
     return {"mse": mse, "target_mean_square": ms, "relative_mse": mse / ms if ms > 0 else float("nan"),

@@ -109,8 +109,10 @@ def test_real_digits_dataset(tmp_path):
     ds = load_digits_dataset(tmp_path / "digits.zarr")
     res = fit(ds)
     assert ds.n_samples == 1797 and ds.d == 8 and ds.d_out == 8
-    assert 0 < res.report["relative_train_mse"] < 1  # real data: a real, non-zero error, better than zero
-    assert res.report["psi"] == 288 and res.report["rank"] <= 288
+    # real data: a real error (about 0.10 of mean y^2) and a failed certificate: the first pixel column of
+    # the digits is almost always blank, so some cubic features never vary
+    assert 0.05 < res.report["relative_train_mse"] < 0.2
+    assert res.report["psi"] == 288 and not res.report["identifiable"] and 150 < res.report["rank"] < 288
 
 
 def test_dataset_roundtrip_and_teacher(tmp_path):

@@ -1,0 +1,335 @@
+"""Benchmark of the statistics build and the solver (issue 3, DESIGN §3, §4), all measured in ONE run.
+
+``run(out_dir, quick=False)`` writes ``bench.json`` and ``bench.md`` into ``out_dir`` and returns the dict:
+
+- the machine's float64 GEMM rate (square product, all BLAS threads) and the floor of the statistics build,
+  ``2 x (compact Gram multiply-adds) / rate``; our build (:func:`scaleattn.statistics.statistics_from_arrays`,
+  features included) against it and against a bare GEMM ``u^T v`` of the same shape on precomputed factors;
+- the naive normal equations: ``phi`` materialised and ``phi^T phi`` by numpy (SYRK);
+- ``numpy.linalg.lstsq`` and ``dask.array.linalg.lstsq`` (TSQR) on ``phi``: time and the accuracy of each answer
+  (relative distance to the teacher's coefficients and to ours, relative training residual);
+- a fit (:func:`scaleattn.job.fit`, in a fresh subprocess) on N, 2N, 4N rows: wall time and peak RSS;
+- the statistics build on a local Dask cluster with 1 and 2 workers (one thread each);
+- d = 4, 8, 16, 32 (d = 32 at small N, psi = 16,896, end to end with the large-psi solver).
+
+Ratios are taken within the run (the machine may be shared). Full mode: d = 16 on 40,000 causal rows
+(400 sequences x 100 prefixes), about 15 minutes on 2 cores; ``quick``: d = 8 for the comparison and small
+sizes, about 2 minutes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from scaleattn.features import n_features, n_pairs, phi, row_targets, token_features
+
+TARGETS = {"build_vs_floor": 1.5, "speedup_vs_numpy_syrk": 1.5, "speedup_vs_numpy_lstsq": 3.0,
+           "speedup_vs_dask_tsqr": 10.0, "rss_growth_n_to_4n": 0.10}
+
+
+def _best(fn, reps=2, budget=20.0):
+    """Best wall time of up to ``reps`` calls (fewer when one call exceeds ``budget`` s); returns (t, last result)."""
+    best, out, total = math.inf, None, 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        best, total = min(best, dt), total + dt
+        if total > budget:
+            break
+    return best, out
+
+
+def gemm_rate(n=2000) -> float:
+    """float64 GEMM rate (flop/s) of this process's BLAS on an n x n product (best of 3)."""
+    a = np.random.default_rng(0).random((n, n))
+    a @ a
+    t, _ = _best(lambda: a @ a, reps=3)
+    return 2.0 * n**3 / t
+
+
+def _mhla(d, samples, length, causal, seed=0):
+    from scaleattn.generate import make_mhla
+
+    return make_mhla(d=d, heads=2, length=length, samples=samples, causal=causal, seed=seed)
+
+
+def _teacher_coef(D):
+    from scaleattn.heads import coef_from_heads
+
+    return coef_from_heads(D["V"], D["Q"])
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def core_comparison(d, samples, length, rate, baselines=True) -> dict:
+    """Our build + solve against the floor, a bare GEMM, numpy SYRK, numpy lstsq and dask TSQR (same data)."""
+    from scaleattn.features import compact_factors
+    from scaleattn.solver import solve, use_large_path
+    from scaleattn.statistics import statistics_from_arrays
+
+    D = _mhla(d, samples, length, causal=True)
+    tok, y3 = D["tokens"], D["targets"]
+    rows = samples * length
+    m, dv, psi = n_pairs(d), n_pairs(d), n_features(d)
+    macs = n_pairs(m) * dv * rows
+    r = {"d": d, "rows": rows, "psi": psi, "compact_macs": macs, "floor_s": 2.0 * macs / rate}
+    r["build_s"], st = _best(lambda: statistics_from_arrays(tok, y3))
+    r["build_vs_floor"] = r["build_s"] / r["floor_s"]
+    r["solve_s"], sol = _best(lambda: solve(st), reps=1)
+    r["solver_path"] = "cholesky" if use_large_path(psi) else "eigh"
+    c_true = _teacher_coef(D)
+    r["ours_s"] = r["build_s"] + r["solve_s"]
+    r["ours_coef_err_vs_teacher"] = _rel(sol.coef, c_true)
+    r["identifiable"] = bool(sol.certificate.identifiable)
+    r["condition_number"] = float(sol.certificate.condition_number)
+    # bare GEMM of the same shape on precomputed factors (on a slice of rows, scaled to all rows)
+    s, x = token_features(tok, None, True)
+    sub = min(rows, 10_000)
+    u, v = compact_factors(s[:sub], x[:sub])
+    t_g, _ = _best(lambda: u.T @ v)
+    r["bare_gemm_s"] = t_g * rows / sub
+    r["build_vs_bare_gemm"] = r["build_s"] / r["bare_gemm_s"]
+    del u, v
+    if not baselines:
+        return r
+    y = row_targets(y3, None, True)
+    t_phi, f = _best(lambda: phi(s, x), reps=1)
+    t_syrk, _ = _best(lambda: f.T @ f, reps=1)
+    r["numpy_phi_s"], r["numpy_syrk_s"] = t_phi, t_syrk
+    r["numpy_normal_eq_s"] = t_phi + t_syrk
+    r["speedup_vs_numpy_syrk"] = t_syrk / r["build_s"]
+    r["speedup_vs_numpy_normal_eq"] = r["numpy_normal_eq_s"] / r["build_s"]
+    t_ls, (c_ls, *_) = _best(lambda: np.linalg.lstsq(f, y, rcond=None), reps=1)
+    r["numpy_lstsq_s"] = t_phi + t_ls
+    r["speedup_vs_numpy_lstsq"] = r["numpy_lstsq_s"] / r["ours_s"]
+    r["numpy_lstsq_coef_err_vs_teacher"] = _rel(c_ls, c_true)
+    r["numpy_lstsq_vs_ours"] = _rel(c_ls, sol.coef)
+    import dask
+    import dask.array as da
+
+    def tsqr():
+        A = da.from_array(f, chunks=(max(psi, rows // 8), psi))
+        c, *_ = da.linalg.lstsq(A, da.from_array(y, chunks=(A.chunks[0], y.shape[1])))
+        with dask.config.set(scheduler="threads"):
+            return c.compute()
+
+    t_ts, c_ts = _best(tsqr, reps=1)
+    r["dask_tsqr_s"] = t_phi + t_ts
+    r["speedup_vs_dask_tsqr"] = r["dask_tsqr_s"] / r["ours_s"]
+    r["dask_tsqr_coef_err_vs_teacher"] = _rel(c_ts, c_true)
+    r["dask_tsqr_vs_ours"] = _rel(c_ts, sol.coef)
+    for name, c in (("ours", sol.coef), ("numpy_lstsq", c_ls), ("dask_tsqr", c_ts)):
+        r[f"{name}_rel_residual"] = float(np.linalg.norm(f @ c - y) / np.linalg.norm(y))
+    return r
+
+
+_CHILD = """
+import json, resource, sys, time
+from scaleattn.job import fit
+t = time.perf_counter()
+res = fit(sys.argv[1], exact_mse=False)
+hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")]
+print(json.dumps({"fit_s": time.perf_counter() - t, "peak_rss_bytes": hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "n_rows": res.report["n_rows"], "identifiable": bool(res.report["identifiable"]),
+                  "rel_train_mse": res.report["relative_train_mse"]}))
+"""
+
+
+def rows_scaling(tmp, d, samples, length) -> list[dict]:
+    """A fit in a fresh process on N, 2N, 4N rows: wall time and peak RSS (the build streams the rows)."""
+    from scaleattn.generate import generate_mhla
+
+    out = []
+    for k in (1, 2, 4):
+        path = os.path.join(tmp, f"rows{k}.zarr")
+        generate_mhla(path, d=d, heads=2, length=length, samples=k * samples, causal=True, seed=k)
+        p = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, check=True)
+        out.append({"factor": k, **json.loads(p.stdout.strip().splitlines()[-1])})
+    base = out[0]["peak_rss_bytes"]
+    for o in out:
+        o["rss_growth"] = o["peak_rss_bytes"] / base - 1.0
+    return out
+
+
+def workers_scaling(path) -> list[dict]:
+    """Statistics build of one dataset on a local Dask cluster with 1 and 2 workers (one thread each)."""
+    from scaleattn.cluster import connect
+    from scaleattn.dataset import open_dataset
+    from scaleattn.statistics import compute_statistics
+
+    ds = open_dataset(path)
+    out = []
+    for w in (1, 2):
+        with connect(workers=w, quiet=True) as client:
+            client.run(_warm)  # imports on the workers, outside the timing
+            t, st = _best(lambda: compute_statistics(ds, client, group_samples=ds.chunk_samples), reps=1)
+        out.append({"workers": w, "build_s": t, "rows": st.n_rows})
+    out[1]["speedup"] = out[0]["build_s"] / out[1]["build_s"]
+    return out
+
+
+def _warm():
+    import scaleattn.statistics  # noqa: F401
+
+    scaleattn.statistics._blas_controller()
+
+
+def d_scaling(sizes, rate) -> list[dict]:
+    """Build and solve time per d (non-causal rows for d = 32: independent rows, smallest N that certifies)."""
+    from scaleattn.memory import fit_memory
+    from scaleattn.solver import solve
+    from scaleattn.statistics import statistics_from_arrays
+
+    out = []
+    for d, samples, length, causal in sizes:
+        D = _mhla(d, samples, length, causal)
+        rows = samples * (length if causal else 1)
+        macs = n_pairs(n_pairs(d)) * n_pairs(d) * rows
+        t0 = time.perf_counter()
+        st = statistics_from_arrays(D["tokens"], D["targets"])
+        tb = time.perf_counter() - t0
+        del D["tokens"]
+        est = fit_memory(d, d)
+        t0 = time.perf_counter()
+        sol = solve(st)
+        ts = time.perf_counter() - t0
+        out.append({"d": d, "psi": n_features(d), "rows": rows, "build_s": tb, "build_vs_floor": tb * rate / (2 * macs),
+                    "solve_s": ts, "solver_path": est["path"], "solver_memory_estimate_gib": est["solver_bytes"] / 2**30,
+                    "identifiable": bool(sol.certificate.identifiable), "lambda_min": sol.certificate.lambda_min,
+                    "coef_err_vs_teacher": _rel(sol.coef, _teacher_coef(D))})
+        del st, sol
+    return out
+
+
+def _machine() -> dict:
+    from threadpoolctl import threadpool_info
+
+    import psutil
+
+    return {"platform": platform.platform(), "processor": platform.processor(), "cores": os.cpu_count(),
+            "memory_gib": psutil.virtual_memory().total / 2**30, "python": platform.python_version(),
+            "numpy": np.__version__, "blas": [{k: i.get(k) for k in ("internal_api", "version", "num_threads",
+                                                                       "architecture", "prefix")}
+                                               for i in threadpool_info() if i.get("user_api") == "blas"],
+            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"), "load_avg": os.getloadavg()}
+
+
+def run(out_dir, quick: bool = False) -> dict:
+    """Run the benchmark; write ``bench.json`` and ``bench.md`` into ``out_dir``; return the results."""
+    import scipy.linalg.blas  # noqa: F401  (so threadpoolctl sees scipy's BLAS too)
+    from threadpoolctl import threadpool_limits
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    res = {"quick": quick, "targets": TARGETS}
+    with threadpool_limits(os.cpu_count() or 1, user_api="blas"), tempfile.TemporaryDirectory() as tmp:
+        res["machine"] = _machine()
+        rate = gemm_rate(1500 if quick else 2500)
+        res["gemm_gflops"] = rate / 1e9
+        _say(f"GEMM {rate / 1e9:.1f} GFLOP/s")
+        samples = 40 if quick else 400  # x 100 prefixes: 4,000 / 40,000 rows
+        res["core"] = core_comparison(8, 100, 100, rate) if quick else core_comparison(16, samples, 100, rate)
+        _say(f"core d=16: {json.dumps({k: round(v, 3) for k, v in res['core'].items() if isinstance(v, float)})}")
+        res["rows_scaling"] = rows_scaling(tmp, 16 if not quick else 8, samples if not quick else 100, 100)
+        _say(f"rows: {res['rows_scaling']}")
+        res["workers"] = workers_scaling(os.path.join(tmp, "rows4.zarr"))
+        _say(f"workers: {res['workers']}")
+        sizes = [(4, 200, 100, True), (8, 200, 100, True), (16, samples, 100, True)]
+        sizes.append((32, 300, 32, False) if quick else (32, 24_000, 32, False))
+        res["d_scaling"] = d_scaling(sizes, rate) if not quick else d_scaling(sizes[:3], rate)
+        _say(f"d: {res['d_scaling']}")
+        gemm_after = gemm_rate(1500 if quick else 2500)
+        res["gemm_gflops_end"] = gemm_after / 1e9
+    res["seconds"] = time.perf_counter() - t_start
+    res["met"] = _met(res)
+    (out_dir / "bench.json").write_text(json.dumps(res, indent=2, default=float))
+    (out_dir / "bench.md").write_text(markdown(res))
+    return res
+
+
+def _met(res) -> dict:
+    c = res["core"]
+    met = {"build_vs_floor": c["build_vs_floor"] <= TARGETS["build_vs_floor"]}
+    for k in ("speedup_vs_numpy_syrk", "speedup_vs_numpy_lstsq", "speedup_vs_dask_tsqr"):
+        if k in c:
+            met[k] = c[k] >= TARGETS[k]
+    for k in ("numpy_lstsq", "dask_tsqr"):
+        if f"{k}_rel_residual" in c:
+            met[f"accuracy_vs_{k}"] = c["ours_rel_residual"] <= max(c[f"{k}_rel_residual"], 1e-12)
+    met["rss_growth_n_to_4n"] = res["rows_scaling"][-1]["rss_growth"] <= TARGETS["rss_growth_n_to_4n"]
+    return met
+
+
+def markdown(res) -> str:
+    c = res["core"]
+    m = res["machine"]
+    blas = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']} x{b['num_threads']}" for b in m["blas"])
+    L = [f"# scaleattn core benchmark{' (quick)' if res['quick'] else ''}", "",
+         f"Machine: {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['processor'] or m['platform']}; BLAS "
+         f"{blas};"
+         f" load average at start {m['load_avg'][0]:.1f}. float64 GEMM {res['gemm_gflops']:.1f} GFLOP/s"
+         f" (at the end {res['gemm_gflops_end']:.1f}). Total {res['seconds']:.0f} s.", "",
+         f"## Statistics build and solve, d = {c['d']}, {c['rows']:,} rows, psi = {c['psi']:,}", "",
+         "| what | seconds | ratio | target | met |", "|---|---|---|---|---|",
+         f"| floor 2 x {c['compact_macs']:.3g} MACs / GEMM rate | {c['floor_s']:.3f} | | | |",
+         f"| our build (features + compact Gram + B) | {c['build_s']:.3f} | {c['build_vs_floor']:.2f} x floor | <= 1.5 x |"
+         f" {_yn(res['met'].get('build_vs_floor'))} |",
+         f"| bare GEMM u^T v on precomputed factors | {c['bare_gemm_s']:.3f} | build = {c['build_vs_bare_gemm']:.2f} x bare | | |"]
+    if "numpy_syrk_s" in c:
+        L += [f"| numpy phi^T phi (SYRK) | {c['numpy_syrk_s']:.3f} | ours {c['speedup_vs_numpy_syrk']:.2f} x faster | >= 1.5 x |"
+              f" {_yn(res['met'].get('speedup_vs_numpy_syrk'))} |",
+              f"| numpy phi + phi^T phi | {c['numpy_normal_eq_s']:.3f} | ours {c['speedup_vs_numpy_normal_eq']:.2f} x faster | | |",
+              f"| our fit: build + solve ({c['solve_s']:.2f} s) | {c['ours_s']:.3f} | | | |",
+              f"| numpy lstsq on phi (incl. forming phi) | {c['numpy_lstsq_s']:.3f} | ours {c['speedup_vs_numpy_lstsq']:.2f} x faster"
+              f" | >= 3 x | {_yn(res['met'].get('speedup_vs_numpy_lstsq'))} |",
+              f"| dask TSQR lstsq on phi | {c['dask_tsqr_s']:.3f} | ours {c['speedup_vs_dask_tsqr']:.2f} x faster | >= 10 x |"
+              f" {_yn(res['met'].get('speedup_vs_dask_tsqr'))} |", "",
+              "| answer | rel. distance to teacher c | rel. distance to ours | rel. training residual |",
+              "|---|---|---|---|",
+              f"| ours (normal equations, Jacobi-scaled {c.get('solver_path', 'eigh')} + one refinement step) |"
+              f" {c['ours_coef_err_vs_teacher']:.2e} | 0 | {c['ours_rel_residual']:.2e} |",
+              f"| numpy lstsq | {c['numpy_lstsq_coef_err_vs_teacher']:.2e} | {c['numpy_lstsq_vs_ours']:.2e} |"
+              f" {c['numpy_lstsq_rel_residual']:.2e} |",
+              f"| dask TSQR | {c['dask_tsqr_coef_err_vs_teacher']:.2e} | {c['dask_tsqr_vs_ours']:.2e} |"
+              f" {c['dask_tsqr_rel_residual']:.2e} |"]
+    if "numpy_lstsq_rel_residual" in c:
+        L += ["", "Accuracy target read as: our relative training residual <= the baseline's, or <= 1e-12 (both at"
+              f" round-off): vs numpy lstsq {_yn(res['met'].get('accuracy_vs_numpy_lstsq'))}, vs dask TSQR"
+              f" {_yn(res['met'].get('accuracy_vs_dask_tsqr'))}."]
+    L += ["", f"Certificate: identifiable {c['identifiable']}, condition number (scaled) {c['condition_number']:.3g}.",
+          "", "## Rows: fit in a fresh process (N, 2N, 4N)", "", "| rows | fit s | peak RSS MiB | growth vs N |",
+          "|---|---|---|---|"]
+    L += [f"| {o['n_rows']:,} | {o['fit_s']:.2f} | {o['peak_rss_bytes'] / 2**20:.0f} | {100 * o['rss_growth']:+.1f}% |"
+          for o in res["rows_scaling"]]
+    L += ["", f"Target: peak memory N -> 4N grows <= 10%: {_yn(res['met']['rss_growth_n_to_4n'])}.", "",
+          "## Workers (local Dask cluster, 1 thread each, statistics build of the 4N set)", "",
+          "| workers | build s | rows |", "|---|---|---|"]
+    L += [f"| {o['workers']} | {o['build_s']:.2f} | {o['rows']:,} |" for o in res["workers"]]
+    L += [f"", f"Speed-up 1 -> 2 workers: {res['workers'][1]['speedup']:.2f} x.", "", "## d", "",
+          "| d | psi | rows | build s | build / floor | solve s | solver | est. solver GiB | identifiable | coef err vs teacher |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    L += [f"| {o['d']} | {o['psi']:,} | {o['rows']:,} | {o['build_s']:.2f} | {o['build_vs_floor']:.2f} | {o['solve_s']:.2f} |"
+          f" {o['solver_path']} | {o['solver_memory_estimate_gib']:.2f} | {o['identifiable']} | {o['coef_err_vs_teacher']:.1e} |"
+          for o in res["d_scaling"]]
+    return "\n".join(L) + "\n"
+
+
+def _yn(v) -> str:
+    return "n/a" if v is None else ("yes" if v else "NO")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

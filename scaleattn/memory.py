@@ -1,0 +1,112 @@
+"""Memory a fit needs, estimated before it starts, and a clear refusal when it cannot fit (DESIGN §3, §4, §6).
+
+The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and expands them to the
+psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays at its peak (``G``, the
+Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2 workspace), the
+Cholesky path two (``G`` scaled in place and its factor). Each worker holds one partial ``Tc`` tile per task,
+and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.statistics.tree_reduce`).
+
+The available memory is ``psutil.virtual_memory().available`` unless ``memory_limit`` (bytes, or a string
+such as ``"16GiB"``) or the environment variable ``SCALEATTN_MEMORY_LIMIT`` says otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+from .features import n_features, n_pairs
+
+GIB = 2.0**30
+#: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
+SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2}
+
+
+class InsufficientMemoryError(MemoryError, ValueError):
+    """The fit cannot fit in the memory available. A ``ValueError`` too, so the CLI exits with code 2."""
+
+
+def parse_bytes(value) -> float:
+    """``123``, ``"8e9"``, ``"16GiB"``, ``"500 MB"`` -> bytes. Raises ``ValueError`` on anything else."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = str(value).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        return float(num) * units[s[len(num):]]
+    except (KeyError, ValueError):
+        raise ValueError(f"memory limit: cannot read {value!r} as a size (e.g. 16GiB, 8e9)") from None
+
+
+def fit_memory(d: int, d_out: int, *, method: str = "auto", large_psi: int | None = None,
+               split_every: int = 8, max_tile_bytes: float | None = None, block_rows: int | None = None,
+               threads: int = 1) -> dict:
+    """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs.
+
+    Returns a dict: ``psi``, ``path`` ("eigh" or "cholesky", :func:`scaleattn.solver.use_large_path`),
+    ``gram_bytes`` (one psi x psi float64 array), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
+    node's peak: the path's psi x psi arrays plus ``Tc`` twice, as received and concatenated, plus ``B``),
+    ``worker_bytes`` (one worker's peak: ``split_every + 2`` tiles while combining, plus one block of
+    features and the kernel's panels). Independent of the number of rows (the build streams them).
+    """
+    from .solver import use_large_path
+    from .statistics import BLOCK_ROWS, MAX_TILE_BYTES, PANEL_COLS, PANEL_ROWS, tile_bounds
+
+    m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
+    path = "cholesky" if use_large_path(psi, method, large_psi) else "eigh"
+    gram = 8.0 * psi * psi
+    compact = 8.0 * n_pairs(m) * dv
+    moments = 8.0 * psi * max(d_out, 1)
+    c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
+    tile = 8.0 * (c1 - c0) * dv
+    rows = BLOCK_ROWS if block_rows is None else block_rows
+    block = 8.0 * rows * (4 * m + 2 * dv + d * (1 + max(d_out, 1)))  # s, s^T, causal cumsum, v, x, x (x) y
+    panels = 8.0 * threads * PANEL_ROWS * PANEL_COLS
+    return {"psi": psi, "path": path, "gram_bytes": gram, "compact_bytes": compact,
+            "solver_bytes": SOLVER_ARRAYS[path] * gram + 2 * compact + 2 * moments,
+            "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
+
+
+def available_memory(memory_limit=None) -> float:
+    """Bytes available to the solver node: ``memory_limit``, else ``$SCALEATTN_MEMORY_LIMIT``, else psutil's
+    ``virtual_memory().available``."""
+    limit = memory_limit if memory_limit is not None else os.environ.get("SCALEATTN_MEMORY_LIMIT") or None
+    if limit is not None:
+        return parse_bytes(limit)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, **kwargs) -> dict:
+    """Refuse a fit that cannot fit before it starts; return :func:`fit_memory`'s estimate when it can.
+
+    The solver node (this process) must have ``solver_bytes`` available; with a Dask ``client``, every worker
+    with a memory limit must allow ``worker_bytes``.
+
+    Raises
+    ------
+    InsufficientMemoryError
+        (a ``MemoryError`` and a ``ValueError``) with the memory needed, the memory there is, and the size of
+        machine or worker it takes.
+    """
+    est = fit_memory(d, d_out, **kwargs)
+    have = available_memory(memory_limit)
+    need = est["solver_bytes"]
+    if need > have:
+        raise InsufficientMemoryError(
+            f"a fit with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
+            f" solver node ({SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays"
+            f" + statistics); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at least"
+            f" {1.25 * need / GIB:.0f} GiB of memory, or use a smaller d.")
+    if client is not None:
+        limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
+        small = [lim for lim in limits if 0 < lim < est["worker_bytes"]]
+        if small:
+            raise InsufficientMemoryError(
+                f"a fit with d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker (compact Gram tile"
+                f" partials while combining); {len(small)} of {len(limits)} workers have only"
+                f" {min(small) / GIB:.2f} GiB. Use workers with at least {1.25 * est['worker_bytes'] / GIB:.1f} GiB"
+                " (fewer workers per machine), or smaller tiles.")
+    est["available_bytes"] = have
+    return est
