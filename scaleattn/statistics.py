@@ -337,11 +337,14 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
 
 
 def _device_module(device):
+    """numpy or cupy for ``device``. ``"auto"`` picks the GPU only where one is assigned to this process
+    (``CUDA_VISIBLE_DEVICES``, as dask-cuda sets per worker), so CPU workers never pile onto GPU 0."""
     if device == "cpu":
         return np
     from ._backend import have_cupy
 
-    if device == "gpu" or (device == "auto" and have_cupy()):
+    assigned = bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if device == "gpu" or (device == "auto" and assigned and have_cupy()):
         import cupy
 
         return cupy
