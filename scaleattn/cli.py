@@ -298,6 +298,13 @@ def _cmd_bench(args) -> int:
     else:
         from .bench.core import run
     run(args.out, quick=args.quick)
+    import glob
+    import os
+
+    for md in sorted(glob.glob(os.path.join(args.out, "*.md"))):  # the tables, also kept next to the JSON
+        with open(md) as f:
+            print(f.read())
+    print(f"results in {args.out}/", file=sys.stderr)
     return 0
 
 

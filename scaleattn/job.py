@@ -263,13 +263,10 @@ def format_report(r: dict) -> str:
           if len(r.get("loss_vs_heads", [])) > 1 else []),
         *([f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output"]
           if r.get("ridge") else []),
-        *([f"witness: two fits with train MSE {r['witness']['loss_a']:.6g} and {r['witness']['loss_b']:.6g} predict"
-           f" {_vec(r['witness']['prediction_a'])} vs {_vec(r['witness']['prediction_b'])} on a {len(r['witness']['tokens'])}-token"
-           " input (report.json: witness.tokens)"] if "witness" in r else []),
+        *([f"witness: two fits with train MSE {r['witness']['loss_a']:.6g} and {r['witness']['loss_b']:.6g} differ by"
+           f" {r['witness']['prediction_difference']:.3g} (norm) in their predictions on a {len(r['witness']['tokens'])}-token"
+           " input (report.json: witness)"] if "witness" in r else []),
         f"wall time {r['seconds']:.2f} s",
     ]
     return "\n".join(lines)
 
-
-def _vec(v, k: int = 4) -> str:
-    return "[" + ", ".join(f"{x:.3g}" for x in v[:k]) + (", ...]" if len(v) > k else "]")
