@@ -242,7 +242,7 @@ def run(out_dir, quick: bool = False) -> dict:
         _say(f"GEMM {rate / 1e9:.1f} GFLOP/s")
         samples = 40 if quick else 400  # x 100 prefixes: 4,000 / 40,000 rows
         res["core"] = core_comparison(8, 100, 100, rate) if quick else core_comparison(16, samples, 100, rate)
-        _say(f"core d=16: {json.dumps({k: round(v, 3) for k, v in res['core'].items() if isinstance(v, float)})}")
+        _say(f"core d={res['core']['d']}: {json.dumps({k: float(f'{v:.3g}') for k, v in res['core'].items() if isinstance(v, float)})}")
         res["rows_scaling"] = rows_scaling(tmp, 16 if not quick else 8, samples if not quick else 100, 100)
         _say(f"rows: {res['rows_scaling']}")
         res["workers"] = workers_scaling(os.path.join(tmp, "rows4.zarr"))
