@@ -167,7 +167,7 @@ def _lambda_min_full_rank(spec: Spectrum) -> float:
     else:
         from scipy.sparse.linalg import svds
 
-        smax = svds(A, k=1, return_singular_vectors=False)[0]
+        smax = svds(A, k=1, return_singular_vectors=False, random_state=0)[0]  # reproducible bits
     return float(1.0 / smax**2)
 
 
@@ -301,6 +301,7 @@ def certify(stats, rtol: float | None = None, method: str = "auto", large_psi: i
     """
     if stats.n_rows == 0:
         raise ValueError("no rows: the statistics are empty")
+    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     rtol = default_rtol(stats.psi) if rtol is None else float(rtol)
     if use_large_path(stats.psi, method, large_psi):
         f = _cholesky_factor(stats.gram(), rtol, stats.n_rows)
@@ -369,6 +370,7 @@ def solve(stats, rtol: float | None = None, refine: bool = True, ridge: float = 
         raise ValueError("these statistics have no targets (built for the certificate only); cannot solve")
     if stats.n_rows == 0:
         raise ValueError("no rows: the statistics are empty")
+    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     if use_large_path(stats.psi, method, large_psi):
         sol = _solve_large(stats, stats.gram(), default_rtol(stats.psi) if rtol is None else float(rtol),
                            refine, ridge)
