@@ -348,16 +348,50 @@ def _add_all(*parts: Statistics) -> Statistics:
     return out
 
 
-def tree_reduce(parts: list, combine, split_every: int = 8):
+class TreeReducer:
+    """Streaming tree reduction: :meth:`add` items in order, :meth:`result` combines them ``split_every``
+    neighbours at a time, level by level, exactly as :func:`tree_reduce` would, while holding only
+    ``O(split_every * log n)`` items (a fit's memory does not grow with the number of row groups)."""
+
+    def __init__(self, combine, split_every: int = 8):
+        self.combine, self.split_every = combine, max(2, int(split_every))
+        self.levels: list[list] = []  # levels[k]: items at depth k not yet in a full group
+        self.count = 0
+
+    def add(self, item) -> None:
+        self.count += 1
+        k = 0
+        while True:
+            if len(self.levels) == k:
+                self.levels.append([])
+            self.levels[k].append(item)
+            if len(self.levels[k]) < self.split_every:
+                return
+            item, self.levels[k] = self.combine(*self.levels[k]), []
+            k += 1
+
+    def result(self):
+        if not self.count:
+            raise ValueError("nothing to reduce")
+        carry = None
+        for k, pending in enumerate(self.levels):  # each level's last, partial group; a lone item passes up
+            items = pending + ([carry] if carry is not None else [])
+            if not items:
+                continue
+            if len(items) == 1 and not any(self.levels[k + 1:]):
+                return items[0]
+            carry = self.combine(*items) if len(items) > 1 else items[0]
+        return carry
+
+
+def tree_reduce(parts, combine, split_every: int = 8):
     """Reduce ``parts`` by combining ``split_every`` neighbours at a time, level by level, in a fixed order
-    (so floating-point results do not depend on which worker finished first)."""
-    if not parts:
-        raise ValueError("nothing to reduce")
-    split_every = max(2, int(split_every))
-    while len(parts) > 1:
-        parts = [combine(*parts[i : i + split_every]) if len(parts[i : i + split_every]) > 1 else parts[i]
-                 for i in range(0, len(parts), split_every)]
-    return parts[0]
+    (so floating-point results do not depend on which worker finished first). Raises ``ValueError`` when
+    ``parts`` is empty."""
+    red = TreeReducer(combine, split_every)
+    for p in parts:
+        red.add(p)
+    return red.result()
 
 
 def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
@@ -455,16 +489,15 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     if client is None:
         from .cluster import progress_bar
 
-        parts = [[None] * len(tiles) for _ in groups]
+        reducers = [TreeReducer(_add_all, split_every) for _ in tiles]  # same tree as on a cluster
         with progress_bar(len(groups), "statistics", progress) as advance:
             for gi, (a, b) in enumerate(groups):
                 for ti, cols in enumerate(tiles):
-                    parts[gi][ti] = _partial(dataset, gi, ti, a, b, cols, targets, device, ckpt)
+                    reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt))
                 advance()
                 if stop_after is not None and gi in todo and todo.index(gi) + 1 >= stop_after:
                     os._exit(75)
-        roots = [tree_reduce([p[ti] for p in parts], _add_all, split_every) for ti in range(len(tiles))]
-        return _assemble(roots, dataset.d)
+        return _assemble([r.result() for r in reducers], dataset.d)
     from .cluster import wait_with_progress
 
     tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"

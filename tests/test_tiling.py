@@ -103,3 +103,20 @@ def test_distributed_tiled_is_bit_identical_to_local(data, client):
     other = write_dataset(ds.url + ".rechunk", D[0], D[2], D[1], chunk_samples=24)
     re = compute_statistics(other, client, tile_rows=29)
     assert _rel(re.gram_compact, local.gram_compact) <= 1e-12 and _rel(re.moments, B) <= 1e-12
+
+
+@pytest.mark.parametrize("split_every", [2, 3, 8])
+def test_streaming_tree_reduction_has_the_level_by_level_shape(split_every):
+    from scaleattn.statistics import tree_reduce
+
+    def level_by_level(parts):  # the reference shape, written out independently
+        while len(parts) > 1:
+            parts = [f"({','.join(parts[i:i + split_every])})" if len(parts[i:i + split_every]) > 1 else parts[i]
+                     for i in range(0, len(parts), split_every)]
+        return parts[0]
+
+    for n in range(1, 80):
+        parts = [str(i) for i in range(n)]
+        assert tree_reduce(iter(parts), lambda *p: f"({','.join(p)})", split_every) == level_by_level(parts)
+    with pytest.raises(ValueError):
+        tree_reduce([], lambda *p: p)
