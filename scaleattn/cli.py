@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(pl, out=False)
 
     b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default) or tensor attention")
-    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor"])
+    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu"],
+                   help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
+                        " gpu: the same kernels on a CUDA device (needs the gpu extra)")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     b.add_argument("--vs", choices=["adamw"], default=None,
@@ -295,6 +297,8 @@ def _cmd_bench(args) -> int:
         from .bench.adamw import run
     elif args.suite == "tensor":
         from .bench.tensor import run
+    elif args.suite == "gpu":
+        from .bench.gpu import run
     else:
         from .bench.core import run
     run(args.out, quick=args.quick)
