@@ -39,7 +39,7 @@ def parse_bytes(value) -> float:
 
 
 def fit_memory(d: int, d_out: int, *, method: str = "auto", large_psi: int | None = None,
-               split_every: int = 8, max_tile_bytes: float | None = None, block_rows: int | None = None,
+               split_every: int = 4, max_tile_bytes: float | None = None, block_rows: int | None = None,
                threads: int = 1) -> dict:
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs.
 

@@ -342,10 +342,20 @@ def _device_module(device):
 
 
 def _add_all(*parts: Statistics) -> Statistics:
-    out = parts[0]
-    for p in parts[1:]:
-        out = out + p
+    """Sum in order into one new buffer (same bits as ``((p0 + p1) + p2) + ...``, one temporary)."""
+    out = parts[0] + parts[1] if len(parts) > 1 else parts[0]
+    for p in parts[2:]:
+        if p.gram_compact.shape != out.gram_compact.shape or p.moments.shape != out.moments.shape:
+            raise ValueError(f"cannot add statistics of (d, d_out) = {(out.d, out.d_out)} and {(p.d, p.d_out)}")
+        out.gram_compact += p.gram_compact
+        out.moments += p.moments
+        out.yy += p.yy
+        out.n_rows += p.n_rows
     return out
+
+
+#: partials combined per reduction task: small, so a streaming in-process build holds few partials at once
+SPLIT_EVERY = 4
 
 
 class TreeReducer:
@@ -427,7 +437,7 @@ def _stop_after_groups() -> int | None:
 
 
 def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
-                       split_every: int = 8, device: str = "auto", progress: bool = False,
+                       split_every: int = SPLIT_EVERY, device: str = "auto", progress: bool = False,
                        tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
                        checkpoint: str | None = None, storage_options: dict | None = None,
                        info: dict | None = None) -> Statistics:
