@@ -69,6 +69,10 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     """
     from distributed import Client, LocalCluster
 
+    from .memory import release_large_buffers
+
+    release_large_buffers()  # this process and the embedded cluster's workers (set before they spawn)
+
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if scheduler and (workers or gpus):
         raise ValueError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own workers")

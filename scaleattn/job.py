@@ -127,9 +127,10 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
         raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
     if out is not None and _storage.exists(out, storage_options) and not overwrite:
         raise FileExistsError(f"output {out!r} already exists (pass --overwrite to replace it)")
-    from .memory import check_fit_memory
+    from .memory import check_fit_memory, release_large_buffers
 
     check_fit_memory(ds.d, ds.d_out, client=client)  # refuse before the build: InsufficientMemoryError
+    release_large_buffers()  # peak memory must not creep up with the number of row groups
     times = {}
     t = time.perf_counter()
     ckpt = checkpoint or (str(out).rstrip("/") + ".checkpoint.zarr" if out is not None else None)

@@ -341,10 +341,11 @@ def _device_module(device):
     return np
 
 
-def _add_all(*parts: Statistics) -> Statistics:
-    """Sum in order into one new buffer (same bits as ``((p0 + p1) + p2) + ...``, one temporary)."""
-    out = parts[0] + parts[1] if len(parts) > 1 else parts[0]
-    for p in parts[2:]:
+def _add_all(*parts: Statistics, inplace: bool = False) -> Statistics:
+    """Sum in order (same bits as ``((p0 + p1) + p2) + ...``) into a new buffer, or into ``parts[0]`` with
+    ``inplace`` (only for partials this process owns: a Dask task must never modify its inputs)."""
+    out = parts[0] if inplace else (parts[0] + parts[1] if len(parts) > 1 else parts[0])
+    for p in parts[1 if inplace else 2:]:
         if p.gram_compact.shape != out.gram_compact.shape or p.moments.shape != out.moments.shape:
             raise ValueError(f"cannot add statistics of (d, d_out) = {(out.d, out.d_out)} and {(p.d, p.d_out)}")
         out.gram_compact += p.gram_compact
@@ -354,8 +355,9 @@ def _add_all(*parts: Statistics) -> Statistics:
     return out
 
 
-#: partials combined per reduction task: small, so a streaming in-process build holds few partials at once
-SPLIT_EVERY = 4
+#: partials combined per reduction task: a binary tree, so an in-process build holds about log2(groups)
+#: partials at once (its peak memory hardly grows with the number of rows)
+SPLIT_EVERY = 2
 
 
 class TreeReducer:
@@ -499,7 +501,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     if client is None:
         from .cluster import progress_bar
 
-        reducers = [TreeReducer(_add_all, split_every) for _ in tiles]  # same tree as on a cluster
+        add_into = functools.partial(_add_all, inplace=True)  # our own partials: sum in place
+        reducers = [TreeReducer(add_into, split_every) for _ in tiles]  # same tree (and bits) as on a cluster
         with progress_bar(len(groups), "statistics", progress) as advance:
             for gi, (a, b) in enumerate(groups):
                 for ti, cols in enumerate(tiles):
