@@ -153,12 +153,18 @@ def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> 
 
         cf = client.scatter(coef, broadcast=True)
         futs = [client.submit(group_errors, dataset, a, b, cf, retries=3) for a, b in groups]
-        root = tree_reduce(futs, lambda *p: client.submit(_sum, *p, retries=3), 8)
+        combos = []  # kept referenced until the end, so a cancel finds every reduction future wanted
+
+        def combine(*p):
+            combos.append(client.submit(_sum, *p, retries=3))
+            return combos[-1]
+
+        root = tree_reduce(futs, combine)
         try:
             wait_with_progress(futs, "evaluate", progress)
             tot = root.result()
         except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
-            client.cancel(futs + [root])
+            client.cancel(futs + combos)
             raise
     sse, yy, count = tot
     mse, ms = sse / max(count, 1), yy / max(count, 1)

@@ -517,8 +517,13 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, retries=3,
                            key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
             for gi, (a, b) in enumerate(groups)]
-    roots = [tree_reduce([f[ti] for f in futs], lambda *p: client.submit(_add_all, *p, retries=3), split_every)
-             for ti in range(len(tiles))]
+    combos = []  # every reduction future stays referenced until the end, so a cancel finds all of them wanted
+
+    def combine(*p):
+        combos.append(client.submit(_add_all, *p, retries=3))
+        return combos[-1]
+
+    roots = [tree_reduce([f[ti] for f in futs], combine, split_every) for ti in range(len(tiles))]
     flat = [f for row in futs for f in row]
     try:
         if stop_after is not None:
@@ -526,7 +531,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         wait_with_progress(flat, "statistics", progress)
         return _assemble(client.gather(roots), dataset.d)
     except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
-        client.cancel(flat + [r for r in roots if hasattr(r, "key")])
+        client.cancel(flat + combos)
         raise
 
 
