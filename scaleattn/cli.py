@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
     f.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
+    f.add_argument("--solver", choices=["auto", "eigh", "cholesky"], default="auto",
+                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
+                        " eigh: the whole spectrum of Lambda_D at any psi (slower)")
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
@@ -132,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("certify", help="identifiability certificate only (Gram matrix, no targets needed)")
     c.add_argument("dataset")
     c.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
+    c.add_argument("--solver", choices=["auto", "eigh", "cholesky"], default="auto",
+                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
+                        " eigh: the whole spectrum of Lambda_D at any psi (slower)")
     _add_cluster_args(c)
     _add_io_args(c, out=False)
     _add_output_args(c)
@@ -245,7 +251,7 @@ def _cmd_fit(args) -> int:
     if _storage.exists(args.out, opts) and not args.overwrite:  # ... and refuse an existing output before too
         raise FileExistsError(f"output {args.out!r} already exists (pass --overwrite to replace it)")
     with _cluster(args) as client:
-        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, ridge=args.ridge,
+        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, ridge=args.ridge, solver=args.solver,
                   exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=not (args.quiet or args.json), storage_options=opts,
                   device=args.device, plots=not args.no_plots, resume=args.resume, checkpoint=args.checkpoint,
@@ -262,7 +268,8 @@ def _cmd_certify(args) -> int:
     opts = _storage_options(args.storage_option)
     ds = open_dataset(args.dataset, opts)
     with _cluster(args) as client:
-        cert = certify_dataset(ds, client=client, rtol=args.rtol, progress=not (args.quiet or args.json))
+        cert = certify_dataset(ds, client=client, rtol=args.rtol, progress=not (args.quiet or args.json),
+                               solver=args.solver)
     s = cert.summary()
     verdict = "identifiable" if cert.identifiable else f"NOT identifiable (ambiguous dimension {cert.ambiguous_dim})"
     _emit(args, s, f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"

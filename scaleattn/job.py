@@ -53,13 +53,14 @@ def recover_heads(coef, d: int, heads="svd", stats: Statistics | None = None) ->
 EXACT_HEADS_RTOL = 1e-10
 
 
-def model_from_statistics(stats: Statistics, causal: bool = False, heads="svd", rtol=None, ridge: float = 0.0):
+def model_from_statistics(stats: Statistics, causal: bool = False, heads="svd", rtol=None, ridge: float = 0.0,
+                          solver: str = "auto"):
     """Solve, certify and recover heads from statistics alone: ``(MHLAModel, Solution, Heads)``.
 
     When the heads cannot reproduce the fit (``heads=H`` below the minimal head count) the model's
     coefficients are the heads' own ``c(Theta)``: the model is the H-head model.
     """
-    sol = solve(stats, rtol, ridge=ridge)
+    sol = solve(stats, rtol, ridge=ridge, method=solver)
     h = recover_heads(sol.coef, stats.d, heads, stats)
     coef = sol.coef if h.residual <= EXACT_HEADS_RTOL else coef_from_heads(h.V, h.Q)
     model = MHLAModel(coef, h.V, h.Q, stats.d, causal)
@@ -87,7 +88,7 @@ class FitResult:
 def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: float | None = None,
         ridge: float = 0.0, exact_mse: bool = True, overwrite: bool = False, progress: bool = False,
         storage_options: dict | None = None, device: str = "auto", plots: bool = True, resume: bool = False,
-        checkpoint: str | None = None, keep_checkpoint: bool = False) -> FitResult:
+        checkpoint: str | None = None, keep_checkpoint: bool = False, solver: str = "auto") -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -102,6 +103,9 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     heads : "svd" | "minimal" | int
     ridge : float
         Scaled ridge strength (:func:`scaleattn.solver.solve`); the report gives the effective dof.
+    solver : "auto" | "eigh" | "cholesky"
+        Solver path (:func:`scaleattn.solver.solve`): ``"eigh"`` keeps the whole spectrum of ``Lambda_D`` (for
+        the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past ``LARGE_PSI``.
     exact_mse : bool
         Measure the training MSE by a second pass over the data (exact to round-off even at 1e-30), in
         addition to the statistics formula (whose floor is about eps * mean(y^2)).
@@ -153,7 +157,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     from .cluster import status
 
     with status(f"solve (psi {stats.psi:,}) and heads ({heads})", progress):
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol, ridge)
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol, ridge, solver)
     times["solve_and_heads"] = time.perf_counter() - t
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     cert = sol.certificate
@@ -241,11 +245,16 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def certify_dataset(dataset, *, client=None, rtol=None, progress=False, storage_options=None) -> Certificate:
-    """Identifiability certificate of a dataset (only the Gram is built; targets are not read)."""
+def certify_dataset(dataset, *, client=None, rtol=None, progress=False, storage_options=None,
+                    solver: str = "auto") -> Certificate:
+    """Identifiability certificate of a dataset (only the Gram is built; targets are not read).
+
+    ``solver``: ``"auto"``, ``"eigh"`` (whole spectrum) or ``"cholesky"`` (extreme eigenvalues only), as
+    :func:`scaleattn.solver.certify`.
+    """
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
     stats = compute_statistics(ds, client, targets=False, progress=progress)
-    return certify(stats, rtol)
+    return certify(stats, rtol, method=solver)
 
 
 def format_report(r: dict) -> str:

@@ -52,3 +52,24 @@ def test_import_digits_and_npz(tmp_path):
     (tmp_path / "s.csv").write_text("a,b,c\n" + "\n".join(",".join(f"{v:.6f}" for v in r) for r in x))
     p = run("import", tmp_path / "s.zarr", "--csv", tmp_path / "s.csv", "--length", 10)
     assert "N=290" in p.stdout and "d=3" in p.stdout
+
+
+def test_solver_paths_agree_at_d16(tmp_path):
+    """d = 16 (psi = 2,176) takes the Cholesky + Lanczos path by default; --solver eigh gives the whole spectrum.
+    Both certificates must agree with a dense eigvalsh of G / N computed here from the features."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.features import phi, token_features
+
+    data = tmp_path / "d16.zarr"
+    run("generate", "mhla", data, "--d", 16, "--heads", 1, "--length", 4, "--samples", 3000, "--seed", 1)
+    chol = json.loads(run("certify", data, "--json", "--local").stdout)
+    eigh = json.loads(run("certify", data, "--json", "--local", "--solver", "eigh").stdout)
+    tok, _, _ = open_dataset(data).read(0, 3000)
+    P = phi(*token_features(tok))
+    lam = np.linalg.eigvalsh(P.T @ P / len(P))
+    for cert in (chol, eigh):
+        assert cert["psi"] == 2176 and cert["identifiable"]
+        assert cert["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
+        assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
