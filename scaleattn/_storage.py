@@ -25,7 +25,7 @@ class StorageError(ValueError):
     The message names the URL, the underlying error and where the endpoint and credentials come from."""
 
 
-def _storage_error(url: str, e: BaseException) -> StorageError | None:
+def access_error(url: str, e: BaseException) -> StorageError | None:
     """``e`` as a :class:`StorageError`, or None when it is not an access problem (e.g. a missing key)."""
     if isinstance(e, (FileNotFoundError, StorageError)) or not isinstance(e, Exception):
         return None
@@ -45,7 +45,7 @@ def _remote_access(url: str):
     try:
         yield
     except Exception as e:
-        err = _storage_error(url, e)
+        err = access_error(url, e)
         if err is None:
             raise
         raise err from e

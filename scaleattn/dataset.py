@@ -82,7 +82,7 @@ class Dataset:
             try:
                 return np.asarray(g[name][start:stop])
             except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
-                access = _storage._storage_error(self.url, e)
+                access = _storage.access_error(self.url, e)
                 if access is not None:  # the store is unreachable, not the data bad: keep it resumable
                     raise access from None
                 raise DatasetError(

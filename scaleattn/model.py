@@ -138,7 +138,7 @@ def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> 
     Returns ``dict(mse, target_mean_square, relative_mse, n_rows)``; ``mse`` is averaged over rows and outputs.
     Raises ``ValueError`` when the dataset has no targets or other dimensions than the model.
     """
-    from .statistics import row_groups, tree_reduce
+    from .statistics import row_groups, submit_tree, tree_reduce
 
     if not dataset.has_targets:
         raise ValueError(f"{dataset.url}: no targets to evaluate against")
@@ -153,13 +153,7 @@ def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> 
 
         cf = client.scatter(coef, broadcast=True)
         futs = [client.submit(group_errors, dataset, a, b, cf, retries=3) for a, b in groups]
-        combos = []  # kept referenced until the end, so a cancel finds every reduction future wanted
-
-        def combine(*p):
-            combos.append(client.submit(_sum, *p, retries=3))
-            return combos[-1]
-
-        root = tree_reduce(futs, combine)
+        root, combos = submit_tree(client, futs, _sum)
         try:
             wait_with_progress(futs, "evaluate", progress)
             tot = root.result()

@@ -365,7 +365,7 @@ class TreeReducer:
     neighbours at a time, level by level, exactly as :func:`tree_reduce` would, while holding only
     ``O(split_every * log n)`` items (a fit's memory does not grow with the number of row groups)."""
 
-    def __init__(self, combine, split_every: int = 8):
+    def __init__(self, combine, split_every: int = SPLIT_EVERY):
         self.combine, self.split_every = combine, max(2, int(split_every))
         self.levels: list[list] = []  # levels[k]: items at depth k not yet in a full group
         self.count = 0
@@ -396,7 +396,7 @@ class TreeReducer:
         return carry
 
 
-def tree_reduce(parts, combine, split_every: int = 8):
+def tree_reduce(parts, combine, split_every: int = SPLIT_EVERY):
     """Reduce ``parts`` by combining ``split_every`` neighbours at a time, level by level, in a fixed order
     (so floating-point results do not depend on which worker finished first). Raises ``ValueError`` when
     ``parts`` is empty."""
@@ -404,6 +404,21 @@ def tree_reduce(parts, combine, split_every: int = 8):
     for p in parts:
         red.add(p)
     return red.result()
+
+
+def submit_tree(client, futures: list, func, split_every: int = SPLIT_EVERY):
+    """:func:`tree_reduce` of ``futures`` on a cluster with ``func`` (submitted with retries).
+
+    Returns ``(root, combines)``: every reduction future, for the caller to keep referenced until the end (so
+    a cancel finds each of them still wanted) and to cancel with the inputs when something fails.
+    """
+    combines = []
+
+    def combine(*parts):
+        combines.append(client.submit(func, *parts, retries=3))
+        return combines[-1]
+
+    return tree_reduce(futures, combine, split_every), combines
 
 
 def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
@@ -517,13 +532,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, retries=3,
                            key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
             for gi, (a, b) in enumerate(groups)]
-    combos = []  # every reduction future stays referenced until the end, so a cancel finds all of them wanted
-
-    def combine(*p):
-        combos.append(client.submit(_add_all, *p, retries=3))
-        return combos[-1]
-
-    roots = [tree_reduce([f[ti] for f in futs], combine, split_every) for ti in range(len(tiles))]
+    trees = [submit_tree(client, [f[ti] for f in futs], _add_all, split_every) for ti in range(len(tiles))]
+    roots, combos = [r for r, _ in trees], [c for _, cs in trees for c in cs]
     flat = [f for row in futs for f in row]
     try:
         if stop_after is not None:
