@@ -239,17 +239,11 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_fit(args) -> int:
-    from . import _storage
-    from .dataset import open_dataset
-    from .job import fit, format_report, parse_heads
+    from .job import fit, format_report, parse_heads, preflight
 
     opts = _storage_options(args.storage_option)
     heads = parse_heads(args.heads)
-    ds = open_dataset(args.dataset, opts)  # validate before starting a cluster
-    if not ds.has_targets:
-        raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
-    if _storage.exists(args.out, opts) and not args.overwrite:  # ... and refuse an existing output before too
-        raise FileExistsError(f"output {args.out!r} already exists (pass --overwrite to replace it)")
+    ds = preflight(args.dataset, args.out, args.overwrite, opts)  # bad input fails before a cluster starts
     with _cluster(args) as client:
         res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, ridge=args.ridge, solver=args.solver,
                   exact_mse=not args.no_exact_mse,

@@ -85,6 +85,20 @@ class FitResult:
         return format_report(self.report)
 
 
+def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) -> Dataset:
+    """The checks :func:`fit` makes before any work (callers run them before starting a cluster too): the
+    dataset opens and has targets, and ``out`` does not exist unless ``overwrite``. Returns the dataset.
+
+    Raises ``DatasetError``/``ValueError`` (no targets) or ``FileExistsError``.
+    """
+    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
+    if not ds.has_targets:
+        raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
+    if out is not None and _storage.exists(out, storage_options) and not overwrite:
+        raise FileExistsError(f"output {out!r} already exists (pass --overwrite to replace it)")
+    return ds
+
+
 def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: float | None = None,
         ridge: float = 0.0, exact_mse: bool = True, overwrite: bool = False, progress: bool = False,
         storage_options: dict | None = None, device: str = "auto", plots: bool = True, resume: bool = False,
@@ -126,11 +140,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     """
     t0 = time.perf_counter()
     heads = parse_heads(heads)
-    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
-    if not ds.has_targets:
-        raise ValueError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
-    if out is not None and _storage.exists(out, storage_options) and not overwrite:
-        raise FileExistsError(f"output {out!r} already exists (pass --overwrite to replace it)")
+    ds = preflight(dataset, out, overwrite, storage_options)
     from .memory import check_fit_memory, release_large_buffers
 
     check_fit_memory(ds.d, ds.d_out, client=client)  # refuse before the build: InsufficientMemoryError
