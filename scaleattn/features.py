@@ -71,7 +71,6 @@ def token_features(tokens, lengths=None, causal: bool = False):
     xp = get_xp(tokens)
     z = xp.asarray(tokens, dtype=xp.float64)
     n, T, d = z.shape
-    I, J, _ = triu_index(d)
     if lengths is not None:
         lengths = xp.asarray(lengths)
         valid = xp.arange(T)[None, :] < lengths[:, None]  # (n, T)
@@ -81,7 +80,7 @@ def token_features(tokens, lengths=None, causal: bool = False):
         last = (lengths - 1) if lengths is not None else xp.full(n, T - 1)
         x = z[xp.arange(n), last]
         return s, x
-    s = xp.cumsum(z[..., xp.asarray(I)] * z[..., xp.asarray(J)], axis=1)  # (n, T, m)
+    s = xp.cumsum(pair_products(z.reshape(n * T, d)).reshape(n, T, -1), axis=1)  # (n, T, m)
     if lengths is None:
         return s.reshape(n * T, -1), z.reshape(n * T, d)
     return s[valid], z[valid]
@@ -147,7 +146,7 @@ def compact_factors(s, x, out_u=None, cols: slice | None = None):
     those columns of ``u``, shape (rows, cols width): the factor of one column tile of ``Tc`` (DESIGN §6).
     See :func:`pair_products`.
     """
-    return pair_products(s, cols, out_u), vech(x[:, :, None] * x[:, None, :])
+    return pair_products(s, cols, out_u), pair_products(x)
 
 
 def expand_compact_gram(gram_compact, d: int):

@@ -7,7 +7,6 @@ targets, so one ``Tc`` serves any number of target sets (and the certificate nee
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -18,15 +17,17 @@ import numpy as np
 
 from . import _storage
 from ._backend import get_xp, to_numpy
-from .features import expand_compact_gram, n_features, n_pairs, pair_products, row_targets, token_features, vech
+from .features import expand_compact_gram, n_features, n_pairs, pair_products, row_targets, token_features
 
 FORMAT = "scaleattn-statistics"
 FORMAT_VERSION = 1
-#: feature rows per block (s, x and v are formed for this many rows at a time)
-BLOCK_ROWS = 1024
-#: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels (256 x 256 x 8 B = 512 KiB: stays in L2) and
-#: accumulates each with one BLAS GEMM into its slice of Tc (:func:`gram_update`)
-PANEL_ROWS = 256
+#: bytes of row features per block of :func:`accumulate` (s, s^T, the causal cumsum, v, x, x (x) y): large
+#: blocks amortise the kernel's per-call work, small ones bound memory (32 MB: 7,000 rows at d = 16, 470 at d = 64)
+BLOCK_BYTES = 32e6
+#: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
+#: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the
+#: packing of v; the 2 MB panel is still re-read from L2/L3)
+PANEL_ROWS = 1024
 PANEL_COLS = 256
 #: below this many multiply-adds per call the kernel runs on one thread (thread start-up would dominate)
 MIN_THREAD_MACS = 50_000_000
@@ -128,8 +129,14 @@ class Statistics:
                    int(a["n_rows"]), int(a["d"]))
 
 
+def default_block_rows(d: int, d_out: int = 0) -> int:
+    """Feature rows per block of :func:`accumulate`: about ``BLOCK_BYTES`` of row features, at least one panel."""
+    m = n_pairs(d)
+    return max(PANEL_ROWS, int(BLOCK_BYTES // (8 * (3 * m + n_pairs(d) + d * (1 + max(d_out, 1))))))
+
+
 def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bool = False,
-               block_rows: int = BLOCK_ROWS, cols: slice | None = None) -> Statistics:
+               block_rows: int | None = None, cols: slice | None = None) -> Statistics:
     """Add a block of samples to ``stats`` in place (and return it).
 
     Parameters
@@ -138,31 +145,39 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         numpy or cupy (the statistics' arrays must live on the same device).
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
+    block_rows : int, optional
+        Feature rows formed at a time (default :func:`default_block_rows`); the result does not depend on it
+        beyond round-off.
     cols : slice, optional
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
 
-    Rows are processed ``block_rows`` at a time: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3),
-    ``B += s^T (x (x) y)``. Memory: O(block_rows * (m + d^2)) beyond the statistics, whatever ``n``.
+    Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
+    ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
     n, T, d = tokens.shape
     per = T if causal else 1
-    step = max(1, block_rows // per)
+    rows = default_block_rows(d, stats.d_out) if block_rows is None else int(block_rows)
+    step = max(1, rows // per)
     threads = _kernel_threads(tokens)
-    with contextlib.ExitStack() as stack:
-        if threads > 1:  # parallelism comes from gram_update's threads; small BLAS calls stay single-threaded
-            stack.enter_context(_blas_controller().limit(limits=1))
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            lens = None if lengths is None else lengths[a:b]
-            s, x = token_features(tokens[a:b], lens, causal)
-            gram_update(stats.gram_compact, s, x, cols, threads=threads)
-            if targets is not None:
-                y = row_targets(targets[a:b], lens, causal)
-                xy = (x[:, :, None] * y[:, None, :]).reshape(x.shape[0], -1)
-                stats.moments += (s.T @ xy).reshape(stats.moments.shape)
-                stats.yy += float((y * y).sum())
-            stats.n_rows += int(s.shape[0])
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        lens = None if lengths is None else lengths[a:b]
+        s, x = token_features(tokens[a:b], lens, causal)
+        extra = []
+        if targets is not None:
+            y = row_targets(targets[a:b], lens, causal)
+            extra.append((s.shape[0] * s.shape[1] * x.shape[1] * y.shape[1],
+                          functools.partial(_moments_update, stats.moments, s, x, y)))
+            stats.yy += float((y * y).sum())
+        gram_update(stats.gram_compact, s, x, cols, threads=threads, extra=extra)
+        stats.n_rows += int(s.shape[0])
     return stats
+
+
+def _moments_update(moments, s, x, y) -> None:
+    """``B += s^T (x (x) y)`` in place: ``phi^T y`` without forming ``phi = s (x) x`` ([Y25] Alg. 1, DESIGN §3)."""
+    xy = (x[:, :, None] * y[:, None, :]).reshape(x.shape[0], -1)
+    moments += (s.T @ xy).reshape(moments.shape)
 
 
 def _gemm_acc(c, a, b) -> None:
@@ -190,8 +205,16 @@ def _blas_controller():
     return ThreadpoolController().select(user_api="blas")
 
 
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int):
+    """A persistent thread pool for the kernel's shares (made once per size: no thread start-up per block)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(workers, thread_name_prefix="scaleattn-gram")
+
+
 def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, panel_rows: int = PANEL_ROWS,
-                panel_cols: int = PANEL_COLS):
+                panel_cols: int = PANEL_COLS, extra=()):
     """The compact-Gram kernel: ``gram += u[:, cols]^T v`` with ``u = vech(s s^T)``, ``v = vech(x x^T)``
     (DESIGN §3), in place; returns ``gram``.
 
@@ -205,46 +228,64 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, pane
         Step-1 column range of ``u`` (a column tile of ``Tc``, DESIGN §6).
     threads : int
         numpy only: the panels are split over this many threads (disjoint slices of ``gram``, one BLAS thread
-        each), so forming ``u`` runs in parallel too. The result does not depend on ``threads`` (each entry is
-        summed by one thread in the same order).
+        each; the calling thread takes the first share), so forming ``u`` runs in parallel too. The result does
+        not depend on ``threads`` (each entry is summed by one thread in the same order).
+    extra : sequence of (multiply-adds, callable)
+        Other work on the same rows (the moments update), run in the same threads and balanced with the panels.
+
+    Raises ValueError when ``gram`` has the wrong number of rows for ``cols``.
 
     ``u`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer and
-    accumulated with one GEMM ``gram[panel] += u_panel^T v`` (``beta = 1``, no temporary). Multiply-adds:
-    ``rows * width * d(d+1)/2``; extra memory: ``threads * panel_rows * panel_cols`` floats.
+    accumulated with one GEMM ``gram[panel] += u_panel^T v``. Multiply-adds: ``rows * width * d(d+1)/2``;
+    extra memory: ``threads * panel_rows * panel_cols`` floats.
     """
     xp = get_xp(gram, s, x)
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
-    v = xp.ascontiguousarray(vech(x[:, :, None] * x[:, None, :]))
+    v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2), C-contiguous
     sT = xp.ascontiguousarray(s.T)  # (m, rows): u panels are built column-major, one contiguous run per pair
     rows = s.shape[0]
     panel_rows, panel_cols = max(1, int(panel_rows)), max(1, int(panel_cols))
+
     panels = [(a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols)]
+    jobs = [(cost, f) for cost, f in extra] + [(rows * (b - a) * v.shape[1], (a, b)) for a, b in panels]
+    total = sum(c for c, _ in jobs)
+    threads = max(1, min(int(threads), len(jobs), total // MIN_THREAD_MACS + 1))
+    shares, done = [[]], 0
+    for cost, job in jobs:  # contiguous shares of about equal multiply-adds, in a fixed order
+        if len(shares) < threads and done >= total * len(shares) / threads:
+            shares.append([])
+        shares[-1].append(job)
+        done += cost
 
-    def work(mine):
-        buf = xp.empty(panel_rows * panel_cols)
-        for a, b in mine:
-            g = gram[a - c0 : b - c0]
-            for r in range(0, rows, panel_rows):
-                sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
+    def run(share):
+        mine = [job for job in share if isinstance(job, tuple)]
+        buf = xp.empty(panel_rows * panel_cols) if mine else None
+        for r in range(0, rows, panel_rows):  # rows outer: this chunk of s and v stays in cache across panels
+            sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
+            for a, b in mine:
                 out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0]).T  # (rows', width), F-contiguous
-                _gemm_acc(g, pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
+                _gemm_acc(gram[a - c0 : b - c0], pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
+        for job in share:
+            if not isinstance(job, tuple):
+                job()
 
-    threads = max(1, min(int(threads), len(panels), rows * (c1 - c0) * v.shape[1] // MIN_THREAD_MACS + 1))
-    if xp is not np or threads == 1:
-        work(panels)
+    if xp is not np or len(shares) == 1:
+        run(shares[0])
         return gram
-    from concurrent.futures import ThreadPoolExecutor
-
-    share = math.ceil(len(panels) / threads)  # contiguous shares: each thread writes its own rows of gram
-    with _blas_controller().limit(limits=1), ThreadPoolExecutor(threads) as ex:
-        list(ex.map(work, [panels[i : i + share] for i in range(0, len(panels), share)]))
+    with _blas_controller().limit(limits=1):
+        futs = [_pool(len(shares) - 1).submit(run, sh) for sh in shares[1:]]
+        try:
+            run(shares[0])
+        finally:  # never return (or raise) while another thread still writes to gram
+            for f in futs:
+                f.result()
     return gram
 
 
-def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=BLOCK_ROWS) -> Statistics:
+def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=None) -> Statistics:
     """Statistics of in-memory arrays (numpy or cupy), no Dask. ``causal`` defaults to ``targets.ndim == 3``."""
     if causal is None:
         causal = targets is not None and targets.ndim == 3
