@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -31,6 +32,8 @@ PANEL_ROWS = 1024
 PANEL_COLS = 256
 #: below this many multiply-adds per call the kernel runs on one thread (thread start-up would dominate)
 MIN_THREAD_MACS = 50_000_000
+#: work groups per kernel thread (dynamic balance vs. cache reuse across the panels of a group)
+GROUPS_PER_THREAD = 2
 
 
 @dataclasses.dataclass
@@ -253,32 +256,46 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, pane
     jobs = [(cost, f) for cost, f in extra] + [(rows * (b - a) * v.shape[1], (a, b)) for a, b in panels]
     total = sum(c for c, _ in jobs)
     threads = max(1, min(int(threads), len(jobs), total // MIN_THREAD_MACS + 1))
-    shares, done = [[]], 0
-    for cost, job in jobs:  # contiguous shares of about equal multiply-adds, in a fixed order
-        if len(shares) < threads and done >= total * len(shares) / threads:
-            shares.append([])
-        shares[-1].append(job)
+    # contiguous groups of about equal multiply-adds (GROUPS_PER_THREAD per thread), taken by whichever thread
+    # is free: balanced whatever each panel's real speed; every entry of gram is still summed by one thread in
+    # a fixed order, so the bits do not depend on ``threads``
+    k = threads * GROUPS_PER_THREAD if threads > 1 else 1
+    groups, done = [[]], 0
+    for cost, job in jobs:
+        if len(groups) < k and done >= total * len(groups) / k:
+            groups.append([])
+        groups[-1].append(job)
         done += cost
 
-    def run(share):
-        mine = [job for job in share if isinstance(job, tuple)]
-        buf = xp.empty(panel_rows * panel_cols) if mine else None
+    def run_group(group, buf):
+        mine = [job for job in group if isinstance(job, tuple)]
         for r in range(0, rows, panel_rows):  # rows outer: this chunk of s and v stays in cache across panels
             sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
             for a, b in mine:
                 out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0]).T  # (rows', width), F-contiguous
                 _gemm_acc(gram[a - c0 : b - c0], pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
-        for job in share:
+        for job in group:
             if not isinstance(job, tuple):
                 job()
 
-    if xp is not np or len(shares) == 1:
-        run(shares[0])
+    todo, lock = iter(groups), threading.Lock()
+
+    def run():
+        buf = xp.empty(panel_rows * panel_cols)
+        while True:
+            with lock:
+                group = next(todo, None)
+            if group is None:
+                return
+            run_group(group, buf)
+
+    if xp is not np or threads == 1:
+        run()
         return gram
     with _blas_controller().limit(limits=1):
-        futs = [_pool(len(shares) - 1).submit(run, sh) for sh in shares[1:]]
+        futs = [_pool(threads - 1).submit(run) for _ in range(threads - 1)]
         try:
-            run(shares[0])
+            run()
         finally:  # never return (or raise) while another thread still writes to gram
             for f in futs:
                 f.result()
