@@ -278,16 +278,20 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, pane
             if not isinstance(job, tuple):
                 job()
 
-    todo, lock = iter(groups), threading.Lock()
+    todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
 
     def run():
         buf = xp.empty(panel_rows * panel_cols)
-        while True:
+        while not failed.is_set():
             with lock:
                 group = next(todo, None)
             if group is None:
                 return
-            run_group(group, buf)
+            try:
+                run_group(group, buf)
+            except BaseException:
+                failed.set()  # the other threads stop taking groups
+                raise
 
     if xp is not np or threads == 1:
         run()
@@ -296,9 +300,10 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, pane
         futs = [_pool(threads - 1).submit(run) for _ in range(threads - 1)]
         try:
             run()
-        finally:  # never return (or raise) while another thread still writes to gram
-            for f in futs:
-                f.result()
+        finally:  # never return (or raise) while another thread still writes to gram; a helper that has not
+            for f in futs:  # started finds no work left: cancel it (no wait on a pool that is busy elsewhere)
+                if not f.cancel():
+                    f.result()
     return gram
 
 

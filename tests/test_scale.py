@@ -120,3 +120,36 @@ def test_fit_refuses_before_building(tmp_path, monkeypatch):
     with pytest.raises(InsufficientMemoryError, match="GiB available"):
         fit(ds, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_kernel_propagates_errors_and_survives_nesting():
+    """A failing job raises in the caller (no thread left writing); a kernel called from a kernel thread (an
+    ``extra`` job) neither deadlocks on the shared pool nor changes the bits."""
+    import threading
+
+    rng = np.random.default_rng(1)
+    s, x = rng.standard_normal((3000, 36)), rng.standard_normal((3000, 8))
+    u, v = compact_factors(s, x)
+    ref = u.T @ v
+
+    def boom():
+        raise RuntimeError("boom")
+
+    g = np.zeros_like(ref)
+    with pytest.raises(RuntimeError, match="boom"):
+        gram_update(g, s, x, threads=2, panel_rows=64, panel_cols=16, extra=[(10**9, boom)])
+    snapshot = g.copy()
+    threading.Event().wait(0.2)
+    assert np.array_equal(g, snapshot)  # nothing still writes after the raise
+
+    inner = []
+    outer = np.zeros_like(ref)
+    job = lambda: inner.append(gram_update(np.zeros_like(ref), s, x, threads=2, panel_rows=64, panel_cols=16))
+    t = threading.Thread(target=gram_update, args=(outer, s, x),
+                         kwargs=dict(threads=2, panel_rows=64, panel_cols=16, extra=[(10**8, job)] * 3))
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "nested kernel calls deadlocked"
+    assert len(inner) == 3 and all(np.array_equal(i, inner[0]) for i in inner)
+    assert np.allclose(outer, ref, rtol=1e-13, atol=1e-13 * np.abs(ref).max())
+    assert np.array_equal(outer, gram_update(np.zeros_like(ref), s, x, threads=1, panel_rows=64, panel_cols=16))
