@@ -26,7 +26,10 @@ exp(s <q, k1*k2>) = exp(sum_t x_t) with x_t = s q_t k1_t k2_t, the multinomial e
 T_g(S) = sum_{|alpha|<=g} (s q)^alpha / alpha! * k1^alpha * k2^alpha = U1 (U2 (/) U3)^T with rank
 r = C(d+g, g) [Alman & Song, Lemma on low-rank exp approximation; C25 §5]. With
 (A (/) B)^T (C (/) D) = (A^T C) * (B^T D) the forward and all five gradients cost O(n r d) time and
-O(block*r + r*d) memory. It is only accurate while the logits are bounded (C25: |S| <= o(log n) regime); outside it
+O(block*r + r*d) memory. With ``causal=True`` the r x d key statistics become prefix sums over j, k <= i (and the
+backward needs suffix sums over queries i >= j), still O(n r d) time, O(block*r*d + r*d) memory
+(``_poly_core_causal``); finite windows are not implemented on this path. It is only accurate while the logits
+are bounded (C25: |S| <= o(log n) regime); outside it
 no subcubic algorithm exists under SETH, so we detect it and fall back to the exact path or refuse (``on_large``).
 
 Error estimate (a-priori, used by ``poly_error_bound`` and ``degree="auto"``): with |S| <= B,
@@ -557,13 +560,16 @@ def _poly_rows(r, B, block_size):
     return max(1, _BLOCK_ELEMS // (4 * max(B, 1) * r))
 
 
-def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None):
+def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None, causal=False):
     """O(n r d) forward (and backward) of the Taylor model; f holds float64 (B, n, d) arrays.
 
     Returns dict with O, minD and (if want_grad) the five gradients, loss and the per-row quantities used by the
     error estimate. Uses (A (/) B)^T (C (/) D) = (A^T C) * (B^T D) [C25 §5]: the key side collapses to
     C2 = U2^T V1, C3 = U3^T V2, c2 = U2^T 1, c3 = U3^T 1 (r x d each), so nothing n^2-sized is formed.
+    ``causal=True``: prefix-sum variant, :func:`_poly_core_causal`.
     """
+    if causal:
+        return _poly_core_causal(f, s, g, xp, want_grad, block_size, xargs)
     Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
     Bt, n, d = Q.shape
     mono = _mono_xp(_monomials(d, g), xp)
@@ -645,6 +651,121 @@ def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None):
     return out
 
 
+def _poly_core_causal(f, s, g, xp, want_grad, block_size=None, xargs=None):
+    """Causal (j <= i, k <= i) variant of :func:`_poly_core`: O(n r d) time, O(b r d (p^2) + (n/b) r d) memory.
+
+    Query i uses the prefix statistics C2^(i) = sum_{j<=i} U2_j (x) v1_j, C3^(i) = sum_{k<=i} U3_k (x) v2_k and
+    c2^(i), c3^(i): N_i = U1_i (C2^(i) * C3^(i)), D_i = U1_i . (c2^(i) * c3^(i)), O_i = N_i / D_i. Rows go in
+    blocks of b, in order; the running sums are carried and a cumsum inside the block gives the per-row prefixes,
+    so the largest object is one (B, b, r, d) block (never (n, r, d)).
+
+    Backward (chain rule through the same model; DESIGN §8, [C25] §5): dU1_i = (C^(i) R_i - w_i c^(i)) / D_i with
+    C^(i) = C2^(i) * C3^(i), c^(i) = c2^(i) * c3^(i) (pass 1, with dQ). With Ut_i = U1_i / D_i, Z_i = Ut_i (x) R_i,
+    the key side needs suffix sums over the queries i >= j that see key j:
+    T2_j = sum_{i>=j} Z_i * C3^(i), t2_j = sum_{i>=j} Ut_i w_i c3^(i) (T3, t3 the same with C2, c2), then
+    dU2_j = T2_j v1_j - t2_j, dV1_j = U2_j T2_j (and U3/V2 symmetrically). They are accumulated in a second pass
+    over the blocks in reverse order, from each block's starting prefixes saved in pass 1 (O((n/b) r d) memory;
+    no subtraction of prefixes, so no cancellation). ``xargs``: grad_X =
+    s sum_i [sum_{a,t} Z_i[a,t] A1_i (x) P2^(i)[a,t] (x) P3^(i)[a,t] - sum_a Ut_ia w_i A1_i (x) p2^(i)[a] (x) p3^(i)[a]]
+    with the prefixes P2^(i)[a,t,:] = sum_{j<=i} U2_ja v1_jt A2_j, p2^(i)[a,:] = sum_{j<=i} U2_ja A2_j (pass 1).
+    """
+    Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
+    Bt, n, d = Q.shape
+    mono = _mono_xp(_monomials(d, g), xp)
+    r = mono["r"]
+    p = 0 if xargs is None else xargs[0].shape[-1]
+    b = _poly_rows(r * (d + 1) * max(1, p * p), Bt, block_size)  # ~10 (B, b, r, d[, p, p]) blocks live at once
+
+    def prefix(Y, carry):  # inclusive prefix sums over the rows of the block plus the carried sum
+        return xp.cumsum(Y, axis=1) + carry[:, None]
+
+    def suffix(Y, carry):  # inclusive suffix sums over the rows of the block plus the carried sum
+        return xp.cumsum(Y[:, ::-1], axis=1)[:, ::-1] + carry[:, None]
+
+    C2, C3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))
+    c2, c3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
+    O, D = xp.empty((Bt, n, d)), xp.empty((Bt, n))
+    if want_grad:
+        E = f["E"]
+        dQ = xp.empty((Bt, n, d))
+    if xargs is not None:
+        A1, A2, A3 = xargs
+        P2, P3 = xp.zeros((Bt, r, d, p)), xp.zeros((Bt, r, d, p))
+        p2, p3 = xp.zeros((Bt, r, p)), xp.zeros((Bt, r, p))
+        gX = xp.zeros((p, p, p))
+    starts = []  # each block's carried prefixes, for pass 2 (O((n / b) r d): no subtraction, no n eps error)
+    for i0 in range(0, n, b):  # pass 1, rows in order: forward, dQ and the grad_X prefixes
+        sl = slice(i0, i0 + b)
+        if want_grad:
+            starts.append((C2, C3, c2, c3))
+        U2 = _features(K1[:, sl], mono, xp, False)
+        U3 = _features(K2[:, sl], mono, xp, False)
+        C2i = prefix(U2[..., None] * V1[:, sl, None, :], C2)
+        C3i = prefix(U3[..., None] * V2[:, sl, None, :], C3)
+        c2i, c3i = prefix(U2, c2), prefix(U3, c3)
+        C2, C3, c2, c3 = C2i[:, -1], C3i[:, -1], c2i[:, -1], c3i[:, -1]
+        U1 = _features(s * Q[:, sl], mono, xp, True)
+        CCi, cci = C2i * C3i, c2i * c3i
+        Di = (U1 * cci).sum(axis=-1)
+        Oi = xp.matmul(U1[:, :, None, :], CCi)[:, :, 0] / Di[..., None]
+        O[:, sl], D[:, sl] = Oi, Di
+        if not want_grad:
+            continue
+        Ri = Oi - E[:, sl]
+        wi = (Oi * Ri).sum(axis=-1)
+        dU1 = (xp.matmul(CCi, Ri[..., None])[..., 0] - wi[..., None] * cci) / Di[..., None]
+        dQ[:, sl] = s * _chain(dU1, U1, mono, xp, False)
+        if xargs is not None:
+            P2i = prefix(U2[..., None, None] * V1[:, sl, None, :, None] * A2[:, sl, None, None, :], P2)
+            P3i = prefix(U3[..., None, None] * V2[:, sl, None, :, None] * A3[:, sl, None, None, :], P3)
+            p2i = prefix(U2[..., None] * A2[:, sl, None, :], p2)
+            p3i = prefix(U3[..., None] * A3[:, sl, None, :], p3)
+            P2, P3, p2, p3 = P2i[:, -1], P3i[:, -1], p2i[:, -1], p3i[:, -1]
+            Ut = U1 / Di[..., None]
+            W = (Ut[..., None] * Ri[:, :, None, :])[..., None] * P2i  # (B, b, r, d, p_y)
+            L = (A1[:, sl, None, None, :, None] * W[..., None, :]).reshape(-1, p * p)
+            gX += xp.matmul(L.T, P3i.reshape(-1, p)).reshape(p, p, p)
+            w2 = (Ut * wi[..., None])[..., None] * p2i  # (B, b, r, p_y)
+            L = (A1[:, sl, None, :, None] * w2[..., None, :]).reshape(-1, p * p)
+            gX -= xp.matmul(L.T, p3i.reshape(-1, p)).reshape(p, p, p)
+    out = {"O": O, "D": D, "minD": float(D.min())}
+    if not want_grad:
+        return out
+    T2, T3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))  # suffix sums over the queries after the block
+    t2, t3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
+    dK1, dK2, dV1, dV2 = (xp.empty((Bt, n, d)) for _ in range(4))
+    for i0, (C2, C3, c2, c3) in zip(reversed(range(0, n, b)), reversed(starts)):  # pass 2, rows in reverse order
+        sl = slice(i0, i0 + b)
+        U2 = _features(K1[:, sl], mono, xp, False)
+        U3 = _features(K2[:, sl], mono, xp, False)
+        cs2 = xp.cumsum(U2[..., None] * V1[:, sl, None, :], axis=1)
+        cs3 = xp.cumsum(U3[..., None] * V2[:, sl, None, :], axis=1)
+        ds2, ds3 = xp.cumsum(U2, axis=1), xp.cumsum(U3, axis=1)
+        # prefixes per row of the block: the block's start (saved in pass 1) plus the in-block cumsum
+        C2i, C3i, c2i, c3i = cs2 + C2[:, None], cs3 + C3[:, None], ds2 + c2[:, None], ds3 + c3[:, None]
+        Ut = _features(s * Q[:, sl], mono, xp, True) / D[:, sl, None]
+        Oi = O[:, sl]
+        Ri = Oi - E[:, sl]
+        uw = Ut * (Oi * Ri).sum(axis=-1)[..., None]
+        Z = Ut[..., None] * Ri[:, :, None, :]
+        T2i, T3i = suffix(Z * C3i, T2), suffix(Z * C2i, T3)
+        t2i, t3i = suffix(uw * c3i, t2), suffix(uw * c2i, t3)
+        T2, T3, t2, t3 = T2i[:, 0], T3i[:, 0], t2i[:, 0], t3i[:, 0]
+        dU2 = xp.matmul(T2i, V1[:, sl, :, None])[..., 0] - t2i
+        dU3 = xp.matmul(T3i, V2[:, sl, :, None])[..., 0] - t3i
+        dK1[:, sl] = _chain(dU2, U2, mono, xp, True)
+        dK2[:, sl] = _chain(dU3, U3, mono, xp, True)
+        dV1[:, sl] = xp.matmul(U2[:, :, None, :], T2i)[:, :, 0]
+        dV2[:, sl] = xp.matmul(U3[:, :, None, :], T3i)[:, :, 0]
+    R = O - E
+    out["R"] = R
+    out["loss"] = 0.5 * float((R * R).sum())
+    out["grads"] = {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}
+    if xargs is not None:
+        out["gX"] = s * gX
+    return out
+
+
 def _poly_grad_bounds(f, s, plan, R, O, xp):
     """Rigorous a-posteriori-from-a-priori bounds on the entrywise error of the five poly gradients.
 
@@ -677,12 +798,13 @@ def _poly_grad_bounds(f, s, plan, R, O, xp):
 def _poly_args(on_large, causal, window):
     if on_large not in ("exact", "raise"):
         raise ValueError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
-    masked, _, _ = _window(window, causal)
-    if masked:
+    masked, w1, w2 = _window(window, causal)
+    if w1 is not None or w2 is not None:
         raise NotImplementedError(
-            "poly_attention / poly_attention_grad support only causal=False, window=None (the prefix-sum causal "
-            "variant is not implemented); use the exact attention(..., causal=True or window=(w1, w2)), which is "
-            "O(n w1 w2 d) for windows")
+            "the polynomial path supports causal=True but not window=(w1, w2) with a finite w1 or w2 (the windowed "
+            "prefix-difference variant is not implemented); use the exact attention(..., window=(w1, w2)), which is "
+            "O(n w1 w2 d)")
+    return masked
 
 
 def _large(msg, on_large, info):
@@ -698,8 +820,11 @@ def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, 
                    on_large="exact", max_degree=40, max_rank=200_000, info=None, block_size=None):
     """Fast tensor attention via the degree-g Taylor polynomial of exp ([Alman & Song 2024]; [C25] §5; DESIGN §8).
 
-    Same inputs/output as :func:`attention` (causal/window: NotImplementedError). Time O(n r d), memory
-    O(block r + r d), r = C(d+g, g).
+    Same inputs/output as :func:`attention`. Time O(n r d), memory O(block r + r d), r = C(d+g, g).
+    causal : bool. ``True``: prefix sums of the key statistics over j, k <= i (same mask as :func:`attention`),
+        still O(n r d) time, memory O(block r d + r d) (see ``_poly_core_causal``); the error bounds are unchanged
+        (the per-entry bound holds for any subset of keys).
+    window : only None or (None, None) (= causal); a finite w1 or w2 raises NotImplementedError.
 
     degree : int >= 1 or ``"auto"`` (smallest g whose a-priori output bound is <= ``tol``, default tol 1e-6).
     tol : float or None. With an explicit degree, ``tol`` (if given) is the allowed output error bound.
@@ -709,17 +834,17 @@ def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, 
     info : optional dict, filled with path ("poly"/"exact"), degree, rank, logit_bound, eps (relative entry error
         bound), p_l1_bound (row l1 bound on P), out_bound (entrywise |O~ - O| bound), min_rowsum.
     """
-    _poly_args(on_large, causal, window)
+    masked = _poly_args(on_large, causal, window)
     xp, f, dtype, shape, _, s, _ = _prepare({"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, False, None)
     try:
         plan = _plan_poly(f, s, xp, degree, tol, max_degree, max_rank)
-        res = _poly_core(f, s, plan["degree"], xp, False, block_size)
+        res = _poly_core(f, s, plan["degree"], xp, False, block_size, causal=masked)
         if not (res["minD"] > 0 and math.isfinite(res["minD"])):  # positivity guard on the row sums
             raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']} "
                                f"(logit bound {plan['logit_bound']:.4g})")
     except _LargeLogits as exc:
         _large(str(exc), on_large, info)
-        return attention(Q, K1, K2, V1, V2, scale=scale, block_size=None)
+        return attention(Q, K1, K2, V1, V2, scale=scale, causal=masked, block_size=None)
     if info is not None:
         info.update(path="poly", min_rowsum=res["minD"], **{k: v for k, v in plan.items() if k != "vmax"})
     return res["O"].reshape(shape).astype(dtype, copy=False)
@@ -733,19 +858,21 @@ def poly_attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=N
     U3 = k2^alpha, chain rule through the monomials), computed with the Khatri-Rao identity so no n^2 object is
     formed. Same signature/return as :func:`attention_grad`, options as :func:`poly_attention`. ``info`` also gets
     ``grad_bound``: dict of entrywise bounds on |grad~ - grad| per tensor (see ``_poly_grad_bounds``).
+    ``causal=True``: gradients of the causal Taylor model, O(n r d) with a second pass over the rows in reverse
+    order for the key side (suffix sums over queries i >= j; formulas in ``_poly_core_causal``).
     """
-    _poly_args(on_large, causal, window)
+    masked = _poly_args(on_large, causal, window)
     xp, f, dtype, shape, _, s, _ = _prepare(
         {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2, "E": E}, scale, False, None)
     try:
         plan = _plan_poly(f, s, xp, degree, tol, max_degree, max_rank)
-        res = _poly_core(f, s, plan["degree"], xp, True, block_size)
+        res = _poly_core(f, s, plan["degree"], xp, True, block_size, causal=masked)
         if not (res["minD"] > 0 and math.isfinite(res["minD"])):
             raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']} "
                                f"(logit bound {plan['logit_bound']:.4g})")
     except _LargeLogits as exc:
         _large(str(exc), on_large, info)
-        return attention_grad(Q, K1, K2, V1, V2, E, scale=scale)
+        return attention_grad(Q, K1, K2, V1, V2, E, scale=scale, causal=masked)
     if info is not None:
         gb = _poly_grad_bounds(f, s, plan, res["R"], res["O"], xp)
         gb.pop("_row_e_total")
@@ -800,7 +927,8 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
     Q = A1 W_Q, ..., V2 = A5 W_V2 with scale s (default 1/d).
 
     path : "exact" (streamed, any mask) or "poly" (Taylor fast path, options degree/tol/on_large/info as in
-    :func:`poly_attention_grad`).
+    :func:`poly_attention_grad`; ``causal=True`` supported, grad_X included, a finite window raises
+    NotImplementedError).
 
     Returns (loss, grads) with grads "W_Q", "W_K1", "W_K2", "W_V1", "W_V2" (chain rule: dW_Q = sum A1^T dQ, ...)
     and, if ``with_x``, "X" (p, p^2) = s A1^T F (A2 (x) A3) summed over the batch ([C25] §4; DESIGN §8): the
@@ -835,11 +963,10 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
     if path == "poly":
         if on_large not in ("exact", "raise"):
             raise ValueError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
-        if masked:
-            _poly_args(on_large, causal, window)
+        _poly_args(on_large, causal, window)  # causal is supported (with grad_X), finite windows are not
         try:
             plan = _plan_poly(f, s, xp, degree, tol, max_degree=40, max_rank=200_000)
-            res = _poly_core(f, s, plan["degree"], xp, True, block_size, xargs)
+            res = _poly_core(f, s, plan["degree"], xp, True, block_size, xargs, causal=masked)
             if not (res["minD"] > 0 and math.isfinite(res["minD"])):
                 raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']}")
             loss, g, gX = res["loss"], res["grads"], res.get("gX")
