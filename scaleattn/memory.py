@@ -72,7 +72,7 @@ def fit_memory(d: int, d_out: int, *, method: str = "auto", large_psi: int | Non
     features and the kernel's panels). Independent of the number of rows (the build streams them).
     """
     from .solver import use_large_path
-    from .statistics import MAX_TILE_BYTES, PANEL_COLS, PANEL_ROWS, default_block_rows, tile_bounds
+    from .statistics import BLOCK_BYTES, MAX_TILE_BYTES, PANEL_COLS, PANEL_ROWS, block_bytes_per_sample, tile_bounds
 
     m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
     path = "cholesky" if use_large_path(psi, method, large_psi) else "eigh"
@@ -81,8 +81,8 @@ def fit_memory(d: int, d_out: int, *, method: str = "auto", large_psi: int | Non
     moments = 8.0 * psi * max(d_out, 1)
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
     tile = 8.0 * (c1 - c0) * dv
-    rows = default_block_rows(d, d_out) if block_rows is None else block_rows
-    block = 8.0 * rows * (4 * m + 2 * dv + d * (1 + max(d_out, 1)))  # s, s^T, causal cumsum, v, x, x (x) y
+    # one block of features (accumulate sizes it to BLOCK_BYTES; an explicit block_rows at its per-row bytes)
+    block = float(BLOCK_BYTES) if block_rows is None else block_rows * block_bytes_per_sample(d, 1, True)
     panels = 8.0 * threads * PANEL_ROWS * PANEL_COLS
     return {"psi": psi, "path": path, "gram_bytes": gram, "compact_bytes": compact,
             "solver_bytes": SOLVER_ARRAYS[path] * gram + 2 * compact + 2 * moments,

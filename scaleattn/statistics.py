@@ -7,6 +7,7 @@ targets, so one ``Tc`` serves any number of target sets (and the certificate nee
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -22,15 +23,15 @@ from .features import expand_compact_gram, n_features, n_pairs, pair_products, r
 
 FORMAT = "scaleattn-statistics"
 FORMAT_VERSION = 1
-#: bytes of row features per block of :func:`accumulate` (s, s^T, the causal cumsum, v, x, x (x) y): large
-#: blocks amortise the kernel's per-call work, small ones bound memory (32 MB: 7,000 rows at d = 16, 470 at d = 64)
+#: bytes of features per block of :func:`accumulate` (:func:`block_bytes_per_sample`): large blocks amortise the
+#: kernel's per-call work, small ones bound memory (32 MB: about 7,000 causal rows at d = 16)
 BLOCK_BYTES = 32e6
 #: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
 #: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the
-#: packing of v; the 2 MB panel is still re-read from L2/L3)
+#: packing of v)
 PANEL_ROWS = 1024
 PANEL_COLS = 256
-#: below this many multiply-adds per call the kernel runs on one thread (thread start-up would dominate)
+#: below this many multiply-adds per call the kernel runs on one thread (handing work to a thread would dominate)
 MIN_THREAD_MACS = 50_000_000
 #: work groups per kernel thread (dynamic balance vs. cache reuse across the panels of a group)
 GROUPS_PER_THREAD = 2
@@ -132,10 +133,20 @@ class Statistics:
                    int(a["n_rows"]), int(a["d"]))
 
 
-def default_block_rows(d: int, d_out: int = 0) -> int:
-    """Feature rows per block of :func:`accumulate`: about ``BLOCK_BYTES`` of row features, at least one panel."""
+def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
+    """Peak bytes :func:`accumulate` holds per sample of a block: the float64 token copy and mask (2 T d), the
+    row features s, s^T, v, x (and, causal, the pair products and their cumsum: per row 4 m + m + d), and the
+    moments' x (x) y for up to d targets. Independent of ``d_out`` so that ``Tc``'s bits are too."""
     m = n_pairs(d)
-    return max(PANEL_ROWS, int(BLOCK_BYTES // (8 * (3 * m + n_pairs(d) + d * (1 + max(d_out, 1))))))
+    rows = T if causal else 1
+    return 8.0 * (2 * T * d + rows * (4 * m + n_pairs(d) + d + d * d))
+
+
+def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None) -> int:
+    """Samples per block of :func:`accumulate`: ``block_rows`` feature rows if given, else about ``BLOCK_BYTES``."""
+    if block_rows is not None:
+        return max(1, int(block_rows) // (T if causal else 1))
+    return max(1, int(BLOCK_BYTES // block_bytes_per_sample(d, T, causal)))
 
 
 def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bool = False,
@@ -149,8 +160,8 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
     block_rows : int, optional
-        Feature rows formed at a time (default :func:`default_block_rows`); the result does not depend on it
-        beyond round-off.
+        Feature rows formed at a time (default: about ``BLOCK_BYTES`` of features, :func:`block_samples`); the
+        result does not depend on it beyond round-off.
     cols : slice, optional
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
 
@@ -158,21 +169,19 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
     n, T, d = tokens.shape
-    per = T if causal else 1
-    rows = default_block_rows(d, stats.d_out) if block_rows is None else int(block_rows)
-    step = max(1, rows // per)
-    threads = _kernel_threads(tokens)
+    step = block_samples(d, T, causal, block_rows)
     for a in range(0, n, step):
         b = min(n, a + step)
         lens = None if lengths is None else lengths[a:b]
         s, x = token_features(tokens[a:b], lens, causal)
-        extra = []
+        extra, yy = [], 0.0
         if targets is not None:
             y = row_targets(targets[a:b], lens, causal)
             extra.append((s.shape[0] * s.shape[1] * x.shape[1] * y.shape[1],
                           functools.partial(_moments_update, stats.moments, s, x, y)))
-            stats.yy += float((y * y).sum())
-        gram_update(stats.gram_compact, s, x, cols, threads=threads, extra=extra)
+            yy = float((y * y).sum())
+        gram_update(stats.gram_compact, s, x, cols, extra=extra)
+        stats.yy += yy
         stats.n_rows += int(s.shape[0])
     return stats
 
@@ -190,12 +199,10 @@ def _gemm_acc(c, a, b) -> None:
     c += a.T @ b
 
 
-def _kernel_threads(a) -> int:
-    """Threads for :func:`gram_update`: this process's BLAS thread count (numpy input), 1 for cupy.
+def _blas_threads() -> int:
+    """This process's BLAS thread count (the kernel's default thread count for numpy input).
 
     Dask workers run one BLAS thread (``threads_per_worker = 1``); a single process uses all its cores."""
-    if get_xp(a) is not np:
-        return 1
     return max([int(c.num_threads or 1) for c in _blas_controller().lib_controllers] or [1])
 
 
@@ -208,15 +215,28 @@ def _blas_controller():
     return ThreadpoolController().select(user_api="blas")
 
 
-@functools.lru_cache(maxsize=4)
-def _pool(workers: int):
-    """A persistent thread pool for the kernel's shares (made once per size: no thread start-up per block)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(workers, thread_name_prefix="scaleattn-gram")
+#: one numpy kernel call at a time per process: the BLAS thread limit is process-wide, so concurrent callers
+#: would restore each other's settings out of order; calls made from inside a kernel thread run inline
+_KERNEL_LOCK = threading.Lock()
+_IN_KERNEL = threading.local()
 
 
-def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, panel_rows: int = PANEL_ROWS,
+@functools.lru_cache(maxsize=1)
+def _pool():
+    """The kernel's persistent helper threads (one fewer than the cores; made once, not per block)."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="scaleattn-gram")
+
+
+def _after_fork_in_child() -> None:  # a forked child has neither the parent's threads nor its lock holder
+    global _KERNEL_LOCK
+    _KERNEL_LOCK = threading.Lock()
+    _pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = None, panel_rows: int = PANEL_ROWS,
                 panel_cols: int = PANEL_COLS, extra=()):
     """The compact-Gram kernel: ``gram += u[:, cols]^T v`` with ``u = vech(s s^T)``, ``v = vech(x x^T)``
     (DESIGN §3), in place; returns ``gram``.
@@ -229,81 +249,96 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int = 1, pane
         From :func:`~scaleattn.features.token_features`, same module as ``gram``.
     cols : slice, optional
         Step-1 column range of ``u`` (a column tile of ``Tc``, DESIGN §6).
-    threads : int
-        numpy only: the panels are split over this many threads (disjoint slices of ``gram``, one BLAS thread
-        each; the calling thread takes the first share), so forming ``u`` runs in parallel too. The result does
-        not depend on ``threads`` (each entry is summed by one thread in the same order).
+    threads : int, optional
+        numpy only (default: this process's BLAS thread count). Groups of panels (disjoint rows of ``gram``) are
+        taken by whichever thread is free; every BLAS call runs on one thread. Each entry of ``gram`` is summed by
+        one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     extra : sequence of (multiply-adds, callable)
-        Other work on the same rows (the moments update), run in the same threads and balanced with the panels.
+        Other work on the same rows (the moments update), run once each in the same threads.
 
-    Raises ValueError when ``gram`` has the wrong number of rows for ``cols``.
+    Raises
+    ------
+    ValueError
+        ``gram`` has the wrong number of rows for ``cols``. An exception in any job is re-raised here, after
+        every thread has stopped.
 
     ``u`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer and
     accumulated with one GEMM ``gram[panel] += u_panel^T v``. Multiply-adds: ``rows * width * d(d+1)/2``;
-    extra memory: ``threads * panel_rows * panel_cols`` floats.
+    extra memory: one panel per thread.
     """
     xp = get_xp(gram, s, x)
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
+    rows = s.shape[0]
+    panel_rows = max(1, min(int(panel_rows), rows))
+    panel_cols = max(1, min(int(panel_cols), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2), C-contiguous
     sT = xp.ascontiguousarray(s.T)  # (m, rows): u panels are built column-major, one contiguous run per pair
-    rows = s.shape[0]
-    panel_rows, panel_cols = max(1, int(panel_rows)), max(1, int(panel_cols))
-
-    panels = [(a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols)]
-    jobs = [(cost, f) for cost, f in extra] + [(rows * (b - a) * v.shape[1], (a, b)) for a, b in panels]
-    total = sum(c for c, _ in jobs)
-    threads = max(1, min(int(threads), len(jobs), total // MIN_THREAD_MACS + 1))
-    # contiguous groups of about equal multiply-adds (GROUPS_PER_THREAD per thread), taken by whichever thread
-    # is free: balanced whatever each panel's real speed; every entry of gram is still summed by one thread in
-    # a fixed order, so the bits do not depend on ``threads``
-    k = threads * GROUPS_PER_THREAD if threads > 1 else 1
-    groups, done = [[]], 0
-    for cost, job in jobs:
-        if len(groups) < k and done >= total * len(groups) / k:
-            groups.append([])
-        groups[-1].append(job)
-        done += cost
+    jobs = [(cost, ("call", f)) for cost, f in extra]
+    jobs += [(rows * (b - a) * v.shape[1], ("panel", (a, b)))
+             for a, b in ((a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols))]
 
     def run_group(group, buf):
-        mine = [job for job in group if isinstance(job, tuple)]
+        panels = [job for kind, job in group if kind == "panel"]
         for r in range(0, rows, panel_rows):  # rows outer: this chunk of s and v stays in cache across panels
             sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
-            for a, b in mine:
+            for a, b in panels:
                 out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0]).T  # (rows', width), F-contiguous
                 _gemm_acc(gram[a - c0 : b - c0], pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
-        for job in group:
-            if not isinstance(job, tuple):
+        for kind, job in group:
+            if kind == "call":
                 job()
 
-    todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
+    if xp is not np:  # one device stream: no host threads
+        run_group([job for _, job in jobs], xp.empty(panel_rows * panel_cols))
+        return gram
+    if getattr(_IN_KERNEL, "active", False):  # called from a kernel thread: BLAS is already limited, run inline
+        run_group([job for _, job in jobs], np.empty(panel_rows * panel_cols))
+        return gram
+    with _KERNEL_LOCK:
+        total = sum(c for c, _ in jobs)
+        n = _blas_threads() if threads is None else int(threads)
+        n = max(1, min(n, len(jobs), total // max(MIN_THREAD_MACS, 1) + 1))
+        # contiguous groups of about equal multiply-adds, taken by whichever thread is free (balanced whatever
+        # each panel's real speed; which thread sums a group does not change its bits)
+        k = n * GROUPS_PER_THREAD if n > 1 else 1
+        groups, done = [[]], 0
+        for cost, job in jobs:
+            if len(groups) < k and done >= total * len(groups) / k:
+                groups.append([])
+            groups[-1].append(job)
+            done += cost
+        todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
 
-    def run():
-        buf = xp.empty(panel_rows * panel_cols)
-        while not failed.is_set():
-            with lock:
-                group = next(todo, None)
-            if group is None:
-                return
+        def run():
+            _IN_KERNEL.active = True
+            buf = np.empty(panel_rows * panel_cols)
             try:
-                run_group(group, buf)
+                while not failed.is_set():
+                    with lock:
+                        group = next(todo, None)
+                    if group is None:
+                        return
+                    run_group(group, buf)
             except BaseException:
                 failed.set()  # the other threads stop taking groups
                 raise
+            finally:
+                _IN_KERNEL.active = False
 
-    if xp is not np or threads == 1:
-        run()
-        return gram
-    with _blas_controller().limit(limits=1):
-        futs = [_pool(threads - 1).submit(run) for _ in range(threads - 1)]
-        try:
-            run()
-        finally:  # never return (or raise) while another thread still writes to gram; a helper that has not
-            for f in futs:  # started finds no work left: cancel it (no wait on a pool that is busy elsewhere)
-                if not f.cancel():
-                    f.result()
+        with _blas_controller().limit(limits=1):  # every BLAS call on one thread: the same bits for any n
+            futs = [_pool().submit(run) for _ in range(n - 1)]
+            try:
+                run()
+            finally:  # never return or raise while a helper still writes to gram
+                for f in futs:
+                    f.cancel()  # a helper that never started finds no work left
+                concurrent.futures.wait(futs)
+            for f in futs:
+                if not f.cancelled() and f.exception() is not None:
+                    raise f.exception()
     return gram
 
 

@@ -50,11 +50,28 @@ def test_gram_kernel_matches_dense_product(panel_rows, panel_cols, threads):
         gram_update(np.zeros((5, ref.shape[1])), s, x, slice(0, 6))
 
 
-def test_kernel_threads_give_identical_bits(data):
+@pytest.fixture
+def threaded(monkeypatch):
+    """Let the kernel use threads even on the tests' small inputs."""
+    import scaleattn.statistics as st
+
+    monkeypatch.setattr(st, "MIN_THREAD_MACS", 0)
+
+
+def test_kernel_threads_give_identical_bits(data, threaded):
+    from threadpoolctl import threadpool_limits
+
     s, x = token_features(data["tokens"], None, True)
     a = gram_update(np.zeros((55, 10)), s, x, threads=1, panel_rows=16, panel_cols=8)
-    b = gram_update(np.zeros((55, 10)), s, x, threads=3, panel_rows=16, panel_cols=8)
-    assert np.array_equal(a, b)
+    for threads in (2, 3, 8):
+        b = gram_update(np.zeros((55, 10)), s, x, threads=threads, panel_rows=16, panel_cols=8)
+        assert np.array_equal(a, b), threads
+    # the whole build: the same bits for any BLAS thread count (every BLAS call runs on one thread)
+    ref = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+    for n in (1, 2):
+        with threadpool_limits(n):
+            st = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+        assert np.array_equal(st.gram_compact, ref.gram_compact) and np.array_equal(st.moments, ref.moments), n
 
 
 def test_non_causal_token_gram_matches_definition():
@@ -122,7 +139,8 @@ def test_fit_refuses_before_building(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
-def test_kernel_propagates_errors_and_survives_nesting():
+@pytest.mark.parametrize("threads", [2, 3])
+def test_kernel_propagates_errors_and_survives_nesting(threaded, threads):
     """A failing job raises in the caller (no thread left writing); a kernel called from a kernel thread (an
     ``extra`` job) neither deadlocks on the shared pool nor changes the bits."""
     import threading
@@ -137,7 +155,7 @@ def test_kernel_propagates_errors_and_survives_nesting():
 
     g = np.zeros_like(ref)
     with pytest.raises(RuntimeError, match="boom"):
-        gram_update(g, s, x, threads=2, panel_rows=64, panel_cols=16, extra=[(10**9, boom)])
+        gram_update(g, s, x, threads=threads, panel_rows=64, panel_cols=16, extra=[(10**9, boom)])
     snapshot = g.copy()
     threading.Event().wait(0.2)
     assert np.array_equal(g, snapshot)  # nothing still writes after the raise
@@ -146,10 +164,48 @@ def test_kernel_propagates_errors_and_survives_nesting():
     outer = np.zeros_like(ref)
     job = lambda: inner.append(gram_update(np.zeros_like(ref), s, x, threads=2, panel_rows=64, panel_cols=16))
     t = threading.Thread(target=gram_update, args=(outer, s, x),
-                         kwargs=dict(threads=2, panel_rows=64, panel_cols=16, extra=[(10**8, job)] * 3))
+                         kwargs=dict(threads=threads, panel_rows=64, panel_cols=16, extra=[(10**8, job)] * 3))
     t.start()
     t.join(60)
     assert not t.is_alive(), "nested kernel calls deadlocked"
     assert len(inner) == 3 and all(np.array_equal(i, inner[0]) for i in inner)
     assert np.allclose(outer, ref, rtol=1e-13, atol=1e-13 * np.abs(ref).max())
     assert np.array_equal(outer, gram_update(np.zeros_like(ref), s, x, threads=1, panel_rows=64, panel_cols=16))
+
+
+def test_concurrent_callers_keep_the_blas_setting(data, threaded):
+    """Builds from several user threads at once: each is correct, and the process's BLAS thread count is
+    what it was before (the kernel's thread limit is taken and restored one call at a time)."""
+    import threading
+
+    from scaleattn.statistics import _blas_threads
+
+    before = _blas_threads()
+    ref = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+    out = [None] * 4
+
+    def build(i):
+        out[i] = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+
+    ts = [threading.Thread(target=build, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert all(np.array_equal(o.gram_compact, ref.gram_compact) for o in out)
+    assert _blas_threads() == before
+
+
+def test_block_size_ignores_targets_and_counts_tokens():
+    """Tc's bits do not depend on d_out (block boundaries come from d and T only), and a non-causal block is
+    sized by its tokens, not only its feature rows."""
+    from scaleattn.statistics import BLOCK_BYTES, block_bytes_per_sample, block_samples
+
+    assert block_samples(4, 256, False) * block_bytes_per_sample(4, 256, False) <= BLOCK_BYTES
+    assert block_samples(4, 256, False) < block_samples(4, 1, False)
+    D = make_mhla(d=3, heads=1, length=6, samples=3000, causal=True, seed=5)
+    y8 = np.concatenate([D["targets"]] * 3, axis=-1)[..., :8]
+    a = statistics_from_arrays(D["tokens"], D["targets"])
+    b = statistics_from_arrays(D["tokens"], y8)
+    c = statistics_from_arrays(D["tokens"], None, causal=True)
+    assert np.array_equal(a.gram_compact, b.gram_compact) and np.array_equal(a.gram_compact, c.gram_compact)
