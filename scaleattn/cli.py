@@ -31,15 +31,27 @@ def _storage_options(pairs) -> dict | None:
     return out
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse then exits 2 with the option's name)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _add_cluster_args(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--scheduler", metavar="ADDRESS",
                    help="join a running Dask scheduler (tcp://HOST:8786 or tls://...); default $DASK_SCHEDULER_ADDRESS,"
                         " else an embedded local cluster")
-    g.add_argument("--workers", type=int, default=None, metavar="N",
+    g.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="worker processes of the embedded cluster (default: one per core)")
-    g.add_argument("--threads-per-worker", type=int, default=1, metavar="N", help="threads per worker (default 1)")
-    g.add_argument("--gpus", type=int, default=None, metavar="N",
+    g.add_argument("--threads-per-worker", type=_positive_int, default=1, metavar="N",
+                   help="threads per worker (default 1)")
+    g.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                    help="start a dask-cuda cluster with N GPU workers (needs the gpu extra)")
     g.add_argument("--local", action="store_true", help="run in this process without Dask (small data, debugging)")
     g.add_argument("--tls-ca-file", metavar="PEM", default=None,
@@ -165,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dataset for the predictions plot (default: the one recorded in report.json)")
     _add_io_args(pl, out=False)
 
-    b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default) or tensor attention")
+    b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default), tensor attention, gpu kernels,"
+                                     " or --vs adamw")
     b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu"],
                    help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
                         " gpu: the same kernels on a CUDA device (needs the gpu extra)")
@@ -343,6 +356,11 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (DatasetError, ValueError, FileExistsError, FileNotFoundError, MemoryError) as e:
+        if args.debug:
+            raise
+        print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ImportError as e:  # an optional dependency is missing: say which, and how to install it
         if args.debug:
             raise
         print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)

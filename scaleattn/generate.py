@@ -213,8 +213,11 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
 def load_digits_dataset(url, *, overwrite=False, storage_options=None):
     """scikit-learn's handwritten digits (1,797 images of 8x8) as sequences of the first 7 pixel rows
     (d = 8, scaled to [0, 1]) predicting the 8th row (d_out = 8): a real, non-realizable regression."""
-    from sklearn.datasets import load_digits
-
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError("the built-in digits dataset needs scikit-learn: pip install 'scaleattn[data]' "
+                          "(or pip install scikit-learn)") from None
     img = load_digits().images / 16.0  # (1797, 8, 8)
     attrs = {"description": "sklearn digits: rows 0-6 of each 8x8 image predict row 7", "source": "sklearn.datasets.load_digits"}
     return write_dataset(url, img[:, :7], img[:, 7], attrs=attrs, overwrite=overwrite, storage_options=storage_options)
