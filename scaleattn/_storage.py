@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import uuid
 
 import zarr
@@ -37,6 +38,27 @@ def access_error(url: str, e: BaseException) -> StorageError | None:
             " --storage-option secret=...)") if str(url).startswith(("s3://", "s3a://")) else (
             "check the URL, the --storage-option values and the credentials")
     return StorageError(f"{url}: cannot access the object store ({type(e).__name__}: {e}); {hint}")
+
+
+def transient(e: BaseException) -> bool:
+    """Whether ``e`` is worth retrying: a connection or timeout error, or an error of a remote store's client
+    library; not a missing key, a refused permission or bad data (those fail the same way every time)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, StorageError)) or not isinstance(e, Exception):
+        return False
+    return isinstance(e, (ConnectionError, TimeoutError)) or type(e).__module__.split(".")[0] in _REMOTE_ERROR_MODULES
+
+
+def with_retries(fn, *args, attempts: int = 3, delay: float = 1.0, **kwargs):
+    """``fn(*args, **kwargs)``, retried up to ``attempts`` times in all when it raises a :func:`transient` error
+    (waiting ``delay``, then twice as long, ...). Dask tasks call their work through this and are submitted
+    without Dask retries, so bad data fails once, with one log line, while a flaky store is retried."""
+    for k in range(max(1, int(attempts))):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if k + 1 >= attempts or not transient(e):
+                raise
+            time.sleep(delay * 2**k)
 
 
 @contextlib.contextmanager

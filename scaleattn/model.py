@@ -152,7 +152,9 @@ def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> 
         from .cluster import wait_with_progress
 
         cf = client.scatter(coef, broadcast=True)
-        futs = [client.submit(group_errors, dataset, a, b, cf, retries=3) for a, b in groups]
+        tag = f"{dataset.fingerprint}-{cf.key}"
+        futs = [client.submit(_storage.with_retries, group_errors, dataset, a, b, cf, key=f"evaluate-{a}-{b}-{tag}")
+                for a, b in groups]
         root, combos = submit_tree(client, futs, _sum)
         try:
             wait_with_progress(futs, "evaluate", progress)

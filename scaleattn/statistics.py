@@ -522,15 +522,16 @@ def submit_tree(client, futures: list, func, split_every: int = SPLIT_EVERY):
 def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
     """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
     is read back (a retry after a lost worker or a resume recomputes nothing); a new one is written there, then
-    marked done, by this worker."""
+    marked done, by this worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`);
+    bad data fails the task once."""
     if ckpt is not None and ckpt.is_done(gi, ti):
         return ckpt.read(gi, ti)
     delay = float(os.environ.get("SCALEATTN_TEST_TASK_DELAY", 0) or 0)  # test hook: slow tasks down
     if delay:
         time.sleep(delay)
-    part = group_statistics(dataset, start, stop, targets and ti == 0, device, cols)
+    part = _storage.with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols)
     if ckpt is not None:
-        ckpt.write(gi, ti, part)
+        _storage.with_retries(ckpt.write, gi, ti, part)
     return part
 
 
@@ -627,7 +628,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     from .cluster import wait_with_progress
 
     tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
-    futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, retries=3,
+    futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt,  # retries: in the task
                            key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
             for gi, (a, b) in enumerate(groups)]
     trees = [submit_tree(client, [f[ti] for f in futs], _add_all, split_every) for ti in range(len(tiles))]
