@@ -355,12 +355,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (DatasetError, ValueError, FileExistsError, FileNotFoundError, MemoryError) as e:
-        if args.debug:
-            raise
-        print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except ImportError as e:  # an optional dependency is missing: say which, and how to install it
+    # bad input, or a missing optional package (its ImportError names the install line): one line, exit 2
+    except (DatasetError, ValueError, FileExistsError, FileNotFoundError, MemoryError, ImportError) as e:
         if args.debug:
             raise
         print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)

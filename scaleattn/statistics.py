@@ -137,9 +137,9 @@ def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
     """Peak bytes :func:`accumulate` holds per sample of a block: the float64 token copy and mask (2 T d), the
     row features s, s^T, v, x (and, causal, the pair products and their cumsum: per row 4 m + m + d), and the
     moments' x (x) y for up to d targets. Independent of ``d_out`` so that ``Tc``'s bits are too."""
-    m = n_pairs(d)
+    m = n_pairs(d)  # = d(d+1)/2, also the width of v
     rows = T if causal else 1
-    return 8.0 * (2 * T * d + rows * (4 * m + n_pairs(d) + d + d * d))
+    return 8.0 * (2 * T * d + rows * (5 * m + d + d * d))
 
 
 def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None) -> int:
@@ -199,10 +199,16 @@ def _gemm_acc(c, a, b) -> None:
     c += a.T @ b
 
 
+#: the BLAS thread count saved while a kernel call holds BLAS at one thread (read by other callers meanwhile)
+_LIMITED: int | None = None
+
+
 def _blas_threads() -> int:
     """This process's BLAS thread count (the kernel's default thread count for numpy input).
 
     Dask workers run one BLAS thread (``threads_per_worker = 1``); a single process uses all its cores."""
+    if _LIMITED is not None:
+        return _LIMITED
     return max([int(c.num_threads or 1) for c in _blas_controller().lib_controllers] or [1])
 
 
@@ -228,8 +234,8 @@ def _pool():
 
 
 def _after_fork_in_child() -> None:  # a forked child has neither the parent's threads nor its lock holder
-    global _KERNEL_LOCK
-    _KERNEL_LOCK = threading.Lock()
+    global _KERNEL_LOCK, _LIMITED
+    _KERNEL_LOCK, _LIMITED = threading.Lock(), None
     _pool.cache_clear()
 
 
@@ -291,55 +297,68 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
             if kind == "call":
                 job()
 
-    if xp is not np:  # one device stream: no host threads
+    if xp is not np or getattr(_IN_KERNEL, "active", False) or (_blas_threads() == 1 and (threads or 1) <= 1):
+        # a device stream, a call from a kernel thread (BLAS already at one thread), or nothing to share or limit
         run_group([job for _, job in jobs], xp.empty(panel_rows * panel_cols))
-        return gram
-    if getattr(_IN_KERNEL, "active", False):  # called from a kernel thread: BLAS is already limited, run inline
-        run_group([job for _, job in jobs], np.empty(panel_rows * panel_cols))
         return gram
     with _KERNEL_LOCK:
         total = sum(c for c, _ in jobs)
         n = _blas_threads() if threads is None else int(threads)
         n = max(1, min(n, len(jobs), total // max(MIN_THREAD_MACS, 1) + 1))
-        # contiguous groups of about equal multiply-adds, taken by whichever thread is free (balanced whatever
-        # each panel's real speed; which thread sums a group does not change its bits)
-        k = n * GROUPS_PER_THREAD if n > 1 else 1
-        groups, done = [[]], 0
-        for cost, job in jobs:
-            if len(groups) < k and done >= total * len(groups) / k:
-                groups.append([])
-            groups[-1].append(job)
-            done += cost
-        todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
+        _run_shared(_groups(jobs, n * GROUPS_PER_THREAD if n > 1 else 1), run_group, n, panel_rows * panel_cols)
+    return gram
 
-        def run():
-            _IN_KERNEL.active = True
-            buf = np.empty(panel_rows * panel_cols)
-            try:
-                while not failed.is_set():
-                    with lock:
-                        group = next(todo, None)
-                    if group is None:
-                        return
-                    run_group(group, buf)
-            except BaseException:
-                failed.set()  # the other threads stop taking groups
-                raise
-            finally:
-                _IN_KERNEL.active = False
 
-        with _blas_controller().limit(limits=1):  # every BLAS call on one thread: the same bits for any n
+def _groups(jobs, k: int) -> list[list]:
+    """``jobs`` ((cost, job) pairs) cut into at most ``k`` contiguous groups of about equal cost."""
+    total = sum(c for c, _ in jobs)
+    groups, done = [[]], 0
+    for cost, job in jobs:
+        if len(groups) < k and done >= total * len(groups) / k:
+            groups.append([])
+        groups[-1].append(job)
+        done += cost
+    return groups
+
+
+def _run_shared(groups, run_group, n: int, buf_size: int) -> None:
+    """``run_group(group, buf)`` for every group on ``n`` threads (this one and ``n - 1`` pool helpers), each
+    taking the next group when free, every BLAS call on one thread (so the bits do not depend on ``n``). Returns
+    or raises only once every helper has stopped; after a failure the others take no further group."""
+    global _LIMITED
+    todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
+
+    def run():
+        _IN_KERNEL.active = True
+        buf = np.empty(buf_size)
+        try:
+            while not failed.is_set():
+                with lock:
+                    group = next(todo, None)
+                if group is None:
+                    return
+                run_group(group, buf)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            _IN_KERNEL.active = False
+
+    _LIMITED = _blas_threads()
+    try:
+        with _blas_controller().limit(limits=1):
             futs = [_pool().submit(run) for _ in range(n - 1)]
             try:
                 run()
-            finally:  # never return or raise while a helper still writes to gram
+            finally:  # never return or raise while a helper still writes
                 for f in futs:
                     f.cancel()  # a helper that never started finds no work left
                 concurrent.futures.wait(futs)
-            for f in futs:
-                if not f.cancelled() and f.exception() is not None:
-                    raise f.exception()
-    return gram
+    finally:
+        _LIMITED = None
+    for f in futs:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
 
 
 def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=None) -> Statistics:
