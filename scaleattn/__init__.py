@@ -4,19 +4,30 @@ Multi-head linear attention is linear in cubic features of its input, so its glo
 least-squares problem [Yau et al., NeurIPS 2025, arXiv:2410.10101]. scaleattn streams the features from Zarr
 datasets through Dask workers into sufficient statistics, solves on one node, certifies identifiability
 and recovers the heads. ``scaleattn.tensor`` has tensor attention [Cao et al., arXiv:2405.16411].
-"""
-__version__ = "0.1.0"
 
-from .dataset import Dataset, DatasetError, open_dataset, write_dataset  # noqa: E402
-from .statistics import Statistics, compute_statistics, statistics_from_arrays  # noqa: E402
-from .solver import Certificate, Solution, certify, solve  # noqa: E402
-from .heads import Heads, coef_distance, coef_from_heads, compare_models, search_heads, svd_heads  # noqa: E402
-from .model import MHLAModel, MHLARegressor, evaluate  # noqa: E402
-from .job import FitResult, certify_dataset, fit  # noqa: E402
+Layers (ARCHITECTURE.md; a test enforces them): L0 ``_version``, ``errors``, ``_params``, ``_backend``,
+``_storage``, ``_formats``, ``progress``, ``_testing``; L1 ``features``, ``dataset``; L2 ``kernel`` ->
+``statistics`` -> ``spectrum`` -> ``certificate`` -> ``solver`` -> ``heads`` -> ``model``; L3 ``distributed/``;
+L4 ``run`` -> ``plot`` -> ``report`` -> ``pipeline`` -> ``estimator``, ``importers``, ``generate``;
+L5 ``cli``, ``submit``, ``bench/``, ``baselines/``; ``tensor/`` uses L0 only.
+"""
+from ._version import __version__
+from .certificate import Certificate, certify
+from .dataset import Dataset, open_dataset, write_dataset
+from .distributed.build import compute_statistics
+from .distributed.evaluate import evaluate
+from .errors import DatasetError, ScaleattnError
+from .estimator import MHLARegressor
+from .features import coef_distance
+from .heads import Heads, coef_from_heads, compare_models, search_heads, svd_heads
+from .model import MHLAModel
+from .pipeline import FitResult, certify_dataset, fit
+from .solver import Solution, solve
+from .statistics import Statistics, statistics_from_arrays
 
 __all__ = [
-    "Dataset", "DatasetError", "open_dataset", "write_dataset", "Statistics", "compute_statistics",
-    "statistics_from_arrays", "Certificate", "Solution", "certify", "solve", "Heads", "coef_distance",
-    "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel", "MHLARegressor", "evaluate",
-    "FitResult", "certify_dataset", "fit", "__version__",
+    "Dataset", "DatasetError", "ScaleattnError", "open_dataset", "write_dataset", "Statistics",
+    "compute_statistics", "statistics_from_arrays", "Certificate", "Solution", "certify", "solve", "Heads",
+    "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
+    "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]

@@ -1,29 +1,161 @@
-"""Where stores live: local paths or fsspec URLs (``s3://...``), opened through zarr; atomic outputs.
+"""Where stores live (layer L0): a :class:`Location` handle for a local path or fsspec URL (``s3://...``),
+resolved once at the public entry; zarr groups, existence, removal, atomic outputs and retries on it.
 
-URLs go through fsspec (s3fs for ``s3://``) with the caller's ``storage_options``; what they leave out comes
+URLs go through fsspec (s3fs for ``s3://``) with the location's ``storage_options``; what they leave out comes
 from the standard environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, and the
 endpoint ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` (read by botocore >= 1.31 itself). An unreachable
-endpoint or refused credentials raise :class:`StorageError` (a ``ValueError``: the CLI exits with code 2).
+endpoint or refused credentials raise :class:`~scaleattn.errors.StorageError` (the CLI exits with code 2).
 See docs/object-storage.md.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
+import random
 import shutil
 import time
 import uuid
 
 import zarr
 
+from .errors import OutputExistsError, ParameterError, StorageError
+
+__all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error", "transient",
+           "with_retries", "atomic_output", "is_url"]
+
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
 
 
-class StorageError(ValueError):
-    """An object store cannot be reached or refuses access (endpoint, credentials, permissions).
+def parse_storage_options(options) -> dict | None:
+    """fsspec options from a dict or from ``["KEY=VALUE", ...]`` (the CLI's ``--storage-option``): values
+    are parsed as JSON where they parse (numbers, true/false, objects), and ``endpoint_url`` moves into s3fs's
+    ``client_kwargs``. The one parser for the CLI and the API. Raises :class:`ParameterError` for a pair
+    without ``=`` or a non-string key.
 
-    The message names the URL, the underlying error and where the endpoint and credentials come from."""
+    Examples
+    --------
+    >>> parse_storage_options(["endpoint_url=http://localhost:9000", "anon=false"])
+    {'anon': False, 'client_kwargs': {'endpoint_url': 'http://localhost:9000'}}
+    """
+    if not options:
+        return None
+    if isinstance(options, dict):
+        out = {**options}
+    else:
+        out = {}
+        for k, v in storage_option_pairs(options).items():
+            try:
+                out[k] = json.loads(v)
+            except json.JSONDecodeError:
+                out[k] = v
+    if any(not isinstance(k, str) or not k for k in out):
+        raise ParameterError(f"storage option names must be non-empty strings, got {sorted(map(repr, out))}")
+    if "endpoint_url" in out:  # s3fs takes the endpoint inside client_kwargs
+        out["client_kwargs"] = {**out.get("client_kwargs", {}), "endpoint_url": out.pop("endpoint_url")}
+    return out
+
+
+def storage_option_pairs(pairs) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` as text (no parsing of the values); the first step of
+    :func:`parse_storage_options`, also used by ``scaleattn submit`` to pass them on unchanged. Raises
+    :class:`ParameterError` for a pair without ``=`` or with an empty key."""
+    out = {}
+    for p in pairs or []:
+        if not isinstance(p, str) or "=" not in p or not p.split("=", 1)[0]:
+            raise ParameterError(f"--storage-option expects KEY=VALUE, got {p!r}")
+        k, v = p.split("=", 1)
+        out[k] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A store resolved once: an absolute local path or a URL, with the fsspec options to reach it.
+
+    Made by :func:`resolve` at the public entry; every lower layer takes a ``Location`` instead of
+    ``(url, storage_options)`` pairs. Cheap to pickle to Dask workers.
+
+    Attributes
+    ----------
+    url : str
+        Absolute local path, or a URL such as ``s3://bucket/data.zarr`` (no trailing slash).
+    storage_options : dict or None
+        fsspec options (endpoint, credentials) for URLs.
+
+    Examples
+    --------
+    >>> loc = resolve("/tmp/run1")
+    >>> loc.join("model.zarr").url
+    '/tmp/run1/model.zarr'
+    """
+
+    url: str
+    storage_options: dict | None = None
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def is_remote(self) -> bool:
+        return is_url(self.url)
+
+    def join(self, name: str) -> "Location":
+        """The child ``name`` of this location (same options)."""
+        return Location(join(self.url, name), self.storage_options)
+
+    def exists(self) -> bool:
+        return exists(self.url, self.storage_options)
+
+    def remove(self) -> None:
+        remove(self.url, self.storage_options)
+
+    def open_group(self, mode: str = "r") -> zarr.Group:
+        return open_group(self.url, mode, self.storage_options)
+
+    def fs(self):
+        """The fsspec filesystem and path of this location."""
+        return fs_for(self.url, self.storage_options)
+
+    def read_text(self) -> str:
+        with _remote_access(self.url):
+            fs, p = self.fs()
+            with fs.open(p, "r") as f:
+                return f.read()
+
+    def write_bytes(self, data: bytes) -> None:
+        with _remote_access(self.url):
+            fs, p = self.fs()
+            with fs.open(p, "wb") as f:
+                f.write(data)
+
+
+def resolve(url, storage_options=None) -> Location:
+    """A :class:`Location` for a path, ``file://`` URL, fsspec URL or an existing Location.
+
+    Local paths are made absolute (relative to this process's working directory, so that Dask workers elsewhere
+    read the same store); ``storage_options`` go through :func:`parse_storage_options`. A Location is
+    returned as is (``storage_options`` must then be None or equal to its own).
+
+    Raises
+    ------
+    ParameterError
+        An empty path, or options given twice.
+    """
+    if isinstance(url, Location):
+        if storage_options is not None and parse_storage_options(storage_options) != url.storage_options:
+            raise ParameterError(f"{url.url}: storage options given twice (the location already has its own)")
+        return url
+    text = os.fspath(url) if isinstance(url, os.PathLike) else str(url)
+    if not text:
+        raise ParameterError("empty path: give a store path or URL")
+    opts = parse_storage_options(storage_options)
+    if is_url(text):
+        return Location(text.rstrip("/") or text, opts)
+    path = os.path.abspath(os.path.expanduser(local_path(text)))
+    return Location(path, opts)
 
 
 def access_error(url: str, e: BaseException) -> StorageError | None:
@@ -50,15 +182,16 @@ def transient(e: BaseException) -> bool:
 
 def with_retries(fn, *args, attempts: int = 3, delay: float = 1.0, **kwargs):
     """``fn(*args, **kwargs)``, retried up to ``attempts`` times in all when it raises a :func:`transient` error
-    (waiting ``delay``, then twice as long, ...). Dask tasks call their work through this and are submitted
-    without Dask retries, so bad data fails once, with one log line, while a flaky store is retried."""
+    (waiting about ``delay``, then twice as long, ..., each wait with up to 50% random jitter so that many
+    workers do not retry in step). Dask tasks call their work through this and are submitted without Dask
+    retries, so bad data fails once, with one log line, while a flaky store is retried."""
     for k in range(max(1, int(attempts))):
         try:
             return fn(*args, **kwargs)
         except Exception as e:
             if k + 1 >= attempts or not transient(e):
                 raise
-            time.sleep(delay * 2**k)
+            time.sleep(delay * 2**k * (1.0 + 0.5 * random.random()))
 
 
 @contextlib.contextmanager
@@ -132,31 +265,31 @@ def open_group(url: str, mode: str = "r", storage_options: dict | None = None) -
 
 
 @contextlib.contextmanager
-def atomic_output(url: str, overwrite: bool = False, storage_options: dict | None = None):
-    """Yield a temporary location next to ``url`` that becomes ``url`` only if the block succeeds.
+def atomic_output(loc: Location, overwrite: bool = False):
+    """Yield a temporary :class:`Location` next to ``loc`` that becomes ``loc`` only if the block succeeds.
 
-    A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``url`` is
-    refused (``FileExistsError``) unless ``overwrite``; locally it is replaced only after the new output is
-    complete. Object stores cannot rename: there ``overwrite`` deletes the old output first, and the new one
-    is written in place and removed on failure.
+    A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``loc`` is
+    refused (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``; locally it is replaced only
+    after the new output is complete. Object stores cannot rename: there ``overwrite`` deletes the old output
+    first, and the new one is written in place and removed on failure.
     """
-    url = local_path(url).rstrip("/")
-    if exists(url, storage_options) and not overwrite:
-        raise FileExistsError(f"output {url!r} already exists (pass --overwrite to replace it)")
-    if is_url(url):
-        remove(url, storage_options)
+    if loc.exists() and not overwrite:
+        raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
+    if loc.is_remote:
+        loc.remove()
         try:
-            yield url
+            yield loc
         except BaseException:
-            remove(url, storage_options)
+            loc.remove()
             raise
         return
-    parent = os.path.dirname(os.path.abspath(url))
+    url = loc.url
+    parent = os.path.dirname(url)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(url)}.partial-{uuid.uuid4().hex[:8]}")
     aside = f"{tmp}.old"
     try:
-        yield tmp
+        yield Location(tmp, loc.storage_options)
         if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
             os.replace(url, aside)
         os.replace(tmp, url)

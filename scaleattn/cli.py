@@ -1,34 +1,28 @@
-"""Command line: ``scaleattn generate | import | fit | certify | evaluate | bench | submit``.
+"""Command line (layer L5): ``scaleattn generate | import | fit | certify | compare | evaluate | plot | bench |
+submit``.
 
-Bad input exits with code 2 and one line naming the problem (``--debug`` shows the traceback).
+Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
+line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2; anything else is a bug: one line saying so and exit
+code 1 (``--debug`` shows the traceback); Ctrl-C exits 130.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from . import __version__
+from ._storage import parse_storage_options
+from ._version import __version__
+from .errors import ScaleattnError
+from .spectrum import SOLVERS
 
 EXIT_BAD_INPUT = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
 
 
 def _storage_options(pairs) -> dict | None:
-    """``["key=value", ...]`` -> dict (values parsed as JSON where they parse: numbers, true/false)."""
-    if not pairs:
-        return None
-    out = {}
-    for p in pairs:
-        if "=" not in p:
-            raise ValueError(f"--storage-option expects KEY=VALUE, got {p!r}")
-        k, v = p.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    if "endpoint_url" in out:  # s3fs takes the endpoint inside client_kwargs
-        out.setdefault("client_kwargs", {})["endpoint_url"] = out.pop("endpoint_url")
-    return out
+    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._storage.parse_storage_options`)."""
+    return parse_storage_options(pairs)
 
 
 def _positive_int(text: str) -> int:
@@ -125,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True,
                    help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
-    f.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
-    f.add_argument("--solver", choices=["auto", "eigh", "cholesky"], default="auto",
+    f.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
+                   help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
+    f.add_argument("--solver", choices=list(SOLVERS), default="auto",
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
                         " eigh: the whole spectrum of Lambda_D at any psi (slower)")
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
@@ -146,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("certify", help="identifiability certificate only (Gram matrix, no targets needed)")
     c.add_argument("dataset")
-    c.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
-    c.add_argument("--solver", choices=["auto", "eigh", "cholesky"], default="auto",
+    c.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
+                   help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
+    c.add_argument("--solver", choices=list(SOLVERS), default="auto",
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
                         " eigh: the whole spectrum of Lambda_D at any psi (slower)")
     _add_cluster_args(c)
@@ -187,35 +183,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vs", choices=["adamw"], default=None,
                    help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
 
-    try:
-        from . import submit
+    from . import submit
 
-        s = sub.add_parser("submit", help="send a fit as a DaskJob to a Kubernetes cluster (dask-kubernetes operator)")
-        submit.add_arguments(s)
-    except ImportError:  # pragma: no cover - submit is part of the package
-        pass
+    s = sub.add_parser("submit", help="send a fit as a DaskJob to a Kubernetes cluster (dask-kubernetes operator)")
+    submit.add_arguments(s)
     return parser
 
 
-def _cluster(args):
+def _cluster(args, reporter=None):
+    """The client of this command: None with ``--local``, else :func:`scaleattn.distributed.cluster.connect`."""
     import contextlib
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
-    from .cluster import connect, tls_security
+    from .distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
     return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
-                   quiet=args.quiet)
+                   quiet=args.quiet, progress=reporter)
+
+
+def _reporter(args):
+    """Progress on stderr unless ``--quiet`` or ``--json``."""
+    from .progress import as_reporter
+
+    return as_reporter(not (args.quiet or getattr(args, "json", False)))
 
 
 def _emit(args, payload: dict, text: str) -> None:
-    from .job import _json_default
+    """The result on stdout: JSON with ``--json``, else the summary text (nothing with ``--quiet``)."""
+    from ._formats import dumps
 
     if args.json:
-        print(json.dumps(payload, indent=2, default=_json_default))
+        print(dumps(payload))
     elif not args.quiet:
         print(text)
+
+
+def _wrote(ds) -> str:
+    return f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}"
 
 
 def _cmd_generate(args) -> int:
@@ -231,69 +237,79 @@ def _cmd_generate(args) -> int:
         ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
                                      seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
                                      storage_options=opts)
-    print(f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}")
+    print(_wrote(ds))
     return 0
 
 
 def _cmd_import(args) -> int:
-    from . import generate
+    from . import importers
 
     opts = _storage_options(args.storage_option)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
     if args.npz:
-        ds = generate.import_arrays(args.path, args.npz, **kw)
+        ds = importers.import_arrays(args.path, args.npz, **kw)
     elif args.csv:
-        ds = generate.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
-                                 causal=args.causal, columns=args.columns, **kw)
+        ds = importers.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
+                                  causal=args.causal, columns=args.columns, **kw)
     else:
-        ds = generate.load_digits_dataset(args.path, **kw)
-    print(f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}")
+        ds = importers.load_digits_dataset(args.path, **kw)
+    print(_wrote(ds))
     return 0
 
 
 def _cmd_fit(args) -> int:
-    from .job import fit, format_report, parse_heads, preflight
+    from ._backend import check_device
+    from ._params import heads_spec, real
+    from .certificate import check_cutoff
+    from .pipeline import fit, preflight
+    from .report import fit_summary
 
+    reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
-    heads = parse_heads(args.heads)
-    ds = preflight(args.dataset, args.out, args.overwrite, opts)  # bad input fails before a cluster starts
-    with _cluster(args) as client:
-        res = fit(ds, args.out, client=client, heads=heads, rtol=args.rtol, ridge=args.ridge, solver=args.solver,
-                  exact_mse=not args.no_exact_mse,
-                  overwrite=args.overwrite, progress=not (args.quiet or args.json), storage_options=opts,
-                  device=args.device, plots=not args.no_plots, resume=args.resume, checkpoint=args.checkpoint,
-                  keep_checkpoint=args.keep_checkpoint)
-    _emit(args, res.report, format_report(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
+    heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
+    check_cutoff(args.cutoff_rtol)
+    real("--ridge", args.ridge, 0.0)
+    check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
+    ds = preflight(args.dataset, args.out, args.overwrite, opts)
+    with _cluster(args, reporter) as client:
+        res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
+                  solver=args.solver, exact_mse=not args.no_exact_mse, overwrite=args.overwrite, progress=reporter,
+                  storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
+                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint)
+    _emit(args, res.report, fit_summary(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
           + ("" if args.no_plots else ", *.png"))
     return 0
 
 
 def _cmd_certify(args) -> int:
+    from .certificate import check_cutoff
     from .dataset import open_dataset
-    from .job import certify_dataset
+    from .pipeline import certify_dataset
+    from .report import certificate_summary
 
+    reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
+    check_cutoff(args.cutoff_rtol)
     ds = open_dataset(args.dataset, opts)
-    with _cluster(args) as client:
-        cert = certify_dataset(ds, client=client, rtol=args.rtol, progress=not (args.quiet or args.json),
-                               solver=args.solver)
-    s = cert.summary()
-    verdict = "identifiable" if cert.identifiable else f"NOT identifiable (ambiguous dimension {cert.ambiguous_dim})"
-    _emit(args, s, f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
-                   f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict}")
+    with _cluster(args, reporter) as client:
+        cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver)
+    _emit(args, cert.summary(), certificate_summary(cert.summary()))
     return 0
 
 
 def _cmd_evaluate(args) -> int:
     from .dataset import open_dataset
-    from .model import MHLAModel, evaluate
+    from .distributed.evaluate import evaluate
+    from .model import MHLAModel
+    from .report import evaluation_summary
 
+    reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     model = MHLAModel.load(args.model, opts)
     ds = open_dataset(args.dataset, opts)
-    with _cluster(args) as client:
-        r = evaluate(model, ds, client, progress=not (args.quiet or args.json))
-    _emit(args, r, f"MSE {r['mse']:.6g}  (relative {r['relative_mse']:.3g}, mean y^2 {r['target_mean_square']:.4g}, rows {r['n_rows']:,})")
+    with _cluster(args, reporter) as client:
+        r = evaluate(model, ds, client, progress=reporter)
+    _emit(args, r, evaluation_summary(r))
     return 0
 
 
@@ -329,12 +345,11 @@ def _cmd_bench(args) -> int:
 def _cmd_compare(args) -> int:
     from .heads import compare_models
     from .model import MHLAModel
+    from .report import comparison_summary
 
     opts = _storage_options(args.storage_option)
     r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
-    verdict = "EQUIVALENT: same function on every input" if r["equivalent"] else "DIFFERENT functions"
-    _emit(args, r, f"||c(A) - c(B)||_F = {r['distance']:.4g}  (relative {r['relative_distance']:.3g}, rtol {r['rtol']:.1e};"
-                   f" heads {r['n_heads_a']} vs {r['n_heads_b']})\n{verdict}")
+    _emit(args, r, comparison_summary(r))
     return 0 if r["equivalent"] else 1
 
 
@@ -349,27 +364,24 @@ COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "
 
 
 def main(argv=None) -> int:
-    """Entry point of the ``scaleattn`` command; returns the exit code."""
-    from .dataset import DatasetError
-
+    """Entry point of the ``scaleattn`` command; returns the exit code (0 ok, 2 our error, 1 a bug, 130 Ctrl-C)."""
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    # bad input, or a missing optional package (its ImportError names the install line): one line, exit 2
-    except (DatasetError, ValueError, FileExistsError, FileNotFoundError, MemoryError, ImportError) as e:
+    except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store
         if args.debug:
             raise
         print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # anything else: still one line, the traceback only with --debug
+        print(f"scaleattn {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
         if args.debug:
             raise
-        print(f"scaleattn {args.command}: error: {type(e).__name__}: {e} (scaleattn --debug ... shows the traceback)",
-              file=sys.stderr)
-        return 1
+        print(f"scaleattn {args.command}: internal error (this is a bug; please report it with the output of"
+              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,7 +9,7 @@ Layout of a dataset group::
     teacher/V (H, d_out, d), teacher/Q (H, d, d)   optional ground truth of generated data
 
 Group attributes: ``format = "scaleattn-dataset"``, ``format_version``, ``causal`` and free-form metadata.
-Input stores are only ever opened read-only.
+Input stores are only ever opened read-only. Layer L1.
 """
 from __future__ import annotations
 
@@ -17,13 +17,18 @@ import dataclasses
 import functools
 import json
 import math
+import uuid
 
 import numpy as np
 
-from . import _storage
+from . import _formats
+from ._storage import Location, access_error, atomic_output, resolve
+from .errors import DatasetError, IntegrityError, ParameterError
 
-FORMAT = "scaleattn-dataset"
-FORMAT_VERSION = 1
+__all__ = ["Dataset", "DatasetError", "open_dataset", "create_dataset", "write_dataset", "write_block",
+           "write_unit", "write_teacher", "check_arrays", "default_chunk_samples", "DIMS"]
+
+FORMAT, FORMAT_VERSION = _formats.DATASET
 DIMS = {
     "tokens": ("sample", "position", "embed"),
     "lengths": ("sample",),
@@ -32,19 +37,24 @@ DIMS = {
 }
 
 
-class DatasetError(ValueError):
-    """A dataset is malformed; the message names the array and, where it applies, the first bad sample."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """A validated, read-only handle on a dataset group (cheap to pickle to Dask workers).
 
-    Attributes: ``url``, ``n_samples`` (N), ``length`` (T), ``d``, ``d_out`` (0 without targets),
-    ``causal``, ``has_lengths``, ``chunk_samples`` (rows per Zarr chunk of ``tokens``), ``storage_options``.
+    Attributes
+    ----------
+    store : Location
+        Where the group lives (absolute path or URL, with its storage options).
+    n_samples, length, d, d_out : int
+        N, T, the token dimension, the output dimension (0 without targets).
+    causal, has_lengths : bool
+    chunk_samples : int
+        Samples per Zarr chunk of ``tokens``.
+    fingerprint : str
+        Shapes, chunking and the store's uid (identifies the content the checkpoints and task keys refer to).
     """
 
-    url: str
+    store: Location
     n_samples: int
     length: int
     d: int
@@ -52,8 +62,15 @@ class Dataset:
     causal: bool
     has_lengths: bool
     chunk_samples: int
-    storage_options: dict | None = None
     fingerprint: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def storage_options(self) -> dict | None:
+        return self.store.storage_options
 
     @property
     def n_chunks(self) -> int:
@@ -67,7 +84,7 @@ class Dataset:
         """The Zarr group, opened read-only (cached per process)."""
         frozen = _freeze(self.storage_options)
         if frozen is None:  # options that are not plain data (objects): open without the cache
-            return _storage.open_group(self.url, "r", self.storage_options)
+            return self.store.open_group("r")
         return _open_cached(self.url, frozen, self.fingerprint)  # a store overwritten in place gets a new uid
 
     def read(self, start: int, stop: int, targets: bool = True, check: bool = True):
@@ -82,10 +99,10 @@ class Dataset:
             try:
                 return np.asarray(g[name][start:stop])
             except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
-                access = _storage.access_error(self.url, e)
+                access = access_error(self.url, e)
                 if access is not None:  # the store is unreachable, not the data bad: keep it resumable
                     raise access from None
-                raise DatasetError(
+                raise IntegrityError(
                     f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
                 ) from None
 
@@ -124,7 +141,7 @@ def _freeze(opts):
 
 @functools.lru_cache(maxsize=16)
 def _open_cached(url, frozen_opts, fingerprint):
-    return _storage.open_group(url, "r", json.loads(frozen_opts) or None)
+    return Location(url, json.loads(frozen_opts) or None).open_group("r")
 
 
 def _check_values(name, a, start):
@@ -143,10 +160,10 @@ def _check_lengths(lens, start, T):
         raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
 
 
-def _is_float(dtype) -> bool:
-    """Real floating point only: integer, bool, complex, string and object dtypes are refused."""
+def _is_real(dtype) -> bool:
+    """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
     try:
-        return np.issubdtype(dtype, np.floating)
+        return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
     except TypeError:  # dtypes numpy cannot classify (zarr string / bytes types)
         return False
 
@@ -158,14 +175,14 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
     Raises
     ------
     DatasetError
-        Wrong number of dimensions, a non-float ``tokens``/``targets`` dtype (integer, bool, complex, string,
-        object), a non-integer ``lengths``, mismatched sample counts, a ``targets`` T or d_out of 0 / mismatch,
+        Wrong number of dimensions, a ``tokens``/``targets`` dtype that is not real numbers (bool, complex,
+        string, object; integers are read as float64), a non-integer ``lengths``, mismatched sample counts, a ``targets`` T or d_out of 0 / mismatch,
         an empty dataset.
     """
     if tokens.ndim != 3:
         raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
-    if not _is_float(tokens.dtype):
-        raise DatasetError(f"tokens: expected a float dtype, got {tokens.dtype}")
+    if not _is_real(tokens.dtype):
+        raise DatasetError(f"tokens: expected a float (or integer) dtype, got {tokens.dtype}")
     N, T, d = (int(n) for n in tokens.shape)
     if N == 0 or T == 0 or d == 0:
         raise DatasetError(f"tokens: empty dataset (shape {tokens.shape})")
@@ -180,8 +197,8 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
             raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
     d_out, causal = 0, False
     if targets is not None:
-        if not _is_float(targets.dtype):
-            raise DatasetError(f"targets: expected a float dtype, got {targets.dtype}")
+        if not _is_real(targets.dtype):
+            raise DatasetError(f"targets: expected a float (or integer) dtype, got {targets.dtype}")
         if targets.ndim not in (2, 3):
             raise DatasetError(
                 f"targets: expected (sample, output) or (sample, position, output), got shape {targets.shape}"
@@ -203,22 +220,35 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
 
     Parameters
     ----------
-    url : str
-        Local path or fsspec URL (``s3://bucket/data.zarr``) of a Zarr v3 group.
-    storage_options : dict, optional
-        fsspec options (endpoint, credentials) for URLs.
+    url : str, path-like or Location
+        Local path or fsspec URL (``s3://bucket/data.zarr``) of a Zarr v3 group; local paths are made absolute.
+    storage_options : dict or list of "KEY=VALUE", optional
+        fsspec options (endpoint, credentials) for URLs (:func:`scaleattn._storage.parse_storage_options`).
+
+    Returns
+    -------
+    Dataset
 
     Raises
     ------
     DatasetError
         Not a Zarr group, corrupt metadata, missing ``tokens``, wrong number of dimensions, non-float dtype,
         mismatched sample counts, T or d_out mismatch, an empty dataset.
+    StorageError
+        The store cannot be reached.
+
+    Examples
+    --------
+    >>> ds = open_dataset("data.zarr")  # doctest: +SKIP
+    >>> ds.n_samples, ds.length, ds.d, ds.d_out  # doctest: +SKIP
+    (512, 100, 2, 2)
     """
-    url = str(url)
-    if not _storage.exists(url, storage_options):
+    loc = resolve(url, storage_options)
+    url = loc.url
+    if not loc.exists():
         raise DatasetError(f"{url}: no such dataset")
     try:
-        g = _storage.open_group(url, "r", storage_options)
+        g = loc.open_group("r")
     except Exception as e:  # zarr raises several types for a non-group / corrupt metadata
         raise DatasetError(f"{url}: not a readable Zarr group ({type(e).__name__}: {e})") from None
     try:
@@ -226,7 +256,7 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
     except Exception as e:
         raise DatasetError(f"{url}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
     for name in ("tokens", "lengths", "targets"):  # zarr skips members whose metadata it cannot parse
-        if name not in names and _storage.exists(_storage.join(url, f"{name}/zarr.json"), storage_options):
+        if name not in names and loc.join(f"{name}/zarr.json").exists():
             raise DatasetError(f"{name}: corrupt Zarr metadata in {url} (not a readable array)")
     if "tokens" not in names:
         raise DatasetError(f"{url}: missing array 'tokens' (found: {sorted(names) or 'none'})")
@@ -244,7 +274,7 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
         causal = bool(g.attrs.get("causal", False))
     chunk = int(tok.chunks[0])
     fp = f"{N}x{T}x{d}:{d_out}:{int(causal)}:{int(has_lengths)}:{chunk}:{g.attrs.get('uid', '')}"
-    return Dataset(url, N, T, d, d_out, causal, has_lengths, chunk, storage_options, fp)
+    return Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fp)
 
 
 def default_chunk_samples(T: int, d: int, target_bytes: float = 4e6) -> int:
@@ -253,7 +283,7 @@ def default_chunk_samples(T: int, d: int, target_bytes: float = 4e6) -> int:
 
 
 def create_dataset(
-    url,
+    loc: Location,
     n_samples: int,
     length: int,
     d: int,
@@ -264,19 +294,20 @@ def create_dataset(
     chunk_samples: int | None = None,
     shard_samples: int | None = None,
     attrs: dict | None = None,
-    storage_options: dict | None = None,
 ):
-    """Create an empty dataset group (mode ``w``) and return the writable Zarr group.
+    """Create an empty dataset group (mode ``w``) at ``loc`` and return the writable Zarr group.
 
     ``shard_samples`` (a multiple of the chunk size) stores the chunks in Zarr v3 shards of that many samples.
     Write it with :func:`write_block` in slabs aligned to chunks and shards. Use through :func:`write_dataset`
-    or the generators, which wrap it in an atomic output. Raises ``ValueError`` for a bad shard size.
+    or the generators, which wrap it in an atomic output. Raises :class:`ParameterError` for a bad chunk or
+    shard size.
     """
-    import uuid
-
+    loc = resolve(loc)
     chunk = int(chunk_samples or default_chunk_samples(length, d))
+    if chunk < 1:
+        raise ParameterError(f"chunk_samples must be >= 1, got {chunk_samples}")
     if shard_samples is not None and (shard_samples < chunk or shard_samples % chunk):
-        raise ValueError(f"shard_samples = {shard_samples} must be a multiple of chunk_samples = {chunk}")
+        raise ParameterError(f"shard_samples = {shard_samples} must be a multiple of chunk_samples = {chunk}")
 
     def layout(shape):  # chunks (and shards) along the sample axis only
         kw = {"chunks": (chunk,) + tuple(shape[1:])}
@@ -284,7 +315,7 @@ def create_dataset(
             kw["shards"] = (int(shard_samples),) + tuple(shape[1:])
         return kw
 
-    g = _storage.open_group(url, "w", storage_options)
+    g = loc.open_group("w")
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "causal": bool(causal), "uid": uuid.uuid4().hex}
     g.attrs.update({**(attrs or {}), **meta})
     g.create_array(
@@ -345,12 +376,26 @@ def write_dataset(
 
     Parameters
     ----------
-    tokens : (N, T, d) float; targets : (N, d_out) or (N, T, d_out) float, optional; lengths : (N,) int, optional
-    teacher : (V, Q), optional
-        Ground-truth heads stored under ``teacher/``.
-
+    url : str, path-like or Location
+        Where to write the group.
+    tokens : (N, T, d) float
+    targets : (N, d_out) or (N, T, d_out) float, optional
+    lengths : (N,) int, optional
     chunk_samples, shard_samples : int, optional
         Samples per Zarr chunk (default ~4 MB) and per shard (default unsharded).
+    attrs : dict, optional
+        Free-form group attributes.
+    teacher : (V, Q), optional
+        Ground-truth heads stored under ``teacher/``.
+    overwrite : bool
+        Replace an existing store at ``url``.
+    storage_options : dict, optional
+        fsspec options for URLs.
+
+    Returns
+    -------
+    Dataset
+        The written dataset, opened.
 
     Writes go slab by slab aligned to the store's chunks and shards (:func:`write_unit`), whatever the input's
     chunking, into a temporary store renamed on success.
@@ -360,14 +405,20 @@ def write_dataset(
     DatasetError
         Bad shapes or dtypes (:func:`check_arrays`, the checks :func:`open_dataset` applies), non-finite values
         or lengths outside ``[1, T]`` (naming the first bad sample); nothing is written then.
-    FileExistsError
+    OutputExistsError
         ``url`` exists and ``overwrite`` is False.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> ds = write_dataset("tiny.zarr", np.ones((4, 3, 2)), np.ones((4, 2)), overwrite=True)  # doctest: +SKIP
     """
+    loc = resolve(url, storage_options)
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)
-    with _storage.atomic_output(url, overwrite, storage_options) as tmp:
+    with atomic_output(loc, overwrite) as tmp:
         g = create_dataset(
             tmp, N, T, d, d_out, causal=causal, lengths=lengths is not None, chunk_samples=chunk_samples,
-            shard_samples=shard_samples, attrs=attrs, storage_options=storage_options,
+            shard_samples=shard_samples, attrs=attrs,
         )
         chunk = write_unit(g)
         step = chunk * max(1, int(64e6 // (8 * T * d * chunk)))  # whole chunks and shards, ~64 MB per slab
@@ -384,7 +435,7 @@ def write_dataset(
             write_block(g, a, tok, y, lens)
         if teacher is not None:
             write_teacher(g, *teacher)
-    return open_dataset(url, storage_options)
+    return open_dataset(loc)
 
 
 def write_teacher(group, V, Q) -> None:

@@ -6,7 +6,7 @@ flattened P-major: index ``P * d + l``. ``m = d(d+1)/2`` and ``psi = m * d``.
 
 The compact Gram (DESIGN §3) uses ``u = vech(s s^T)`` and ``v = vech(x x^T)``: ``Tc = sum_i u_i v_i^T`` holds
 every distinct entry of ``G = sum_i phi_i phi_i^T`` once per symmetry class, 4x fewer multiply-adds than
-``phi^T phi``. All functions take numpy or cupy arrays and return arrays of the same module.
+``phi^T phi``. All functions take numpy or cupy arrays and return arrays of the same module. Layer L1.
 """
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import functools
 import numpy as np
 
 from ._backend import get_xp
+
+__all__ = ["n_pairs", "n_features", "triu_index", "vech", "token_features", "row_targets", "phi",
+           "pair_products", "compact_factors", "expand_compact_gram", "predict_rows", "coef_distance"]
 
 
 def n_pairs(d: int) -> int:
@@ -174,3 +177,16 @@ def predict_rows(coef, s, x):
     c = xp.asarray(coef).reshape(m, d, -1)
     t = (s @ c.reshape(m, -1)).reshape(s.shape[0], d, -1)  # (rows, d, d_out)
     return xp.einsum("rl,rla->ra", x, t)
+
+
+def coef_distance(coef_a, coef_b) -> float:
+    """``||c - c'||_F``, the paper's distance between two models' coefficients ([Y25] eq. 15; DESIGN §2).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> coef_distance(np.zeros((6, 1)), np.ones((6, 1)))  # doctest: +ELLIPSIS
+    2.449...
+    """
+    xp = get_xp(coef_a, coef_b)
+    return float(xp.linalg.norm(xp.asarray(coef_a) - xp.asarray(coef_b)))

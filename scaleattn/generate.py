@@ -1,18 +1,35 @@
-"""Datasets to learn from: the paper's synthetic tasks and imports of real data.
+"""Synthetic datasets (layer L4): the paper's tasks, in memory (``make_*``) or written as datasets
+(``generate_*``), as scikit-learn keeps ``make_*`` apart from ``load_*`` (real data: :mod:`scaleattn.importers`).
 
 - :func:`make_mhla` / :func:`generate_mhla`: realizable data from an H-head MHLA teacher ([Y25] §4.1;
   DESIGN §9): ``V, Q ~ N(0,1)/sqrt(d)``, tokens ``Z ~ N(0,1)/sqrt(T)``, ``y = sum_h V_h Z^T Z Q_h x``.
 - :func:`make_assoc` / :func:`generate_assoc`: the associative-memory task ([Y25] §4.2).
-- :func:`import_arrays`, :func:`import_csv`, :func:`load_digits_dataset`: user arrays and real data.
+- :func:`make_icl_regression`: in-context linear regression.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from . import _storage
-from .dataset import DatasetError, create_dataset, open_dataset, write_block, write_dataset, write_teacher
+from ._params import integer, real
+from ._storage import atomic_output, resolve
+from .dataset import (
+    create_dataset,
+    open_dataset,
+    write_block,
+    write_dataset,
+    write_teacher,
+)
+from .errors import ParameterError
+from .importers import (  # noqa: F401 (moved)
+    import_arrays,
+    import_csv,
+    load_digits_dataset,
+    standardize,
+    windows,
+)
+
+__all__ = ["make_teacher", "mhla_forward", "make_mhla", "generate_mhla", "make_assoc", "generate_assoc",
+           "make_icl_regression"]
 
 
 def make_teacher(d: int, heads: int, d_out: int | None = None, seed=0):
@@ -75,16 +92,56 @@ def generate_mhla(
 ):
     """Write a realizable MHLA dataset (teacher kept under ``teacher/``) chunk by chunk; return it opened.
 
+    Parameters
+    ----------
+    url : str, path-like or Location
+        The dataset to write.
+    d, heads, length, samples : int
+        Token dimension, teacher heads, tokens per sequence T, sequences N (all >= 1).
+    d_out : int, optional
+        Output dimension (default d).
+    noise : float
+        Standard deviation of Gaussian target noise (finite, >= 0).
+    causal : bool
+        Targets at every prefix (N, T, d_out).
+    variable_lengths : bool
+        Random lengths in [1, T], zero padded.
+    seed : int
+    chunk_samples : int, optional
+        Sequences per Zarr chunk (default about 4 MB).
+    overwrite : bool
+    storage_options : dict, optional
+
+    Returns
+    -------
+    Dataset
+
+    Raises
+    ------
+    ParameterError
+        A size below 1, a negative or non-finite noise (before anything is written).
+    OutputExistsError
+        ``url`` exists and not ``overwrite``.
+
     Memory is bounded by one slab of samples, whatever ``samples`` is.
+
+    Examples
+    --------
+    >>> ds = generate_mhla("data.zarr", d=2, heads=1, length=100, samples=512, overwrite=True)  # doctest: +SKIP
     """
-    _positive(d=d, heads=heads, length=length, samples=samples)
+    d, heads, length, samples = (integer(k, v, 1) for k, v in
+                                 (("d", d), ("heads", heads), ("length", length), ("samples", samples)))
+    d_out = integer("d_out", d_out, 1, none_ok=True)
+    noise = real("noise", noise, 0.0)
+    chunk_samples = integer("chunk_samples", chunk_samples, 1, none_ok=True)
+    loc = resolve(url, storage_options)
     V, Q = make_teacher(d, heads, d_out, seed)
     attrs = {"generator": {"task": "mhla", "d": d, "heads": heads, "length": length, "samples": samples,
                            "d_out": int(V.shape[1]), "noise": noise, "causal": causal, "seed": seed},
              "description": "realizable multi-head linear attention data [Yau et al. 2025, Sec. 4.1]"}
-    with _storage.atomic_output(url, overwrite, storage_options) as tmp:
+    with atomic_output(loc, overwrite) as tmp:
         g = create_dataset(tmp, samples, length, d, V.shape[1], causal=causal, lengths=variable_lengths,
-                           chunk_samples=chunk_samples, attrs=attrs, storage_options=storage_options)
+                           chunk_samples=chunk_samples, attrs=attrs)
         chunk = g["tokens"].chunks[0]
         for i, a in enumerate(range(0, samples, chunk)):
             b = min(samples, a + chunk)
@@ -92,7 +149,7 @@ def generate_mhla(
                              variable_lengths=variable_lengths, teacher=(V, Q), seed=[seed, i])
             write_block(g, a, part["tokens"], part["targets"], part["lengths"])
         write_teacher(g, V, Q)
-    return open_dataset(url, storage_options)
+    return open_dataset(loc)
 
 
 def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, orthogonal: bool = False, seed=0):
@@ -104,7 +161,7 @@ def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, 
     """
     dim = pairs if dim is None else dim
     if orthogonal and pairs > dim:
-        raise ValueError(f"orthogonal keys need pairs <= dim, got pairs={pairs}, dim={dim}")
+        raise ParameterError(f"orthogonal keys need pairs <= dim, got pairs={pairs}, dim={dim}")
     rng = np.random.default_rng(seed)
 
     def draw():
@@ -125,8 +182,13 @@ def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, 
 
 def generate_assoc(url, pairs: int = 2, samples: int = 2**14, *, dim=None, orthogonal=False, seed=0,
                    chunk_samples=None, overwrite=False, storage_options=None):
-    """Write an associative-memory dataset (:func:`make_assoc`); return it opened."""
-    _positive(pairs=pairs, samples=samples)
+    """Write an associative-memory dataset (:func:`make_assoc`); return it opened.
+
+    Raises :class:`~scaleattn.errors.ParameterError` for ``pairs``, ``samples`` or ``dim`` below 1, or
+    orthogonal keys with ``pairs > dim``."""
+    pairs, samples = integer("pairs", pairs, 1), integer("samples", samples, 1)
+    dim = integer("dim", dim, 1, none_ok=True)
+    chunk_samples = integer("chunk_samples", chunk_samples, 1, none_ok=True)
     data = make_assoc(pairs, samples, dim=dim, orthogonal=orthogonal, seed=seed)
     attrs = {"generator": {"task": "assoc", "pairs": pairs, "dim": dim or pairs, "samples": samples,
                            "orthogonal": orthogonal, "seed": seed},
@@ -135,109 +197,15 @@ def generate_assoc(url, pairs: int = 2, samples: int = 2**14, *, dim=None, ortho
                          overwrite=overwrite, storage_options=storage_options)
 
 
-def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool = False):
-    """Cut a multivariate time series (time, d) into windows of ``length`` tokens.
-
-    Last-token targets: the value ``horizon`` steps after each window, (N, d). Causal targets: every
-    prefix predicts its next value, (N, T, d) (``horizon`` = 1).
-    """
-    x = np.asarray(series, dtype=np.float64)
-    if x.ndim == 1:
-        x = x[:, None]
-    span = length + (1 if causal else horizon)
-    starts = np.arange(0, x.shape[0] - span + 1, step)
-    if starts.size == 0:
-        raise DatasetError(f"series of {x.shape[0]} steps is too short for windows of {length} + {horizon}")
-    tokens = np.stack([x[s : s + length] for s in starts])
-    if causal:
-        targets = np.stack([x[s + 1 : s + length + 1] for s in starts])
-    else:
-        targets = np.stack([x[s + length + horizon - 1] for s in starts])
-    return tokens, targets
-
-
-def standardize(series):
-    """Per-column z-score of a (time, d) series (constant columns are left centred)."""
-    x = np.asarray(series, dtype=np.float64)
-    sd = x.std(axis=0)
-    return (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
-
-
-def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="lengths", overwrite=False,
-                  storage_options=None):
-    """Import a ``.npz`` (arrays named ``tokens``, ``targets``, optional ``lengths``) or a ``.npy`` of tokens.
-
-    Files are read with ``allow_pickle=False``: object arrays are refused, never unpickled.
-    """
-    try:
-        if str(path).endswith(".npz"):
-            with np.load(path, allow_pickle=False) as f:
-                if tokens not in f:
-                    raise DatasetError(f"{path}: missing array {tokens!r} (found {sorted(f.files)})")
-                arrs = {k: f[k] for k in f.files}
-            tok, y, lens = arrs[tokens], arrs.get(targets), arrs.get(lengths)
-        else:
-            tok, y, lens = np.load(path, allow_pickle=False), None, None
-    except ValueError as e:  # object arrays need pickle
-        raise DatasetError(f"{path}: cannot read without unpickling ({e})") from None
-    for name, a in (("tokens", tok), ("targets", y)):
-        if a is not None and not np.issubdtype(a.dtype, np.floating):
-            raise DatasetError(f"{name}: expected a float dtype, got {a.dtype}")
-    if tok.ndim != 3:
-        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
-    attrs = {"description": f"imported from {os.path.basename(str(path))}"}
-    return write_dataset(url, tok, y, lens, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
-
-
-def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causal=False, columns=None,
-               standardize_columns=True, overwrite=False, storage_options=None):
-    """Import a CSV of a multivariate time series (header row, one column per variable) cut into windows."""
-    import csv
-
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    header, body = rows[0], rows[1:]
-    cols = list(range(len(header))) if columns is None else [header.index(c) for c in columns]
-    try:
-        x = np.array([[float(r[c]) for c in cols] for r in body], dtype=np.float64)
-    except (ValueError, IndexError) as e:
-        raise DatasetError(f"{path}: non-numeric or missing value ({e})") from None
-    if standardize_columns:
-        x = standardize(x)
-    tok, y = windows(x, length, horizon, step, causal)
-    attrs = {"description": f"windows of {os.path.basename(str(path))}", "columns": [header[c] for c in cols],
-             "window": {"length": length, "horizon": horizon, "step": step}}
-    return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
-
-
-def load_digits_dataset(url, *, overwrite=False, storage_options=None):
-    """scikit-learn's handwritten digits (1,797 images of 8x8) as sequences of the first 7 pixel rows
-    (d = 8, scaled to [0, 1]) predicting the 8th row (d_out = 8): a real, non-realizable regression."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError("the built-in digits dataset needs scikit-learn: pip install 'scaleattn[data]' "
-                          "(or pip install scikit-learn)") from None
-    img = load_digits().images / 16.0  # (1797, 8, 8)
-    attrs = {"description": "sklearn digits: rows 0-6 of each 8x8 image predict row 7", "source": "sklearn.datasets.load_digits"}
-    return write_dataset(url, img[:, :7], img[:, 7], attrs=attrs, overwrite=overwrite, storage_options=storage_options)
-
-
-def _positive(**kw):
-    for k, v in kw.items():
-        if v is None or int(v) < 1:
-            raise ValueError(f"{k} must be >= 1, got {v}")
-
-
 def make_icl_regression(k: int = 4, context: int = 20, samples: int = 4096, seed=0):
     """In-context linear regression (Garg et al. 2022; von Oswald et al. 2023): ``dict(tokens, targets)``.
 
     Each sample draws ``w ~ N(0, I_k)`` and ``x_i ~ N(0, I_k)``; tokens (samples, context + 1, k + 1) float64
     are ``(x_i, w^T x_i)`` for ``i < context`` and the query ``(x_q, 0)`` last; targets (samples, 1) are
     ``w^T x_q`` (last-token data, d = k + 1, d_out = 1). ``seed``: anything ``numpy.random.default_rng`` takes.
-    Raises ``ValueError`` for ``k``, ``context`` or ``samples`` below 1.
+    Raises :class:`~scaleattn.errors.ParameterError` for ``k``, ``context`` or ``samples`` below 1.
     """
-    _positive(k=k, context=context, samples=samples)
+    k, context, samples = integer("k", k, 1), integer("context", context, 1), integer("samples", samples, 1)
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((samples, k))
     x = rng.standard_normal((samples, context + 1, k))

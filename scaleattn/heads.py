@@ -7,10 +7,8 @@ symmetrised coefficients ``c = p(W)`` (DESIGN §2). Heads are rank-one terms of 
 - :func:`svd_heads`: the paper's Algorithm 1 heads: split off-diagonal coefficients in half, SVD.
 - :func:`search_heads`: the fewest heads computing the same function, or the best H-head model (beyond the
   paper: loss-optimal ALS from the statistics plus alternating projections onto ``{W : p(W) = c}``).
-- :func:`best_heads` / :func:`loss_vs_heads`: the lowest-training-loss model with H heads (alternating least
+- :func:`loss_vs_heads`: the lowest-training-loss model with H heads (alternating least
   squares on the statistics, DESIGN §3) and the loss-versus-heads curve.
-- :func:`ambiguity_witness`: when the certificate fails, two models with equal training loss that disagree
-  on a concrete input (DESIGN §4).
 - :func:`compare_models`: distance ``||c(Theta) - c(Theta')||_F`` (eq. 15) and a function-equivalence verdict.
 """
 from __future__ import annotations
@@ -19,14 +17,19 @@ import dataclasses
 
 import numpy as np
 
-from .features import n_pairs, triu_index
+from .errors import ParameterError
+from .features import coef_distance, n_pairs, triu_index
+from .solver import solve
+
+__all__ = ["Heads", "coef_to_W", "coef_from_W", "coef_from_heads", "coef_distance", "svd_heads", "rank_r_heads",
+           "loss_vs_heads", "search_heads", "compare_models"]
 
 
 def _shape(coef, d):
     coef = np.asarray(coef, dtype=np.float64)
     m = n_pairs(d)
     if coef.shape[0] != m * d:
-        raise ValueError(f"coef has {coef.shape[0]} rows, expected psi = {m * d} for d = {d}")
+        raise ParameterError(f"coef has {coef.shape[0]} rows, expected psi = {m * d} for d = {d}")
     return coef.reshape(m, d, -1)
 
 
@@ -61,11 +64,6 @@ def coef_from_heads(V, Q) -> np.ndarray:
     H, d_out, d = V.shape
     W = np.einsum("haj,hkl->ajkl", V, Q).reshape(d_out * d, d * d)
     return coef_from_W(W, d, d_out)
-
-
-def coef_distance(coef_a, coef_b) -> float:
-    """``||c - c'||_F``, the paper's distance between models (eq. 15; DESIGN §2)."""
-    return float(np.linalg.norm(np.asarray(coef_a) - np.asarray(coef_b)))
 
 
 def _fold(U, s, Vt, d, d_out):
@@ -272,17 +270,15 @@ def loss_vs_heads(stats, max_heads: int, gram=None, iters: int = 200, rtol: floa
     statistics; DESIGN §3). Model H starts from model H-1 plus the best descent head (the top singular pair
     of the negative gradient with an exact line search), so the losses are non-increasing in H.
     Returns one :class:`Heads` per H with ``sse`` set (``residual`` relative to the least-squares fit).
-    Raises ``ValueError`` for ``d > ALS_MAX_D`` (the (d^3, d^3) Gram would be too large) or statistics
+    Raises :class:`~scaleattn.errors.ParameterError` for ``d > ALS_MAX_D`` (the (d^3, d^3) Gram would be too large) or statistics
     without targets.
     """
     if stats.d > ALS_MAX_D:
-        raise ValueError(f"loss-optimal head search needs d <= {ALS_MAX_D}, got d = {stats.d}")
+        raise ParameterError(f"loss-optimal head search needs d <= {ALS_MAX_D}, got d = {stats.d}")
     if stats.d_out == 0:
-        raise ValueError("these statistics have no targets; cannot compute losses")
-    from .solver import solve
-
+        raise ParameterError("these statistics have no targets; cannot compute losses")
     loss = _LossInW(stats, gram)
-    coef = solve(stats).coef
+    coef = solve(stats, gram=loss.G).coef
     d, d_out = stats.d, stats.d_out
     V, Q, sse = np.zeros((0, d_out, d)), np.zeros((0, d, d)), float(stats.yy)
     out = []
@@ -371,95 +367,14 @@ def _search(stats, coef, heads, G, sse_of, tol, curve, iters) -> Heads:
     return out
 
 
-# ---- ambiguity witness and model comparison ------------------------------------------------------------
-@dataclasses.dataclass
-class Witness:
-    """Two models that fit the training data equally well but compute different functions (DESIGN §4).
-
-    ``coef_a`` is the fit, ``coef_b = coef_a + t n e_a^T`` with ``n`` (psi,) the null direction of the Gram
-    with the smallest Rayleigh quotient; ``tokens`` (T, d) is an input on which their last-token predictions
-    ``prediction_a``, ``prediction_b`` (d_out,) differ; ``sse_a``, ``sse_b`` their training sums of squares
-    (``sse_b - sse_a = t^2 n^T G n + 2 t n^T (G c_a - B_a)`` exactly, no cancellation against yy).
-    """
-
-    coef_a: np.ndarray
-    coef_b: np.ndarray
-    tokens: np.ndarray
-    prediction_a: np.ndarray
-    prediction_b: np.ndarray
-    sse_a: float
-    sse_b: float
-    n_out: int
-    target_sum_squares: float
-
-    def summary(self) -> dict:
-        """JSON-ready: tokens, predictions, losses (MSE over rows and outputs) and their relative gap."""
-        la, lb = max(self.sse_a, 0.0) / self.n_out, max(self.sse_b, 0.0) / self.n_out  # floor ~eps * mean y^2
-        return {"tokens": self.tokens.tolist(), "prediction_a": self.prediction_a.tolist(),
-                "prediction_b": self.prediction_b.tolist(), "loss_a": float(la), "loss_b": float(lb),
-                "loss_relative_difference": float(abs(self.sse_b - self.sse_a) / max(
-                    self.sse_a, self.sse_b, self.target_sum_squares, 1e-300)),
-                "prediction_difference": float(np.linalg.norm(self.prediction_b - self.prediction_a)),
-                "coef_distance": coef_distance(self.coef_a, self.coef_b)}
-
-
-def ambiguity_witness(solution, stats, gram=None, length: int | None = None, candidates: int = 16,
-                      seed: int = 0, loss_rtol: float = 1e-12) -> Witness | None:
-    """Witness of non-identifiability ([Y25] Lemma 2.3 fails; DESIGN §4): ``None`` when identifiable.
-
-    Moves the fit along the null direction ``n`` of the Gram (in ``solution.null_basis``) with the smallest
-    ``n^T G n``, in the output column of largest coefficient norm, by a step ``t`` that changes the
-    prediction on the witness input by about the scale of the targets, shrunk if needed so that the
-    training losses agree to ``loss_rtol`` relative (to the larger of the loss and ``yy``, the scale the
-    statistics resolve). The witness input (``length`` tokens, default d + 1, entries N(0, 1/length)) is the
-    best of ``candidates`` random draws by ``|phi . n| / ||phi||``.
-    """
-    from .features import phi as features_phi
-    from .features import predict_rows, token_features
-
-    Nb = np.asarray(solution.null_basis)
-    if Nb.shape[1] == 0:
-        return None
-    G = np.asarray(stats.gram() if gram is None else gram)
-    c = np.asarray(solution.coef, np.float64)
-    d = stats.d
-    w, U = np.linalg.eigh(Nb.T @ (G @ Nb))
-    n = Nb @ U[:, 0]
-    n /= np.linalg.norm(n)
-    a = int(np.argmax(np.linalg.norm(c, axis=0)))
-    T = d + 1 if length is None else int(length)
-    rng = np.random.default_rng(seed)
-    tok = rng.standard_normal((candidates, T, d)) / np.sqrt(T)
-    s, x = token_features(tok)
-    f = features_phi(s, x)
-    score = np.abs(f @ n) / np.maximum(np.linalg.norm(f, axis=1), 1e-300)
-    i = int(np.argmax(score))
-    pa = predict_rows(c, s[i : i + 1], x[i : i + 1])[0]
-    unit = float(f[i] @ n)
-    scale = max(float(np.linalg.norm(pa)), np.sqrt(stats.target_mean_square), 1e-12)
-    t = scale / unit if unit != 0 else 0.0
-    sse_a = stats.sse(c, G)
-    nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
-    ref = max(abs(sse_a), float(stats.yy), 1e-300)
-    for _ in range(60):  # shrink until the losses agree (the gap is t^2 nGn + 2 t cross)
-        gap = t * t * nGn + 2 * t * cross
-        if abs(gap) <= loss_rtol * ref:
-            break
-        t *= 0.5
-    cb = c.copy()
-    cb[:, a] += t * n
-    pb = predict_rows(cb, s[i : i + 1], x[i : i + 1])[0]
-    return Witness(c, cb, tok[i], pa, pb, float(sse_a), float(sse_a + t * t * nGn + 2 * t * cross),
-                   max(stats.n_rows * stats.d_out, 1), float(stats.yy))
-
-
+# ---- model comparison ---------------------------------------------------------------------------------
 def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
     """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2) and the
     verdict ``equivalent`` (distance <= ``rtol`` x the larger coefficient norm: the two compute the same
     function on every input of every length, Cor. 2.4). Also the distance of the stored coefficients
-    (what ``predict`` uses). Raises ``ValueError`` when (d, d_out) differ."""
+    (what ``predict`` uses). Raises :class:`~scaleattn.errors.ParameterError` when (d, d_out) differ."""
     if (model_a.d, model_a.d_out) != (model_b.d, model_b.d_out):
-        raise ValueError(f"models have (d, d_out) = {(model_a.d, model_a.d_out)} and {(model_b.d, model_b.d_out)}:"
+        raise ParameterError(f"models have (d, d_out) = {(model_a.d, model_a.d_out)} and {(model_b.d, model_b.d_out)}:"
                          " they do not map the same inputs to the same outputs")
     ca, cb = coef_from_heads(model_a.V, model_a.Q), coef_from_heads(model_b.V, model_b.Q)
     dist = coef_distance(ca, cb)

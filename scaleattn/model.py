@@ -1,16 +1,23 @@
-"""A fitted MHLA model: coefficients and heads, prediction, storage, and a scikit-learn style estimator."""
+"""A fitted MHLA model (layer L2): coefficients and heads, prediction, storage, and the fit from statistics
+(solve, certificate, heads) that produces it."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-from . import _storage
+from . import _formats
 from ._backend import get_xp
-from .features import predict_rows, row_targets, token_features
+from ._params import heads_spec
+from ._storage import atomic_output, resolve
+from .errors import FormatError, InputNotFoundError, ParameterError
+from .features import predict_rows, token_features, triu_index
+from .heads import Heads, coef_from_heads, search_heads, svd_heads
+from .solver import Solution, solve
 
-FORMAT = "scaleattn-model"
-FORMAT_VERSION = 1
+__all__ = ["MHLAModel", "model_from_statistics", "recover_heads", "heads_are_exact", "EXACT_HEADS_RTOL"]
+
+FORMAT, FORMAT_VERSION = _formats.MODEL
 
 
 @dataclasses.dataclass
@@ -63,12 +70,10 @@ class MHLAModel:
         if single:
             z = z[None]
         if z.ndim != 3 or z.shape[-1] != self.d:
-            raise ValueError(f"tokens: expected shape (n, T, {self.d}), got {tuple(tokens.shape)}")
+            raise ParameterError(f"tokens: expected shape (n, T, {self.d}), got {tuple(tokens.shape)}")
         causal = self.causal if causal is None else causal
         s, x = token_features(z, lengths, causal)
         if use_heads:
-            from .features import triu_index
-
             d = self.d
             I, J, _ = triu_index(d)
             S = xp.zeros((s.shape[0], d, d))
@@ -88,9 +93,9 @@ class MHLAModel:
         return y[0] if single else y
 
     def save(self, url, overwrite: bool = False, storage_options=None) -> None:
-        """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically)."""
-        with _storage.atomic_output(url, overwrite, storage_options) as tmp:
-            g = _storage.open_group(tmp, "w", storage_options)
+        """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location."""
+        with atomic_output(resolve(url, storage_options), overwrite) as tmp:
+            g = tmp.open_group("w")
             g.attrs.update({**self.attrs, "format": FORMAT, "format_version": FORMAT_VERSION, "d": self.d,
                             "d_out": self.d_out, "n_heads": self.n_heads, "causal": self.causal,
                             "description": "one-layer multi-head linear attention y = sum_h V_h Z^T Z Q_h x"})
@@ -103,122 +108,58 @@ class MHLAModel:
 
     @classmethod
     def load(cls, url, storage_options=None) -> "MHLAModel":
-        """Read a model written by :meth:`save`; ``ValueError`` if the store is not a model."""
+        """Read a model written by :meth:`save`; :class:`~scaleattn.errors.FormatError` if the store is not a
+        model, :class:`~scaleattn.errors.InputNotFoundError` if there is nothing at ``url``."""
+        loc = resolve(url, storage_options)
+        if not loc.exists():
+            raise InputNotFoundError(f"{loc.url}: no such model store")
         try:
-            g = _storage.open_group(url, "r", storage_options)
+            g = loc.open_group("r")
             a = dict(g.attrs)
         except Exception as e:
-            raise ValueError(f"{url}: not a readable model store ({type(e).__name__}: {e})") from None
-        if a.get("format") != FORMAT or a.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{url}: not a scaleattn model store (format {a.get('format')!r})")
+            raise FormatError(f"{loc.url}: not a readable model store ({type(e).__name__}: {e})") from None
+        _formats.check_format(a, _formats.MODEL, loc.url, "model")
         keep = {k: v for k, v in a.items() if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal")}
         return cls(np.asarray(g["coef"][...]), np.asarray(g["V"][...]), np.asarray(g["Q"][...]), int(a["d"]),
                    bool(a.get("causal", False)), keep)
 
 
-def group_errors(dataset, start: int, stop: int, coef) -> np.ndarray:
-    """``[sum of squared residuals, sum y^2, count of target entries]`` of samples ``[start, stop)``."""
-    tot = np.zeros(3)
-    for a in range(start, stop, dataset.chunk_samples):
-        tok, lens, y = dataset.read(a, min(stop, a + dataset.chunk_samples))
-        s, x = token_features(tok, lens, dataset.causal)
-        yr = row_targets(y, lens, dataset.causal)
-        r = yr - predict_rows(coef, s, x)
-        tot += [float((r * r).sum()), float((yr * yr).sum()), yr.size]
-    return tot
+#: heads reproducing the fitted coefficients to this relative residual define the same model
+EXACT_HEADS_RTOL = 1e-10
 
 
-def _sum(*parts):
-    return np.sum(parts, axis=0)
+def heads_are_exact(heads: Heads) -> bool:
+    """Whether ``heads`` reproduce the least-squares coefficients (then the model is the least-squares fit;
+    otherwise it is the heads' own, lossy, model)."""
+    return heads.residual <= EXACT_HEADS_RTOL
 
 
-def evaluate(model: MHLAModel, dataset, client=None, progress: bool = False) -> dict:
-    """Mean squared error of a model on a dataset, by a pass over the data (distributed when ``client``).
+def recover_heads(coef, d: int, heads="svd", stats=None, gram=None) -> Heads:
+    """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
-    Returns ``dict(mse, target_mean_square, relative_mse, n_rows)``; ``mse`` is averaged over rows and outputs.
-    Raises ``ValueError`` when the dataset has no targets or other dimensions than the model.
+    With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss and the
+    loss-versus-heads curve (:func:`scaleattn.heads.search_heads`); without, only ``"svd"`` is available.
+    Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
     """
-    from .statistics import row_groups, submit_tree, tree_reduce
-
-    if not dataset.has_targets:
-        raise ValueError(f"{dataset.url}: no targets to evaluate against")
-    if (dataset.d, dataset.d_out) != (model.d, model.d_out):
-        raise ValueError(f"model has (d, d_out) = {(model.d, model.d_out)} but {dataset.url} has {(dataset.d, dataset.d_out)}")
-    groups = row_groups(dataset)
-    coef = np.asarray(model.coef)
-    if client is None:
-        tot = tree_reduce([group_errors(dataset, a, b, coef) for a, b in groups], _sum)
-    else:
-        from .cluster import wait_with_progress
-
-        cf = client.scatter(coef, broadcast=True)
-        tag = f"{dataset.fingerprint}-{cf.key}"
-        futs = [client.submit(_storage.with_retries, group_errors, dataset, a, b, cf, key=f"evaluate-{a}-{b}-{tag}")
-                for a, b in groups]
-        root, combos = submit_tree(client, futs, _sum)
-        try:
-            wait_with_progress(futs, "evaluate", progress)
-            tot = root.result()
-        except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
-            client.cancel(futs + combos)
-            raise
-    sse, yy, count = tot
-    mse, ms = sse / max(count, 1), yy / max(count, 1)
-    return {"mse": mse, "target_mean_square": ms, "relative_mse": mse / ms if ms > 0 else float("nan"),
-            "n_rows": int(count // max(model.d_out, 1))}
+    heads = heads_spec(heads)
+    if stats is None:
+        if heads != "svd":
+            raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")
+        return svd_heads(coef, d)
+    return search_heads(stats, coef, heads, gram=gram)
 
 
-class MHLARegressor:
-    """scikit-learn style estimator: ``fit(tokens, targets, lengths=None)`` in memory, ``predict(tokens)``.
+def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
+                          solver: str = "auto") -> tuple[MHLAModel, Solution, Heads]:
+    """Solve, certify and recover heads from statistics alone ([Y25] Algorithm 1): ``(model, solution, heads)``.
 
-    Parameters
-    ----------
-    heads : "svd", "minimal" or int
-        Head recovery (see :mod:`scaleattn.heads`).
-    rtol : float, optional
-        Relative eigenvalue cutoff of the solver (default ``16 psi eps``).
-
-    Fitted attributes: ``model_`` (MHLAModel), ``certificate_``, ``coef_`` (psi, d_out), ``n_heads_``.
+    The feature Gram is expanded from the compact one once and shared by the solve and the head search. When
+    the heads cannot reproduce the fit (``heads=H`` below the minimal head count, :func:`heads_are_exact`) the
+    model's coefficients are the heads' own ``c(Theta)``: the model is the H-head model.
     """
-
-    def __init__(self, heads="svd", rtol=None):
-        self.heads = heads
-        self.rtol = rtol
-
-    def get_params(self, deep=True):
-        return {"heads": self.heads, "rtol": self.rtol}
-
-    def set_params(self, **params):
-        for k, v in params.items():
-            setattr(self, k, v)
-        return self
-
-    def fit(self, tokens, targets, lengths=None):
-        from .job import model_from_statistics
-        from .statistics import statistics_from_arrays
-
-        tokens, targets = np.asarray(tokens, np.float64), np.asarray(targets, np.float64)
-        if tokens.ndim != 3:
-            raise ValueError(f"tokens: expected (n, T, d), got shape {tokens.shape}")
-        if targets.ndim not in (2, 3) or targets.shape[0] != tokens.shape[0]:
-            raise ValueError(f"targets: expected (n, d_out) or (n, T, d_out) with n = {tokens.shape[0]}, got {targets.shape}")
-        stats = statistics_from_arrays(tokens, targets, lengths)
-        self.model_, self.solution_, self.heads_result_ = model_from_statistics(
-            stats, causal=targets.ndim == 3, heads=self.heads, rtol=self.rtol)
-        self.certificate_ = self.solution_.certificate
-        self.coef_ = self.model_.coef
-        self.n_heads_ = self.model_.n_heads
-        return self
-
-    def predict(self, tokens, lengths=None):
-        return self.model_.predict(tokens, lengths)
-
-    def score(self, tokens, targets, lengths=None) -> float:
-        """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn)."""
-        y = np.asarray(targets, np.float64)
-        r = y - self.predict(tokens, lengths)
-        return 1.0 - float((r * r).sum() / ((y - y.mean(axis=0)) ** 2).sum())
-
-    def __repr__(self):
-        return f"MHLARegressor(heads={self.heads!r}, rtol={self.rtol!r})"
-
+    stats = stats.to_numpy()
+    G = stats.gram()
+    sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
+    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G)
+    coef = sol.coef if heads_are_exact(h) else coef_from_heads(h.V, h.Q)
+    return MHLAModel(coef, h.V, h.Q, stats.d, causal), sol, h

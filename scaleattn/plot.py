@@ -7,22 +7,24 @@ be found programmatically.
 
 :func:`save_run_plots` writes ``spectrum.png``, ``heads.png``, ``loss_vs_heads.png`` (when the report's
 ``loss_vs_heads`` has two or more points) and ``predictions.png`` (when the dataset is reachable) next to ``report.json``.
-The eigenvalues of ``Lambda_D`` come from the run's ``spectrum.zarr`` (written by :func:`save_spectrum`),
-or are recomputed from ``stats.zarr`` for runs without one.
+The eigenvalues of ``Lambda_D`` come from the run's ``spectrum.zarr`` (:func:`scaleattn.run.read_run`), or are
+recomputed from ``stats.zarr`` for runs without one. Layer L4.
 """
 from __future__ import annotations
 
 import io
-import json
-import os
 import warnings
 
 import numpy as np
 
-from . import _storage
+from ._storage import resolve
+from .dataset import Dataset, open_dataset
+from .errors import ParameterError, ScaleattnError
+from .run import read_run, write_files
+from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 
-SPECTRUM_FORMAT = "scaleattn-spectrum"
-SPECTRUM_FORMAT_VERSION = 1
+__all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
+           "sample_predictions", "run_figures", "figure_pngs", "save_run_plots"]
 #: rows (samples or prefixes) drawn in the predictions-against-targets scatter
 PREDICTION_POINTS = 2000
 
@@ -63,7 +65,7 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     """
     ev = np.sort(np.asarray(eigenvalues, np.float64))[::-1]
     if ev.size == 0:
-        raise ValueError("eigenvalues: empty spectrum")
+        raise ParameterError("eigenvalues: empty spectrum")
     fig, axes = _figure(1 if eigenvalues_scaled is None else 2)
     lam_max = float(ev[0])
     lam_min = float(max(ev[-1], 0.0)) if lambda_min is None else float(lambda_min)
@@ -105,7 +107,7 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
     the number of heads kept marked (``gid="n_heads"``). Log y; zeros are drawn at a floor."""
     s = np.sort(np.asarray(singular_values, np.float64))[::-1]
     if s.size == 0:
-        raise ValueError("singular_values: empty")
+        raise ParameterError("singular_values: empty")
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax,) = _figure(1)
@@ -146,14 +148,13 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
     return fig
 
 
-def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS):
+def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, storage_options=None):
     """Targets and predictions ``(y, y_hat)``, each (rows, d_out) float64, for the first samples of a dataset
-    (at most about ``max_points`` rows; causal data give one row per valid prefix)."""
-    from .dataset import Dataset, open_dataset
-
-    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
+    (a :class:`~scaleattn.dataset.Dataset`, or a path/URL opened with ``storage_options``; at most about
+    ``max_points`` rows; causal data give one row per valid prefix)."""
+    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
     if not ds.has_targets:
-        raise ValueError(f"{ds.url}: no targets to plot predictions against")
+        raise ParameterError(f"{ds.url}: no targets to plot predictions against")
     per = ds.length if ds.causal else 1
     n = int(min(ds.n_samples, max(1, max_points // per)))
     tok, lens, y = ds.read(0, n)
@@ -169,7 +170,7 @@ def predictions_figure(y, y_hat, title: str | None = None):
     line (``gid="identity"``); the title gives the MSE of the points shown."""
     y, y_hat = np.asarray(y, np.float64), np.asarray(y_hat, np.float64)
     if y.shape != y_hat.shape or y.size == 0:
-        raise ValueError(f"y and y_hat: expected equal non-empty shapes, got {y.shape} and {y_hat.shape}")
+        raise ParameterError(f"y and y_hat: expected equal non-empty shapes, got {y.shape} and {y_hat.shape}")
     y2, p2 = y.reshape(y.shape[0], -1), y_hat.reshape(y.shape[0], -1)
     fig, (ax,) = _figure(1, width=4.6)
     d_out = y2.shape[1]
@@ -188,68 +189,18 @@ def predictions_figure(y, y_hat, title: str | None = None):
 
 
 # ---- runs -------------------------------------------------------------------------------------------------
-def save_spectrum(certificate, url, storage_options=None) -> None:
-    """Write a certificate's spectra as a Zarr v3 group (a run's ``spectrum.zarr``): arrays ``eigenvalues``
-    (eigenvalues of ``Lambda_D``) and ``eigenvalues_scaled`` (Jacobi-scaled Gram), both (psi,) float64
-    ascending with dimension ``eigenvalue``; the certificate summary in the attributes."""
-    if certificate.eigenvalues is None:
-        raise ValueError("certificate has no eigenvalues of Lambda_D")
-    g = _storage.open_group(url, "w", storage_options)
-    g.attrs.update({**certificate.summary(), "format": SPECTRUM_FORMAT, "format_version": SPECTRUM_FORMAT_VERSION,
-                    "description": "eigenvalues of the certificate's matrices [Yau et al. 2025, Lemma 2.3]"})
-    g.create_array("eigenvalues", data=np.asarray(certificate.eigenvalues, np.float64),
-                   dimension_names=("eigenvalue",),
-                   attributes={"description": "eigenvalues of Lambda_D = G/N, ascending",
-                               "units": "(units of features)^2"})
-    g.create_array("eigenvalues_scaled", data=np.asarray(certificate.spectrum_scaled, np.float64),
-                   dimension_names=("eigenvalue",),
-                   attributes={"description": "eigenvalues of the Jacobi-scaled Gram D^-1/2 G D^-1/2, ascending; "
-                                              "the rank counts those above cutoff_rtol * max", "units": "1"})
-
-
-def load_run(run_dir, storage_options=None) -> dict:
-    """Read what the plots need from a run directory: ``dict(report, eigenvalues, eigenvalues_scaled, model)``.
-
-    The spectra come from ``spectrum.zarr``, or are recomputed from ``stats.zarr`` when it is missing.
-    Raises ``FileNotFoundError`` when ``report.json`` is missing.
-    """
-    from .model import MHLAModel
-
-    run_dir = str(run_dir).rstrip("/")
-    rp = _storage.join(run_dir, "report.json")
-    if not _storage.exists(rp, storage_options):
-        raise FileNotFoundError(f"{run_dir}: no report.json (not a run directory written by `scaleattn fit`)")
-    fs, path = _storage.fs_for(rp, storage_options)
-    with fs.open(path, "r") as f:
-        report = json.load(f)
-    sp = _storage.join(run_dir, "spectrum.zarr")
-    if _storage.exists(sp, storage_options):
-        g = _storage.open_group(sp, "r", storage_options)
-        ev, ws = np.asarray(g["eigenvalues"][...]), np.asarray(g["eigenvalues_scaled"][...])
-    else:
-        from .solver import certify
-        from .statistics import Statistics
-
-        cert = certify(Statistics.load(_storage.join(run_dir, "stats.zarr"), storage_options),
-                       report.get("cutoff_rtol"))
-        ev, ws = cert.eigenvalues, cert.spectrum_scaled
-    mp = _storage.join(run_dir, "model.zarr")
-    model = MHLAModel.load(mp, storage_options) if _storage.exists(mp, storage_options) else None
-    return {"report": report, "eigenvalues": ev, "eigenvalues_scaled": ws, "model": model}
-
-
 def run_figures(run, dataset=None, storage_options=None) -> dict:
     """All figures of a run: ``{"spectrum", "heads", "loss_vs_heads", "predictions"}`` -> Figure.
 
-    ``run`` is a :class:`~scaleattn.job.FitResult` or a run directory. ``dataset`` (a Dataset or URL;
-    default the report's ``dataset``) gives the predictions panel, skipped with a warning when it cannot be
-    read; ``loss_vs_heads`` is skipped when the report has no such entry.
+    ``run`` is a :class:`~scaleattn.pipeline.FitResult` or a run directory (read with ``storage_options``).
+    ``dataset`` (a Dataset or URL; default the report's ``dataset``) gives the predictions panel, skipped with a
+    warning when it cannot be read; ``loss_vs_heads`` is skipped when the report has no such entry.
     """
     if hasattr(run, "certificate"):
         view = {"report": run.report, "eigenvalues": run.certificate.eigenvalues,
                 "eigenvalues_scaled": run.certificate.spectrum_scaled, "model": run.model}
     else:
-        view = load_run(run, storage_options)
+        view = read_run(run, storage_options)
     r = view["report"]
     figs = {}
     if view["eigenvalues"] is not None:
@@ -263,36 +214,33 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
     dataset = dataset if dataset is not None else r.get("dataset")
     if view["model"] is not None and dataset:
         try:
-            if isinstance(dataset, str):
-                from .dataset import open_dataset
-
-                dataset = open_dataset(dataset, storage_options)
-            figs["predictions"] = predictions_figure(*sample_predictions(view["model"], dataset))
-        except (OSError, ValueError) as e:  # DatasetError is a ValueError
+            figs["predictions"] = predictions_figure(*sample_predictions(view["model"], dataset,
+                                                                         storage_options=storage_options))
+        except (ScaleattnError, OSError) as e:  # an unreadable or missing dataset: the other plots still go
             warnings.warn(f"predictions plot skipped: {e}", stacklevel=2)
     return figs
+
+
+def figure_pngs(figs: dict, dpi: int = 120) -> dict:
+    """``{name: Figure}`` -> ``{"name.png": PNG bytes}`` (Agg, no pyplot)."""
+    out = {}
+    for name, fig in figs.items():
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+        out[f"{name}.png"] = buf.getvalue()
+    return out
 
 
 def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: int = 120) -> list[str]:
     """Write the run's figures as PNG files (``spectrum.png``, ``heads.png``, ``loss_vs_heads.png``,
     ``predictions.png``) into ``out`` (default: the run directory itself) and return their paths.
 
-    ``run`` is a run directory or a :class:`~scaleattn.job.FitResult` (then ``out`` is required).
+    ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required).
+    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out``.
     """
     if out is None:
         if hasattr(run, "certificate"):
-            raise ValueError("save_run_plots: give `out` when plotting a FitResult")
+            raise ParameterError("save_run_plots: give `out` when plotting a FitResult")
         out = run
-    figs = run_figures(run, dataset, storage_options)
-    if not _storage.is_url(out):
-        os.makedirs(out, exist_ok=True)
-    paths = []
-    for name, fig in figs.items():
-        p = _storage.join(out, f"{name}.png")
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=dpi)
-        fs, path = _storage.fs_for(p, storage_options)
-        with fs.open(path, "wb") as f:
-            f.write(buf.getvalue())
-        paths.append(p)
-    return paths
+    pngs = figure_pngs(run_figures(run, dataset, storage_options), dpi)
+    return write_files(resolve(out, storage_options), pngs)

@@ -24,7 +24,9 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from . import __version__
+from ._storage import storage_option_pairs
+from ._version import __version__
+from .errors import SubmitError
 
 __all__ = [
     "SubmitError", "render_daskjob", "to_yaml", "apply_daskjob", "add_arguments", "run", "default_image",
@@ -61,10 +63,6 @@ CPU_WORKER_MEMORY_GI = 8
 GPU_WORKER_CPUS_PER_GPU = 4
 GPU_WORKER_MEMORY_GI_PER_GPU = 32
 TMP_SIZE = {"scheduler": "1Gi", "runner": "4Gi", "worker": "20Gi"}
-
-
-class SubmitError(RuntimeError):
-    """The job could not be sent or followed (no cluster reachable, operator missing, ...). One-line message."""
 
 
 # ----------------------------------------------------------------------------------------------- rendering
@@ -461,23 +459,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_storage_options(pairs) -> dict:
-    out: dict = {}
-    for p in pairs or []:
-        if "=" not in p:
-            raise ValueError(f"--storage-option expects KEY=VALUE, got {p!r}")
-        k, v = p.split("=", 1)
-        out[k] = v
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``scaleattn submit``; 0 on success or --dry-run, 1 when the job failed, 2 on bad input/no cluster."""
     try:
         name = args.name or f"{DEFAULT_NAME}-{secrets.token_hex(3)}"
         manifest = render_daskjob(
             args.dataset, args.out, gpus=args.gpus, workers=args.workers, image=args.image,
-            namespace=args.namespace, name=name, storage_options=_parse_storage_options(args.storage_option),
+            namespace=args.namespace, name=name, storage_options=storage_option_pairs(args.storage_option),
             fit_args=shlex.split(args.fit_args or ""), secret=args.secret or None)
     except ValueError as e:
         print(f"scaleattn submit: {e}", file=sys.stderr)

@@ -6,9 +6,12 @@ import scaleattn
 from scaleattn.dataset import open_dataset, write_dataset
 from scaleattn.generate import generate_assoc, generate_mhla, make_assoc, make_mhla, mhla_forward
 from scaleattn.heads import coef_from_heads
-from scaleattn.job import fit
-from scaleattn.model import MHLAModel, MHLARegressor, evaluate
-from scaleattn.statistics import compute_statistics, statistics_from_arrays
+from scaleattn.pipeline import fit
+from scaleattn.distributed.evaluate import evaluate
+from scaleattn.estimator import MHLARegressor
+from scaleattn.model import MHLAModel
+from scaleattn.distributed.build import compute_statistics
+from scaleattn.statistics import statistics_from_arrays
 
 
 def rel_mse(pred, y):
@@ -104,7 +107,7 @@ def test_causal_predict_shapes_and_padding():
 
 
 def test_real_digits_dataset(tmp_path):
-    from scaleattn.generate import load_digits_dataset
+    from scaleattn.importers import load_digits_dataset
 
     ds = load_digits_dataset(tmp_path / "digits.zarr")
     res = fit(ds)

@@ -25,7 +25,7 @@ def test_statistics_on_gpu_equal_cpu():
 
 def test_group_statistics_device_gpu(tmp_path):
     from scaleattn.generate import generate_mhla
-    from scaleattn.statistics import compute_statistics
+    from scaleattn.distributed.build import compute_statistics
 
     ds = generate_mhla(tmp_path / "d.zarr", d=3, heads=1, length=30, samples=120, causal=True, seed=1)
     cpu = compute_statistics(ds, device="cpu")
@@ -38,7 +38,7 @@ def test_model_predict_on_gpu():
     import cupy
 
     from scaleattn.generate import make_mhla
-    from scaleattn.model import MHLARegressor
+    from scaleattn.estimator import MHLARegressor
 
     D = make_mhla(d=2, heads=1, length=10, samples=64, seed=2)
     est = MHLARegressor().fit(D["tokens"], D["targets"])

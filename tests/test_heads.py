@@ -12,8 +12,8 @@ import pytest
 from scaleattn.cli import main
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_assoc, make_mhla, mhla_forward
-from scaleattn.heads import (ambiguity_witness, coef_from_heads, compare_models, loss_vs_heads, search_heads,
-                             svd_heads)
+from scaleattn.certificate import ambiguity_witness
+from scaleattn.heads import coef_from_heads, compare_models, loss_vs_heads, search_heads, svd_heads
 from scaleattn.model import MHLAModel
 from scaleattn.solver import solve
 from scaleattn.statistics import statistics_from_arrays

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from scaleattn.solver import default_rtol, solve
+from scaleattn.solver import solve
+from scaleattn.spectrum import default_rtol
 from scaleattn.statistics import statistics_from_arrays
 
 

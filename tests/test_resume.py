@@ -12,11 +12,14 @@ import pytest
 import zarr
 
 from scaleattn import __version__
-from scaleattn.checkpoint import Checkpoint
+from scaleattn._storage import resolve
+from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.dataset import write_dataset
 from scaleattn.generate import generate_mhla, make_mhla
-from scaleattn.job import fit
-from scaleattn.statistics import Statistics, compute_statistics, row_groups, tile_bounds
+from scaleattn.pipeline import fit
+from scaleattn.distributed.build import compute_statistics
+from scaleattn.distributed.partition import row_groups, tile_bounds
+from scaleattn.statistics import Statistics
 
 
 def _same(a: Statistics, b: Statistics):
@@ -51,7 +54,7 @@ def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
     g["gram_compact"][5] = np.nan  # a half-written partial is never read: it is recomputed and overwritten
     _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=info), ref)
     assert (info["groups_computed"], info["groups_resumed"], info["tasks_computed"]) == (2, 6, 4)
-    assert Checkpoint.open(ck, data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
+    assert Checkpoint.open(resolve(ck), data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
 
 
 def test_resume_on_a_cluster_reads_partials_on_the_workers(data, tmp_path, client):

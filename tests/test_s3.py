@@ -15,10 +15,12 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from scaleattn.generate import generate_mhla  # noqa: E402
-from scaleattn.job import fit  # noqa: E402
-from scaleattn.model import MHLAModel, evaluate  # noqa: E402
-from scaleattn.solver import certify  # noqa: E402
-from scaleattn.statistics import Statistics, compute_statistics  # noqa: E402
+from scaleattn.pipeline import fit  # noqa: E402
+from scaleattn.distributed.evaluate import evaluate
+from scaleattn.model import MHLAModel  # noqa: E402
+from scaleattn.certificate import certify  # noqa: E402
+from scaleattn.distributed.build import compute_statistics
+from scaleattn.statistics import Statistics  # noqa: E402
 
 BUCKET = "scaleattn-test"
 KEY, SECRET = "testing-key", "testing-secret"  # moto accepts any key while its IAM auth is off

@@ -3,10 +3,12 @@ import numpy as np
 import pytest
 
 from scaleattn import solver
+from scaleattn.certificate import certify
 from scaleattn.features import compact_factors, phi, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.memory import InsufficientMemoryError, check_fit_memory, fit_memory, parse_bytes
-from scaleattn.statistics import Statistics, accumulate, gram_update, statistics_from_arrays
+from scaleattn.distributed.memory import InsufficientMemoryError, check_fit_memory, fit_memory, parse_bytes
+from scaleattn.kernel import gram_update
+from scaleattn.statistics import Statistics, accumulate, statistics_from_arrays
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_gram_kernel_matches_dense_product(panel_rows, panel_cols, threads):
 @pytest.fixture
 def threaded(monkeypatch):
     """Let the kernel use threads even on the tests' small inputs."""
-    import scaleattn.statistics as st
+    import scaleattn.kernel as st
 
     monkeypatch.setattr(st, "MIN_THREAD_MACS", 0)
 
@@ -97,18 +99,21 @@ def test_large_psi_path_agrees_with_eigh_path(data, ridge):
         assert getattr(cb, k) == pytest.approx(getattr(ca, k), rel=1e-8), k
     assert b.sse == pytest.approx(a.sse, rel=1e-9)
     assert b.effective_dof == pytest.approx(a.effective_dof, rel=1e-10)
-    cc = solver.certify(st, method="cholesky")
+    cc = certify(st, solver="cholesky")
     assert cc.lambda_min == pytest.approx(ca.lambda_min, rel=1e-8)
 
 
 def test_large_psi_path_falls_back_to_eigh_when_not_identifiable():
     D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
     st = statistics_from_arrays(D["tokens"], D["targets"])
-    a, b = solver.solve(st), solver.solve(st, method="cholesky")
+    a, b = solver.solve(st), solver.solve(st, solver="cholesky")
     assert b.rank == a.rank < st.psi and b.null_basis.shape[1] == st.psi - a.rank
     assert np.allclose(b.coef, a.coef, rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="method"):
-        solver.solve(st, method="qr")
+    with pytest.raises(ValueError, match="solver must be one of"):
+        solver.solve(st, solver="qr")
+    with pytest.warns(DeprecationWarning, match="method= is deprecated"):  # the old keyword still works
+        c = solver.solve(st, method="cholesky")
+    assert np.array_equal(c.coef, b.coef)
 
 
 def test_memory_estimate_and_refusal():
@@ -118,7 +123,7 @@ def test_memory_estimate_and_refusal():
     e32 = fit_memory(32, 32)
     assert e32["psi"] == 16_896 and e32["path"] == "cholesky"
     assert e32["gram_bytes"] == 8 * 16_896**2 and e32["solver_bytes"] > 2 * e32["gram_bytes"]
-    assert fit_memory(32, 32, method="eigh")["solver_bytes"] > e32["solver_bytes"]
+    assert fit_memory(32, 32, solver="eigh")["solver_bytes"] > e32["solver_bytes"]
     assert fit_memory(16, 16)["solver_bytes"] < 1e9  # d = 16 fits anywhere
     # psi = 133,120 (d = 64): 142 GB per Gram; refused with the size of machine it needs
     with pytest.raises(InsufficientMemoryError, match=r"needs \d+\.\d GiB on the solver node.*has 24\.0 GiB"):
@@ -130,7 +135,7 @@ def test_memory_estimate_and_refusal():
 
 def test_fit_refuses_before_building(tmp_path, monkeypatch):
     from scaleattn.generate import generate_mhla
-    from scaleattn.job import fit
+    from scaleattn.pipeline import fit
 
     ds = generate_mhla(str(tmp_path / "d.zarr"), d=4, samples=8, length=5)
     monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", "10kB")
@@ -178,7 +183,7 @@ def test_concurrent_callers_keep_the_blas_setting(data, threaded):
     what it was before (the kernel's thread limit is taken and restored one call at a time)."""
     import threading
 
-    from scaleattn.statistics import _blas_threads
+    from scaleattn.kernel import _blas_threads
 
     before = _blas_threads()
     ref = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)

@@ -5,7 +5,8 @@ import pytest
 from scaleattn.dataset import write_dataset
 from scaleattn.features import compact_factors, n_pairs, phi, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.statistics import MAX_TILE_BYTES, compute_statistics, group_statistics, row_groups, tile_bounds
+from scaleattn.distributed.build import compute_statistics, group_statistics
+from scaleattn.distributed.partition import MAX_TILE_BYTES, row_groups, tile_bounds
 
 
 def _rel(a, b):
@@ -107,7 +108,7 @@ def test_distributed_tiled_is_bit_identical_to_local(data, client):
 
 @pytest.mark.parametrize("split_every", [2, 3, 8])
 def test_streaming_tree_reduction_has_the_level_by_level_shape(split_every):
-    from scaleattn.statistics import tree_reduce
+    from scaleattn.distributed.reduction import tree_reduce
 
     def level_by_level(parts):  # the reference shape, written out independently
         while len(parts) > 1:

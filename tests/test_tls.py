@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from scaleattn.cluster import connect, tls_security  # noqa: E402
+from scaleattn.distributed.cluster import connect, tls_security  # noqa: E402
 from scaleattn.generate import generate_mhla  # noqa: E402
-from scaleattn.job import fit  # noqa: E402
+from scaleattn.pipeline import fit  # noqa: E402
 
 
 @pytest.fixture(scope="module")

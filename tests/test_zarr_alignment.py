@@ -63,7 +63,7 @@ def test_stores_hold_no_object_or_pickled_data(tmp_path):
     tok, y, lens = _data(N=12)
     write_dataset(tmp_path / "d.zarr", tok, y, lens, chunk_samples=5, teacher=(np.ones((1, 2, 3)), np.ones((1, 3, 3))))
     ds = open_dataset(tmp_path / "d.zarr")
-    from scaleattn.job import fit
+    from scaleattn.pipeline import fit
 
     fit(ds, str(tmp_path / "run"), client=None)
     n = 0

@@ -76,7 +76,8 @@ def _rel(a, b) -> float:
 def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     """Our build + solve against the floor, a bare GEMM, numpy SYRK, numpy lstsq and dask TSQR (same data)."""
     from scaleattn.features import compact_factors
-    from scaleattn.solver import solve, use_large_path
+    from scaleattn.solver import solve
+    from scaleattn.spectrum import solver_path
     from scaleattn.statistics import statistics_from_arrays
 
     D = _mhla(d, samples, length, causal=True)
@@ -89,7 +90,7 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     r["build_vs_floor"] = r["build_s"] / r["floor_s"]
     r["gram_build_s"], _ = _best(lambda: statistics_from_arrays(tok, None, causal=True), reps=3)  # Tc only
     r["solve_s"], sol = _best(lambda: solve(st), reps=1)
-    r["solver_path"] = "cholesky" if use_large_path(psi) else "eigh"
+    r["solver_path"] = solver_path(psi)
     c_true = _teacher_coef(D)
     r["ours_s"] = r["build_s"] + r["solve_s"]
     r["ours_coef_err_vs_teacher"] = _rel(sol.coef, c_true)
@@ -141,7 +142,7 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
 
 _CHILD = """
 import json, resource, sys, time
-from scaleattn.job import fit
+from scaleattn.pipeline import fit
 t = time.perf_counter()
 res = fit(sys.argv[1], exact_mse=False)
 hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")]
@@ -169,9 +170,9 @@ def rows_scaling(tmp, d, samples, length) -> list[dict]:
 
 def workers_scaling(path) -> list[dict]:
     """Statistics build of one dataset on a local Dask cluster with 1 and 2 workers (one thread each)."""
-    from scaleattn.cluster import connect
     from scaleattn.dataset import open_dataset
-    from scaleattn.statistics import compute_statistics
+    from scaleattn.distributed.build import compute_statistics
+    from scaleattn.distributed.cluster import connect
 
     ds = open_dataset(path)
     out = []
@@ -185,14 +186,14 @@ def workers_scaling(path) -> list[dict]:
 
 
 def _warm():
-    import scaleattn.statistics  # noqa: F401
+    import scaleattn.distributed.build  # noqa: F401
 
     scaleattn.statistics._blas_controller()
 
 
 def d_scaling(sizes, rate) -> list[dict]:
     """Build and solve time per d (non-causal rows for d = 32: independent rows, smallest N that certifies)."""
-    from scaleattn.memory import fit_memory
+    from scaleattn.distributed.memory import fit_memory
     from scaleattn.solver import solve
     from scaleattn.statistics import statistics_from_arrays
 
@@ -218,9 +219,8 @@ def d_scaling(sizes, rate) -> list[dict]:
 
 
 def _machine() -> dict:
-    from threadpoolctl import threadpool_info
-
     import psutil
+    from threadpoolctl import threadpool_info
 
     return {"platform": platform.platform(), "processor": platform.processor(), "cores": os.cpu_count(),
             "memory_gib": psutil.virtual_memory().total / 2**30, "python": platform.python_version(),
@@ -332,7 +332,7 @@ def markdown(res) -> str:
           "## Workers (local Dask cluster, 1 thread each, statistics build of the 4N set)", "",
           "| workers | build s | rows |", "|---|---|---|"]
     L += [f"| {o['workers']} | {o['build_s']:.2f} | {o['rows']:,} |" for o in res["workers"]]
-    L += [f"", f"Speed-up 1 -> 2 workers: {res['workers'][1]['speedup']:.2f} x.", "", "## d", "",
+    L += ["", f"Speed-up 1 -> 2 workers: {res['workers'][1]['speedup']:.2f} x.", "", "## d", "",
           "| d | psi | rows | build s | build / floor | solve s | solver | est. solver GiB | identifiable | coef err vs teacher |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     L += [f"| {o['d']} | {o['psi']:,} | {o['rows']:,} | {o['build_s']:.2f} | {o['build_vs_floor']:.2f} | {o['solve_s']:.2f} |"

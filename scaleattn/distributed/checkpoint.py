@@ -11,8 +11,9 @@ Layout of a checkpoint group (Zarr v3)::
 A missing chunk key is not proof of "not done" (zarr skips chunks equal to the fill value, so an all-zero
 partial has no key); only ``done`` says what is finished. The attributes fix the dataset fingerprint (N, T, d,
 d_out, chunking, dataset uid), the row-group and tile boundaries, the scaleattn version and the format version;
-a store that disagrees on any of them is refused with a ``ValueError``, never mixed in. Workers write their own
-partials (the client never holds them all); every write covers exactly one chunk of each array.
+a store that disagrees on any of them is refused with a :class:`~scaleattn.errors.CheckpointError`, never mixed
+in. Workers write their own partials (the client never holds them all); every write covers exactly one chunk of
+each array. Layer L3.
 """
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ import dataclasses
 
 import numpy as np
 
-from . import __version__, _storage
-from .features import n_features, n_pairs
+from .. import _formats
+from .._storage import Location
+from .._version import __version__
+from ..errors import CheckpointError
+from ..features import n_features, n_pairs
+from ..statistics import Statistics
 
-FORMAT = "scaleattn-checkpoint"
-FORMAT_VERSION = 1
+__all__ = ["Checkpoint"]
+
+FORMAT, FORMAT_VERSION = _formats.CHECKPOINT
 
 
 def _layout(dataset, groups, tiles, targets: bool) -> dict:
@@ -39,45 +45,48 @@ def _layout(dataset, groups, tiles, targets: bool) -> dict:
 class Checkpoint:
     """Handle on a checkpoint store (cheap to pickle to Dask workers).
 
-    Attributes: ``url`` (path or fsspec URL), ``groups`` (sample ranges), ``tiles`` (row ranges of ``Tc``),
-    ``d``, ``d_out`` (0 for a Gram-only build), ``storage_options``.
+    Attributes: ``store`` (:class:`~scaleattn._storage.Location`), ``groups`` (sample ranges), ``tiles`` (row
+    ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build).
     """
 
-    url: str
+    store: Location
     groups: tuple
     tiles: tuple
     d: int
     d_out: int
-    storage_options: dict | None = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url
 
     @classmethod
-    def open(cls, url: str, dataset, groups, tiles, targets: bool = True,
-             storage_options: dict | None = None) -> "Checkpoint":
-        """Open the checkpoint at ``url`` for this build, creating it when absent.
+    def open(cls, store: Location, dataset, groups, tiles, targets: bool = True) -> "Checkpoint":
+        """Open the checkpoint at ``store`` for this build, creating it when absent.
 
-        ``groups`` from :func:`scaleattn.statistics.row_groups`, ``tiles`` from
-        :func:`scaleattn.statistics.tile_bounds` (equal widths except the last, so each partial is one chunk).
+        ``groups`` from :func:`scaleattn.distributed.build.row_groups`, ``tiles`` from
+        :func:`scaleattn.distributed.build.tile_bounds` (equal widths except the last, so each partial is one
+        chunk).
 
         Raises
         ------
-        ValueError
+        CheckpointError
             The store exists but was made from another dataset, chunking, grouping, tiling or version, or is
             not a checkpoint at all (the message names the first field that differs).
         """
-        url = str(url).rstrip("/")
+        url = store.url
         want = _layout(dataset, groups, tiles, targets)
-        ck = cls(url, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"], want["d_out"],
-                 storage_options)
-        if _storage.exists(url, storage_options):
+        ck = cls(store, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"],
+                 want["d_out"])
+        if store.exists():
             try:
-                have = dict(_storage.open_group(url, "r", storage_options).attrs)
+                have = dict(store.open_group("r").attrs)
             except Exception as e:  # not a zarr group
-                raise ValueError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it or start over"
+                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it or start over"
                                  " with --overwrite") from None
             for k, v in want.items():
                 if have.get(k) != v:
                     shown = (lambda x: x if len(repr(x)) < 80 else repr(x)[:77] + "...")
-                    raise ValueError(
+                    raise CheckpointError(
                         f"checkpoint {url!r} was made by a different build ({k}: stored {shown(have.get(k))!r}, this "
                         f"job {shown(v)!r}); it is never mixed in: remove it, or start over with --overwrite")
             return ck
@@ -90,8 +99,8 @@ class Checkpoint:
         ng, nt = len(self.groups), len(self.tiles)
         tile_rows = self.tiles[0][1] - self.tiles[0][0]
         if any(b - a != tile_rows for a, b in self.tiles[:-1]):
-            raise ValueError("checkpoint tiles must have equal widths (except the last) to align with chunks")
-        g = _storage.open_group(self.url, "w", self.storage_options)
+            raise CheckpointError("checkpoint tiles must have equal widths (except the last) to align with chunks")
+        g = self.store.open_group("w")
         g.create_array("gram_compact", shape=(ng, mm, nv), chunks=(1, tile_rows, nv), dtype="float64",
                        fill_value=0.0, dimension_names=("group", "vech_pair", "vech_token"))
         if self.d_out:
@@ -106,7 +115,7 @@ class Checkpoint:
         g.attrs.update({**attrs, "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
 
     def _group(self, mode: str = "r"):
-        return _storage.open_group(self.url, mode, self.storage_options)
+        return self.store.open_group(mode)
 
     def done_mask(self) -> np.ndarray:
         """(groups, tiles) bool: True where the partial is complete in the store."""
@@ -131,12 +140,10 @@ class Checkpoint:
     def read(self, gi: int, ti: int):
         """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got).
 
-        Raises ``ValueError`` if it is not marked done."""
-        from .statistics import Statistics
-
+        Raises :class:`~scaleattn.errors.CheckpointError` if it is not marked done."""
         g = self._group()
         if not bool(g["done"][gi, ti]):
-            raise ValueError(f"checkpoint {self.url!r}: group {gi} tile {ti} is not done")
+            raise CheckpointError(f"checkpoint {self.url!r}: group {gi} tile {ti} is not done")
         c0, c1 = self.tiles[ti]
         gram = np.asarray(g["gram_compact"][gi, c0:c1, :])
         d_out = self.d_out if ti == 0 else 0

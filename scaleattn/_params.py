@@ -1,0 +1,93 @@
+"""Parameter checks for the public entry points (layer L0), in the spirit of scikit-learn's
+``_parameter_constraints``: each public function validates its arguments once, before any cluster starts or
+any file is written, and raises :class:`~scaleattn.errors.ParameterError` naming the parameter.
+
+Deprecated keyword names are mapped by :func:`renamed`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+from .errors import ParameterError
+
+__all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs"]
+
+
+def choice(name: str, value, choices):
+    """``value`` if it is one of ``choices``, else :class:`ParameterError` listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ParameterError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, none_ok: bool = False):
+    """``int(value)`` within ``[minimum, maximum]`` (bools and non-integral numbers refused)."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            value = int(value)
+        else:
+            raise ParameterError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ParameterError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ParameterError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def real(name: str, value, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+         high_open: bool = False, none_ok: bool = False):
+    """``float(value)``, finite, within the interval (``low_open``/``high_open`` exclude the ends)."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParameterError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ParameterError(f"{name} must be finite, got {value}")
+    lo_bad = low is not None and (value <= low if low_open else value < low)
+    hi_bad = high is not None and (value >= high if high_open else value > high)
+    if lo_bad or hi_bad:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+        interval = f"{lo}, {hi}" if lo and hi else (f">{'' if low_open else '='} {low:g}" if lo else
+                                                    f"<{'' if high_open else '='} {high:g}")
+        raise ParameterError(f"{name} must be {'in ' if lo and hi else ''}{interval}, got {value:g}")
+    return value
+
+
+def heads_spec(heads):
+    """``"svd"``, ``"minimal"`` or a positive head count (``"3"`` or 3)."""
+    if isinstance(heads, str) and heads in ("svd", "minimal"):
+        return heads
+    try:
+        h = int(heads)
+        if isinstance(heads, bool) or (not isinstance(heads, str) and h != heads):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ParameterError(f"heads must be 'svd', 'minimal' or a positive integer, got {heads!r}") from None
+    if h < 1:
+        raise ParameterError(f"heads must be >= 1, got {h}")
+    return h
+
+
+def renamed(kwargs: dict, old: str, new: str, value, default=None, stacklevel: int = 3):
+    """The value of parameter ``new``, taking the deprecated name ``old`` from ``kwargs`` (with a
+    ``DeprecationWarning``) when given; both at once is a :class:`ParameterError`."""
+    if old not in kwargs:
+        return value
+    legacy = kwargs.pop(old)
+    if value is not default and value != default:
+        raise ParameterError(f"give {new}= only ({old}= is its deprecated name)")
+    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=stacklevel)
+    return legacy
+
+
+def no_other_kwargs(kwargs: dict, func: str) -> None:
+    """``TypeError`` for keyword arguments left over after :func:`renamed` took the deprecated ones."""
+    if kwargs:
+        raise TypeError(f"{func}() got an unexpected keyword argument {next(iter(kwargs))!r}")

@@ -1,0 +1,222 @@
+"""The distributed statistics build (layer L3; DESIGN §6): row groups x column tiles as Dask tasks, each
+streaming whole Zarr chunks into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
+finished partial checkpointed (:mod:`.checkpoint`). Without a client the same tasks and tree run in process.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .. import _testing
+from .._backend import array_module, check_device
+from .._storage import Location, resolve, with_retries
+from ..errors import ParameterError
+from ..features import n_features
+from ..progress import as_reporter
+from ..statistics import Statistics, accumulate
+from .checkpoint import Checkpoint
+from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
+from .reduction import SPLIT_EVERY, TreeReducer, run_trees
+
+__all__ = ["compute_statistics", "group_statistics"]
+
+
+def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
+                     cols: tuple[int, int] | None = None) -> Statistics:
+    """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task).
+
+    ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
+    ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
+    ((c1 - c0, d(d+1)/2); memory bounded by the tile and one block of rows, DESIGN §6); ``B``, ``yy`` and
+    ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile).
+    Raises :class:`~scaleattn.dataset.DatasetError` on bad values (naming the array and the sample).
+    """
+    xp = array_module(device)
+    if cols is None:
+        stats = Statistics.zeros(dataset.d, dataset.d_out if targets else 0, xp)
+        sl = None
+    else:
+        sl = slice(int(cols[0]), int(cols[1]))
+        stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
+                           xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
+    for a in range(start, stop, dataset.chunk_samples):
+        b = min(stop, a + dataset.chunk_samples)
+        tok, lens, y = dataset.read(a, b, targets=targets)
+        if xp is not np:
+            tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
+        accumulate(stats, tok, y, lens, dataset.causal, cols=sl)
+    return stats.to_numpy()
+
+
+def _add_all(*parts: Statistics, inplace: bool = False) -> Statistics:
+    """Sum in order (same bits as ``((p0 + p1) + p2) + ...``) into a new buffer, or into ``parts[0]`` with
+    ``inplace`` (only for partials this process owns: a Dask task must never modify its inputs)."""
+    out = parts[0] if inplace else (parts[0] + parts[1] if len(parts) > 1 else parts[0])
+    for p in parts[1 if inplace else 2:]:
+        if p.gram_compact.shape != out.gram_compact.shape or p.moments.shape != out.moments.shape:
+            raise ParameterError(f"cannot add statistics of (d, d_out) = {(out.d, out.d_out)} and {(p.d, p.d_out)}")
+        out.gram_compact += p.gram_compact
+        out.moments += p.moments
+        out.yy += p.yy
+        out.n_rows += p.n_rows
+    return out
+
+
+def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
+    """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
+    is read back (a retry after a lost worker or a resume recomputes nothing); a new one is written there, then
+    marked done, by this worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`);
+    bad data fails the task once."""
+    if ckpt is not None and ckpt.is_done(gi, ti):
+        return ckpt.read(gi, ti)
+    _testing.before_task()
+    part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols)
+    if ckpt is not None:
+        with_retries(ckpt.write, gi, ti, part)
+    return part
+
+
+def _assemble(tiles: list, d: int) -> Statistics:
+    """Concatenate per-tile statistics (tile 0 carries ``B`` and ``yy``) into one :class:`Statistics`."""
+    first = tiles[0]
+    rows = {int(t.n_rows) for t in tiles}
+    if len(rows) != 1:
+        raise RuntimeError(f"tiles disagree on the row count: {sorted(rows)}")
+    gram = first.gram_compact if len(tiles) == 1 else np.concatenate([t.gram_compact for t in tiles], axis=0)
+    return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), d)
+
+
+def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
+                       split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
+                       tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
+                       checkpoint=None, storage_options=None, info: dict | None = None) -> Statistics:
+    """Build the statistics of a dataset on a Dask cluster by tree reduction (DESIGN §6).
+
+    Each task streams one row group (:func:`~scaleattn.distributed.partition.row_groups`) for one column tile of
+    ``Tc`` (:func:`~scaleattn.distributed.partition.tile_bounds`; a single tile unless ``Tc`` exceeds
+    ``max_tile_bytes``) and accumulates locally. Partials are combined per tile by the fixed-order tree on the
+    workers, always in group order, so the result is bit-identical for any worker count, completion order,
+    retry or resume; tiled and untiled builds agree to round-off. The client receives only the per-tile roots
+    and concatenates them.
+
+    Parameters
+    ----------
+    dataset : Dataset
+        From :func:`scaleattn.open_dataset`.
+    client : distributed.Client, optional
+        Without one the tasks run in this process (same tree, same bits).
+    targets : bool
+        False builds only the Gram (enough for the certificate).
+    group_samples : int, optional
+        Samples per row group (rounded to whole chunks); default from ``row_groups`` (at most
+        ``TILED_MAX_GROUPS`` groups when tiled).
+    split_every : int
+        Partials combined per reduction task.
+    device : {"auto", "cpu", "gpu"}
+        Array device of the tasks (:func:`scaleattn._backend.array_module`).
+    progress : bool or Reporter
+        A bar in rows (samples for causal data with variable lengths) with the rate and time left.
+    tile_rows, max_tile_bytes
+        Tiling: rows of ``Tc`` per tile, or the size above which ``Tc`` is tiled.
+    checkpoint : str, path-like or Location, optional
+        Checkpoint store (:class:`~scaleattn.distributed.checkpoint.Checkpoint`), created if absent: every
+        finished partial is written there by its worker and marked done; partials already done are read back,
+        not recomputed.
+    storage_options : dict, optional
+        fsspec options of ``checkpoint`` (default the dataset's).
+    info : dict, optional
+        Filled with ``groups``, ``tiles``, ``groups_computed``, ``groups_resumed`` (groups whose every tile was
+        read from the checkpoint), ``tasks_computed``, ``tasks_resumed``, ``checkpoint``.
+
+    Returns
+    -------
+    Statistics
+        On the host, float64.
+
+    Raises
+    ------
+    CheckpointError
+        ``checkpoint`` exists but belongs to another dataset, chunking, grouping, tiling or version.
+    DatasetError
+        Bad values in the dataset (naming the array and the sample).
+    """
+    reporter = as_reporter(progress)
+    check_device(device)
+    if checkpoint is not None and not isinstance(checkpoint, Location):
+        checkpoint = resolve(checkpoint, dataset.storage_options if storage_options is None else storage_options)
+    tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
+    groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if len(tiles) > 1 else None)
+    ckpt = None
+    done = np.zeros((len(groups), len(tiles)), dtype=bool)
+    if checkpoint is not None:
+        ckpt = Checkpoint.open(checkpoint, dataset, groups, tiles, targets)
+        done = ckpt.done_mask()
+    if info is not None:
+        info.update({"groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
+                     "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
+                     "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
+    stop_after = _testing.stop_after_groups()
+    todo = [gi for gi in range(len(groups)) if not done[gi].all()]
+    rows_per_sample, unit = _row_unit(dataset)
+    rows = [(b - a) * rows_per_sample for a, b in groups]
+    resumed = sum(r for gi, r in enumerate(rows) if gi not in todo)
+    note = f"{sum(done.all(axis=1))} of {len(groups)} row groups resumed from the checkpoint" if resumed else ""
+    with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note) as advance:
+        if client is None:
+            reducers = [TreeReducer(_add_inplace, split_every) for _ in tiles]  # same tree (and bits) as on a cluster
+            for gi, (a, b) in enumerate(groups):
+                for ti, cols in enumerate(tiles):
+                    reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt))
+                if gi in todo:
+                    advance(rows[gi])
+                    if stop_after is not None and todo.index(gi) + 1 >= stop_after:
+                        _testing.crash()
+            return _assemble([r.result() for r in reducers], dataset.d)
+        tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
+        futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt,  # retries: in the task
+                               key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
+                for gi, (a, b) in enumerate(groups)]
+        weights = {f.key: (rows[gi] / len(tiles) if gi in todo else 0) for gi in range(len(groups)) for f in futs[gi]}
+        roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
+                          advance=advance, weights=weights,
+                          on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
+        return _assemble(roots, dataset.d)
+
+
+def _row_unit(dataset) -> tuple[int, str]:
+    """Rows per sample and the unit the progress bar counts: feature rows where their number is known up front
+    (T per sample for causal data of full length), else samples."""
+    if not dataset.causal:
+        return 1, "rows"
+    return (1, "samples") if dataset.has_lengths else (dataset.length, "rows")
+
+
+def _add_inplace(*parts: Statistics) -> Statistics:
+    """:func:`_add_all` into ``parts[0]`` (an in-process build owns its partials)."""
+    return _add_all(*parts, inplace=True)
+
+
+def _url_token(url: str) -> str:
+    """A short stable token of a store URL (for task keys)."""
+    return hashlib.sha1(str(url).encode()).hexdigest()[:10]
+
+
+def _crash_after(futs, todo: list[int], k: int):
+    """The ``SCALEATTN_TEST_STOP_AFTER_GROUPS`` hook (:mod:`scaleattn._testing`) for the Dask path: a leaf
+    callback that ends this process once ``k`` groups of ``todo`` have all their tiles finished."""
+    left = {gi: len(futs[gi]) for gi in todo}
+    owner = {f.key: gi for gi in todo for f in futs[gi]}
+    finished = [0]
+
+    def on_leaf(fut):
+        gi = owner.get(fut.key)
+        if gi is None:
+            return
+        left[gi] -= 1
+        if left[gi] == 0:
+            finished[0] += 1
+            if finished[0] >= k:
+                _testing.crash()
+
+    return on_leaf

@@ -1,0 +1,127 @@
+"""Dask clusters for scaleattn jobs (layer L3): an embedded LocalCluster, a remote scheduler, or GPU workers.
+
+The embedded cluster binds to localhost only. ``scheduler="tcp://host:8786"`` (or ``DASK_SCHEDULER_ADDRESS``)
+joins an existing cluster; ``gpus=N`` starts a dask-cuda LocalCUDACluster with one worker per GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ..errors import InputNotFoundError, MissingDependencyError, ParameterError
+from ..progress import Reporter, as_reporter
+from .memory import worker_config
+
+__all__ = ["connect", "tls_security", "default_workers"]
+
+
+def default_workers() -> int:
+    """One worker process per core available to this process (cgroup and affinity limits honoured)."""
+    from dask.system import CPU_COUNT
+
+    return max(1, CPU_COUNT)
+
+
+def tls_security(ca_file: str | None = None, cert: str | None = None, key: str | None = None):
+    """``distributed.Security`` for TLS from PEM files (the CLI's ``--tls-ca-file/--tls-cert/--tls-key``).
+
+    One certificate serves every role (client, scheduler, workers of an embedded cluster) and encryption is
+    required. Returns None when no file is given, so the dask config (``distributed.comm.tls.*``) applies.
+
+    Raises
+    ------
+    ParameterError
+        Only some of the three files given.
+    InputNotFoundError
+        A file does not exist.
+    """
+    files = {"--tls-ca-file": ca_file, "--tls-cert": cert, "--tls-key": key}
+    if not any(files.values()):
+        return None
+    missing = [k for k, v in files.items() if not v]
+    if missing:
+        raise ParameterError(f"TLS needs all of --tls-ca-file, --tls-cert and --tls-key (missing {', '.join(missing)})")
+    for k, v in files.items():
+        if not os.path.isfile(v):
+            raise InputNotFoundError(f"{k}: no such file {v!r}")
+    from distributed import Security
+
+    return Security(require_encryption=True, tls_ca_file=ca_file,
+                    tls_client_cert=cert, tls_client_key=key, tls_scheduler_cert=cert, tls_scheduler_key=key,
+                    tls_worker_cert=cert, tls_worker_key=key)
+
+
+@contextlib.contextmanager
+def connect(scheduler: str | None = None, workers: int | None = None, threads_per_worker: int = 1,
+            gpus: int | None = None, security=None, quiet: bool = False, progress=None):
+    """Yield a ``distributed.Client`` for one job and close what this call started.
+
+    Parameters
+    ----------
+    scheduler : str, optional
+        Address of a running scheduler; default ``$DASK_SCHEDULER_ADDRESS``; when neither is set an embedded
+        cluster is started.
+    workers : int, optional
+        Worker processes of the embedded cluster (default one per core).
+    threads_per_worker : int
+        Threads per worker (BLAS threads too); the default 1 keeps one core per worker.
+    gpus : int, optional
+        Start a dask-cuda LocalCUDACluster with this many GPUs (needs the ``gpu`` extra).
+    security : distributed.Security, optional
+        TLS settings (:func:`tls_security`; otherwise taken from the dask config, ``distributed.comm.tls.*``).
+        With ``require_encryption`` the embedded cluster speaks ``tls://`` too.
+    quiet : bool
+        Do not print the cluster line (workers, dashboard link).
+    progress : Reporter, optional
+        Where the cluster line goes (default: stderr through :class:`~scaleattn.progress.ConsoleReporter`).
+
+    Yields
+    ------
+    distributed.Client
+
+    Raises
+    ------
+    ParameterError
+        ``workers``/``gpus`` together with a scheduler address.
+    MissingDependencyError
+        ``gpus`` without dask-cuda.
+
+    The embedded cluster's scheduler, workers and dashboard listen on 127.0.0.1 only; its workers start with
+    :func:`~scaleattn.distributed.memory.worker_config` (large freed buffers go back to the OS).
+
+    Examples
+    --------
+    >>> with connect(workers=2) as client:  # doctest: +SKIP
+    ...     res = scaleattn.fit("data.zarr", "run1", client=client)
+    """
+    import dask
+    from distributed import Client, LocalCluster
+
+    scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    if scheduler and (workers or gpus):
+        raise ParameterError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own"
+                             " workers")
+    reporter = progress if isinstance(progress, Reporter) else as_reporter(not quiet)
+    kwargs = {} if security is None else {"security": security}
+    with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
+        if scheduler:
+            client = stack.enter_context(Client(scheduler, **kwargs))
+        else:
+            # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
+            common = dict(dashboard_address="127.0.0.1:0", **kwargs)
+            stack.enter_context(dask.config.set(worker_config()))
+            if gpus:
+                try:
+                    from dask_cuda import LocalCUDACluster
+                except ImportError:
+                    raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
+                cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+                                           **common)
+            else:
+                cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=threads_per_worker,
+                                       processes=True, host="127.0.0.1", **common)
+            stack.enter_context(cluster)
+            client = stack.enter_context(Client(cluster, **kwargs))
+        link = getattr(client, "dashboard_link", None)
+        reporter.line(f"dask: {len(client.scheduler_info().get('workers', {}))} workers, dashboard {link}")
+        yield client

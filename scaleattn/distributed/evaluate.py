@@ -1,0 +1,88 @@
+"""Mean squared error of a model on a dataset by a pass over the data, in process or on a Dask cluster
+(layer L3): one task per row group, summed by the fixed-order tree of :mod:`.reduction`."""
+from __future__ import annotations
+
+import numpy as np
+
+from .._storage import with_retries
+from ..errors import ParameterError
+from ..features import predict_rows, row_targets, token_features
+from ..progress import as_reporter
+from .partition import row_groups
+from .reduction import run_trees, tree_reduce
+
+__all__ = ["evaluate", "group_errors"]
+
+
+def group_errors(dataset, start: int, stop: int, coef) -> np.ndarray:
+    """``[sum of squared residuals, sum y^2, count of target entries]`` of samples ``[start, stop)``."""
+    tot = np.zeros(3)
+    for a in range(start, stop, dataset.chunk_samples):
+        tok, lens, y = dataset.read(a, min(stop, a + dataset.chunk_samples))
+        s, x = token_features(tok, lens, dataset.causal)
+        yr = row_targets(y, lens, dataset.causal)
+        r = yr - predict_rows(coef, s, x)
+        tot += [float((r * r).sum()), float((yr * yr).sum()), yr.size]
+    return tot
+
+
+def _sum(*parts):
+    return np.sum(parts, axis=0)
+
+
+def evaluate(model, dataset, client=None, progress=False) -> dict:
+    """Mean squared error of a model on a dataset, by a pass over the data (distributed when ``client``).
+
+    Parameters
+    ----------
+    model : MHLAModel
+    dataset : Dataset
+        With targets, and the model's ``d`` and ``d_out``.
+    client : distributed.Client, optional
+        Cluster to run on; None computes in this process.
+    progress : bool or Reporter
+        A bar counted in samples.
+
+    Returns
+    -------
+    dict
+        ``mse`` (mean over rows and outputs), ``target_mean_square``, ``relative_mse``, ``n_rows``.
+
+    Raises
+    ------
+    ParameterError
+        The dataset has no targets or other dimensions than the model.
+    DatasetError
+        Bad values in the dataset.
+
+    Examples
+    --------
+    >>> r = evaluate(model, open_dataset("data.zarr"))  # doctest: +SKIP
+    >>> r["relative_mse"] < 1e-20  # doctest: +SKIP
+    True
+    """
+    if not dataset.has_targets:
+        raise ParameterError(f"{dataset.url}: no targets to evaluate against")
+    if (dataset.d, dataset.d_out) != (model.d, model.d_out):
+        raise ParameterError(f"model has (d, d_out) = {(model.d, model.d_out)} but {dataset.url} has"
+                             f" {(dataset.d, dataset.d_out)}")
+    groups = row_groups(dataset)
+    coef = np.asarray(model.coef)
+    with as_reporter(progress).bar("evaluate", dataset.n_samples, "samples") as advance:
+        if client is None:
+            parts = []
+            for a, b in groups:
+                parts.append(group_errors(dataset, a, b, coef))
+                advance(b - a)
+            tot = tree_reduce(parts, _sum)
+        else:
+            cf = client.scatter(coef, broadcast=True)
+            tag = f"{dataset.fingerprint}-{cf.key}"
+            futs = [client.submit(with_retries, group_errors, dataset, a, b, cf, key=f"evaluate-{a}-{b}-{tag}")
+                    for a, b in groups]
+            weights = {f.key: b - a for f, (a, b) in zip(futs, groups)}
+            (tot,) = run_trees(client, [futs], _sum, advance=advance, weights=weights)
+    sse, yy, count = tot
+    mse, ms = sse / max(count, 1), yy / max(count, 1)
+    return {"mse": mse, "target_mean_square": ms, "relative_mse": mse / ms if ms > 0 else float("nan"),
+            "n_rows": int(count // max(model.d_out, 1))}

@@ -1,0 +1,141 @@
+"""Memory a fit or certificate needs, estimated before it starts, and a clear refusal when it cannot fit
+(layer L3; DESIGN §3, §4, §6).
+
+The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and expands them to the
+psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays at its peak (``G``, the
+Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2 workspace), the
+Cholesky path two (``G`` scaled in place and its factor). Each worker holds one partial ``Tc`` tile per task,
+and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.statistics.tree_reduce`).
+
+The available memory is ``psutil.virtual_memory().available`` unless ``memory_limit`` (bytes, or a string
+such as ``"16GiB"``) or the environment variable ``SCALEATTN_MEMORY_LIMIT`` says otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import InsufficientMemoryError, ParameterError
+from ..features import n_features, n_pairs
+from ..kernel import PANEL_COLS, PANEL_ROWS
+from ..spectrum import solver_path
+from ..statistics import BLOCK_BYTES, block_bytes_per_sample
+from .partition import MAX_TILE_BYTES, tile_bounds
+
+__all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
+           "worker_config", "InsufficientMemoryError", "SOLVER_ARRAYS"]
+
+GIB = 2.0**30
+#: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
+SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2}
+
+
+#: buffers from this size on are mmapped and given back to the OS when freed (glibc otherwise raises the
+#: threshold to 32 MB after the first free, and freed 10-30 MB partials then fragment the heap: a fit's peak
+#: RSS grew 18% from N to 4N rows at d = 16; with the fixed threshold 1%)
+MMAP_THRESHOLD = 1 << 20
+
+
+def release_large_buffers() -> None:
+    """Make this process return large freed buffers to the OS (glibc ``mallopt(M_MMAP_THRESHOLD)``). A no-op
+    where glibc is absent. Worker processes get the same through :func:`worker_config`."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return
+
+
+def worker_config() -> dict:
+    """Dask config for the embedded cluster's worker processes (``dask.config.set(worker_config())`` around
+    their start): the glibc threshold of :func:`release_large_buffers`, set before they spawn."""
+    return {"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+
+
+def parse_bytes(value) -> float:
+    """``123``, ``"8e9"``, ``"16GiB"``, ``"500 MB"`` -> bytes. Raises ``ValueError`` on anything else."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = str(value).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        return float(num) * units[s[len(num):]]
+    except (KeyError, ValueError):
+        raise ParameterError(f"memory limit: cannot read {value!r} as a size (e.g. 16GiB, 8e9)") from None
+
+
+def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
+               split_every: int = 2, max_tile_bytes: float | None = None, block_rows: int | None = None,
+               threads: int = 1) -> dict:
+    """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
+    certificate, no moments) on the given ``solver`` path.
+
+    Returns a dict: ``psi``, ``path`` ("eigh" or "cholesky", :func:`scaleattn.spectrum.solver_path`),
+    ``gram_bytes`` (one psi x psi float64 array), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
+    node's peak: the path's psi x psi arrays plus ``Tc`` twice, as received and concatenated, plus ``B``),
+    ``worker_bytes`` (one worker's peak: ``split_every + 2`` tiles while combining, plus one block of
+    features and the kernel's panels). Independent of the number of rows (the build streams them).
+    """
+    m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
+    path = solver_path(psi, solver, large_psi)
+    gram = 8.0 * psi * psi
+    compact = 8.0 * n_pairs(m) * dv
+    moments = 8.0 * psi * max(d_out, 1)
+    c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
+    tile = 8.0 * (c1 - c0) * dv
+    # one block of features (accumulate sizes it to BLOCK_BYTES; an explicit block_rows at its per-row bytes)
+    block = float(BLOCK_BYTES) if block_rows is None else block_rows * block_bytes_per_sample(d, 1, True)
+    panels = 8.0 * threads * PANEL_ROWS * PANEL_COLS
+    return {"psi": psi, "path": path, "gram_bytes": gram, "compact_bytes": compact,
+            "solver_bytes": SOLVER_ARRAYS[path] * gram + 2 * compact + 2 * moments,
+            "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
+
+
+def available_memory(memory_limit=None) -> float:
+    """Bytes available to the solver node: ``memory_limit``, else ``$SCALEATTN_MEMORY_LIMIT``, else psutil's
+    ``virtual_memory().available``."""
+    limit = memory_limit if memory_limit is not None else os.environ.get("SCALEATTN_MEMORY_LIMIT") or None
+    if limit is not None:
+        return parse_bytes(limit)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what: str = "fit", **kwargs) -> dict:
+    """Refuse a fit (``what="fit"``) or certificate (``what="certificate"``, ``d_out = 0``) that cannot fit
+    before it starts; return :func:`fit_memory`'s estimate (``kwargs``: its solver path and layout) when it can.
+
+    The solver node (this process) must have ``solver_bytes`` available; with a Dask ``client``, every worker
+    with a memory limit must allow ``worker_bytes``.
+
+    Raises
+    ------
+    InsufficientMemoryError
+        (a ``MemoryError`` and a ``ValueError``) with the memory needed, the memory there is, and the size of
+        machine or worker it takes.
+    """
+    est = fit_memory(d, d_out, **kwargs)
+    have = available_memory(memory_limit)
+    need = est["solver_bytes"]
+    if need > have:
+        raise InsufficientMemoryError(
+            f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
+            f" solver node ({SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays"
+            f" + statistics); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at least"
+            f" {1.25 * need / GIB:.0f} GiB of memory, or use a smaller d.")
+    if client is not None:
+        limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
+        small = [lim for lim in limits if 0 < lim < est["worker_bytes"]]
+        if small:
+            raise InsufficientMemoryError(
+                f"a {what} with d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker (compact Gram tile"
+                f" partials while combining); {len(small)} of {len(limits)} workers have only"
+                f" {min(small) / GIB:.2f} GiB. Use workers with at least {1.25 * est['worker_bytes'] / GIB:.1f} GiB"
+                " (fewer workers per machine), or smaller tiles.")
+    est["available_bytes"] = have
+    return est

@@ -1,0 +1,105 @@
+"""Fixed-order tree reduction, in process and on a Dask cluster (layer L3; DESIGN §6).
+
+Partials are combined ``split_every`` neighbours at a time, level by level, always in the same order, so
+floating-point results do not depend on which worker finished first, on the worker count, retries or resumes.
+:class:`TreeReducer` streams the same tree in process holding only ``O(split_every log n)`` items;
+:func:`run_trees` submits it to a cluster, waits with progress and cancels everything on failure.
+"""
+from __future__ import annotations
+
+__all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees"]
+
+#: partials combined per reduction task: a binary tree, so an in-process build holds about log2(groups)
+#: partials at once (its peak memory hardly grows with the number of rows)
+SPLIT_EVERY = 2
+
+
+class TreeReducer:
+    """Streaming tree reduction: :meth:`add` items in order, :meth:`result` combines them ``split_every``
+    neighbours at a time, level by level, exactly as :func:`tree_reduce` would, while holding only
+    ``O(split_every * log n)`` items (a fit's memory does not grow with the number of row groups)."""
+
+    def __init__(self, combine, split_every: int = SPLIT_EVERY):
+        self.combine, self.split_every = combine, max(2, int(split_every))
+        self.levels: list[list] = []  # levels[k]: items at depth k not yet in a full group
+        self.count = 0
+
+    def add(self, item) -> None:
+        self.count += 1
+        k = 0
+        while True:
+            if len(self.levels) == k:
+                self.levels.append([])
+            self.levels[k].append(item)
+            if len(self.levels[k]) < self.split_every:
+                return
+            item, self.levels[k] = self.combine(*self.levels[k]), []
+            k += 1
+
+    def result(self):
+        if not self.count:
+            raise ValueError("nothing to reduce")
+        carry = None
+        for k, pending in enumerate(self.levels):  # each level's last, partial group; a lone item passes up
+            items = pending + ([carry] if carry is not None else [])
+            if not items:
+                continue
+            if len(items) == 1 and not any(self.levels[k + 1:]):
+                return items[0]
+            carry = self.combine(*items) if len(items) > 1 else items[0]
+        return carry
+
+
+def tree_reduce(parts, combine, split_every: int = SPLIT_EVERY):
+    """Reduce ``parts`` by combining ``split_every`` neighbours at a time, level by level, in a fixed order
+    (so floating-point results do not depend on which worker finished first). Raises ``ValueError`` when
+    ``parts`` is empty."""
+    red = TreeReducer(combine, split_every)
+    for p in parts:
+        red.add(p)
+    return red.result()
+
+
+def submit_tree(client, futures: list, func, split_every: int = SPLIT_EVERY):
+    """:func:`tree_reduce` of ``futures`` on a cluster with ``func``.
+
+    Combine tasks get no Dask retries: a failing sum is a bug, not a flaky store (the leaves retry their own
+    store reads, :func:`~scaleattn._storage.with_retries`). Returns ``(root, combines)``: every reduction
+    future, for the caller to keep referenced until the end (so a cancel finds each of them still wanted) and
+    to cancel with the inputs when something fails.
+    """
+    combines = []
+
+    def combine(*parts):
+        combines.append(client.submit(func, *parts))
+        return combines[-1]
+
+    return tree_reduce(futures, combine, split_every), combines
+
+
+def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, *, advance=None,
+              weights: dict | None = None, on_leaf=None) -> list:
+    """Reduce each list of leaf futures in ``leaves`` on the cluster (:func:`submit_tree` with ``func``), wait,
+    and return the roots' results in order: the one submit / wait / cancel helper of the distributed steps.
+
+    ``advance(weight)`` is called as each leaf finishes (``weights[key]``, default 1: e.g. rows for a progress
+    bar) and ``on_leaf(future)`` after it. A task's exception is re-raised here with its own type and message.
+    On any failure or interrupt every leaf and combine task is cancelled, so the cluster stops computing.
+    """
+    from distributed import as_completed
+
+    trees = [submit_tree(client, ls, func, split_every) for ls in leaves]
+    flat = [f for ls in leaves for f in ls]
+    combines = [c for _, cs in trees for c in cs]
+    try:
+        for fut in as_completed(flat):
+            if fut.status == "error":
+                fut.result()  # re-raise the task's exception here
+            if advance is not None:
+                advance((weights or {}).get(fut.key, 1))
+            if on_leaf is not None:
+                on_leaf(fut)
+        return client.gather([root for root, _ in trees])
+    except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
+        client.cancel(flat + combines)
+        raise

@@ -1,0 +1,110 @@
+"""Every error scaleattn raises on purpose, under one base class (layer L0).
+
+:class:`ScaleattnError` is the base: a ``ValueError``, so code that caught ``ValueError`` before keeps working.
+Each subclass also derives from the builtin it refines where that helps callers (``FileExistsError``,
+``MemoryError``, ``ImportError``, ...), as zarr-python's ``zarr.errors`` does. The CLI maps any
+:class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 1).
+
+Messages name the problem and where it is (the array and sample, the option, the path), in one line.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "ScaleattnError", "ParameterError", "DatasetError", "StorageError", "FormatError", "OutputExistsError",
+    "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "SubmitError",
+    "IntegrityError",
+]
+
+
+class ScaleattnError(ValueError):
+    """Base of every error scaleattn raises on purpose: bad input, a refusal, an unreachable store.
+
+    The CLI prints ``scaleattn COMMAND: error: MESSAGE`` and exits with code 2.
+
+    Examples
+    --------
+    >>> from scaleattn.errors import ParameterError, ScaleattnError
+    >>> issubclass(ParameterError, ScaleattnError) and issubclass(ScaleattnError, ValueError)
+    True
+    """
+
+
+class ParameterError(ScaleattnError):
+    """A parameter is out of range, not finite, of the wrong type, or not one of the allowed choices."""
+
+
+class DatasetError(ScaleattnError):
+    """A dataset is malformed; the message names the array and, where it applies, the first bad sample."""
+
+
+class IntegrityError(DatasetError):
+    """Stored data are missing, damaged, or not the data the run was started on (absent chunks, a failed
+    checksum, a store changed since it was checked); the message names the array and the sample range."""
+
+
+class StorageError(ScaleattnError, OSError):
+    """An object store cannot be reached or refuses access (endpoint, credentials, permissions).
+
+    The message names the URL, the underlying error and where the endpoint and credentials come from."""
+
+
+class FormatError(ScaleattnError):
+    """A store is not a scaleattn store of the expected kind or format version."""
+
+
+class OutputExistsError(ScaleattnError, FileExistsError):
+    """An output (run directory, dataset, checkpoint) exists and may not be replaced."""
+
+
+class InputNotFoundError(ScaleattnError, FileNotFoundError):
+    """An input (dataset, model, run directory, file) does not exist."""
+
+
+class CheckpointError(ScaleattnError):
+    """A checkpoint belongs to another build, is damaged, or cannot be used as asked."""
+
+
+class InsufficientMemoryError(ScaleattnError, MemoryError):
+    """The work cannot fit in the memory available (checked before it starts)."""
+
+
+class MissingDependencyError(ScaleattnError, ImportError):
+    """An optional package is needed; the message gives the install command (:func:`install_hint`)."""
+
+    @classmethod
+    def for_extra(cls, what: str, extra: str, packages: str) -> "MissingDependencyError":
+        """``"{what} needs {packages}: {install command}"`` for the optional extra ``extra``."""
+        return cls(f"{what} needs {packages}: {install_hint(extra, packages)}")
+
+
+def install_hint(extra: str, packages: str) -> str:
+    """The command that installs the optional ``extra`` the way this scaleattn was installed.
+
+    From a checkout (an editable or local-directory install) that is ``pip install -e '/path/to/checkout[extra]'``;
+    from a package index ``pip install 'scaleattn[extra]'``; when scaleattn is not installed at all (run from a
+    source tree), ``pip install PACKAGES``.
+
+    Examples
+    --------
+    >>> install_hint("gpu", "cupy").startswith("pip install")
+    True
+    """
+    import json
+    from importlib import metadata
+
+    dists = list(metadata.distributions(name="scaleattn"))  # a checkout's egg-info can shadow the installed one
+    if not dists:
+        return f"pip install {packages}"
+    try:
+        info = next((json.loads(t) for t in (d.read_text("direct_url.json") for d in dists) if t), {})
+    except ValueError:
+        info = {}
+    url = info.get("url", "")
+    if url.startswith("file://") and "dir_info" in info:  # installed from a checkout
+        editable = "-e " if info["dir_info"].get("editable") else ""
+        return f"pip install {editable}'{url[len('file://'):]}[{extra}]'"
+    return f"pip install 'scaleattn[{extra}]'"
+
+
+class SubmitError(ScaleattnError, RuntimeError):
+    """A Kubernetes job could not be sent or followed (no cluster reachable, operator missing, ...)."""

@@ -1,0 +1,131 @@
+"""scikit-learn style estimator for in-memory arrays (layer L4): :class:`MHLARegressor`."""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import numpy as np
+
+from ._params import choice, heads_spec, real
+from .certificate import check_cutoff
+from .dataset import check_arrays
+from .errors import DatasetError
+from .model import model_from_statistics
+from .spectrum import SOLVERS
+from .statistics import statistics_from_arrays
+
+__all__ = ["MHLARegressor"]
+
+_DEPRECATED = "deprecated"
+
+
+def _as_float(name: str, a):
+    """``a`` as float64: integers are converted, booleans, complex, strings and objects refused."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    if a.dtype.kind not in "fiu":
+        raise DatasetError(f"{name}: expected a float (or integer) dtype, got {a.dtype}")
+    return a.astype(np.float64, copy=False)
+
+
+class MHLARegressor:
+    """Multi-head linear attention fitted by certified least squares, scikit-learn style ([Y25] Algorithm 1).
+
+    Parameters
+    ----------
+    heads : "svd", "minimal" or int
+        Head recovery (:func:`scaleattn.heads.search_heads`).
+    cutoff_rtol : float, optional
+        Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
+    ridge : float
+        Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
+    solver : "auto", "eigh" or "cholesky"
+        Solver path (:func:`scaleattn.spectrum.solver_path`).
+    rtol
+        Deprecated name of ``cutoff_rtol``.
+
+    Attributes
+    ----------
+    model_ : MHLAModel
+    solution_ : Solution
+    heads_result_ : Heads
+    certificate_ : Certificate
+    coef_ : ndarray (psi, d_out)
+    n_heads_ : int
+
+    Examples
+    --------
+    >>> from scaleattn.generate import make_mhla
+    >>> data = make_mhla(d=2, heads=1, length=20, samples=200)
+    >>> est = MHLARegressor(heads="minimal").fit(data["tokens"], data["targets"])
+    >>> est.n_heads_, bool(est.certificate_.identifiable)
+    (1, True)
+    """
+
+    def __init__(self, heads="svd", cutoff_rtol=None, ridge: float = 0.0, solver: str = "auto",
+                 rtol=_DEPRECATED):
+        self.heads = heads
+        self.cutoff_rtol = cutoff_rtol
+        self.ridge = ridge
+        self.solver = solver
+        self.rtol = rtol
+
+    def get_params(self, deep=True) -> dict:
+        """The constructor's parameters (read from its signature, as scikit-learn's ``BaseEstimator``)."""
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        return {k: getattr(self, k) for k in names}
+
+    def set_params(self, **params):
+        valid = self.get_params()
+        for k, v in params.items():
+            if k not in valid:
+                raise ValueError(f"invalid parameter {k!r} for {type(self).__name__}; valid: {sorted(valid)}")
+            setattr(self, k, v)
+        return self
+
+    def _checked(self) -> dict:
+        cutoff = self.cutoff_rtol
+        if self.rtol is not _DEPRECATED and self.rtol != _DEPRECATED:
+            warnings.warn("rtol= is deprecated; use cutoff_rtol=", DeprecationWarning, stacklevel=3)
+            cutoff = self.rtol
+        return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(cutoff),
+                "ridge": real("ridge", self.ridge, 0.0), "solver": choice("solver", self.solver, SOLVERS)}
+
+    def fit(self, tokens, targets, lengths=None):
+        """Fit to tokens (n, T, d) and targets (n, d_out) (last token) or (n, T, d_out) (every prefix).
+
+        Integer tokens and targets are converted to float64. Raises
+        :class:`~scaleattn.errors.ParameterError` for a bad parameter and
+        :class:`~scaleattn.errors.DatasetError` for bad arrays (shapes, dtypes, non-finite values).
+        """
+        params = self._checked()
+        tokens, targets = _as_float("tokens", tokens), _as_float("targets", targets)
+        lengths = None if lengths is None else np.asarray(lengths)
+        check_arrays(tokens, targets, lengths)
+        for name, a in (("tokens", tokens), ("targets", targets)):
+            bad = ~np.isfinite(a).reshape(a.shape[0], -1).all(axis=1)
+            if bad.any():
+                raise DatasetError(f"{name}: sample {int(np.flatnonzero(bad)[0])} contains NaN or Inf")
+        stats = statistics_from_arrays(tokens, targets, lengths)
+        self.model_, self.solution_, self.heads_result_ = model_from_statistics(
+            stats, causal=targets.ndim == 3, heads=params["heads"], cutoff_rtol=params["cutoff_rtol"],
+            ridge=params["ridge"], solver=params["solver"])
+        self.certificate_ = self.solution_.certificate
+        self.coef_ = self.model_.coef
+        self.n_heads_ = self.model_.n_heads
+        return self
+
+    def predict(self, tokens, lengths=None):
+        """Predictions (n, d_out) or (n, T, d_out) of the fitted model."""
+        return self.model_.predict(_as_float("tokens", tokens), lengths)
+
+    def score(self, tokens, targets, lengths=None) -> float:
+        """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn)."""
+        y = np.asarray(targets, np.float64)
+        r = y - self.predict(tokens, lengths)
+        return 1.0 - float((r * r).sum() / ((y - y.mean(axis=0)) ** 2).sum())
+
+    def __repr__(self):
+        shown = {k: v for k, v in self.get_params().items() if not (k == "rtol" and v == _DEPRECATED)}
+        return f"MHLARegressor({', '.join(f'{k}={v!r}' for k, v in shown.items())})"

@@ -1,0 +1,162 @@
+"""Real data into datasets (layer L4): ``.npz`` / ``.npy`` arrays, time-series CSV cut into windows, and a
+built-in real dataset (scikit-learn's digits). Synthetic tasks are :mod:`scaleattn.generate`.
+
+Every argument is checked before anything is written; a bad file or argument raises one clear
+:class:`~scaleattn.errors.DatasetError` or :class:`~scaleattn.errors.ParameterError` naming it.
+"""
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+
+from ._params import integer
+from .dataset import write_dataset
+from .errors import DatasetError, InputNotFoundError, MissingDependencyError
+
+__all__ = ["windows", "standardize", "import_arrays", "import_csv", "load_digits_dataset"]
+
+
+def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool = False):
+    """Cut a multivariate time series (time, d) into windows of ``length`` tokens.
+
+    Last-token targets: the value ``horizon`` steps after each window, (N, d). Causal targets: every
+    prefix predicts its next value, (N, T, d) (``horizon`` = 1). Raises
+    :class:`~scaleattn.errors.ParameterError` for ``length``, ``horizon`` or ``step`` below 1 and
+    :class:`~scaleattn.errors.DatasetError` for a series too short for one window.
+    """
+    length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
+    x = np.asarray(series, dtype=np.float64)
+    if x.ndim == 1:
+        x = x[:, None]
+    span = length + (1 if causal else horizon)
+    starts = np.arange(0, x.shape[0] - span + 1, step)
+    if starts.size == 0:
+        raise DatasetError(f"series of {x.shape[0]} steps is too short for windows of {length} + {horizon}")
+    tokens = np.stack([x[s : s + length] for s in starts])
+    if causal:
+        targets = np.stack([x[s + 1 : s + length + 1] for s in starts])
+    else:
+        targets = np.stack([x[s + length + horizon - 1] for s in starts])
+    return tokens, targets
+
+
+def standardize(series):
+    """Per-column z-score of a (time, d) series (constant columns are left centred)."""
+    x = np.asarray(series, dtype=np.float64)
+    sd = x.std(axis=0)
+    return (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
+
+
+def _real(name: str, a, path):
+    """``a`` as float64; integers are converted, bool, complex, strings and objects refused."""
+    if a is None:
+        return None
+    if a.dtype.kind not in "fiu":
+        raise DatasetError(f"{name}: expected a float (or integer) dtype, got {a.dtype} in {path}")
+    return a.astype(np.float64, copy=False)
+
+
+def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="lengths", overwrite=False,
+                  storage_options=None):
+    """Import a ``.npz`` (arrays named ``tokens``, ``targets``, optional ``lengths``) or a ``.npy`` of tokens.
+
+    The file's kind comes from its content, not its name. Files are read with ``allow_pickle=False``: object
+    arrays are refused, never unpickled. Integer tokens and targets are converted to float64.
+
+    Raises
+    ------
+    InputNotFoundError
+        ``path`` does not exist.
+    DatasetError
+        Not a NumPy file, a missing ``tokens`` array, pickled objects, non-real dtypes, wrong shapes or
+        non-finite values (naming the array and the sample).
+    """
+    if not os.path.isfile(path):
+        raise InputNotFoundError(f"{path}: no such file")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except ValueError as e:  # object arrays need pickle, or not a NumPy file at all
+        raise DatasetError(f"{path}: not a .npz/.npy readable without unpickling ({e})") from None
+    except OSError as e:
+        raise DatasetError(f"{path}: not a NumPy .npz or .npy file ({e})") from None
+    if isinstance(loaded, np.ndarray):
+        tok, y, lens = loaded, None, None
+    else:
+        with loaded as f:
+            if tokens not in f.files:
+                raise DatasetError(f"{path}: missing array {tokens!r} (found {sorted(f.files)})")
+            try:
+                arrs = {k: f[k] for k in f.files}
+            except ValueError as e:
+                raise DatasetError(f"{path}: cannot read without unpickling ({e})") from None
+        tok, y, lens = arrs[tokens], arrs.get(targets), arrs.get(lengths)
+    tok, y = _real("tokens", tok, path), _real("targets", y, path)
+    if tok.ndim != 3:
+        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
+    attrs = {"description": f"imported from {os.path.basename(str(path))}"}
+    return write_dataset(url, tok, y, lens, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causal=False, columns=None,
+               standardize_columns=True, overwrite=False, storage_options=None):
+    """Import a CSV of a multivariate time series (header row, one column per variable) cut into windows
+    (:func:`windows`), each column z-scored unless ``standardize_columns`` is False.
+
+    Raises
+    ------
+    InputNotFoundError
+        ``path`` does not exist.
+    DatasetError
+        An empty or header-only file, an unknown column, a non-numeric or missing value (naming the line and
+        the column), a series too short for one window.
+    ParameterError
+        ``length``, ``horizon`` or ``step`` below 1.
+    """
+    length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
+    if not os.path.isfile(path):
+        raise InputNotFoundError(f"{path}: no such file")
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if r]
+    if not rows:
+        raise DatasetError(f"{path}: empty file (expected a header row and one row per time step)")
+    header, body = [h.strip() for h in rows[0]], rows[1:]
+    if not body:
+        raise DatasetError(f"{path}: only a header row, no data")
+    unknown = [c for c in (columns or []) if c not in header]
+    if unknown:
+        raise DatasetError(f"{path}: no column {unknown[0]!r} in the header (columns: {', '.join(header)})")
+    cols = list(range(len(header))) if columns is None else [header.index(c) for c in columns]
+    x = np.empty((len(body), len(cols)))
+    for i, r in enumerate(body):
+        for j, c in enumerate(cols):
+            try:
+                x[i, j] = float(r[c])
+            except (ValueError, IndexError):
+                value = repr(r[c]) if c < len(r) else "a missing value"
+                raise DatasetError(f"{path}: line {i + 2}, column {header[c]!r}: {value} is not a number") from None
+    if not np.isfinite(x).all():
+        i, j = np.argwhere(~np.isfinite(x))[0]
+        raise DatasetError(f"{path}: line {i + 2}, column {header[cols[j]]!r}: NaN or Inf")
+    if standardize_columns:
+        x = standardize(x)
+    tok, y = windows(x, length, horizon, step, causal)
+    attrs = {"description": f"windows of {os.path.basename(str(path))}", "columns": [header[c] for c in cols],
+             "window": {"length": length, "horizon": horizon, "step": step}}
+    return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def load_digits_dataset(url, *, overwrite=False, storage_options=None):
+    """scikit-learn's handwritten digits (1,797 images of 8x8) as sequences of the first 7 pixel rows
+    (d = 8, scaled to [0, 1]) predicting the 8th row (d_out = 8): a real, non-realizable regression.
+
+    Raises :class:`~scaleattn.errors.MissingDependencyError` without scikit-learn (the ``data`` extra)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise MissingDependencyError.for_extra("the built-in digits dataset", "data", "scikit-learn") from None
+    img = load_digits().images / 16.0  # (1797, 8, 8)
+    attrs = {"description": "sklearn digits: rows 0-6 of each 8x8 image predict row 7",
+             "source": "sklearn.datasets.load_digits"}
+    return write_dataset(url, img[:, :7], img[:, 7], attrs=attrs, overwrite=overwrite, storage_options=storage_options)

@@ -1,0 +1,199 @@
+"""The compact-Gram kernel ``Tc += u^T v`` (DESIGN §3) and its thread and BLAS machinery (layer L2).
+
+``u = vech(s s^T)`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer
+and accumulated with one GEMM into its slice of ``Tc``. On numpy, groups of panels (disjoint rows of ``Tc``)
+run on a persistent thread pool with every BLAS call on one thread, under one process-wide lock, so the bits do
+not depend on the thread count or on the BLAS thread count. CuPy input runs the same panels on the device.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import threading
+
+import numpy as np
+
+from ._backend import get_xp
+from .features import n_pairs, pair_products
+
+__all__ = ["gram_update", "PANEL_ROWS", "PANEL_COLS"]
+
+#: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
+#: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the
+#: packing of v)
+PANEL_ROWS = 1024
+PANEL_COLS = 256
+#: below this many multiply-adds per call the kernel runs on one thread (handing work to a thread would dominate)
+MIN_THREAD_MACS = 50_000_000
+#: work groups per kernel thread (dynamic balance vs. cache reuse across the panels of a group)
+GROUPS_PER_THREAD = 2
+
+
+def _gemm_acc(c, a, b) -> None:
+    """``c += a^T @ b`` in place (numpy or cupy). numpy's matmul releases the GIL, so the panels of
+    :func:`gram_update` run in parallel threads (scipy's f2py ``dgemm`` with ``beta = 1`` holds the GIL and
+    measured 2x slower on 2 cores); the temporary is one panel of ``c`` (panel_cols x d(d+1)/2)."""
+    c += a.T @ b
+
+
+#: the BLAS thread count saved while a kernel call holds BLAS at one thread (read by other callers meanwhile)
+_LIMITED: int | None = None
+
+
+def _blas_threads() -> int:
+    """This process's BLAS thread count (the kernel's default thread count for numpy input).
+
+    Dask workers run one BLAS thread (``threads_per_worker = 1``); a single process uses all its cores."""
+    if _LIMITED is not None:
+        return _LIMITED
+    return max([int(c.num_threads or 1) for c in _blas_controller().lib_controllers] or [1])
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller():
+    """threadpoolctl controller of the loaded BLAS libraries (numpy's and scipy's), made once (a scan is slow)."""
+    import scipy.linalg.blas  # noqa: F401  (load scipy's BLAS before the scan)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
+
+
+#: one numpy kernel call at a time per process: the BLAS thread limit is process-wide, so concurrent callers
+#: would restore each other's settings out of order; calls made from inside a kernel thread run inline
+_KERNEL_LOCK = threading.Lock()
+_IN_KERNEL = threading.local()
+
+
+@functools.lru_cache(maxsize=1)
+def _pool():
+    """The kernel's persistent helper threads (one fewer than the cores; made once, not per block)."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="scaleattn-gram")
+
+
+def _after_fork_in_child() -> None:  # a forked child has neither the parent's threads nor its lock holder
+    global _KERNEL_LOCK, _LIMITED
+    _KERNEL_LOCK, _LIMITED = threading.Lock(), None
+    _pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = None, panel_rows: int = PANEL_ROWS,
+                panel_cols: int = PANEL_COLS, extra=()):
+    """The compact-Gram kernel: ``gram += u[:, cols]^T v`` with ``u = vech(s s^T)``, ``v = vech(x x^T)``
+    (DESIGN §3), in place; returns ``gram``.
+
+    Parameters
+    ----------
+    gram : array (width, d(d+1)/2) float64
+        Rows ``cols`` of ``Tc`` (all of ``Tc``, (m(m+1)/2, d(d+1)/2), when ``cols`` is None); numpy or cupy.
+    s : array (rows, m) float64; x : array (rows, d) float64
+        From :func:`~scaleattn.features.token_features`, same module as ``gram``.
+    cols : slice, optional
+        Step-1 column range of ``u`` (a column tile of ``Tc``, DESIGN §6).
+    threads : int, optional
+        numpy only (default: this process's BLAS thread count). Groups of panels (disjoint rows of ``gram``) are
+        taken by whichever thread is free; every BLAS call runs on one thread. Each entry of ``gram`` is summed by
+        one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
+    extra : sequence of (multiply-adds, callable)
+        Other work on the same rows (the moments update), run once each in the same threads.
+
+    Raises
+    ------
+    ValueError
+        ``gram`` has the wrong number of rows for ``cols``. An exception in any job is re-raised here, after
+        every thread has stopped.
+
+    ``u`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer and
+    accumulated with one GEMM ``gram[panel] += u_panel^T v``. Multiply-adds: ``rows * width * d(d+1)/2``;
+    extra memory: one panel per thread.
+    """
+    xp = get_xp(gram, s, x)
+    mm = n_pairs(s.shape[1])
+    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
+    if gram.shape[0] != c1 - c0:
+        raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
+    rows = s.shape[0]
+    panel_rows = max(1, min(int(panel_rows), rows))
+    panel_cols = max(1, min(int(panel_cols), c1 - c0))
+    v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2), C-contiguous
+    sT = xp.ascontiguousarray(s.T)  # (m, rows): u panels are built column-major, one contiguous run per pair
+    jobs = [(cost, ("call", f)) for cost, f in extra]
+    jobs += [(rows * (b - a) * v.shape[1], ("panel", (a, b)))
+             for a, b in ((a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols))]
+
+    def run_group(group, buf):
+        panels = [job for kind, job in group if kind == "panel"]
+        for r in range(0, rows, panel_rows):  # rows outer: this chunk of s and v stays in cache across panels
+            sr = sT[:, r : r + panel_rows].T  # (rows', m) view, columns contiguous
+            for a, b in panels:
+                out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0]).T  # (rows', width), F-contiguous
+                _gemm_acc(gram[a - c0 : b - c0], pair_products(sr, slice(a, b), out), v[r : r + panel_rows])
+        for kind, job in group:
+            if kind == "call":
+                job()
+
+    if xp is not np or getattr(_IN_KERNEL, "active", False) or (_blas_threads() == 1 and (threads or 1) <= 1):
+        # a device stream, a call from a kernel thread (BLAS already at one thread), or nothing to share or limit
+        run_group([job for _, job in jobs], xp.empty(panel_rows * panel_cols))
+        return gram
+    with _KERNEL_LOCK:
+        total = sum(c for c, _ in jobs)
+        n = _blas_threads() if threads is None else int(threads)
+        n = max(1, min(n, len(jobs), total // max(MIN_THREAD_MACS, 1) + 1))
+        _run_shared(_groups(jobs, n * GROUPS_PER_THREAD if n > 1 else 1), run_group, n, panel_rows * panel_cols)
+    return gram
+
+
+def _groups(jobs, k: int) -> list[list]:
+    """``jobs`` ((cost, job) pairs) cut into at most ``k`` contiguous groups of about equal cost."""
+    total = sum(c for c, _ in jobs)
+    groups, done = [[]], 0
+    for cost, job in jobs:
+        if len(groups) < k and done >= total * len(groups) / k:
+            groups.append([])
+        groups[-1].append(job)
+        done += cost
+    return groups
+
+
+def _run_shared(groups, run_group, n: int, buf_size: int) -> None:
+    """``run_group(group, buf)`` for every group on ``n`` threads (this one and ``n - 1`` pool helpers), each
+    taking the next group when free, every BLAS call on one thread (so the bits do not depend on ``n``). Returns
+    or raises only once every helper has stopped; after a failure the others take no further group."""
+    global _LIMITED
+    todo, lock, failed = iter(groups), threading.Lock(), threading.Event()
+
+    def run():
+        _IN_KERNEL.active = True
+        buf = np.empty(buf_size)
+        try:
+            while not failed.is_set():
+                with lock:
+                    group = next(todo, None)
+                if group is None:
+                    return
+                run_group(group, buf)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            _IN_KERNEL.active = False
+
+    _LIMITED = _blas_threads()
+    try:
+        with _blas_controller().limit(limits=1):
+            futs = [_pool().submit(run) for _ in range(n - 1)]
+            try:
+                run()
+            finally:  # never return or raise while a helper still writes
+                for f in futs:
+                    f.cancel()  # a helper that never started finds no work left
+                concurrent.futures.wait(futs)
+    finally:
+        _LIMITED = None
+    for f in futs:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()

@@ -1,0 +1,69 @@
+"""Every human-readable summary scaleattn prints (layer L4), so the CLI and a notebook show the same words.
+
+Each function takes the JSON-ready dict of a result (a fit's ``report``, ``Certificate.summary()``, the
+dict of :func:`~scaleattn.evaluate`, of :func:`~scaleattn.compare_models`) and returns lines of text.
+"""
+from __future__ import annotations
+
+__all__ = ["fit_summary", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict"]
+
+
+def verdict(r: dict) -> str:
+    """The certificate's verdict in one line ([Y25] Lemma 2.3)."""
+    if r["identifiable"]:
+        return "IDENTIFIABLE: every least-squares fit computes the same function"
+    return f"NOT identifiable: {r['ambiguous_dim']} feature direction(s) are not determined by the data"
+
+
+def fit_summary(r: dict) -> str:
+    """A short human summary of a fit report (``FitResult.report``, report.json)."""
+    lines = [
+        f"rows {r['n_rows']:,}  (samples {r['n_samples']:,}, T {r['length']},"
+        f" {'causal prefixes' if r['causal'] else 'last token'})",
+        f"d {r['d']}  d_out {r['d_out']}  psi {r['psi']:,}  rank {r['rank']:,}  (cutoff {r['cutoff_rtol']:.1e} x"
+        " lambda_max, Jacobi-scaled)",
+        f"lambda_min {r['lambda_min']:.4g}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
+        f"certificate: {verdict(r)}",
+        f"train MSE {r['train_mse']:.4g}  (relative {_g(r['relative_train_mse'], '.3g')};"
+        f" mean y^2 {r['target_mean_square']:.4g})",
+        f"heads {r['n_heads']} ({r['heads_method']})" + (
+            f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}"
+            if "teacher_heads" in r else ""),
+    ]
+    if len(r.get("loss_vs_heads", [])) > 1:
+        lines.append("loss vs heads: " + "  ".join(f"{e['heads']}:{e['train_mse_stats']:.3g}"
+                                                   for e in r["loss_vs_heads"]))
+    if r.get("ridge"):
+        lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")
+    if "witness" in r:
+        w = r["witness"]
+        lines.append(f"witness: two fits with train MSE {w['loss_a']:.6g} and {w['loss_b']:.6g} differ by"
+                     f" {w['prediction_difference']:.3g} (norm) in their predictions on a {len(w['tokens'])}-token"
+                     " input (report.json: witness)")
+    lines.append(f"wall time {r['seconds']:.2f} s")
+    return "\n".join(lines)
+
+
+def certificate_summary(s: dict) -> str:
+    """Two lines for ``Certificate.summary()`` (``scaleattn certify``)."""
+    v = "identifiable" if s["identifiable"] else f"NOT identifiable (ambiguous dimension {s['ambiguous_dim']})"
+    return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
+            f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {v}")
+
+
+def evaluation_summary(r: dict) -> str:
+    """One line for :func:`scaleattn.evaluate`'s result (``scaleattn evaluate``)."""
+    return (f"MSE {r['mse']:.6g}  (relative {_g(r['relative_mse'], '.3g')}, mean y^2 {r['target_mean_square']:.4g},"
+            f" rows {r['n_rows']:,})")
+
+
+def comparison_summary(r: dict) -> str:
+    """Two lines for :func:`scaleattn.compare_models`'s result (``scaleattn compare``)."""
+    v = "EQUIVALENT: same function on every input" if r["equivalent"] else "DIFFERENT functions"
+    return (f"||c(A) - c(B)||_F = {r['distance']:.4g}  (relative {r['relative_distance']:.3g}, rtol {r['rtol']:.1e};"
+            f" heads {r['n_heads_a']} vs {r['n_heads_b']})\n{v}")
+
+
+def _g(x, spec: str) -> str:
+    """``format(x, spec)``, or ``n/a`` for a missing (None) value of strict JSON."""
+    return "n/a" if x is None else format(x, spec)

@@ -1,0 +1,118 @@
+"""The run directory of a fit (layer L4): its one writer (:func:`write_run`, :func:`write_files`) and its one
+reader (:func:`read_run`). See docs/report.md.
+
+Layout::
+
+    RUN/report.json     every number of the fit (strict JSON)
+    RUN/model.zarr      coefficients and heads (:class:`~scaleattn.model.MHLAModel`)
+    RUN/stats.zarr      sufficient statistics (:class:`~scaleattn.statistics.Statistics`), mergeable
+    RUN/spectrum.zarr   eigenvalues of Lambda_D and of the Jacobi-scaled Gram (eigh path only)
+    RUN/*.png           plots (:mod:`scaleattn.plot`)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from . import _formats
+from ._storage import Location, atomic_output, resolve
+from .certificate import certify
+from .errors import InputNotFoundError, ParameterError
+from .model import MHLAModel
+from .statistics import Statistics
+
+__all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "REPORT", "MODEL", "STATS",
+           "SPECTRUM"]
+
+REPORT, MODEL, STATS, SPECTRUM = "report.json", "model.zarr", "stats.zarr", "spectrum.zarr"
+
+
+def save_spectrum(certificate, loc: Location) -> None:
+    """Write a certificate's spectra as a Zarr v3 group (a run's ``spectrum.zarr``): arrays ``eigenvalues``
+    (eigenvalues of ``Lambda_D``) and ``eigenvalues_scaled`` (Jacobi-scaled Gram), both (psi,) float64
+    ascending with dimension ``eigenvalue``; the certificate summary in the attributes.
+
+    Raises :class:`~scaleattn.errors.ParameterError` when the certificate has no spectrum of ``Lambda_D``
+    (the Cholesky path keeps only the extreme eigenvalues)."""
+    if certificate.eigenvalues is None:
+        raise ParameterError("certificate has no eigenvalues of Lambda_D")
+    g = loc.open_group("w")
+    g.attrs.update({**certificate.summary(), **_formats.stamp(_formats.SPECTRUM),
+                    "description": "eigenvalues of the certificate's matrices [Yau et al. 2025, Lemma 2.3]"})
+    g.create_array("eigenvalues", data=np.asarray(certificate.eigenvalues, np.float64),
+                   dimension_names=("eigenvalue",),
+                   attributes={"description": "eigenvalues of Lambda_D = G/N, ascending",
+                               "units": "(units of features)^2"})
+    g.create_array("eigenvalues_scaled", data=np.asarray(certificate.spectrum_scaled, np.float64),
+                   dimension_names=("eigenvalue",),
+                   attributes={"description": "eigenvalues of the Jacobi-scaled Gram D^-1/2 G D^-1/2, ascending; "
+                                              "the rank counts those above cutoff_rtol * max", "units": "1"})
+
+
+def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
+    """``(eigenvalues, eigenvalues_scaled)`` of a ``spectrum.zarr`` written by :func:`save_spectrum`."""
+    g = loc.open_group("r")
+    _formats.check_format(dict(g.attrs), _formats.SPECTRUM, loc.url, "spectrum")
+    return np.asarray(g["eigenvalues"][...]), np.asarray(g["eigenvalues_scaled"][...])
+
+
+def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> None:
+    """Write a fit's run directory at ``out`` (a path, URL or Location): ``report.json``, ``model.zarr``,
+    ``stats.zarr``, ``spectrum.zarr`` when the certificate has the whole spectrum, and ``files`` (name ->
+    bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn._storage.atomic_output`).
+
+    ``result`` is a :class:`~scaleattn.pipeline.FitResult` (``model``, ``statistics``, ``certificate``,
+    ``report``). Raises :class:`~scaleattn.errors.OutputExistsError` when ``out`` exists and not ``overwrite``.
+    """
+    out = resolve(out)
+    with atomic_output(out, overwrite) as tmp:
+        if not tmp.is_remote:
+            os.makedirs(tmp.url, exist_ok=True)
+        result.model.save(tmp.join(MODEL))
+        result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", "")})
+        if result.certificate.eigenvalues is not None:
+            save_spectrum(result.certificate, tmp.join(SPECTRUM))
+        tmp.join(REPORT).write_bytes(_formats.dumps(result.report).encode())
+        write_files(tmp, files or {})
+
+
+def write_files(out, files: dict) -> list[str]:
+    """Write ``files`` (name -> bytes) into the directory ``out`` (a path, URL or Location), creating it;
+    returns the paths written. Used for plots redrawn into a run directory or elsewhere."""
+    out = resolve(out)
+    if not out.is_remote:
+        os.makedirs(out.url, exist_ok=True)
+    paths = []
+    for name, data in files.items():
+        out.join(name).write_bytes(data)
+        paths.append(out.join(name).url)
+    return paths
+
+
+def read_run(run, storage_options=None) -> dict:
+    """Read a run directory: ``dict(report, eigenvalues, eigenvalues_scaled, model)``.
+
+    The spectra come from ``spectrum.zarr``, or are recomputed from ``stats.zarr`` when it is missing (runs
+    of the Cholesky path); ``model`` is None when ``model.zarr`` is missing.
+
+    Raises
+    ------
+    InputNotFoundError
+        ``report.json`` is missing (not a run directory written by ``scaleattn fit``).
+    """
+    run = resolve(run, storage_options)
+    rp = run.join(REPORT)
+    if not rp.exists():
+        raise InputNotFoundError(f"{run.url}: no report.json (not a run directory written by `scaleattn fit`)")
+    report = json.loads(rp.read_text())
+    sp = run.join(SPECTRUM)
+    if sp.exists():
+        ev, ws = load_spectrum(sp)
+    else:
+        cert = certify(Statistics.load(run.join(STATS)), report.get("cutoff_rtol"))
+        ev, ws = cert.eigenvalues, cert.spectrum_scaled
+    mp = run.join(MODEL)
+    model = MHLAModel.load(mp) if mp.exists() else None
+    return {"report": report, "eigenvalues": ev, "eigenvalues_scaled": ws, "model": model}

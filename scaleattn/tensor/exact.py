@@ -1,0 +1,214 @@
+"""Exact tensor attention, streamed over (query, key1, key2) blocks with an online softmax (DESIGN §8;
+[C25] Def. 1.1): forward and closed-form backward in O(n d + block) memory; windows visit only the blocks that
+intersect them (O(n w1 w2 d))."""
+from __future__ import annotations
+
+import numpy as np
+
+from .._backend import get_xp
+from ..errors import ParameterError
+from ._common import _BLOCK_ELEMS, _prepare
+
+
+def _block_sizes(n, B, masked, w1, w2, block_size):
+    if block_size is not None:
+        if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
+            bs = (int(block_size),) * 3
+        else:
+            bs = tuple(int(b) for b in block_size)
+        if len(bs) != 3 or min(bs) < 1:
+            raise ParameterError(f"block_size must be a positive int or a triple (bq, bj, bk), got {block_size!r}")
+        return tuple(min(b, n) for b in bs)
+    if masked and (w1 is not None or w2 is not None):
+        # query blocks about as long as the window: the visited key span per block is bq + w - 1
+        wmin = min(w for w in (w1, w2) if w is not None)
+        bq = max(1, min(n, wmin, 64))
+        bj = min(n, 256, bq + (w1 - 1 if w1 is not None else n))
+        bk = min(n, 256, bq + (w2 - 1 if w2 is not None else n))
+    else:
+        bq, bj, bk = min(n, 64), min(n, 32), min(n, 256)
+    budget = max(1, _BLOCK_ELEMS // max(B, 1))
+    while bq * bj * bk > budget and bq > 1:
+        bq = max(1, bq // 2)
+    while bq * bj * bk > budget and bj > 1:
+        bj = max(1, bj // 2)
+    return bq, bj, bk
+
+
+def _key_blocks(i0, i1, n, b, masked, w, xp):
+    """Key blocks [k0, k1) that some query in [i0, i1) can see, each with a (bq, bk) bool mask or None (all seen)."""
+    lo, hi = 0, n
+    if masked:
+        hi = i1  # causal: k <= i <= i1 - 1
+        if w is not None:
+            lo = max(0, i0 - w + 1)  # k > i - w >= i0 - w
+    out = []
+    for k0 in range(lo, hi, b):
+        k1 = min(k0 + b, hi)
+        mask = None
+        if masked and not (k1 - 1 <= i0 and (w is None or k0 > i1 - 1 - w)):
+            i = xp.arange(i0, i1)[:, None]
+            k = xp.arange(k0, k1)[None, :]
+            mask = k <= i
+            if w is not None:
+                mask &= k > i - w
+        out.append((k0, k1, mask))
+    return out
+
+
+def _logits(QK, K2T, k0, k1, shape, mask, xp):
+    """S block (B, bq, bj, bk) = (s q_i * k1_j) . k2_k; masked entries -> -inf."""
+    S = xp.matmul(QK, K2T[:, :, k0:k1]).reshape(shape)
+    if mask is not None:
+        S = xp.where(mask, S, -xp.inf)
+    return S
+
+
+def _combine(mj, mk):
+    if mj is None and mk is None:
+        return None
+    bq = (mj if mj is not None else mk).shape[0]
+    xp = get_xp(mj if mj is not None else mk)
+    a = mj if mj is not None else xp.ones((bq, 1), dtype=bool)
+    b = mk if mk is not None else xp.ones((bq, 1), dtype=bool)
+    return a[:, :, None] & b[:, None, :]
+
+
+def _exact_forward(Q, K1, K2, V1, V2, s, masked, w1, w2, bs, xp):
+    """Streamed forward on float64 (B, n, d) arrays. Returns O (B, n, d) and lse (B, n) = m + log l."""
+    B, n, d = Q.shape
+    bq, bj, bk = bs
+    K2T = xp.ascontiguousarray(K2.transpose(0, 2, 1))
+    O = xp.empty((B, n, d))
+    lse = xp.empty((B, n))
+    for i0 in range(0, n, bq):
+        i1 = min(i0 + bq, n)
+        nq = i1 - i0
+        m = xp.full((B, nq), -xp.inf)
+        l = xp.zeros((B, nq))
+        acc = xp.zeros((B, nq, d))
+        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp)
+        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp):
+            nj = j1 - j0
+            QK = (s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
+            for k0, k1, mk in kblocks:
+                S = _logits(QK, K2T, k0, k1, (B, nq, nj, k1 - k0), _combine(mj, mk), xp)
+                m_new = xp.maximum(m, S.max(axis=(2, 3)))
+                m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
+                alpha = xp.exp(m - m_safe)
+                P = xp.exp(S - m_safe[:, :, None, None])
+                l = l * alpha + P.sum(axis=(2, 3))
+                PV2 = xp.matmul(P.reshape(B, nq * nj, k1 - k0), V2[:, k0:k1]).reshape(B, nq, nj, d)
+                acc = acc * alpha[:, :, None] + (PV2 * V1[:, None, j0:j1, :]).sum(axis=2)
+                m = m_new
+        O[:, i0:i1] = acc / l[:, :, None]
+        lse[:, i0:i1] = m + xp.log(l)
+    return O, lse
+
+
+def _exact_backward(Q, K1, K2, V1, V2, O, lse, R, s, masked, w1, w2, bs, xp, xargs=None):
+    """Streamed gradients of L = 1/2 ||O - E||^2 given R = O - E (DESIGN §8; C25 §4).
+
+    F = P (<R_i, v1_j*v2_k> - w_i) is dL/dS; P is recomputed per block from lse. ``xargs = (A1, A2, A3)`` (B, n, p)
+    also accumulates grad_X[a,b,c] = s sum_ijk F A1_ia A2_jb A3_kc (the paper's s A1^T F (A2 (x) A3)).
+    """
+    B, n, d = Q.shape
+    bq, bj, bk = bs
+    K2T = xp.ascontiguousarray(K2.transpose(0, 2, 1))
+    V2T = xp.ascontiguousarray(V2.transpose(0, 2, 1))
+    w = (O * R).sum(axis=-1)  # w_i = <O_i, R_i> = rowsum(P * (R V^T)) (identity, DESIGN §8)
+    dQ, dK1, dK2 = xp.zeros_like(Q), xp.zeros_like(K1), xp.zeros_like(K2)
+    dV1, dV2 = xp.zeros_like(V1), xp.zeros_like(V2)
+    gX = None
+    if xargs is not None:
+        A1, A2, A3 = xargs
+        p = A1.shape[-1]
+        gX = xp.zeros((p, p, p))
+    for i0 in range(0, n, bq):
+        i1 = min(i0 + bq, n)
+        nq = i1 - i0
+        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp)
+        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp):
+            nj = j1 - j0
+            QK = (s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
+            RV1 = (R[:, i0:i1, None, :] * V1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
+            H = xp.zeros((B, nq * nj, d))  # sum_k F[i,j,k] k2_k
+            PV2 = xp.zeros((B, nq * nj, d))  # sum_k P[i,j,k] v2_k
+            H3 = None if xargs is None else xp.zeros((B, nq * nj, A3.shape[-1]))
+            for k0, k1, mk in kblocks:
+                nk = k1 - k0
+                S = _logits(QK, K2T, k0, k1, (B, nq, nj, nk), _combine(mj, mk), xp)
+                P = xp.exp(S - lse[:, i0:i1, None, None])
+                G = xp.matmul(RV1, V2T[:, :, k0:k1]).reshape(B, nq, nj, nk)
+                F = (P * (G - w[:, i0:i1, None, None])).reshape(B, nq * nj, nk)
+                P = P.reshape(B, nq * nj, nk)
+                H += xp.matmul(F, K2[:, k0:k1])
+                PV2 += xp.matmul(P, V2[:, k0:k1])
+                dK2[:, k0:k1] += xp.matmul(QK.transpose(0, 2, 1), F).transpose(0, 2, 1)
+                dV2[:, k0:k1] += xp.matmul(RV1.transpose(0, 2, 1), P).transpose(0, 2, 1)
+                if H3 is not None:
+                    H3 += xp.matmul(F, A3[:, k0:k1])
+            H = H.reshape(B, nq, nj, d)
+            PV2 = PV2.reshape(B, nq, nj, d)
+            dQ[:, i0:i1] += s * (H * K1[:, None, j0:j1, :]).sum(axis=2)
+            dK1[:, j0:j1] += s * (H * Q[:, i0:i1, None, :]).sum(axis=1)
+            dV1[:, j0:j1] += (PV2 * R[:, i0:i1, None, :]).sum(axis=1)
+            if H3 is not None:
+                H3 = H3.reshape(B, nq, nj, -1)
+                tmp = xp.einsum("bjy,bijc->biyc", A2[:, j0:j1], H3)  # sum_j A2_jb (F A3)_ijc
+                gX += s * xp.einsum("bix,biyc->xyc", A1[:, i0:i1], tmp)
+    return {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}, gX
+
+
+def attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, block_size=None):
+    """Exact tensor (2-simplicial) attention Att = D^-1 A (V1 (/) V2), streamed (DESIGN §8; [C25] Def. 1.1).
+
+    Parameters
+    ----------
+    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64, numpy or cupy, all the same shape. Leading axes are batch
+        and heads and are independent.
+    scale : None (s = 1/d, as in [C25]), ``"sqrt"`` (1/sqrt(d)) or a finite float.
+    causal : bool. Pairs (j, k) with j <= i and k <= i only.
+    window : None or (w1, w2): causal windows i - w1 < j <= i, i - w2 < k <= i (``None`` entry = unbounded);
+        implies ``causal``. Cost O(n w1 w2 d) instead of O(n^3 d).
+    block_size : None, int or (bq, bj, bk): block of the online softmax (memory O(B bq bj bk + n d)).
+
+    Returns
+    -------
+    O : array (..., n, d) in the inputs' common float dtype (computed in float64).
+
+    Raises
+    ------
+    TypeError : non-float dtype / non-array input (the message names the argument).
+    ValueError : shape mismatch, ndim < 2, non-finite entries, bad window/scale.
+    """
+    xp, f, dtype, shape, _, s, (masked, w1, w2) = _prepare(
+        {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, causal, window)
+    bs = _block_sizes(shape[-2], f["Q"].shape[0], masked, w1, w2, block_size)
+    O, _ = _exact_forward(f["Q"], f["K1"], f["K2"], f["V1"], f["V2"], s, masked, w1, w2, bs, xp)
+    return O.reshape(shape).astype(dtype, copy=False)
+
+
+def attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, *, block_size=None):
+    """Exact closed-form gradient of L = 1/2 ||Att - E||_F^2 (summed over batch axes), streamed.
+
+    Formulas (DESIGN §8; [C25] §4, Lemma on the gradient of tensor attention): R = O - E, w_i = <O_i, R_i>,
+    F = P (<R_i, v1_j*v2_k> - w_i); dQ_i = s sum_jk F (k1_j*k2_k), dK1_j = s sum_ik F (q_i*k2_k), dK2 symmetric,
+    dV1_j = sum_ik P (R_i*v2_k), dV2 symmetric. P is recomputed per block from the saved row log-sum-exp, as in
+    FlashAttention's backward: memory O(n d + block).
+
+    Parameters as :func:`attention`; ``E`` (..., n, d) is the target.
+
+    Returns
+    -------
+    (loss, grads) : float, dict with keys "Q", "K1", "K2", "V1", "V2" (arrays shaped like the inputs).
+    """
+    xp, f, dtype, shape, _, s, (masked, w1, w2) = _prepare(
+        {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2, "E": E}, scale, causal, window)
+    bs = _block_sizes(shape[-2], f["Q"].shape[0], masked, w1, w2, block_size)
+    args = (f["Q"], f["K1"], f["K2"], f["V1"], f["V2"])
+    O, lse = _exact_forward(*args, s, masked, w1, w2, bs, xp)
+    R = O - f["E"]
+    loss = 0.5 * float((R * R).sum())
+    g, _ = _exact_backward(*args, O, lse, R, s, masked, w1, w2, bs, xp)
+    return loss, {k: v.reshape(shape).astype(dtype, copy=False) for k, v in g.items()}

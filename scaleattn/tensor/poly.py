@@ -1,0 +1,455 @@
+"""The polynomial (Taylor) fast path of tensor attention (DESIGN §8; [C25] §5): exp(S) ~ U1 (U2 (/) U3)^T of
+rank r = C(d+g, g), forward and all gradients in O(n r d) time, causal mode by prefix sums."""
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import ParameterError
+from ._common import _BLOCK_ELEMS, _NAMES, _window
+from .bounds import _check_degree, _eps, _logit_bound_flat, _pl1, choose_degree
+from .exact import _prepare, attention, attention_grad
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# polynomial (Taylor) fast path
+# ----------------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _monomials(d, g):
+    """Multi-indices |alpha| <= g in d variables, graded order.
+
+    Returns a dict of numpy arrays: ``off`` (g+2,) level offsets, ``parent``/``var`` (r,) so that
+    x^alpha = x^parent * x_var, ``inv_fact`` (r,) = 1/alpha!, and ``deriv`` a list over t of (idx, lower, mult):
+    d x^alpha / d x_t = mult * x^lower for the alphas in idx (alpha_t >= 1).
+    """
+    alphas = [tuple([0] * d)]
+    last = [0]
+    parent, var, off = [0], [0], [0, 1]
+    start = 0
+    for _ in range(1, g + 1):
+        stop = len(alphas)
+        for a in range(start, stop):
+            for t in range(last[a], d):  # non-decreasing variable sequences: each monomial once
+                al = list(alphas[a])
+                al[t] += 1
+                alphas.append(tuple(al))
+                last.append(t)
+                parent.append(a)
+                var.append(t)
+        start = stop
+        off.append(len(alphas))
+    index = {a: i for i, a in enumerate(alphas)}
+    inv_fact = np.array([1.0 / math.prod(math.factorial(x) for x in a) for a in alphas])
+    deriv = []
+    for t in range(d):
+        idx, lower, mult = [], [], []
+        for i, a in enumerate(alphas):
+            if a[t] >= 1:
+                lo = list(a)
+                lo[t] -= 1
+                idx.append(i)
+                lower.append(index[tuple(lo)])
+                mult.append(float(a[t]))
+        deriv.append((np.array(idx, dtype=np.int64), np.array(lower, dtype=np.int64), np.array(mult)))
+    return {"off": off, "parent": np.array(parent, dtype=np.int64), "var": np.array(var, dtype=np.int64),
+            "inv_fact": inv_fact, "deriv": deriv, "r": len(alphas)}
+
+
+def _mono_xp(mono, xp):
+    if xp is np:
+        return mono
+    out = dict(mono)
+    for k in ("parent", "var", "inv_fact"):
+        out[k] = xp.asarray(mono[k])
+    out["deriv"] = [tuple(xp.asarray(a) for a in tr) for tr in mono["deriv"]]
+    return out
+
+
+def _features(X, mono, xp, coef):
+    """Monomial features X (B, b, d) -> U (B, b, r) with U[..., alpha] = X^alpha (times 1/alpha! if coef)."""
+    r, off = mono["r"], mono["off"]
+    U = xp.empty(X.shape[:-1] + (r,))
+    U[..., 0] = 1.0
+    par, var = mono["parent"], mono["var"]
+    for lv in range(1, len(off) - 1):  # one vectorised product per degree level
+        a, b = off[lv], off[lv + 1]
+        U[..., a:b] = U[..., par[a:b]] * X[..., var[a:b]]
+    if coef:
+        U *= mono["inv_fact"]
+    return U
+
+
+def _chain(dU, U, mono, xp, use_mult):
+    """d/dX from dL/dU through the monomial map: dX_t = sum_{alpha_t>=1} dU_alpha * mult * U_{alpha - e_t}."""
+    out = xp.empty(dU.shape[:-1] + (len(mono["deriv"]),))
+    for t, (idx, lower, mult) in enumerate(mono["deriv"]):
+        if len(idx) == 0:
+            out[..., t] = 0.0
+            continue
+        prod = dU[..., idx] * U[..., lower]
+        if use_mult:
+            prod = prod * mult
+        out[..., t] = prod.sum(axis=-1)
+    return out
+
+
+class _LargeLogits(Exception):
+    pass
+
+
+def _plan_poly(f, s, xp, degree, tol, max_degree, max_rank):
+    """Pick g and compute the a-priori estimate; raise _LargeLogits(message) outside the polynomial regime."""
+    Bt, n, d = f["Q"].shape
+    Bl = _logit_bound_flat(f["Q"], f["K1"], f["K2"], s, xp)
+    vmax = float(xp.abs(f["V1"]).max()) * float(xp.abs(f["V2"]).max())
+    if isinstance(degree, str):
+        if degree != "auto":
+            raise ParameterError(f"degree must be 'auto' or an int >= 1, got {degree!r}")
+        tol_ = 1e-6 if tol is None else float(tol)
+        g = choose_degree(Bl, d, tol_, max(vmax, 1e-300), max_degree=max_degree, max_rank=max_rank)
+        if g is None:
+            raise _LargeLogits(
+                f"max |logit| <= {Bl:.4g} (bound s*max|q|*max|k1*k2|): no degree <= {max_degree} with rank "
+                f"<= {max_rank} reaches the output error tol {tol_:.3g} (Taylor bound e^B B^(g+1)/(g+1)!)")
+    else:
+        g = _check_degree(degree)
+    eps = _eps(Bl, g)
+    pl1 = _pl1(eps)
+    out_bound = pl1 * vmax
+    if eps >= 0.5 or (tol is not None and out_bound > float(tol)):
+        what = f"tol {float(tol):.3g}" if tol is not None else "the regime limit eps_g < 1/2"
+        raise _LargeLogits(
+            f"max |logit| <= {Bl:.4g} (bound s*max|q|*max|k1*k2|) is too large for degree {g}: Taylor relative "
+            f"error bound eps_g = {eps:.3g}, output error bound {out_bound:.3g} exceeds {what}")
+    return {"degree": g, "rank": math.comb(d + g, g), "logit_bound": Bl, "eps": eps, "p_l1_bound": pl1,
+            "out_bound": out_bound, "vmax": vmax}
+
+
+def _poly_rows(r, B, block_size):
+    if block_size is not None:
+        return max(1, int(block_size if np.isscalar(block_size) else block_size[0]))
+    return max(1, _BLOCK_ELEMS // (4 * max(B, 1) * r))
+
+
+def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None, causal=False):
+    """O(n r d) forward (and backward) of the Taylor model; f holds float64 (B, n, d) arrays.
+
+    Returns dict with O, minD and (if want_grad) the five gradients, loss and the per-row quantities used by the
+    error estimate. Uses (A (/) B)^T (C (/) D) = (A^T C) * (B^T D) [C25 §5]: the key side collapses to
+    C2 = U2^T V1, C3 = U3^T V2, c2 = U2^T 1, c3 = U3^T 1 (r x d each), so nothing n^2-sized is formed.
+    ``causal=True``: prefix-sum variant, :func:`_poly_core_causal`.
+    """
+    if causal:
+        return _poly_core_causal(f, s, g, xp, want_grad, block_size, xargs)
+    Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
+    Bt, n, d = Q.shape
+    mono = _mono_xp(_monomials(d, g), xp)
+    r = mono["r"]
+    b = _poly_rows(r, Bt, block_size)
+    C2 = xp.zeros((Bt, r, d)); C3 = xp.zeros((Bt, r, d))
+    c2 = xp.zeros((Bt, r)); c3 = xp.zeros((Bt, r))
+    for j0 in range(0, n, b):  # key side: U2 = k1^alpha, U3 = k2^alpha (coefficients live in U1)
+        U2 = _features(K1[:, j0:j0 + b], mono, xp, False)
+        U3 = _features(K2[:, j0:j0 + b], mono, xp, False)
+        C2 += xp.matmul(U2.transpose(0, 2, 1), V1[:, j0:j0 + b]); c2 += U2.sum(axis=1)
+        C3 += xp.matmul(U3.transpose(0, 2, 1), V2[:, j0:j0 + b]); c3 += U3.sum(axis=1)
+    CC, cc = C2 * C3, c2 * c3
+    O = xp.empty((Bt, n, d)); D = xp.empty((Bt, n))
+    out = {}
+    if want_grad:
+        E = f["E"]
+        dQ = xp.empty((Bt, n, d))
+        M1 = xp.zeros((Bt, r, d)); m1 = xp.zeros((Bt, r))
+        if xargs is not None:
+            A1, A2, A3 = xargs
+            p = A1.shape[-1]
+            P1 = xp.zeros((Bt, r, d, p)); p1 = xp.zeros((Bt, r, p))
+    for i0 in range(0, n, b):  # query side: U1 = (s q)^alpha / alpha!
+        sl = slice(i0, i0 + b)
+        U1 = _features(s * Q[:, sl], mono, xp, True)
+        Di = xp.matmul(U1, cc[:, :, None])[..., 0]
+        Oi = xp.matmul(U1, CC) / Di[..., None]
+        O[:, sl], D[:, sl] = Oi, Di
+        if want_grad:  # O_i depends on row i only, so R_i is available here: one pass for forward + dQ
+            Ri = Oi - E[:, sl]
+            wi = (Oi * Ri).sum(axis=-1)
+            dU1 = (xp.matmul(Ri, CC.transpose(0, 2, 1)) - wi[..., None] * cc[:, None, :]) / Di[..., None]
+            dQ[:, sl] = s * _chain(dU1, U1, mono, xp, False)  # d/dq (sq)^a/a! = s (sq)^(a-e_t)/(a-e_t)!
+            Ut = U1 / Di[..., None]
+            M1 += xp.matmul(Ut.transpose(0, 2, 1), Ri)
+            m1 += xp.matmul(Ut.transpose(0, 2, 1), wi[..., None])[..., 0]
+            if xargs is not None:
+                P1 += xp.einsum("bir,bit,bia->brta", Ut, Ri, A1[:, sl])
+                p1 += xp.einsum("bir,bi,bia->bra", Ut, wi, A1[:, sl])
+    out["O"], out["D"] = O, D
+    out["minD"] = float(D.min())
+    if not want_grad:
+        return out
+    W3, W2 = M1 * C3, M1 * C2
+    w3, w2 = m1 * c3, m1 * c2
+    dK1, dK2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
+    dV1, dV2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
+    if xargs is not None:
+        P2 = xp.zeros((Bt, r, d, p)); P3 = xp.zeros((Bt, r, d, p))
+        p2 = xp.zeros((Bt, r, p)); p3 = xp.zeros((Bt, r, p))
+    for j0 in range(0, n, b):
+        sl = slice(j0, j0 + b)
+        U2 = _features(K1[:, sl], mono, xp, False)
+        U3 = _features(K2[:, sl], mono, xp, False)
+        # dL/dU2[j,a] = sum_t v1_jt M1[a,t] C3[a,t] - m1[a] c3[a]  (and symmetric for U3)
+        dU2 = xp.matmul(V1[:, sl], W3.transpose(0, 2, 1)) - w3[:, None, :]
+        dU3 = xp.matmul(V2[:, sl], W2.transpose(0, 2, 1)) - w2[:, None, :]
+        dK1[:, sl] = _chain(dU2, U2, mono, xp, True)
+        dK2[:, sl] = _chain(dU3, U3, mono, xp, True)
+        dV1[:, sl] = xp.matmul(U2, W3)
+        dV2[:, sl] = xp.matmul(U3, W2)
+        if xargs is not None:
+            P2 += xp.einsum("bjr,bjt,bja->brta", U2, V1[:, sl], A2[:, sl])
+            P3 += xp.einsum("bjr,bjt,bja->brta", U3, V2[:, sl], A3[:, sl])
+            p2 += xp.matmul(U2.transpose(0, 2, 1), A2[:, sl])
+            p3 += xp.matmul(U3.transpose(0, 2, 1), A3[:, sl])
+    R = O - E
+    out["R"] = R
+    out["loss"] = 0.5 * float((R * R).sum())
+    out["grads"] = {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}
+    if xargs is not None:
+        # grad_X[a,b,c] = s sum_alpha sum_t P1[a,t,.] P2[a,t,.] P3[a,t,.] - s sum_alpha p1 p2 p3 (per batch entry)
+        T12 = (P1[..., :, None] * P2[..., None, :]).reshape(Bt * r * d, p * p)
+        gX = xp.matmul(T12.T, P3.reshape(Bt * r * d, p)).reshape(p, p, p)
+        t12 = (p1[..., :, None] * p2[..., None, :]).reshape(Bt * r, p * p)
+        gX -= xp.matmul(t12.T, p3.reshape(Bt * r, p)).reshape(p, p, p)
+        out["gX"] = s * gX
+    return out
+
+
+def _poly_core_causal(f, s, g, xp, want_grad, block_size=None, xargs=None):
+    """Causal (j <= i, k <= i) variant of :func:`_poly_core`: O(n r d) time, O(b r d (p^2) + (n/b) r d) memory.
+
+    Query i uses the prefix statistics C2^(i) = sum_{j<=i} U2_j (x) v1_j, C3^(i) = sum_{k<=i} U3_k (x) v2_k and
+    c2^(i), c3^(i): N_i = U1_i (C2^(i) * C3^(i)), D_i = U1_i . (c2^(i) * c3^(i)), O_i = N_i / D_i. Rows go in
+    blocks of b, in order; the running sums are carried and a cumsum inside the block gives the per-row prefixes,
+    so the largest object is one (B, b, r, d) block (never (n, r, d)).
+
+    Backward (chain rule through the same model; DESIGN §8, [C25] §5): dU1_i = (C^(i) R_i - w_i c^(i)) / D_i with
+    C^(i) = C2^(i) * C3^(i), c^(i) = c2^(i) * c3^(i) (pass 1, with dQ). With Ut_i = U1_i / D_i, Z_i = Ut_i (x) R_i,
+    the key side needs suffix sums over the queries i >= j that see key j:
+    T2_j = sum_{i>=j} Z_i * C3^(i), t2_j = sum_{i>=j} Ut_i w_i c3^(i) (T3, t3 the same with C2, c2), then
+    dU2_j = T2_j v1_j - t2_j, dV1_j = U2_j T2_j (and U3/V2 symmetrically). They are accumulated in a second pass
+    over the blocks in reverse order, from each block's starting prefixes saved in pass 1 (O((n/b) r d) memory;
+    no subtraction of prefixes, so no cancellation). ``xargs``: grad_X =
+    s sum_i [sum_{a,t} Z_i[a,t] A1_i (x) P2^(i)[a,t] (x) P3^(i)[a,t] - sum_a Ut_ia w_i A1_i (x) p2^(i)[a] (x) p3^(i)[a]]
+    with the prefixes P2^(i)[a,t,:] = sum_{j<=i} U2_ja v1_jt A2_j, p2^(i)[a,:] = sum_{j<=i} U2_ja A2_j (pass 1).
+    """
+    Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
+    Bt, n, d = Q.shape
+    mono = _mono_xp(_monomials(d, g), xp)
+    r = mono["r"]
+    p = 0 if xargs is None else xargs[0].shape[-1]
+    b = _poly_rows(r * (d + 1) * max(1, p * p), Bt, block_size)  # ~10 (B, b, r, d[, p, p]) blocks live at once
+
+    def prefix(Y, carry):  # inclusive prefix sums over the rows of the block plus the carried sum
+        return xp.cumsum(Y, axis=1) + carry[:, None]
+
+    def suffix(Y, carry):  # inclusive suffix sums over the rows of the block plus the carried sum
+        return xp.cumsum(Y[:, ::-1], axis=1)[:, ::-1] + carry[:, None]
+
+    C2, C3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))
+    c2, c3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
+    O, D = xp.empty((Bt, n, d)), xp.empty((Bt, n))
+    if want_grad:
+        E = f["E"]
+        dQ = xp.empty((Bt, n, d))
+    if xargs is not None:
+        A1, A2, A3 = xargs
+        P2, P3 = xp.zeros((Bt, r, d, p)), xp.zeros((Bt, r, d, p))
+        p2, p3 = xp.zeros((Bt, r, p)), xp.zeros((Bt, r, p))
+        gX = xp.zeros((p, p, p))
+    starts = []  # each block's carried prefixes, for pass 2 (O((n / b) r d): no subtraction, no n eps error)
+    for i0 in range(0, n, b):  # pass 1, rows in order: forward, dQ and the grad_X prefixes
+        sl = slice(i0, i0 + b)
+        if want_grad:
+            starts.append((C2, C3, c2, c3))
+        U2 = _features(K1[:, sl], mono, xp, False)
+        U3 = _features(K2[:, sl], mono, xp, False)
+        C2i = prefix(U2[..., None] * V1[:, sl, None, :], C2)
+        C3i = prefix(U3[..., None] * V2[:, sl, None, :], C3)
+        c2i, c3i = prefix(U2, c2), prefix(U3, c3)
+        C2, C3, c2, c3 = C2i[:, -1], C3i[:, -1], c2i[:, -1], c3i[:, -1]
+        U1 = _features(s * Q[:, sl], mono, xp, True)
+        CCi, cci = C2i * C3i, c2i * c3i
+        Di = (U1 * cci).sum(axis=-1)
+        Oi = xp.matmul(U1[:, :, None, :], CCi)[:, :, 0] / Di[..., None]
+        O[:, sl], D[:, sl] = Oi, Di
+        if not want_grad:
+            continue
+        Ri = Oi - E[:, sl]
+        wi = (Oi * Ri).sum(axis=-1)
+        dU1 = (xp.matmul(CCi, Ri[..., None])[..., 0] - wi[..., None] * cci) / Di[..., None]
+        dQ[:, sl] = s * _chain(dU1, U1, mono, xp, False)
+        if xargs is not None:
+            P2i = prefix(U2[..., None, None] * V1[:, sl, None, :, None] * A2[:, sl, None, None, :], P2)
+            P3i = prefix(U3[..., None, None] * V2[:, sl, None, :, None] * A3[:, sl, None, None, :], P3)
+            p2i = prefix(U2[..., None] * A2[:, sl, None, :], p2)
+            p3i = prefix(U3[..., None] * A3[:, sl, None, :], p3)
+            P2, P3, p2, p3 = P2i[:, -1], P3i[:, -1], p2i[:, -1], p3i[:, -1]
+            Ut = U1 / Di[..., None]
+            W = (Ut[..., None] * Ri[:, :, None, :])[..., None] * P2i  # (B, b, r, d, p_y)
+            L = (A1[:, sl, None, None, :, None] * W[..., None, :]).reshape(-1, p * p)
+            gX += xp.matmul(L.T, P3i.reshape(-1, p)).reshape(p, p, p)
+            w2 = (Ut * wi[..., None])[..., None] * p2i  # (B, b, r, p_y)
+            L = (A1[:, sl, None, :, None] * w2[..., None, :]).reshape(-1, p * p)
+            gX -= xp.matmul(L.T, p3i.reshape(-1, p)).reshape(p, p, p)
+    out = {"O": O, "D": D, "minD": float(D.min())}
+    if not want_grad:
+        return out
+    T2, T3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))  # suffix sums over the queries after the block
+    t2, t3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
+    dK1, dK2, dV1, dV2 = (xp.empty((Bt, n, d)) for _ in range(4))
+    for i0, (C2, C3, c2, c3) in zip(reversed(range(0, n, b)), reversed(starts)):  # pass 2, rows in reverse order
+        sl = slice(i0, i0 + b)
+        U2 = _features(K1[:, sl], mono, xp, False)
+        U3 = _features(K2[:, sl], mono, xp, False)
+        cs2 = xp.cumsum(U2[..., None] * V1[:, sl, None, :], axis=1)
+        cs3 = xp.cumsum(U3[..., None] * V2[:, sl, None, :], axis=1)
+        ds2, ds3 = xp.cumsum(U2, axis=1), xp.cumsum(U3, axis=1)
+        # prefixes per row of the block: the block's start (saved in pass 1) plus the in-block cumsum
+        C2i, C3i, c2i, c3i = cs2 + C2[:, None], cs3 + C3[:, None], ds2 + c2[:, None], ds3 + c3[:, None]
+        Ut = _features(s * Q[:, sl], mono, xp, True) / D[:, sl, None]
+        Oi = O[:, sl]
+        Ri = Oi - E[:, sl]
+        uw = Ut * (Oi * Ri).sum(axis=-1)[..., None]
+        Z = Ut[..., None] * Ri[:, :, None, :]
+        T2i, T3i = suffix(Z * C3i, T2), suffix(Z * C2i, T3)
+        t2i, t3i = suffix(uw * c3i, t2), suffix(uw * c2i, t3)
+        T2, T3, t2, t3 = T2i[:, 0], T3i[:, 0], t2i[:, 0], t3i[:, 0]
+        dU2 = xp.matmul(T2i, V1[:, sl, :, None])[..., 0] - t2i
+        dU3 = xp.matmul(T3i, V2[:, sl, :, None])[..., 0] - t3i
+        dK1[:, sl] = _chain(dU2, U2, mono, xp, True)
+        dK2[:, sl] = _chain(dU3, U3, mono, xp, True)
+        dV1[:, sl] = xp.matmul(U2[:, :, None, :], T2i)[:, :, 0]
+        dV2[:, sl] = xp.matmul(U3[:, :, None, :], T3i)[:, :, 0]
+    R = O - E
+    out["R"] = R
+    out["loss"] = 0.5 * float((R * R).sum())
+    out["grads"] = {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}
+    if xargs is not None:
+        out["gX"] = s * gX
+    return out
+
+
+def _poly_grad_bounds(f, s, plan, R, O, xp):
+    """Rigorous a-posteriori-from-a-priori bounds on the entrywise error of the five poly gradients.
+
+    With pi = 2 eps_g/(1-eps_g), gamma = (eps_{g-1} + eps_g)/(1 - eps_g) (the gradients see T_{g-1} = T_g'),
+    U = max|V1| max|V2|, dO_1 <= d pi U per row: per row i the l1 error of F~ - F is at most
+    e_i = gamma (||R~_i||_1 U + |w~_i|) + dO_1 U + dO_1 (||R~_i||_inf + U). Then
+    |d dQ| <= s max|K1| max|K2| max_i e_i, |d dK1| <= s max|Q| max|K2| sum_i e_i (K2 symmetric),
+    |d dV1| <= max|V2| sum_i pi (||R~_i||_inf + U) (V2 symmetric); max over batch entries.
+    """
+    g, U = plan["degree"], plan["vmax"]
+    eg = plan["eps"]
+    eg1 = _eps(plan["logit_bound"], g - 1)
+    pi = plan["p_l1_bound"]
+    gam = (eg1 + eg) / (1.0 - eg)
+    d = f["Q"].shape[-1]
+    dO1 = d * pi * U
+    w = xp.abs((O * R).sum(-1))
+    R1, Rinf = xp.abs(R).sum(-1), xp.abs(R).max(-1)
+    e = gam * (R1 * U + w) + dO1 * U + dO1 * (Rinf + U)  # (B, n)
+    ev = pi * (Rinf + U)
+    mx = {k: float(xp.abs(f[k]).max()) for k in _NAMES}
+    esum, emax, evsum = float(e.sum(-1).max()), float(e.max()), float(ev.sum(-1).max())
+    return {"Q": abs(s) * mx["K1"] * mx["K2"] * emax,
+            "K1": abs(s) * mx["Q"] * mx["K2"] * esum,
+            "K2": abs(s) * mx["Q"] * mx["K1"] * esum,
+            "V1": mx["V2"] * evsum, "V2": mx["V1"] * evsum,
+            "_row_e_total": float(e.sum())}
+
+
+def _poly_args(on_large, causal, window):
+    if on_large not in ("exact", "raise"):
+        raise ParameterError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
+    masked, w1, w2 = _window(window, causal)
+    if w1 is not None or w2 is not None:
+        raise NotImplementedError(
+            "the polynomial path supports causal=True but not window=(w1, w2) with a finite w1 or w2 (the windowed "
+            "prefix-difference variant is not implemented); use the exact attention(..., window=(w1, w2)), which is "
+            "O(n w1 w2 d)")
+    return masked
+
+
+def _large(msg, on_large, info):
+    if on_large == "raise":
+        raise ParameterError("tensor attention: " + msg)
+    warnings.warn("tensor attention: " + msg + "; falling back to the exact O(n^3 d) path", RuntimeWarning,
+                  stacklevel=3)
+    if info is not None:
+        info.update(path="exact", reason=msg)
+
+
+def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, degree="auto", tol=None,
+                   on_large="exact", max_degree=40, max_rank=200_000, info=None, block_size=None):
+    """Fast tensor attention via the degree-g Taylor polynomial of exp ([Alman & Song 2024]; [C25] §5; DESIGN §8).
+
+    Same inputs/output as :func:`attention`. Time O(n r d), memory O(block r + r d), r = C(d+g, g).
+    causal : bool. ``True``: prefix sums of the key statistics over j, k <= i (same mask as :func:`attention`),
+        still O(n r d) time, memory O(block r d + r d) (see ``_poly_core_causal``); the error bounds are unchanged
+        (the per-entry bound holds for any subset of keys).
+    window : only None or (None, None) (= causal); a finite w1 or w2 raises NotImplementedError.
+
+    degree : int >= 1 or ``"auto"`` (smallest g whose a-priori output bound is <= ``tol``, default tol 1e-6).
+    tol : float or None. With an explicit degree, ``tol`` (if given) is the allowed output error bound.
+    on_large : ``"exact"`` (default: warn with RuntimeWarning and compute the exact attention) or ``"raise"``
+        (ValueError naming the logit bound and the error bound) when the logits are outside the polynomial regime:
+        eps_g >= 1/2, the bound exceeds ``tol``, no degree reaches ``tol``, or an approximate row sum is <= 0.
+    info : optional dict, filled with path ("poly"/"exact"), degree, rank, logit_bound, eps (relative entry error
+        bound), p_l1_bound (row l1 bound on P), out_bound (entrywise |O~ - O| bound), min_rowsum.
+    """
+    masked = _poly_args(on_large, causal, window)
+    xp, f, dtype, shape, _, s, _ = _prepare({"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, False, None)
+    try:
+        plan = _plan_poly(f, s, xp, degree, tol, max_degree, max_rank)
+        res = _poly_core(f, s, plan["degree"], xp, False, block_size, causal=masked)
+        if not (res["minD"] > 0 and math.isfinite(res["minD"])):  # positivity guard on the row sums
+            raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']} "
+                               f"(logit bound {plan['logit_bound']:.4g})")
+    except _LargeLogits as exc:
+        _large(str(exc), on_large, info)
+        return attention(Q, K1, K2, V1, V2, scale=scale, causal=masked, block_size=None)
+    if info is not None:
+        info.update(path="poly", min_rowsum=res["minD"], **{k: v for k, v in plan.items() if k != "vmax"})
+    return res["O"].reshape(shape).astype(dtype, copy=False)
+
+
+def poly_attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, *, degree="auto", tol=None,
+                        on_large="exact", max_degree=40, max_rank=200_000, info=None, block_size=None):
+    """Loss and the five gradients of L = 1/2 ||Att~ - E||^2 for the Taylor model, in O(n r d) ([C25] §5).
+
+    These are the exact gradients of the polynomial model (features U1 = (s q)^alpha/alpha!, U2 = k1^alpha,
+    U3 = k2^alpha, chain rule through the monomials), computed with the Khatri-Rao identity so no n^2 object is
+    formed. Same signature/return as :func:`attention_grad`, options as :func:`poly_attention`. ``info`` also gets
+    ``grad_bound``: dict of entrywise bounds on |grad~ - grad| per tensor (see ``_poly_grad_bounds``).
+    ``causal=True``: gradients of the causal Taylor model, O(n r d) with a second pass over the rows in reverse
+    order for the key side (suffix sums over queries i >= j; formulas in ``_poly_core_causal``).
+    """
+    masked = _poly_args(on_large, causal, window)
+    xp, f, dtype, shape, _, s, _ = _prepare(
+        {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2, "E": E}, scale, False, None)
+    try:
+        plan = _plan_poly(f, s, xp, degree, tol, max_degree, max_rank)
+        res = _poly_core(f, s, plan["degree"], xp, True, block_size, causal=masked)
+        if not (res["minD"] > 0 and math.isfinite(res["minD"])):
+            raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']} "
+                               f"(logit bound {plan['logit_bound']:.4g})")
+    except _LargeLogits as exc:
+        _large(str(exc), on_large, info)
+        return attention_grad(Q, K1, K2, V1, V2, E, scale=scale, causal=masked)
+    if info is not None:
+        gb = _poly_grad_bounds(f, s, plan, res["R"], res["O"], xp)
+        gb.pop("_row_e_total")
+        info.update(path="poly", min_rowsum=res["minD"], grad_bound=gb,
+                    **{k: v for k, v in plan.items() if k != "vmax"})
+    return res["loss"], {k: v.reshape(shape).astype(dtype, copy=False) for k, v in res["grads"].items()}

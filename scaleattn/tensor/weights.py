@@ -1,0 +1,213 @@
+"""Tensor attention in [C25]'s parameters (DESIGN §8): Q = A1 W_Q, K1 = A2 W_K1, ..., X = W_Q (W_K1 (/) W_K2)^T,
+the weight gradients on the exact or polynomial path, and a small trainer (optionally on Dask)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .._backend import to_numpy
+from ..errors import ParameterError
+from ._common import _NAMES, _flat, _scale, _validate, _window
+from .exact import _block_sizes, _exact_backward, _exact_forward
+from .poly import _large, _LargeLogits, _plan_poly, _poly_args, _poly_core
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parameters, X and weight gradients
+# ----------------------------------------------------------------------------------------------------------------
+def khatri_rao(A, B):
+    """Column-wise Khatri-Rao product A (/) B: (p, d), (q, d) -> (p*q, d), row b*q + c = A[b] * B[c]."""
+    return (A[:, None, :] * B[None, :, :]).reshape(A.shape[0] * B.shape[0], A.shape[1])
+
+
+@dataclass
+class TensorWeights:
+    """Weights of one tensor-attention head: Q = A1 W_Q, K1 = A2 W_K1, K2 = A3 W_K2, V1 = A4 W_V1, V2 = A5 W_V2.
+
+    Each is (p, d) (p = input width, d = attention width). ``X()`` is [C25]'s X = W_Q (W_K1 (/) W_K2)^T (p, p^2).
+    """
+
+    W_Q: object
+    W_K1: object
+    W_K2: object
+    W_V1: object
+    W_V2: object
+
+    def X(self):
+        return self.W_Q @ khatri_rao(self.W_K1, self.W_K2).T
+
+    def as_dict(self):
+        return {fl.name: getattr(self, fl.name) for fl in fields(self)}
+
+    @classmethod
+    def random(cls, p, d, *, scale=1.0, seed=0):
+        """Gaussian N(0, scale^2/p) weights (numpy float64)."""
+        rng = np.random.default_rng(seed)
+        return cls(*[rng.normal(0.0, scale / math.sqrt(p), (p, d)) for _ in range(5)])
+
+
+_WNAMES = ("W_Q", "W_K1", "W_K2", "W_V1", "W_V2")
+
+
+def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None, *, path="exact", degree="auto",
+                tol=None, on_large="exact", with_x=True, info=None, block_size=None):
+    """Loss and gradients w.r.t. the weights and [C25]'s X for one or a batch of sequences.
+
+    A1..A5 : (..., n, p) inputs (self-attention: pass the same array five times); W : :class:`TensorWeights` with
+    (p, d) matrices; E : (..., n, d) target. L = 1/2 sum over batch of ||Att - E||_F^2, Att computed from
+    Q = A1 W_Q, ..., V2 = A5 W_V2 with scale s (default 1/d).
+
+    path : "exact" (streamed, any mask) or "poly" (Taylor fast path, options degree/tol/on_large/info as in
+    :func:`poly_attention_grad`; ``causal=True`` supported, grad_X included, a finite window raises
+    NotImplementedError).
+
+    Returns (loss, grads) with grads "W_Q", "W_K1", "W_K2", "W_V1", "W_V2" (chain rule: dW_Q = sum A1^T dQ, ...)
+    and, if ``with_x``, "X" (p, p^2) = s A1^T F (A2 (x) A3) summed over the batch ([C25] §4; DESIGN §8): the
+    gradient of L as a function of X (row a, column b*p + c). Inputs and weights are used in float64; outputs are
+    float64.
+    """
+    if path not in ("exact", "poly"):
+        raise ParameterError(f"path must be 'exact' or 'poly', got {path!r}")
+    if not isinstance(W, TensorWeights):
+        raise TypeError(f"W must be a TensorWeights, got {type(W).__name__}")
+    xp, A, _ = _validate({"A1": A1, "A2": A2, "A3": A3, "A4": A4, "A5": A5})
+    xpw, Wd, _ = _validate(W.as_dict())
+    Wd = {k: xp.asarray(v, dtype=xp.float64) for k, v in Wd.items()}
+    if any(w.ndim != 2 or w.shape != Wd["W_Q"].shape for w in Wd.values()):
+        raise ParameterError("all weights must be 2-d with the same shape (p, d)")
+    p, d = Wd["W_Q"].shape
+    shape = A["A1"].shape
+    if shape[-1] != p:
+        raise ParameterError(f"A1..A5 have width {shape[-1]} but the weights expect p = {p}")
+    n = shape[-2]
+    Bt = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
+    Af = {k: _flat(v, xp, Bt, n, p) for k, v in A.items()}
+    xp_, Ev, _ = _validate({"E": E})
+    if tuple(Ev["E"].shape) != tuple(shape[:-1]) + (d,):
+        raise ParameterError(f"E has shape {tuple(Ev['E'].shape)}, expected {tuple(shape[:-1]) + (d,)}")
+    f = {nm: xp.matmul(Af[a], Wd[w]) for nm, a, w in zip(_NAMES, ("A1", "A2", "A3", "A4", "A5"), _WNAMES)}
+    f["E"] = _flat(Ev["E"], xp, Bt, n, d)
+    s = _scale(scale, d)
+    masked, w1, w2 = _window(window, causal)
+    xargs = (Af["A1"], Af["A2"], Af["A3"]) if with_x else None
+    gX = None
+    if path == "poly":
+        if on_large not in ("exact", "raise"):
+            raise ParameterError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
+        _poly_args(on_large, causal, window)  # causal is supported (with grad_X), finite windows are not
+        try:
+            plan = _plan_poly(f, s, xp, degree, tol, max_degree=40, max_rank=200_000)
+            res = _poly_core(f, s, plan["degree"], xp, True, block_size, xargs, causal=masked)
+            if not (res["minD"] > 0 and math.isfinite(res["minD"])):
+                raise _LargeLogits(f"approximate row sum {res['minD']:.3g} <= 0 at degree {plan['degree']}")
+            loss, g, gX = res["loss"], res["grads"], res.get("gX")
+            if info is not None:
+                info.update(path="poly", min_rowsum=res["minD"], **{k: v for k, v in plan.items() if k != "vmax"})
+        except _LargeLogits as exc:
+            _large(str(exc), on_large, info)
+            path = "exact"
+    if path == "exact":
+        if info is not None:
+            info.setdefault("path", "exact")
+        bs = _block_sizes(n, Bt, masked, w1, w2, block_size)
+        args = tuple(f[k] for k in _NAMES)
+        O, lse = _exact_forward(*args, s, masked, w1, w2, bs, xp)
+        R = O - f["E"]
+        loss = 0.5 * float((R * R).sum())
+        g, gX = _exact_backward(*args, O, lse, R, s, masked, w1, w2, bs, xp, xargs)
+    grads = {w: xp.einsum("bnp,bnd->pd", Af[a], g[nm])
+             for nm, a, w in zip(_NAMES, ("A1", "A2", "A3", "A4", "A5"), _WNAMES)}
+    if with_x:
+        grads["X"] = gX.reshape(p, p * p)
+    return loss, grads
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------------------------
+def _batch_grad(batch, W, kw):
+    """Worker function (top level so Dask can pickle it): sum of loss and weight gradients over one batch."""
+    A, E = batch
+    loss, g = weight_grad(*A, W, E, with_x=False, **kw)
+    return loss, {k: to_numpy(v) for k, v in g.items()}
+
+
+def train(A, E, W0, *, steps=100, lr=1e-2, optimizer="adam", path="exact", degree="auto", tol=None,
+          on_large="exact", scale=None, causal=False, window=None, batch_size=None, client=None,
+          betas=(0.9, 0.999), adam_eps=1e-8, callback=None):
+    """Full-batch gradient descent or Adam on the weights W = (W_Q, W_K1, W_K2, W_V1, W_V2).
+
+    (X = W_Q (W_K1 (/) W_K2)^T of [C25] is trained through its factors; ``weight_grad`` also gives grad_X.)
+
+    A : (N, n, p) array (self-attention: A1 = ... = A5 = A) or a tuple of five (N, n, p) arrays.
+    E : (N, n, d) targets. W0 : :class:`TensorWeights` (not modified).
+    The objective is the mean over the N sequences of 1/2 ||Att - E||_F^2. Each step sums per-batch gradients over
+    ``batch_size`` sequences (all N if None); with a ``distributed.Client`` the batches are scattered once and the
+    per-batch gradients are computed with ``client.map`` and summed here, else locally.
+    path : "exact" or "poly" (options degree, tol, on_large as in :func:`weight_grad`).
+
+    Returns a dict: weights (TensorWeights, numpy), loss (steps + 1 values: before each step and after the last),
+    time (cumulative wall seconds at each loss value), grad_norm (per step).
+    """
+    if optimizer not in ("adam", "gd"):
+        raise ParameterError(f"optimizer must be 'adam' or 'gd', got {optimizer!r}")
+    if path not in ("exact", "poly"):
+        raise ParameterError(f"path must be 'exact' or 'poly', got {path!r}")
+    As = tuple(A) if isinstance(A, (tuple, list)) else (A,) * 5
+    if len(As) != 5:
+        raise ParameterError(f"A must be one array or a tuple of five arrays, got {len(As)}")
+    As = tuple(np.asarray(to_numpy(a), dtype=np.float64) for a in As)
+    E = np.asarray(to_numpy(E), dtype=np.float64)
+    if As[0].ndim != 3 or E.ndim != 3 or E.shape[0] != As[0].shape[0]:
+        raise ParameterError(f"A must be (N, n, p) and E (N, n, d) with the same N; got {As[0].shape}, {E.shape}")
+    N = E.shape[0]
+    bsz = N if batch_size is None else int(batch_size)
+    if bsz < 1:
+        raise ParameterError(f"batch_size must be >= 1, got {batch_size}")
+    batches = [(tuple(a[i:i + bsz] for a in As), E[i:i + bsz]) for i in range(0, N, bsz)]
+    kw = dict(scale=scale, causal=causal, window=window, path=path, degree=degree, tol=tol, on_large=on_large)
+    if client is not None:
+        try:  # lazy: distributed is optional
+            import distributed  # noqa: F401
+        except ImportError:
+            pass  # a duck-typed client (submit/map/gather/scatter) still works
+        remote = client.scatter(batches)
+
+    def full_grad(Wc):
+        if client is None:
+            parts = [_batch_grad(bt, Wc, kw) for bt in batches]
+        else:
+            parts = client.gather(client.map(_batch_grad, remote, W=Wc, kw=kw, pure=False))
+        loss = sum(pt[0] for pt in parts) / N
+        g = {k: sum(pt[1][k] for pt in parts) / N for k in _WNAMES}
+        return loss, g
+
+    W = {k: np.array(to_numpy(v), dtype=np.float64) for k, v in W0.as_dict().items()}
+    m = {k: np.zeros_like(v) for k, v in W.items()}
+    v2 = {k: np.zeros_like(v) for k, v in W.items()}
+    b1, b2 = betas
+    hist = {"loss": [], "time": [], "grad_norm": []}
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        loss, g = full_grad(TensorWeights(**W))
+        hist["loss"].append(loss)
+        hist["time"].append(time.perf_counter() - t0)
+        hist["grad_norm"].append(float(math.sqrt(sum(float((gk * gk).sum()) for gk in g.values()))))
+        for k in W:
+            if optimizer == "gd":
+                W[k] = W[k] - lr * g[k]
+            else:
+                m[k] = b1 * m[k] + (1 - b1) * g[k]
+                v2[k] = b2 * v2[k] + (1 - b2) * g[k] * g[k]
+                mh, vh = m[k] / (1 - b1 ** step), v2[k] / (1 - b2 ** step)
+                W[k] = W[k] - lr * mh / (np.sqrt(vh) + adam_eps)
+        if callback is not None:
+            callback(step, loss, TensorWeights(**W))
+    loss, _ = full_grad(TensorWeights(**W))
+    hist["loss"].append(loss)
+    hist["time"].append(time.perf_counter() - t0)
+    hist["weights"] = TensorWeights(**W)
+    return hist
