@@ -22,8 +22,8 @@ import zarr
 
 from .errors import OutputExistsError, ParameterError, StorageError
 
-__all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error", "transient",
-           "with_retries", "atomic_output", "is_url"]
+__all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
+           "transient", "with_retries", "atomic_output", "is_url"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -102,7 +102,7 @@ class Location:
     def is_remote(self) -> bool:
         return is_url(self.url)
 
-    def join(self, name: str) -> "Location":
+    def join(self, name: str) -> Location:
         """The child ``name`` of this location (same options)."""
         return Location(join(self.url, name), self.storage_options)
 

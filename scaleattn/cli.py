@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._backend import DEVICES
 from ._storage import parse_storage_options
 from ._version import __version__
 from .errors import ScaleattnError
 from .spectrum import SOLVERS
+
+__all__ = ["main", "build_parser"]
 
 EXIT_BAD_INPUT = 2
 EXIT_BUG = 1
@@ -51,7 +54,8 @@ def _add_cluster_args(p):
     g.add_argument("--tls-ca-file", metavar="PEM", default=None,
                    help="TLS: CA certificate; with --tls-cert/--tls-key all Dask traffic is encrypted (the embedded"
                         " cluster too). Default: the dask config distributed.comm.tls.*")
-    g.add_argument("--tls-cert", metavar="PEM", default=None, help="TLS: certificate of this client (and embedded cluster)")
+    g.add_argument("--tls-cert", metavar="PEM", default=None,
+                   help="TLS: certificate of this client (and embedded cluster)")
     g.add_argument("--tls-key", metavar="PEM", default=None, help="TLS: private key of --tls-cert")
 
 
@@ -101,12 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--chunk-samples", type=int, default=None)
     _add_io_args(a)
 
-    imp = sub.add_parser("import", help="turn user arrays or a time-series CSV (or a built-in real dataset) into a dataset")
+    imp = sub.add_parser("import",
+                         help="turn user arrays or a time-series CSV (or a built-in real dataset) into a dataset")
     imp.add_argument("path", help="output dataset")
     src = imp.add_mutually_exclusive_group(required=True)
-    src.add_argument("--npz", metavar="FILE", help=".npz with arrays tokens (N,T,d), targets, optional lengths; or a .npy of tokens")
+    src.add_argument("--npz", metavar="FILE",
+                     help=".npz with arrays tokens (N,T,d), targets, optional lengths; or a .npy of tokens")
     src.add_argument("--csv", metavar="FILE", help="CSV of a multivariate time series (header row), cut into windows")
-    src.add_argument("--builtin", choices=["digits"], help="digits: scikit-learn's 8x8 digits, 7 pixel rows predict the 8th")
+    src.add_argument("--builtin", choices=["digits"],
+                     help="digits: scikit-learn's 8x8 digits, 7 pixel rows predict the 8th")
     imp.add_argument("--length", type=int, default=16, help="CSV: tokens per window (default 16)")
     imp.add_argument("--horizon", type=int, default=1, help="CSV: steps ahead to predict (default 1)")
     imp.add_argument("--step", type=int, default=1, help="CSV: stride between windows (default 1)")
@@ -128,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the second data pass; train MSE from the statistics (floor ~eps*mean y^2)")
-    f.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="worker array device (default auto)")
+    f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")
     f.add_argument("--resume", action="store_true",
                    help="continue an interrupted fit from its checkpoint: finished row groups are not recomputed")
     f.add_argument("--checkpoint", metavar="PATH", default=None,
@@ -166,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(e, out=False)
     _add_output_args(e)
 
-    pl = sub.add_parser("plot", help="PNG plots of a run: spectrum of Lambda_D, head spectrum, loss vs heads, predictions")
+    pl = sub.add_parser("plot",
+                        help="PNG plots of a run: spectrum of Lambda_D, head spectrum, loss vs heads, predictions")
     pl.add_argument("run", metavar="RUN_DIR", help="run directory written by `scaleattn fit`")
     pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNG files (default RUN_DIR)")
     pl.add_argument("--dataset", default=None,
@@ -359,8 +367,9 @@ def _cmd_submit(args) -> int:
     return submit.run(args)
 
 
-COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify, "compare": _cmd_compare,
-            "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench, "submit": _cmd_submit}
+COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
+            "compare": _cmd_compare, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench,
+            "submit": _cmd_submit}
 
 
 def main(argv=None) -> int:

@@ -176,7 +176,8 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
     ------
     DatasetError
         Wrong number of dimensions, a ``tokens``/``targets`` dtype that is not real numbers (bool, complex,
-        string, object; integers are read as float64), a non-integer ``lengths``, mismatched sample counts, a ``targets`` T or d_out of 0 / mismatch,
+        string, object; integers are read as float64), a non-integer ``lengths``, mismatched sample counts, a
+        ``targets`` T or d_out of 0 / mismatch,
         an empty dataset.
     """
     if tokens.ndim != 3:

@@ -72,7 +72,7 @@ class MissingDependencyError(ScaleattnError, ImportError):
     """An optional package is needed; the message gives the install command (:func:`install_hint`)."""
 
     @classmethod
-    def for_extra(cls, what: str, extra: str, packages: str) -> "MissingDependencyError":
+    def for_extra(cls, what: str, extra: str, packages: str) -> MissingDependencyError:
         """``"{what} needs {packages}: {install command}"`` for the optional extra ``extra``."""
         return cls(f"{what} needs {packages}: {install_hint(extra, packages)}")
 

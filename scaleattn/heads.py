@@ -270,8 +270,8 @@ def loss_vs_heads(stats, max_heads: int, gram=None, iters: int = 200, rtol: floa
     statistics; DESIGN §3). Model H starts from model H-1 plus the best descent head (the top singular pair
     of the negative gradient with an exact line search), so the losses are non-increasing in H.
     Returns one :class:`Heads` per H with ``sse`` set (``residual`` relative to the least-squares fit).
-    Raises :class:`~scaleattn.errors.ParameterError` for ``d > ALS_MAX_D`` (the (d^3, d^3) Gram would be too large) or statistics
-    without targets.
+    Raises :class:`~scaleattn.errors.ParameterError` for ``d > ALS_MAX_D`` (the (d^3, d^3) Gram would be too
+    large) or statistics without targets.
     """
     if stats.d > ALS_MAX_D:
         raise ParameterError(f"loss-optimal head search needs d <= {ALS_MAX_D}, got d = {stats.d}")
@@ -306,7 +306,7 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, curve:
     head count. For ``d > ALS_MAX_D`` only alternating projections run (``curve`` has the last model).
     """
     coef = np.asarray(coef, np.float64)
-    d, d_out = stats.d, coef.shape[1]
+    d = stats.d
     G = np.asarray(stats.gram() if gram is None else gram)
 
     def sse_of(V, Q):

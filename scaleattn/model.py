@@ -107,7 +107,7 @@ class MHLAModel:
                            attributes={"description": "fused key-query matrices Q_h"})
 
     @classmethod
-    def load(cls, url, storage_options=None) -> "MHLAModel":
+    def load(cls, url, storage_options=None) -> MHLAModel:
         """Read a model written by :meth:`save`; :class:`~scaleattn.errors.FormatError` if the store is not a
         model, :class:`~scaleattn.errors.InputNotFoundError` if there is nothing at ``url``."""
         loc = resolve(url, storage_options)

@@ -6,7 +6,8 @@ carry a ``gid`` (``"lambda_min"``, ``"lambda_max"``, ``"cutoff"``, ``"n_heads"``
 be found programmatically.
 
 :func:`save_run_plots` writes ``spectrum.png``, ``heads.png``, ``loss_vs_heads.png`` (when the report's
-``loss_vs_heads`` has two or more points) and ``predictions.png`` (when the dataset is reachable) next to ``report.json``.
+``loss_vs_heads`` has two or more points) and ``predictions.png`` (when the dataset is reachable) next to
+``report.json``.
 The eigenvalues of ``Lambda_D`` come from the run's ``spectrum.zarr`` (:func:`scaleattn.run.read_run`), or are
 recomputed from ``stats.zarr`` for runs without one. Layer L4.
 """

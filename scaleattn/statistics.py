@@ -61,7 +61,7 @@ class Statistics:
     d: int
 
     @classmethod
-    def zeros(cls, d: int, d_out: int = 0, xp=np) -> "Statistics":
+    def zeros(cls, d: int, d_out: int = 0, xp=np) -> Statistics:
         m = n_pairs(d)
         return cls(xp.zeros((m * (m + 1) // 2, d * (d + 1) // 2)), xp.zeros((n_features(d), d_out)), 0.0, 0, d)
 
@@ -73,9 +73,10 @@ class Statistics:
     def psi(self) -> int:
         return n_features(self.d)
 
-    def __add__(self, other: "Statistics") -> "Statistics":
+    def __add__(self, other: Statistics) -> Statistics:
         if (self.d, self.d_out) != (other.d, other.d_out):
-            raise ParameterError(f"cannot add statistics of (d, d_out) = {(self.d, self.d_out)} and {(other.d, other.d_out)}")
+            raise ParameterError(f"cannot add statistics of (d, d_out) = {(self.d, self.d_out)} and"
+                                 f" {(other.d, other.d_out)}")
         return Statistics(self.gram_compact + other.gram_compact, self.moments + other.moments,
                           self.yy + other.yy, self.n_rows + other.n_rows, self.d)
 
@@ -101,7 +102,7 @@ class Statistics:
         """Mean of ``y^2`` over rows and outputs."""
         return self.yy / max(self.n_rows * self.d_out, 1)
 
-    def to_numpy(self) -> "Statistics":
+    def to_numpy(self) -> Statistics:
         return Statistics(to_numpy(self.gram_compact), to_numpy(self.moments), float(self.yy), int(self.n_rows), self.d)
 
     # ---- storage -------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class Statistics:
                            attributes={"description": "B = sum_i phi_i y_i^T"})
 
     @classmethod
-    def load(cls, url, storage_options=None) -> "Statistics":
+    def load(cls, url, storage_options=None) -> Statistics:
         """Read statistics written by :meth:`save`.
 
         Raises :class:`~scaleattn.errors.FormatError` if the store is not a statistics group of a supported

@@ -18,10 +18,10 @@ import importlib.util
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the manifests (pip install pyyaml)")
 
@@ -63,7 +63,7 @@ def _strict(schema: dict) -> dict:
     return schema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_validator(kind: str):
     """jsonschema validator of the operator's CRD for ``kind`` (DaskJob, DaskCluster), shipped in dask-kubernetes."""
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema validates against the CRDs")
@@ -139,7 +139,7 @@ def validate_any(doc: dict) -> None:
         validate_builtin(doc)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kustomize_cmd():
     """(command, None) or (None, why not). The overlays use `patches:` (kustomize >= v4, i.e. kubectl >= 1.21);
     Debian bookworm's kubernetes-client (kubectl 1.20, kustomize v2) is too old."""
@@ -164,7 +164,7 @@ def kustomize_cmd():
     return cmd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_overlay(overlay: str) -> str:
     proc = subprocess.run([*kustomize_cmd(), str(K8S / "overlays" / overlay)], capture_output=True, text=True,
                           timeout=60)

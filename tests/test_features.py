@@ -2,7 +2,15 @@
 import numpy as np
 import pytest
 
-from scaleattn.features import compact_factors, expand_compact_gram, n_features, phi, predict_rows, row_targets, token_features
+from scaleattn.features import (
+    compact_factors,
+    expand_compact_gram,
+    n_features,
+    phi,
+    predict_rows,
+    row_targets,
+    token_features,
+)
 from scaleattn.generate import make_mhla
 from scaleattn.statistics import Statistics, statistics_from_arrays
 

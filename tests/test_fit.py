@@ -4,13 +4,13 @@ import pytest
 
 import scaleattn
 from scaleattn.dataset import open_dataset, write_dataset
-from scaleattn.generate import generate_assoc, generate_mhla, make_assoc, make_mhla, mhla_forward
-from scaleattn.heads import coef_from_heads
-from scaleattn.pipeline import fit
+from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.evaluate import evaluate
 from scaleattn.estimator import MHLARegressor
+from scaleattn.generate import generate_mhla, make_assoc, make_mhla, mhla_forward
+from scaleattn.heads import coef_from_heads
 from scaleattn.model import MHLAModel
-from scaleattn.distributed.build import compute_statistics
+from scaleattn.pipeline import fit
 from scaleattn.statistics import statistics_from_arrays
 
 

@@ -24,8 +24,8 @@ def test_statistics_on_gpu_equal_cpu():
 
 
 def test_group_statistics_device_gpu(tmp_path):
-    from scaleattn.generate import generate_mhla
     from scaleattn.distributed.build import compute_statistics
+    from scaleattn.generate import generate_mhla
 
     ds = generate_mhla(tmp_path / "d.zarr", d=3, heads=1, length=30, samples=120, causal=True, seed=1)
     cpu = compute_statistics(ds, device="cpu")
@@ -37,8 +37,8 @@ def test_group_statistics_device_gpu(tmp_path):
 def test_model_predict_on_gpu():
     import cupy
 
-    from scaleattn.generate import make_mhla
     from scaleattn.estimator import MHLARegressor
+    from scaleattn.generate import make_mhla
 
     D = make_mhla(d=2, heads=1, length=10, samples=64, seed=2)
     est = MHLARegressor().fit(D["tokens"], D["targets"])

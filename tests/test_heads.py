@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
+from scaleattn.certificate import ambiguity_witness
 from scaleattn.cli import main
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_assoc, make_mhla, mhla_forward
-from scaleattn.certificate import ambiguity_witness
 from scaleattn.heads import coef_from_heads, compare_models, loss_vs_heads, search_heads, svd_heads
 from scaleattn.model import MHLAModel
 from scaleattn.solver import solve

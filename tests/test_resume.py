@@ -13,12 +13,12 @@ import zarr
 
 from scaleattn import __version__
 from scaleattn._storage import resolve
-from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.dataset import write_dataset
+from scaleattn.distributed.build import compute_statistics
+from scaleattn.distributed.checkpoint import Checkpoint
+from scaleattn.distributed.partition import row_groups, tile_bounds
 from scaleattn.generate import generate_mhla, make_mhla
 from scaleattn.pipeline import fit
-from scaleattn.distributed.build import compute_statistics
-from scaleattn.distributed.partition import row_groups, tile_bounds
 from scaleattn.statistics import Statistics
 
 

@@ -14,12 +14,12 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from scaleattn.generate import generate_mhla  # noqa: E402
-from scaleattn.pipeline import fit  # noqa: E402
-from scaleattn.distributed.evaluate import evaluate
-from scaleattn.model import MHLAModel  # noqa: E402
 from scaleattn.certificate import certify  # noqa: E402
 from scaleattn.distributed.build import compute_statistics
+from scaleattn.distributed.evaluate import evaluate
+from scaleattn.generate import generate_mhla  # noqa: E402
+from scaleattn.model import MHLAModel  # noqa: E402
+from scaleattn.pipeline import fit  # noqa: E402
 from scaleattn.statistics import Statistics  # noqa: E402
 
 BUCKET = "scaleattn-test"

@@ -4,11 +4,11 @@ import pytest
 
 from scaleattn import solver
 from scaleattn.certificate import certify
+from scaleattn.distributed.memory import InsufficientMemoryError, check_fit_memory, fit_memory, parse_bytes
 from scaleattn.features import compact_factors, phi, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.distributed.memory import InsufficientMemoryError, check_fit_memory, fit_memory, parse_bytes
 from scaleattn.kernel import gram_update
-from scaleattn.statistics import Statistics, accumulate, statistics_from_arrays
+from scaleattn.statistics import statistics_from_arrays
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 
 from scaleattn.dataset import write_dataset
-from scaleattn.features import compact_factors, n_pairs, phi, row_targets, token_features
-from scaleattn.generate import make_mhla
 from scaleattn.distributed.build import compute_statistics, group_statistics
 from scaleattn.distributed.partition import MAX_TILE_BYTES, row_groups, tile_bounds
+from scaleattn.features import compact_factors, n_pairs, phi, row_targets, token_features
+from scaleattn.generate import make_mhla
 
 
 def _rel(a, b):

@@ -17,6 +17,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..errors import ParameterError
 from ..heads import coef_from_heads
 
+__all__ = ["MHLA", "SoftmaxTransformer", "make_model"]
+
 
 def _valid(tokens, lengths):
     B, T, _ = tokens.shape

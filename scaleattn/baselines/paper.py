@@ -9,6 +9,9 @@ from ..features import coef_distance
 from ..generate import make_assoc, make_icl_regression, make_mhla
 from .training import PAPER, fit_closed_form, train_adamw
 
+__all__ = ["figure1", "figure1_table", "markdown_table", "plot_figure1", "assoc_truth", "figure2b", "plot_figure2b",
+           "OneStepGD", "ridge_in_context", "icl_regression", "plot_icl"]
+
 
 # ---- Figure 1: MSE against epoch for m heads ------------------------------------------------------------
 def _mean_se(rows):
@@ -50,7 +53,7 @@ def figure1(dims=((2, 512), (4, 2048)), heads=(1, 2, 4, 8, 16), *, seeds: int = 
                         print(f"d={d} N={N} seed={seed} m={m} lr={lr:g}: train {r.final_train_mse:.3e} "
                               f"({r.wall_s[-1]:.1f}s), closed form {cf['train_mse']:.1e} ({cf['wall_s']:.3f}s)")
     best = {}
-    for d, N in dims:
+    for d, _N in dims:
         for m in heads:
             fin = {lr: np.mean([r["train_mse"][-1] for r in runs if (r["d"], r["m"], r["lr"]) == (d, m, lr)])
                    for lr in lrs}
@@ -116,7 +119,8 @@ def plot_figure1(res, axes=None, key: str = "train_mse"):
             _band(ax, np.arange(len(rs[0])), rs, f"AdamW m={m} (lr {lr:g})")
         cf = np.mean([c[key] for c in res["closed_form"] if (c["d"], c["N"]) == (d, N)])
         ax.axhline(max(cf, 1e-40), color="k", ls="--", label=f"closed form ({cf:.1e})")
-        ax.set(yscale="log", xlabel="epoch", ylabel=key.replace("_", " "), title=f"d={d}, N={N}, causal T={res['settings']['length']}")
+        ax.set(yscale="log", xlabel="epoch", ylabel=key.replace("_", " "),
+               title=f"d={d}, N={N}, causal T={res['settings']['length']}")
         ax.legend(fontsize=7)
     return axes[0].figure
 
@@ -230,7 +234,8 @@ def ridge_in_context(tokens, ridge: float = 0.0):
 
 
 def icl_regression(k: int = 4, contexts=(5, 10, 20, 40), *, train_samples: int = 4096, test_samples: int = 4096,
-                   seed: int = 0, preconditioner: str = "matrix", adamw_epochs: int = 20, adamw_heads: int | None = None,
+                   seed: int = 0, preconditioner: str = "matrix", adamw_epochs: int = 20,
+                   adamw_heads: int | None = None,
                    adamw_lr: float = 1e-2, adamw_init_scale: float = 1e-2, batch_size: int = 64,
                    **train_kw) -> list[dict]:
     """In-context linear regression over context length: test MSE of the closed-form MHLA optimum, AdamW-trained

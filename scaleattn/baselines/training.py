@@ -23,6 +23,8 @@ from ..model import model_from_statistics
 from ..statistics import statistics_from_arrays
 from .models import _valid, make_model
 
+__all__ = ["load_arrays", "coef_mse", "TrainResult", "model_mse", "train_adamw", "fit_closed_form", "PAPER"]
+
 #: [Y25] §4.1 AdamW settings (DESIGN §9)
 PAPER = dict(epochs=500, lr=1e-2, lrs=(1e-2, 1e-3), batch_size=32, schedule="cosine", clip=1.0)
 

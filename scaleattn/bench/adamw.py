@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+__all__ = ["run"]
+
 THRESHOLDS = (1e-2, 1e-4, 1e-6, 1e-8)
 
 

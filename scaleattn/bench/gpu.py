@@ -21,6 +21,8 @@ import numpy as np
 
 from scaleattn.features import n_pairs
 
+__all__ = ["run"]
+
 
 def _sync():
     import cupy

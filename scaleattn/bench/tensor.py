@@ -23,6 +23,8 @@ import numpy as np
 
 from scaleattn import tensor as T
 
+__all__ = ["run"]
+
 SIGMA = 0.8
 
 

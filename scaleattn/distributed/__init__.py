@@ -4,3 +4,5 @@
 tiles), ``checkpoint`` (partials of a build), ``memory`` (estimates and refusals) -> ``build`` (the statistics
 build), ``evaluate`` (the MSE pass), ``cluster`` (connect, TLS).
 """
+
+__all__: list[str] = []

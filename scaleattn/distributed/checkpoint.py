@@ -60,7 +60,7 @@ class Checkpoint:
         return self.store.url
 
     @classmethod
-    def open(cls, store: Location, dataset, groups, tiles, targets: bool = True) -> "Checkpoint":
+    def open(cls, store: Location, dataset, groups, tiles, targets: bool = True) -> Checkpoint:
         """Open the checkpoint at ``store`` for this build, creating it when absent.
 
         ``groups`` from :func:`scaleattn.distributed.build.row_groups`, ``tiles`` from
@@ -104,7 +104,8 @@ class Checkpoint:
         g.create_array("gram_compact", shape=(ng, mm, nv), chunks=(1, tile_rows, nv), dtype="float64",
                        fill_value=0.0, dimension_names=("group", "vech_pair", "vech_token"))
         if self.d_out:
-            g.create_array("moments", shape=(ng, n_features(self.d), self.d_out), chunks=(1, n_features(self.d), self.d_out),
+            g.create_array("moments", shape=(ng, n_features(self.d), self.d_out),
+                           chunks=(1, n_features(self.d), self.d_out),
                            dtype="float64", fill_value=0.0, dimension_names=("group", "feature", "output"))
         g.create_array("yy", shape=(ng,), chunks=(1,), dtype="float64", fill_value=0.0, dimension_names=("group",))
         g.create_array("n_rows", shape=(ng, nt), chunks=(1, 1), dtype="int64", fill_value=0,

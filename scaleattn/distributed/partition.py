@@ -37,7 +37,8 @@ def row_groups(dataset, group_samples: int | None = None, max_groups: int | None
     return [(a, min(N, a + group_samples)) for a in range(0, N, group_samples)]
 
 
-def tile_bounds(d: int, tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES) -> list[tuple[int, int]]:
+def tile_bounds(d: int, tile_rows: int | None = None,
+                max_tile_bytes: float | None = MAX_TILE_BYTES) -> list[tuple[int, int]]:
     """Row ranges ``[c0, c1)`` of the compact Gram ``Tc`` (= column ranges of ``u = vech(s s^T)``), DESIGN §6.
 
     One tile ``[(0, m(m+1)/2)]`` while ``Tc`` fits in ``max_tile_bytes`` (None: never tile); otherwise tiles of

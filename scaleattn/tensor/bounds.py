@@ -10,6 +10,8 @@ from ..errors import ParameterError
 from ._common import _prepare
 from .exact import _block_sizes
 
+__all__ = ["logit_bound", "poly_error_bound", "choose_degree"]
+
 
 def _log_eps(B, g):
     """log of eps_g = e^B B^(g+1) / (g+1)!: relative error of T_g vs exp on [-B, B] (Lagrange remainder)."""

@@ -9,6 +9,8 @@ from .._backend import get_xp
 from ..errors import ParameterError
 from ._common import _BLOCK_ELEMS, _prepare
 
+__all__ = ["attention", "attention_grad"]
+
 
 def _block_sizes(n, B, masked, w1, w2, block_size):
     if block_size is not None:

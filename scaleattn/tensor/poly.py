@@ -13,6 +13,8 @@ from ._common import _BLOCK_ELEMS, _NAMES, _window
 from .bounds import _check_degree, _eps, _logit_bound_flat, _pl1, choose_degree
 from .exact import _prepare, attention, attention_grad
 
+__all__ = ["poly_attention", "poly_attention_grad"]
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # polynomial (Taylor) fast path
@@ -149,24 +151,31 @@ def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None, causal=False
     mono = _mono_xp(_monomials(d, g), xp)
     r = mono["r"]
     b = _poly_rows(r, Bt, block_size)
-    C2 = xp.zeros((Bt, r, d)); C3 = xp.zeros((Bt, r, d))
-    c2 = xp.zeros((Bt, r)); c3 = xp.zeros((Bt, r))
+    C2 = xp.zeros((Bt, r, d))
+    C3 = xp.zeros((Bt, r, d))
+    c2 = xp.zeros((Bt, r))
+    c3 = xp.zeros((Bt, r))
     for j0 in range(0, n, b):  # key side: U2 = k1^alpha, U3 = k2^alpha (coefficients live in U1)
         U2 = _features(K1[:, j0:j0 + b], mono, xp, False)
         U3 = _features(K2[:, j0:j0 + b], mono, xp, False)
-        C2 += xp.matmul(U2.transpose(0, 2, 1), V1[:, j0:j0 + b]); c2 += U2.sum(axis=1)
-        C3 += xp.matmul(U3.transpose(0, 2, 1), V2[:, j0:j0 + b]); c3 += U3.sum(axis=1)
+        C2 += xp.matmul(U2.transpose(0, 2, 1), V1[:, j0:j0 + b])
+        c2 += U2.sum(axis=1)
+        C3 += xp.matmul(U3.transpose(0, 2, 1), V2[:, j0:j0 + b])
+        c3 += U3.sum(axis=1)
     CC, cc = C2 * C3, c2 * c3
-    O = xp.empty((Bt, n, d)); D = xp.empty((Bt, n))
+    O = xp.empty((Bt, n, d))
+    D = xp.empty((Bt, n))
     out = {}
     if want_grad:
         E = f["E"]
         dQ = xp.empty((Bt, n, d))
-        M1 = xp.zeros((Bt, r, d)); m1 = xp.zeros((Bt, r))
+        M1 = xp.zeros((Bt, r, d))
+        m1 = xp.zeros((Bt, r))
         if xargs is not None:
             A1, A2, A3 = xargs
             p = A1.shape[-1]
-            P1 = xp.zeros((Bt, r, d, p)); p1 = xp.zeros((Bt, r, p))
+            P1 = xp.zeros((Bt, r, d, p))
+            p1 = xp.zeros((Bt, r, p))
     for i0 in range(0, n, b):  # query side: U1 = (s q)^alpha / alpha!
         sl = slice(i0, i0 + b)
         U1 = _features(s * Q[:, sl], mono, xp, True)
@@ -193,8 +202,10 @@ def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None, causal=False
     dK1, dK2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
     dV1, dV2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
     if xargs is not None:
-        P2 = xp.zeros((Bt, r, d, p)); P3 = xp.zeros((Bt, r, d, p))
-        p2 = xp.zeros((Bt, r, p)); p3 = xp.zeros((Bt, r, p))
+        P2 = xp.zeros((Bt, r, d, p))
+        P3 = xp.zeros((Bt, r, d, p))
+        p2 = xp.zeros((Bt, r, p))
+        p3 = xp.zeros((Bt, r, p))
     for j0 in range(0, n, b):
         sl = slice(j0, j0 + b)
         U2 = _features(K1[:, sl], mono, xp, False)

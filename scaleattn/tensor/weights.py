@@ -14,6 +14,8 @@ from ._common import _NAMES, _flat, _scale, _validate, _window
 from .exact import _block_sizes, _exact_backward, _exact_forward
 from .poly import _large, _LargeLogits, _plan_poly, _poly_args, _poly_core
 
+__all__ = ["khatri_rao", "TensorWeights", "weight_grad", "train"]
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # parameters, X and weight gradients

@@ -1,0 +1,137 @@
+"""The layer contract of the package (ARCHITECTURE.md), checked on the source: every import of a scaleattn module,
+at module or function level, points to a module earlier in the contract; no cycles; no module over 500 lines;
+lazy imports of siblings only in the CLI and the benchmarks; compat shims imported by nobody; ``__all__`` in
+every public module. A new module must be placed in ``CONTRACT`` (one line: which layer it belongs to)."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "scaleattn"
+
+#: the total order of the package: a module may import only modules listed before it
+CONTRACT = [
+    # L0: no scaleattn imports above L0
+    "_version", "errors", "_params", "_backend", "_storage", "_formats", "progress", "_testing",
+    # tensor attention: L0 only
+    "tensor._common", "tensor.exact", "tensor.bounds", "tensor.poly", "tensor.weights", "tensor",
+    # L1: features and datasets
+    "features", "dataset",
+    # L2: pure computation, arrays in, arrays out
+    "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "model",
+    # L3: Dask
+    "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
+    "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.cluster",
+    # L4: runs, text, the main job, front doors for data
+    "run", "plot", "report", "pipeline", "estimator", "importers", "generate",
+    # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
+    "submit", "baselines.models", "baselines.training", "baselines.paper", "baselines",
+    "bench", "bench.core", "bench.tensor", "bench.gpu", "bench.adamw", "cli",
+    "job", "cluster", "memory",
+]
+SHIMS = {"job", "cluster", "memory"}
+L0 = set(CONTRACT[:CONTRACT.index("_testing") + 1])
+LAZY_OK = ("cli", "bench")  # CLI start-up time; benchmarks import what each suite needs
+
+
+def _modules():
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        rel = p.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, mods) -> list[tuple[str, int, bool]]:
+    """(imported module, line, inside a function) for every import of a scaleattn module."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    funcs = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f)}
+    pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("scaleattn.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if not (node.module or "").startswith("scaleattn"):
+                    continue
+                base = (node.module or "").split(".")[1:]
+            else:
+                base = (pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg) + (
+                    node.module.split(".") if node.module else [])
+            targets = [".".join(base + [a.name]) for a in node.names] + [".".join(base)]
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.append((t, node.lineno, id(node) in funcs))
+    return found
+
+
+MODS = _modules()
+EDGES = {m: _imports(m, p, MODS) for m, p in MODS.items() if m}
+
+
+def test_every_module_is_placed_in_the_contract():
+    assert sorted(set(MODS) - set(CONTRACT) - {""}) == [], "add new modules to CONTRACT (say which layer)"
+    assert sorted(set(CONTRACT) - set(MODS)) == [], "CONTRACT lists modules that do not exist"
+
+
+def test_imports_point_down_the_layers():
+    rank = {m: i for i, m in enumerate(CONTRACT)}
+    bad = [f"{m}:{line} imports {t}" for m, es in EDGES.items() for t, line, _ in es if rank[t] >= rank[m]]
+    assert bad == []
+
+
+def test_tensor_uses_layer_zero_only():
+    bad = [f"{m} imports {t}" for m, es in EDGES.items() if m.startswith("tensor")
+           for t, _, _ in es if not (t in L0 or t.startswith("tensor"))]
+    assert bad == []
+
+
+def test_no_cycles():
+    # with a total order and only downward edges there can be none; checked directly all the same
+    seen, stack = {}, []
+
+    def visit(m):
+        seen[m] = 1
+        stack.append(m)
+        for t, _, _ in EDGES.get(m, []):
+            if seen.get(t) == 1:
+                pytest.fail(f"import cycle: {' -> '.join(stack[stack.index(t):] + [t])}")
+            if t not in seen:
+                visit(t)
+        seen[m] = 2
+        stack.pop()
+
+    for m in EDGES:
+        if m not in seen:
+            visit(m)
+
+
+def test_lazy_sibling_imports_only_in_cli_and_bench():
+    bad = [f"{m}:{line} imports {t} inside a function" for m, es in EDGES.items()
+           if not m.startswith(LAZY_OK) for t, line, lazy in es if lazy]
+    assert bad == []
+
+
+def test_compat_shims_are_imported_by_nobody():
+    bad = [f"{m} imports the shim {t}" for m, es in EDGES.items() for t, _, _ in es if t in SHIMS]
+    assert bad == []
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODS if m))
+def test_module_size_and_all(name):
+    path = MODS[name]
+    lines = path.read_text().count("\n")
+    assert lines <= 500, f"{name}: {lines} lines (split it along its seams)"
+    public = not any(part.startswith("_") for part in name.split(".")) and name not in ("bench",)
+    if public:
+        assert "__all__" in path.read_text(), f"{name}: public module without __all__"
