@@ -40,6 +40,32 @@ class Certificate:
     up to round-off: every least-squares fit computes the same function. ``ambiguous_dim = psi - rank``.
     ``spectrum_scaled`` (psi,): ascending eigenvalues of the Jacobi-scaled Gram (the rank decision uses these);
     ``eigenvalues`` (psi,) float64: ascending eigenvalues of ``Lambda_D`` itself (for plots; DESIGN §4).
+
+    Attributes
+    ----------
+    n_rows, psi, rank : int
+        Rows the statistics saw, features, numerical rank of the Jacobi-scaled Gram.
+    cutoff_rtol : float
+        The relative eigenvalue cutoff the rank uses.
+    lambda_min, lambda_max : float
+        Extreme eigenvalues of ``Lambda_D = G / N``.
+    lambda_min_scaled, condition_number : float
+        Smallest eigenvalue and condition number of the kept Jacobi-scaled spectrum.
+    spectrum_scaled : ndarray (psi,) or (2,)
+    eigenvalues : ndarray (psi,) or None
+        None on the Cholesky path (extreme eigenvalues only).
+
+    See Also
+    --------
+    certify : makes one from statistics.
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> stats = scaleattn.statistics_from_arrays(np.random.default_rng(1).standard_normal((300, 4, 2)))
+    >>> cert = scaleattn.certify(stats)
+    >>> cert.identifiable, cert.rank == cert.psi == 6, cert.lambda_min > 0
+    (True, True, True)
     """
 
     n_rows: int
@@ -126,6 +152,11 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
     ------
     ParameterError
         Empty statistics, an unknown solver, a cutoff outside (0, 1).
+
+    See Also
+    --------
+    scaleattn.certify_dataset : the certificate of a dataset (builds the Gram first).
+    ambiguity_witness : when it fails, two fits that disagree on an input.
 
     Examples
     --------

@@ -52,6 +52,27 @@ class Dataset:
         Samples per Zarr chunk of ``tokens``.
     fingerprint : str
         Shapes, chunking and the store's uid (identifies the content the checkpoints and task keys refer to).
+
+    Raises
+    ------
+    DatasetError
+        From :meth:`read`: a value that is not finite or a length outside ``[1, T]`` (naming the array and the
+        first bad sample); :class:`~scaleattn.errors.IntegrityError` when a chunk cannot be read.
+
+    See Also
+    --------
+    open_dataset : makes the handle (validating the structure).
+    write_dataset : writes arrays as a dataset.
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> ds = scaleattn.write_dataset("_doc_ds.zarr", np.ones((4, 3, 2)), np.ones((4, 2)), overwrite=True)
+    >>> ds.n_samples, ds.length, ds.d, ds.d_out, ds.causal
+    (4, 3, 2, 2, False)
+    >>> tokens, lengths, targets = ds.read(0, 2)
+    >>> tokens.shape, lengths, targets.shape
+    ((2, 3, 2), None, (2, 2))
     """
 
     store: Location
@@ -238,6 +259,10 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
     StorageError
         The store cannot be reached.
 
+    See Also
+    --------
+    write_dataset, scaleattn.generate.generate_mhla, scaleattn.importers.import_arrays : ways to make one.
+
     Examples
     --------
     >>> ds = open_dataset("data.zarr")  # doctest: +SKIP
@@ -409,10 +434,19 @@ def write_dataset(
     OutputExistsError
         ``url`` exists and ``overwrite`` is False.
 
+    See Also
+    --------
+    open_dataset : open an existing dataset.
+    scaleattn.importers.import_arrays : the same from a ``.npz`` file.
+
     Examples
     --------
     >>> import numpy as np
-    >>> ds = write_dataset("tiny.zarr", np.ones((4, 3, 2)), np.ones((4, 2)), overwrite=True)  # doctest: +SKIP
+    >>> rng = np.random.default_rng(0)
+    >>> ds = write_dataset("_doc_tiny.zarr", rng.standard_normal((8, 5, 2)), rng.standard_normal((8, 2)),
+    ...                    overwrite=True)
+    >>> ds.n_samples, ds.d_out
+    (8, 2)
     """
     loc = resolve(url, storage_options)
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)

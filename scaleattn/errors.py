@@ -34,7 +34,18 @@ class ParameterError(ScaleattnError):
 
 
 class DatasetError(ScaleattnError):
-    """A dataset is malformed; the message names the array and, where it applies, the first bad sample."""
+    """A dataset is malformed; the message names the array and, where it applies, the first bad sample.
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> bad = np.ones((3, 4, 2)); bad[1, 0, 0] = np.nan
+    >>> try:
+    ...     scaleattn.write_dataset("_doc_bad.zarr", bad, np.ones((3, 2)), overwrite=True)
+    ... except scaleattn.DatasetError as e:
+    ...     print(e)
+    tokens: sample 1 contains NaN or Inf
+    """
 
 
 class IntegrityError(DatasetError):

@@ -54,6 +54,17 @@ class MHLARegressor:
     coef_ : ndarray (psi, d_out)
     n_heads_ : int
 
+    Raises
+    ------
+    ParameterError
+        From :meth:`fit`: a parameter out of range or not one of its choices.
+    DatasetError
+        From :meth:`fit`: arrays of the wrong shape or dtype, or with NaN/Inf (naming the sample).
+
+    See Also
+    --------
+    scaleattn.fit : the same on a Zarr dataset, on a Dask cluster, with a run directory.
+
     Examples
     --------
     >>> from scaleattn.generate import make_mhla

@@ -182,6 +182,26 @@ def predict_rows(coef, s, x):
 def coef_distance(coef_a, coef_b) -> float:
     """``||c - c'||_F``, the paper's distance between two models' coefficients ([Y25] eq. 15; DESIGN §2).
 
+    Parameters
+    ----------
+    coef_a, coef_b : array (psi, d_out) float
+        Coefficients of two models (numpy or cupy, same shape).
+
+    Returns
+    -------
+    float
+        The Frobenius norm of the difference; 0 exactly when the two compute the same function
+        ([Y25] Cor. 2.4).
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not broadcast (numpy's error).
+
+    See Also
+    --------
+    scaleattn.compare_models : the same for two models' heads, with a verdict.
+
     Examples
     --------
     >>> import numpy as np

@@ -33,6 +33,28 @@ class MHLAModel:
     d : int
     causal : bool
         Whether the model was trained on prefixes (used as the default of :meth:`predict`).
+    attrs : dict
+        Free-form metadata saved with the model.
+
+    Raises
+    ------
+    ParameterError
+        :meth:`predict` on tokens of another ``d``.
+
+    See Also
+    --------
+    scaleattn.fit : fits one; :func:`model_from_statistics` from statistics.
+    scaleattn.compare_models : whether two models compute the same function.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.heads import coef_from_heads
+    >>> V, Q = np.ones((1, 2, 2)), np.eye(2)[None]
+    >>> model = MHLAModel(coef_from_heads(V, Q), V, Q, d=2)
+    >>> z = np.random.default_rng(0).standard_normal((3, 5, 2))
+    >>> bool(np.allclose(model.predict(z), model.predict(z, use_heads=True)))
+    True
     """
 
     coef: np.ndarray
@@ -150,15 +172,16 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None) -> Heads:
 
 
 def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
-                          solver: str = "auto") -> tuple[MHLAModel, Solution, Heads]:
+                          solver: str = "auto", gram=None) -> tuple[MHLAModel, Solution, Heads]:
     """Solve, certify and recover heads from statistics alone ([Y25] Algorithm 1): ``(model, solution, heads)``.
 
-    The feature Gram is expanded from the compact one once and shared by the solve and the head search. When
-    the heads cannot reproduce the fit (``heads=H`` below the minimal head count, :func:`heads_are_exact`) the
-    model's coefficients are the heads' own ``c(Theta)``: the model is the H-head model.
+    The feature Gram is expanded from the compact one once (or taken from ``gram``, which is not modified) and
+    shared by the solve and the head search. When the heads cannot reproduce the fit (``heads=H`` below the
+    minimal head count, :func:`heads_are_exact`) the model's coefficients are the heads' own ``c(Theta)``: the
+    model is the H-head model.
     """
     stats = stats.to_numpy()
-    G = stats.gram()
+    G = stats.gram() if gram is None else gram
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G)
     coef = sol.coef if heads_are_exact(h) else coef_from_heads(h.V, h.Q)

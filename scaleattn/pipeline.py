@@ -50,6 +50,22 @@ class FitResult:
     heads : Heads
     report : dict
         Every number of the fit (the keys of report.json, docs/report.md).
+
+    See Also
+    --------
+    fit : makes one.
+    scaleattn.run.read_run : the same numbers from a run directory.
+
+    Examples
+    --------
+    >>> import scaleattn
+    >>> from scaleattn.generate import generate_mhla
+    >>> ds = generate_mhla("_doc_fit.zarr", d=2, heads=1, length=20, samples=64, causal=True, overwrite=True)
+    >>> res = scaleattn.fit(ds, heads="minimal")
+    >>> res.certificate.identifiable, res.model.n_heads
+    (True, 1)
+    >>> print(res.summary().splitlines()[3])
+    certificate: IDENTIFIABLE: every least-squares fit computes the same function
     """
 
     model: MHLAModel
@@ -203,10 +219,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     times["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
     with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver)
+        stats = stats.to_numpy()
+        G = stats.gram()  # expanded once: the solve, the heads and the witness share it
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G)
+        report = _report(ds, stats, sol, h, model, G)
+        del G
     times["solve_and_heads"] = time.perf_counter() - t
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
-    report = _report(ds, stats, sol, h, model)
     if exact_mse:
         t = time.perf_counter()
         report["train_mse"] = evaluate(model, ds, client, progress=reporter)["mse"]
@@ -237,7 +256,7 @@ def _checkpoint_location(out: Location | None, checkpoint, storage_options) -> L
     return None if out is None else Location(out.url + ".checkpoint.zarr", out.storage_options)
 
 
-def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLAModel) -> dict:
+def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLAModel, gram) -> dict:
     """The report of a fit from its pieces (the keys of docs/report.md, but the timings and the exact MSE)."""
     cert = sol.certificate
     n_out = stats.n_rows * stats.d_out
@@ -255,7 +274,7 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
     }
     if h.sse is not None:
         report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
-    wit = ambiguity_witness(sol, stats)
+    wit = ambiguity_witness(sol, stats, gram)
     if wit is not None:
         report["witness"] = wit.summary()
     teacher = ds.teacher()
@@ -302,6 +321,11 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     ------
     ParameterError, DatasetError, InsufficientMemoryError
         As :func:`fit`, before any work.
+
+    See Also
+    --------
+    scaleattn.certify : the certificate of statistics you already have.
+    fit : with targets: coefficients, heads and the report too.
 
     Examples
     --------

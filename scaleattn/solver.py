@@ -59,6 +59,27 @@ class Solution:
     ``coef`` (psi, d_out) float64 is the paper's ``p(Theta)`` (DESIGN §2); ``certificate`` as above;
     ``null_basis`` (psi, ambiguous_dim) spans the coefficient directions the data do not determine;
     ``sse`` the sum of squared residuals from the statistics.
+
+    Attributes
+    ----------
+    coef : ndarray (psi, d_out) float64
+    certificate : Certificate
+    null_basis : ndarray (psi, psi - rank)
+    sse : float
+    ridge, effective_dof : float
+
+    See Also
+    --------
+    solve : makes one.
+
+    Examples
+    --------
+    >>> import scaleattn
+    >>> from scaleattn.generate import make_mhla
+    >>> data = make_mhla(d=2, heads=1, length=20, samples=100, causal=True)
+    >>> sol = scaleattn.solve(scaleattn.statistics_from_arrays(data["tokens"], data["targets"]))
+    >>> sol.rank, sol.null_basis.shape
+    (6, (6, 0))
     """
 
     coef: np.ndarray

@@ -17,6 +17,7 @@ import numpy as np
 from . import _formats
 from ._backend import get_xp, to_numpy
 from ._storage import atomic_output, resolve
+from .dataset import check_arrays
 from .errors import ParameterError
 from .features import (
     expand_compact_gram,
@@ -52,6 +53,34 @@ class Statistics:
         Number of rows (samples, or prefixes in causal mode).
     d : int
         Token dimension.
+
+    Raises
+    ------
+    ParameterError
+        Adding statistics of different ``(d, d_out)``.
+
+    See Also
+    --------
+    statistics_from_arrays : statistics of in-memory arrays.
+    scaleattn.compute_statistics : statistics of a dataset, on a Dask cluster.
+    scaleattn.solve, scaleattn.certify : what they are for.
+
+    Notes
+    -----
+    ``G = sum_i phi_i phi_i^T`` is never stored: :meth:`gram` expands it from ``Tc`` (DESIGN §3,
+    ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]``). The training loss of any coefficients follows from the
+    statistics alone (:meth:`sse`).
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> rng = np.random.default_rng(0)
+    >>> tokens, targets = rng.standard_normal((100, 5, 2)), rng.standard_normal((100, 2))
+    >>> a = scaleattn.statistics_from_arrays(tokens[:60], targets[:60])
+    >>> b = scaleattn.statistics_from_arrays(tokens[60:], targets[60:])
+    >>> both = scaleattn.statistics_from_arrays(tokens, targets)
+    >>> bool(np.allclose((a + b).gram_compact, both.gram_compact)), (a + b).n_rows
+    (True, 100)
     """
 
     gram_compact: np.ndarray
@@ -200,7 +229,44 @@ def _moments_update(moments, s, x, y) -> None:
 
 
 def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=None) -> Statistics:
-    """Statistics of in-memory arrays (numpy or cupy), no Dask. ``causal`` defaults to ``targets.ndim == 3``."""
+    """Sufficient statistics of in-memory arrays (numpy or cupy) in this process, no Dask (DESIGN §3).
+
+    Parameters
+    ----------
+    tokens : array (n, T, d), float
+        Token-major sequences (positions at or past ``lengths`` are padding).
+    targets : array (n, d_out) or (n, T, d_out), float, optional
+        Last-token or per-prefix targets; without them only the Gram is built (enough for the certificate).
+    lengths : array (n,), int, optional
+        Valid length of each sequence.
+    causal : bool, optional
+        Prefix mode; default ``targets.ndim == 3``.
+    block_rows : int, optional
+        Feature rows formed at a time (memory; the result does not depend on it beyond round-off).
+
+    Returns
+    -------
+    Statistics
+        On the arrays' device, float64.
+
+    Raises
+    ------
+    DatasetError
+        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`).
+
+    See Also
+    --------
+    scaleattn.compute_statistics : the same for a Zarr dataset, on a cluster.
+
+    Examples
+    --------
+    >>> from scaleattn.generate import make_mhla
+    >>> data = make_mhla(d=2, heads=1, length=10, samples=50, causal=True)
+    >>> st = statistics_from_arrays(data["tokens"], data["targets"])
+    >>> st.n_rows, st.psi, st.gram_compact.shape
+    (500, 6, (6, 3))
+    """
+    check_arrays(tokens, targets, lengths)
     if causal is None:
         causal = targets is not None and targets.ndim == 3
     xp = get_xp(tokens)

@@ -140,6 +140,20 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         ``checkpoint`` exists but belongs to another dataset, chunking, grouping, tiling or version.
     DatasetError
         Bad values in the dataset (naming the array and the sample).
+
+    See Also
+    --------
+    scaleattn.statistics_from_arrays : the same for in-memory arrays.
+    scaleattn.fit : statistics, solve, certificate and heads in one call.
+
+    Examples
+    --------
+    >>> import scaleattn
+    >>> from scaleattn.generate import generate_mhla
+    >>> ds = generate_mhla("_doc_stats.zarr", d=2, heads=1, length=10, samples=64, causal=True, overwrite=True)
+    >>> st = scaleattn.compute_statistics(ds)  # in this process; client= runs the same tree on a cluster
+    >>> st.n_rows, st.d_out
+    (640, 2)
     """
     reporter = as_reporter(progress)
     check_device(device)

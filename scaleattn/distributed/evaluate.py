@@ -55,10 +55,17 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     DatasetError
         Bad values in the dataset.
 
+    See Also
+    --------
+    scaleattn.fit : measures the training MSE this way (``exact_mse=True``).
+
     Examples
     --------
-    >>> r = evaluate(model, open_dataset("data.zarr"))  # doctest: +SKIP
-    >>> r["relative_mse"] < 1e-20  # doctest: +SKIP
+    >>> import scaleattn
+    >>> from scaleattn.generate import generate_mhla
+    >>> ds = generate_mhla("_doc_eval.zarr", d=2, heads=1, length=20, samples=64, causal=True, overwrite=True)
+    >>> res = scaleattn.fit(ds)
+    >>> scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20
     True
     """
     if not dataset.has_targets:
