@@ -1,7 +1,8 @@
-"""Every human-readable summary scaleattn prints (layer L4), so the CLI and a notebook show the same words.
+"""Every human-readable summary scaleattn prints (layer L0), so the CLI and a notebook show the same words.
 
 Each function takes the JSON-ready dict of a result (a fit's ``report``, ``Certificate.summary()``, the
-dict of :func:`~scaleattn.evaluate`, of :func:`~scaleattn.compare_models`) and returns lines of text.
+dict of :func:`~scaleattn.evaluate`, of :func:`~scaleattn.compare_models`) and returns text. Working on plain
+dicts keeps this module below every other: the result objects of every layer render through it.
 """
 from __future__ import annotations
 
