@@ -14,11 +14,13 @@ local processes (no cluster, no container engine). Used by ``tests/test_k8s_runt
   ``emptyDir.sizeLimit`` (mode 1777, like an emptyDir), private PID/IPC/UTS namespaces with the container's
   entrypoint (``tini``) as PID 1, the pod's ``runAsUser``/``runAsGroup``/``fsGroup`` as real host IDs
   (``setpriv``), every capability dropped (also from the bounding set) and no_new_privs
-  (``allowPrivilegeEscalation: false``), a cleared environment, ``/etc/hosts`` with the scheduler Service's
+  (``allowPrivilegeEscalation: false``), the ``RuntimeDefault`` seccomp profile approximated by a filter that
+  refuses the syscalls outside the runtimes' default allow-list (:data:`RUNTIME_DEFAULT_DENIED`, needs
+  python3-seccomp), a cleared environment, ``/etc/hosts`` with the scheduler Service's
   cluster DNS name. All pods of one job share one private network namespace that has only loopback (the
   "cluster network"); the S3 server (moto) runs in it too.
 
-What is NOT reproduced is listed in :data:`NOT_ENFORCED` (the tests print it).
+What is NOT reproduced is listed in ``Sandbox.not_enforced`` (the tests print it).
 """
 from __future__ import annotations
 
@@ -45,8 +47,28 @@ IMAGE_PREFIX = "/opt/scaleattn"  # VIRTUAL_ENV of deploy/docker/Dockerfile{,.cpu
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # PATH of the base images
 BUILDERS = ("build_scheduler_deployment_spec", "build_scheduler_service_spec", "build_worker_deployment_spec",
             "build_job_pod_spec", "build_default_worker_group_spec", "build_cluster_spec", "get_job_runner_pod_name")
+#: Syscalls outside the allow-list of the container runtimes' default seccomp profile (Docker's default.json,
+#: containerd/CRI-O's RuntimeDefault) that exist on x86_64: refused with EPERM in the sandbox.
+RUNTIME_DEFAULT_DENIED = (
+    "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "create_module", "delete_module", "finit_module",
+    "get_kernel_syms", "get_mempolicy", "init_module", "ioperm", "iopl", "kcmp", "kexec_file_load", "kexec_load",
+    "keyctl", "lookup_dcookie", "mbind", "mount", "move_pages", "name_to_handle_at", "nfsservctl",
+    "open_by_handle_at", "perf_event_open", "pivot_root", "process_vm_readv", "process_vm_writev", "ptrace",
+    "query_module", "quotactl", "reboot", "request_key", "set_mempolicy", "setns", "settimeofday", "swapon",
+    "swapoff", "sysfs", "_sysctl", "umount2", "unshare", "uselib", "userfaultfd", "ustat", "fsopen", "fsmount",
+    "fsconfig", "move_mount", "open_tree", "fspick")
+_SECCOMP_BPF = """
+import errno, sys, seccomp
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+for name in sys.argv[2:]:
+    try:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+    except Exception:
+        pass  # not a syscall of this architecture
+with open(sys.argv[1], "wb") as fh:
+    f.export_bpf(fh)
+"""
 NOT_ENFORCED = (
-    "seccompProfile RuntimeDefault: no seccomp filter is loaded",
     "resources.limits: not enforced (no cgroup delegation here); requests are not scheduled",
     "readinessProbe/livenessProbe: not run",
     "network: the pods share one loopback interface (no per-pod IP), so the second worker's dashboard port"
@@ -208,9 +230,11 @@ class PodProcess:
             except ProcessLookupError:
                 pass
 
-    def stop(self, grace: float = 30.0) -> int:
-        """SIGTERM, then SIGKILL after the termination grace period (Kubernetes' default 30 s)."""
-        self.signal(signal.SIGTERM)
+    def stop(self, grace: float = 30.0, term: bool = True) -> int:
+        """SIGTERM (once: ``term=False`` when it was sent already), then SIGKILL after the termination grace
+        period (Kubernetes' default 30 s)."""
+        if term:
+            self.signal(signal.SIGTERM)
         try:
             return self.popen.wait(grace)
         except subprocess.TimeoutExpired:
@@ -235,6 +259,21 @@ class Sandbox:
         self.s3_port = 5555
         self._image_dir = self.workdir / "image"
         self._make_image()
+        self.not_enforced = list(NOT_ENFORCED)
+        self._seccomp = self._make_seccomp()
+
+    def _make_seccomp(self) -> Path | None:
+        """The RuntimeDefault seccomp profile as a BPF program for bwrap --seccomp (libseccomp's Python binding,
+        Debian's python3-seccomp); None, and said in ``not_enforced``, where it cannot be made."""
+        path = self.workdir / "runtime-default.bpf"
+        proc = subprocess.run(["/usr/bin/python3", "-c", _SECCOMP_BPF, str(path), *RUNTIME_DEFAULT_DENIED],
+                              capture_output=True, text=True)
+        if proc.returncode or not path.exists():
+            why = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            self.not_enforced.insert(0, f"seccompProfile RuntimeDefault: no filter loaded (apt-get install"
+                                        f" python3-seccomp: {why})")
+            return None
+        return path
 
     # the stand-in for the image's /opt/scaleattn
     def _make_image(self) -> None:
@@ -263,7 +302,8 @@ class Sandbox:
             self.anchor = subprocess.Popen(
                 ["bwrap", "--dev-bind", "/", "/", "--unshare-net", "--die-with-parent", "--info-fd", str(w), "--",
                  sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.s3_port)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(w,))
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(w,),
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(w)
         info = _read_info(r, self.anchor, timeout=30)
         if info is None:
@@ -284,7 +324,8 @@ class Sandbox:
             raise RuntimeError(f"{argv[:4]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         return proc
 
-    def _bwrap_argv(self, pod: dict, container: dict, env: dict, argv: list[str], info_fd: int) -> list[str]:
+    def _bwrap_argv(self, pod: dict, container: dict, env: dict, argv: list[str], info_fd: int,
+                    seccomp_fd: int | None) -> list[str]:
         spec = pod["spec"]
         sec = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
         uid = int(sec.get("runAsUser", self.image["user"].split(":")[0]))
@@ -317,6 +358,9 @@ class Sandbox:
               "--clearenv"]
         for k, v in env.items():
             a += ["--setenv", k, v]
+        profile = {**spec.get("securityContext", {}), **container.get("securityContext", {})}.get("seccompProfile")
+        if profile and profile.get("type") == "RuntimeDefault" and seccomp_fd is not None:
+            a += ["--seccomp", str(seccomp_fd)]
         a += ["--info-fd", str(info_fd), "--", "setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(groups)}",
               "--inh-caps=-all", "--bounding-set=-all"]
         if sec.get("allowPrivilegeEscalation") is False:
@@ -333,11 +377,14 @@ class Sandbox:
         argv = container_argv(container, self.image, env)
         log = self.workdir / (f"{name}.log" if not attempt else f"{name}.restart{attempt}.log")
         r, w = os.pipe()
+        bpf = os.open(self._seccomp, os.O_RDONLY) if self._seccomp else None
         with open(log, "wb") as out:
-            popen = subprocess.Popen(self._in_netns() + self._bwrap_argv(pod, container, env, argv, w),
+            popen = subprocess.Popen(self._in_netns() + self._bwrap_argv(pod, container, env, argv, w, bpf),
                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     pass_fds=(w,), start_new_session=True)
+                                     pass_fds=(w,) + ((bpf,) if bpf is not None else ()), start_new_session=True)
         os.close(w)
+        if bpf is not None:
+            os.close(bpf)
         info = _read_info(r, popen, timeout=30)
         if info is None:
             popen.kill()
@@ -465,7 +512,7 @@ def stop_all(procs: list[PodProcess], grace: float = 30.0) -> dict[str, int]:
     codes: dict[str, int] = {}
 
     def one(p):
-        codes[p.name] = p.stop(grace)
+        codes[p.name] = p.stop(grace, term=False)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in procs]
     for t in threads:
@@ -473,71 +520,3 @@ def stop_all(procs: list[PodProcess], grace: float = 30.0) -> dict[str, int]:
     for t in threads:
         t.join()
     return codes
-
-
-# ------------------------------------------------------------------------------------------------ podman
-
-def podman_argv(pod: dict, image: str, secrets: dict[str, dict[str, str]], hosts: dict[str, str],
-                label: str = "scaleattn-build-local") -> list[str]:
-    """``podman run`` of a pod's container as a kubelet with a container runtime would start it: the image's
-    ENTRYPOINT, the pod's args and env (``$(VAR)`` expanded), its securityContext, emptyDirs and limits."""
-    name = pod["metadata"]["name"]
-    (c,) = pod["spec"]["containers"]
-    env = container_env(c, {"env": {}}, secrets, name)  # podman adds the image's ENV itself
-    env.pop("HOSTNAME")
-    sec = {**pod["spec"].get("securityContext", {}), **c.get("securityContext", {})}
-    uid = sec.get("runAsUser", 0)
-    a = ["podman", "run", "--name", name, "--label", label, "--pull", "never", "--network", "host", "--hostname", name,
-         "--user", f"{uid}:{sec.get('runAsGroup', uid)}", "--cap-drop", "ALL", "--shm-size", "64m"]
-    if "fsGroup" in sec:
-        a += ["--group-add", str(sec["fsGroup"])]
-    if sec.get("allowPrivilegeEscalation") is False:
-        a += ["--security-opt", "no-new-privileges"]
-    if sec.get("readOnlyRootFilesystem"):
-        a += ["--read-only", "--read-only-tmpfs=false"]
-    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
-    for m in c.get("volumeMounts", []):
-        size = volumes[m["name"]]["emptyDir"].get("sizeLimit")
-        a += ["--tmpfs", f"{m['mountPath']}:rw,mode=1777" + (f",size={_quantity(size)}" if size else "")]
-    limits = c.get("resources", {}).get("limits", {})
-    if "memory" in limits:
-        a += ["--memory", str(_quantity(limits["memory"]))]
-    if "cpu" in limits:
-        cpu = str(limits["cpu"])
-        a += ["--cpus", str(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))]
-    for h, ip in hosts.items():
-        a += ["--add-host", f"{h}:{ip}"]
-    for k, v in env.items():
-        a += ["--env", f"{k}={v}"]
-    if "command" in c:
-        a += ["--entrypoint", json.dumps(c["command"])]
-    if pod["metadata"].get("labels", {}).get("dask.org/component") != "job-runner":
-        a.append("--detach")
-    return a + [image] + [expand(x, env) for x in c.get("args", [])]
-
-
-def _main(argv: list[str]) -> int:
-    """``python tests/k8s_pods.py podman IMAGE OUT``: one ``ROLE ARGV`` line per pod of the cpu DaskJob
-    (scheduler, workers, runner), for deploy/docker/build-local.sh; S3 settings from the AWS_* environment."""
-    if len(argv) != 3 or argv[0] != "podman":
-        print(_main.__doc__, file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(ROOT))
-    from scaleattn import submit
-
-    image, out = argv[1], argv[2]
-    job = submit.render_daskjob("s3://scaleattn/datasets/example.zarr", out, image=image, name="scaleattn-fit",
-                                workers=2)
-    pods = operator_pods(job)
-    svc = pods["service"]["metadata"]["name"]
-    hosts = {f"{svc}.default.svc.cluster.local": "127.0.0.1"}
-    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
-    secrets = {submit.DEFAULT_SECRET: {k: os.environ[k] for k in keys if k in os.environ}}
-    for role, pod in [("scheduler", pods["scheduler"]), *[("worker", p) for p in pods["workers"]],
-                      ("runner", pods["runner"])]:
-        print(role, shlex.join(podman_argv(pod, image, secrets, hosts)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
