@@ -441,38 +441,6 @@ while True:
         time.sleep(0.2)
 """
 
-# S3 look-ups made inside the network namespace (python -c; argv: endpoint, command, args)
-S3_TOOL = """
-import json, sys, time, boto3
-s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1",
-                  aws_access_key_id="testing", aws_secret_access_key="testing")
-cmd, args = sys.argv[2], sys.argv[3:]
-def keys(prefix):
-    bucket, _, pre = prefix.partition("/")
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre):
-        out += [o["Key"] for o in page.get("Contents", [])]
-    return out
-if cmd == "mb":
-    s3.create_bucket(Bucket=args[0])
-elif cmd == "ls":
-    print(json.dumps(keys(args[0])))
-elif cmd == "cat":
-    bucket, _, key = args[0].partition("/")
-    sys.stdout.write(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
-elif cmd == "wait":  # until a key under the prefix exists
-    deadline = time.monotonic() + float(args[1])
-    while not keys(args[0]):
-        if time.monotonic() > deadline:
-            sys.exit(f"no key under {args[0]} after {args[1]} s")
-        time.sleep(0.2)
-"""
-
-
-def s3(sandbox: Sandbox, *args: str, timeout: float = 120) -> str:
-    return sandbox.run_host([sys.executable, "-c", S3_TOOL, sandbox.s3_endpoint, *args], timeout=timeout).stdout
-
-
 class Deployment:
     """A pod of a Deployment (restartPolicy Always): the kubelet restarts its container when it exits, after
     10 s, 20 s, 40 s, ... (at most 300 s; CrashLoopBackOff)."""

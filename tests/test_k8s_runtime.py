@@ -1,12 +1,13 @@
 """Run-time test of deploy/kubernetes: the cpu overlay, rendered by kustomize, turned into the pods the
 dask-kubernetes operator creates (its own builder functions) and run as sandboxed processes (``k8s_pods``:
-bubblewrap, read-only root, the pods' UID, no capabilities, one private loopback-only network namespace)
-against a moto S3 server holding a small generated dataset.
+bubblewrap, read-only root, the pods' UID, no capabilities, the RuntimeDefault seccomp profile approximated,
+tini as PID 1, one private loopback-only network namespace) against a moto S3 server holding a small generated
+dataset. A probe pod first checks that isolation itself.
 
 Scenarios: the happy path; the runner first and the scheduler 60 s later; no workers at all (the runner must
 fail within the manifest's bound, with one clear line); SIGTERM to every pod (clean stop, checkpoint kept) and
-a rerun of the same manifest that resumes. Needs root, bubblewrap and util-linux (``.ci/run`` installs them);
-skips with the reason otherwise. About 3 to 4 minutes on 2 cores.
+a rerun of the same manifest that resumes. Needs root, bubblewrap, tini and util-linux, and python3-seccomp for
+the seccomp filter (``.ci/run`` installs them); skips with the reason otherwise. About 4 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -38,6 +39,38 @@ TEST_WORKER_TIMEOUT = 20  # the no-workers scenario shortens the manifest's boun
 STARTUP_SLACK = 45.0  # interpreter start-up and the dataset check before the runner starts waiting
 
 
+# S3 look-ups made inside the network namespace (python -c; argv: endpoint, command, args)
+S3_TOOL = """
+import json, sys, time, boto3
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1",
+                  aws_access_key_id="testing", aws_secret_access_key="testing")
+cmd, args = sys.argv[2], sys.argv[3:]
+def keys(prefix):
+    bucket, _, pre = prefix.partition("/")
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=pre):
+        out += [o["Key"] for o in page.get("Contents", [])]
+    return out
+if cmd == "mb":
+    s3.create_bucket(Bucket=args[0])
+elif cmd == "ls":
+    print(json.dumps(keys(args[0])))
+elif cmd == "cat":
+    bucket, _, key = args[0].partition("/")
+    sys.stdout.write(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode())
+elif cmd == "wait":  # until a key under the prefix exists
+    deadline = time.monotonic() + float(args[1])
+    while not keys(args[0]):
+        if time.monotonic() > deadline:
+            sys.exit(f"no key under {args[0]} after {args[1]} s")
+        time.sleep(0.2)
+"""
+
+
+def s3(sandbox, *args: str, timeout: float = 120) -> str:
+    return sandbox.run_host([sys.executable, "-c", S3_TOOL, sandbox.s3_endpoint, *args], timeout=timeout).stdout
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
     why = k8s_pods.missing_tools()
@@ -59,7 +92,7 @@ def sandbox(tmp_path_factory):
     example = yaml.safe_load((K8S / "base" / "s3-secret.example.yaml").read_text())["stringData"]
     box.secrets[SECRET] = {**{k: "testing" for k in example}, "AWS_DEFAULT_REGION": "us-east-1",
                            "AWS_ENDPOINT_URL": box.s3_endpoint}
-    k8s_pods.s3(box, "mb", BUCKET)
+    s3(box, "mb", BUCKET)
     box.run_host([sys.executable, "-m", "scaleattn.cli", "generate", "mhla", EXAMPLE_DATASET, "--d", str(D),
                   "--heads", "2", "--samples", str(N_SAMPLES), "--length", str(LENGTH), "--chunk-samples", str(CHUNK),
                   "--storage-option", f"endpoint_url={box.s3_endpoint}"], env=box.secrets[SECRET])
@@ -127,12 +160,12 @@ def run_job(box, job, *, scheduler_delay: float = 0.0, workers: bool = True, cap
 
 
 def outputs(box, out: str) -> dict:
-    keys = json.loads(k8s_pods.s3(box, "ls", out.removeprefix("s3://")))
+    keys = json.loads(s3(box, "ls", out.removeprefix("s3://")))
     report = None
     if f"{out.split('/', 3)[3]}/report.json" in keys:
-        report = json.loads(k8s_pods.s3(box, "cat", f"{out.removeprefix('s3://')}/report.json"))
+        report = json.loads(s3(box, "cat", f"{out.removeprefix('s3://')}/report.json"))
     # chunk keys of the done mask (Zarr v3: done/c/<group>/<tile>), written once a row group's partial is stored
-    ckpt = json.loads(k8s_pods.s3(box, "ls", out.removeprefix("s3://") + ".checkpoint.zarr/done/c/"))
+    ckpt = json.loads(s3(box, "ls", out.removeprefix("s3://") + ".checkpoint.zarr/done/c/"))
     return {"keys": keys, "report": report, "checkpoint_done": len(ckpt)}
 
 
@@ -253,7 +286,7 @@ def test_sigterm_to_every_pod_keeps_the_checkpoint_and_a_rerun_resumes(sandbox):
     worker = job["spec"]["cluster"]["spec"]["worker"]["spec"]["containers"][0]
     worker.setdefault("env", []).append({"name": "SCALEATTN_TEST_TASK_DELAY", "value": str(TASK_DELAY)})
     done_prefix = out.removeprefix("s3://") + ".checkpoint.zarr/done/c/"  # a finished row group
-    res = run_job(sandbox, job, interrupt_when=lambda: k8s_pods.s3(sandbox, "wait", done_prefix, "150",
+    res = run_job(sandbox, job, interrupt_when=lambda: s3(sandbox, "wait", done_prefix, "150",
                                                                      timeout=200))
     codes = res["interrupted"]
     assert codes is not None and res["ended"], _why(res)
