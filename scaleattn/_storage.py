@@ -58,14 +58,14 @@ def parse_storage_options(options) -> dict | None:
     return out
 
 
-def storage_option_pairs(pairs) -> dict[str, str]:
+def storage_option_pairs(pairs, option: str = "--storage-option") -> dict[str, str]:
     """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` as text (no parsing of the values); the first step of
     :func:`parse_storage_options`, also used by ``scaleattn submit`` to pass them on unchanged. Raises
-    :class:`ParameterError` for a pair without ``=`` or with an empty key."""
+    :class:`ParameterError` for a pair without ``=`` or with an empty key (naming ``option``)."""
     out = {}
     for p in pairs or []:
         if not isinstance(p, str) or "=" not in p or not p.split("=", 1)[0]:
-            raise ParameterError(f"--storage-option expects KEY=VALUE, got {p!r}")
+            raise ParameterError(f"{option} expects KEY=VALUE, got {p!r}")
         k, v = p.split("=", 1)
         out[k] = v
     return out

@@ -39,11 +39,27 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
 def _add_cluster_args(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--scheduler", metavar="ADDRESS",
                    help="join a running Dask scheduler (tcp://HOST:8786 or tls://...); default $DASK_SCHEDULER_ADDRESS,"
                         " else an embedded local cluster")
+    g.add_argument("--scheduler-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="keep trying to reach --scheduler this long (default: dask's distributed.comm.timeouts.connect,"
+                        " 30 s); for jobs whose scheduler may start after the client")
+    g.add_argument("--worker-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="with --scheduler: fail unless a worker joins within this time (default: no wait)")
     g.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="worker processes of the embedded cluster (default: one per core)")
     g.add_argument("--threads-per-worker", type=_positive_int, default=1, metavar="N",
@@ -208,7 +224,8 @@ def _cluster(args, reporter=None):
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
     return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
-                   quiet=args.quiet, progress=reporter)
+                   quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
+                   worker_timeout=args.worker_timeout)
 
 
 def _reporter(args):
@@ -372,16 +389,48 @@ COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "
             "submit": _cmd_submit}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Kubernetes deletes the pod, a node drains): unwinds like Ctrl-C, not caught by ``except Exception``."""
+
+
+def _on_sigterm(signum, frame):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process
+    raise Terminated()
+
+
 def main(argv=None) -> int:
-    """Entry point of the ``scaleattn`` command; returns the exit code (0 ok, 2 our error, 1 a bug, 130 Ctrl-C)."""
+    """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
+    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
+    import signal
+    import threading
+
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
+    import signal
+
     try:
         return COMMANDS[args.command](args)
-    except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store
+    except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
         if args.debug:
             raise
         print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Terminated:
+        resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
+        print(f"scaleattn {args.command}: stopped by SIGTERM" + (resume if args.command == "fit" else ""),
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"scaleattn {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 __all__ = [
     "ScaleattnError", "ParameterError", "DatasetError", "StorageError", "FormatError", "OutputExistsError",
-    "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "SubmitError",
+    "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
+    "SubmitError",
     "IntegrityError",
 ]
 
@@ -115,6 +116,10 @@ def install_hint(extra: str, packages: str) -> str:
         editable = "-e " if info["dir_info"].get("editable") else ""
         return f"pip install {editable}'{url[len('file://'):]}[{extra}]'"
     return f"pip install 'scaleattn[{extra}]'"
+
+
+class ClusterError(ScaleattnError, RuntimeError):
+    """The Dask cluster could not be reached, or has no workers, within the configured time."""
 
 
 class SubmitError(ScaleattnError, RuntimeError):

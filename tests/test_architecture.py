@@ -25,7 +25,8 @@ CONTRACT = [
     # L4: runs, text, the main job, front doors for data
     "run", "plot", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
-    "submit", "baselines.models", "baselines.training", "baselines.paper", "baselines",
+    "submit.manifest", "submit.follow", "submit.command", "submit",
+    "baselines.models", "baselines.training", "baselines.paper", "baselines",
     "bench", "bench.core", "bench.tensor", "bench.gpu", "bench.adamw", "cli",
     "job", "cluster", "memory",
 ]

@@ -30,7 +30,8 @@ from scaleattn import submit  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = {"cpu": 0, "gpu": 1}  # overlay -> GPUs per worker pod
+OVERLAYS = {"cpu": 0, "gpu": 1, "gpu-node-selector": 1}  # overlay -> GPUs per worker pod
+NODE_SELECTORS = {"gpu-node-selector": submit.GPU_FEATURE_DISCOVERY_SELECTOR}  # overlay -> worker nodeSelector
 # the per-run values the overlays carry (kept in step with deploy/kubernetes/overlays/*/kustomization.yaml)
 EXAMPLE_DATASET = "s3://scaleattn/datasets/example.zarr"
 EXAMPLE_OUT = "s3://scaleattn/runs/example"
@@ -39,6 +40,12 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+@pytest.fixture(autouse=True)
+def _registry(monkeypatch):
+    """The default image needs a registry (there is no public image): the overlays' placeholder one."""
+    monkeypatch.setenv(submit.REGISTRY_ENV, submit.EXAMPLE_REGISTRY)
+
 
 def drop_nulls(obj):
     """Remove None values (and keys holding them) recursively: the API server drops null fields."""
@@ -212,7 +219,8 @@ def test_overlay_equals_submit_rendering(overlay):
     job = rendered_job(overlay)
     gpus = OVERLAYS[overlay]
     expected = submit.render_daskjob(EXAMPLE_DATASET, EXAMPLE_OUT, gpus=gpus, workers=EXAMPLE_WORKERS,
-                                     image=submit.default_image(gpus), name=submit.DEFAULT_NAME)
+                                     image=submit.default_image(gpus, submit.EXAMPLE_REGISTRY),
+                                     name=submit.DEFAULT_NAME, node_selector=NODE_SELECTORS.get(overlay))
     expected["metadata"].pop("namespace")  # the overlays leave the namespace to `kubectl apply -n`
     assert drop_nulls(job) == expected
 
@@ -247,10 +255,14 @@ def test_overlay_runner_scheduler_and_workers(overlay):
     job = rendered_job(overlay)
     name = job["metadata"]["name"]
     runner = pods_of(job)["runner"]["containers"][0]
-    assert runner["args"][:7] == ["scaleattn", "fit", "$(DATASET)", "--out", "$(OUT)", "--scheduler",
-                                  "$(DASK_SCHEDULER_ADDRESS)"]
+    assert runner["args"] == ["scaleattn", "fit", "$(DATASET)", "--out", "$(OUT)", "--scheduler",
+                              "$(DASK_SCHEDULER_ADDRESS)", "--scheduler-timeout", str(submit.SCHEDULER_TIMEOUT),
+                              "--worker-timeout", str(submit.WORKER_TIMEOUT), "--resume"]
+    assert submit.SCHEDULER_TIMEOUT >= 180  # measured: a 180 s wait makes a scheduler 60 s late harmless
     env = {e["name"]: e["value"] for e in runner["env"]}
-    assert env == {"DATASET": EXAMPLE_DATASET, "OUT": EXAMPLE_OUT}
+    scheduler = pods_of(job)["scheduler"]["containers"][0]
+    sched_env = {e["name"]: e["value"] for e in scheduler["env"]}
+    assert sched_env["DASK_DISTRIBUTED__SCHEDULER__NO_WORKERS_TIMEOUT"] == f"{submit.WORKER_TIMEOUT}s"
     service = job["spec"]["cluster"]["spec"]["scheduler"]["service"]
     # the operator names the cluster after the job: the Service must select this cluster's scheduler only
     assert service["selector"] == {"dask.org/cluster-name": name, "dask.org/component": "scheduler"}
@@ -258,18 +270,29 @@ def test_overlay_runner_scheduler_and_workers(overlay):
     worker_pod = pods_of(job)["worker"]
     worker = worker_pod["containers"][0]
     assert job["spec"]["cluster"]["spec"]["worker"]["replicas"] == EXAMPLE_WORKERS
+    images = {c["image"] for p in pods_of(job).values() for c in p["containers"]}
+    assert len(images) == 1 and submit.registry_of(images.pop()) == "registry.example.com"
     if OVERLAYS[overlay]:
+        assert env == {"DATASET": EXAMPLE_DATASET, "OUT": EXAMPLE_OUT, "NVIDIA_VISIBLE_DEVICES": "void"}
+        assert sched_env["NVIDIA_VISIBLE_DEVICES"] == "void"  # the CUDA image's "all" must not reach them
         assert worker["args"][:3] == ["dask", "cuda", "worker"]
+        assert "NVIDIA_VISIBLE_DEVICES" not in str(worker)  # the device plugin sets it for the allocated GPUs
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert worker["resources"]["requests"]["nvidia.com/gpu"] == "1"
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in worker_pod["tolerations"]
-        assert worker_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        tolerations = worker_pod["tolerations"]
+        # any nvidia.com/gpu taint (any value, any effect: NoSchedule and NoExecute) and AKS's sku=gpu
+        assert {"key": "nvidia.com/gpu", "operator": "Exists"} in tolerations
+        assert {"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"} in tolerations
+        # node selection only where asked for: most clusters with only the device plugin lack the GFD label
+        assert worker_pod.get("nodeSelector") == NODE_SELECTORS.get(overlay)
         assert all(c["image"].endswith("-gpu") for p in pods_of(job).values() for c in p["containers"])
         for role in ("runner", "scheduler"):  # no GPU held by the pods that do not compute
             assert "nvidia.com/gpu" not in str(pods_of(job)[role])
     else:
+        assert env == {"DATASET": EXAMPLE_DATASET, "OUT": EXAMPLE_OUT}
         assert worker["args"][:2] == ["dask", "worker"]
-        assert "nvidia.com/gpu" not in str(job)
+        assert "nvidia.com/gpu" not in str(job) and "NVIDIA" not in str(job)
+        assert "nodeSelector" not in worker_pod and "tolerations" not in worker_pod
         assert all(c["image"].endswith("-cpu") for p in pods_of(job).values() for c in p["containers"])
 
 
@@ -343,9 +366,11 @@ def test_submit_dry_run_validates_and_carries_the_options(capsys):
         "registry.example.com/ml/scaleattn:1.2.3-gpu"}
     runner = pods_of(job)["runner"]["containers"][0]
     assert {e["name"]: e["value"] for e in runner["env"]} == {"DATASET": "s3://data/ds.zarr",
-                                                              "OUT": "s3://results/run1"}
-    assert runner["args"][7:] == ["--storage-option", "endpoint_url=https://minio.example:9000",
-                                  "--storage-option", "anon=false", "--heads", "minimal", "--resume"]
+                                                              "OUT": "s3://results/run1",
+                                                              "NVIDIA_VISIBLE_DEVICES": "void"}
+    assert runner["args"][7:12] == ["--scheduler-timeout", "300", "--worker-timeout", "900", "--resume"]
+    assert runner["args"][12:] == ["--storage-option", "endpoint_url=https://minio.example:9000",
+                                   "--storage-option", "anon=false", "--heads", "minimal", "--resume"]
 
 
 def test_submit_dry_run_cpu_defaults(capsys):
@@ -355,7 +380,51 @@ def test_submit_dry_run_cpu_defaults(capsys):
     assert job["metadata"]["namespace"] == "default"
     assert job["spec"]["cluster"]["spec"]["worker"]["replicas"] == 2
     assert "nvidia.com/gpu" not in str(job)
-    assert {c["image"] for p in pods_of(job).values() for c in p["containers"]} == {submit.default_image(0)}
+    assert {c["image"] for p in pods_of(job).values() for c in p["containers"]} == {
+        f"registry.example.com/ml/scaleattn:{submit.manifest.__version__}-cpu"}  # from $SCALEATTN_REGISTRY
+
+
+def test_submit_options_bounds_node_selector_deadline(capsys):
+    job = dry_run(capsys, ["s3://data/ds.zarr", "--out", "s3://r/x", "--gpus", "1", "--registry",
+                           "localhost:5000/team/", "--node-selector", "nvidia.com/gpu.present=true",
+                           "--node-selector", "pool=a100", "--scheduler-timeout", "600", "--worker-timeout", "1200",
+                           "--deadline", "86400", "--dry-run"])
+    validate_daskjob(job)
+    assert {c["image"] for p in pods_of(job).values() for c in p["containers"]} == {
+        f"localhost:5000/team/scaleattn:{submit.manifest.__version__}-gpu"}
+    worker = pods_of(job)["worker"]
+    assert worker["nodeSelector"] == {"nvidia.com/gpu.present": "true", "pool": "a100"}
+    runner = pods_of(job)["runner"]
+    assert runner["activeDeadlineSeconds"] == 86400
+    assert runner["containers"][0]["args"][7:11] == ["--scheduler-timeout", "600", "--worker-timeout", "1200"]
+    sched = pods_of(job)["scheduler"]["containers"][0]
+    assert {"name": "DASK_DISTRIBUTED__SCHEDULER__NO_WORKERS_TIMEOUT", "value": "1200s"} in sched["env"]
+
+
+def test_submit_refuses_an_image_without_registry(monkeypatch, capsys):
+    monkeypatch.delenv(submit.REGISTRY_ENV)
+    rc = submit.run(submit_parser().parse_args(["s3://data/ds.zarr", "--out", "s3://r/x", "--dry-run"]))
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "no image given: pass --image REGISTRY/scaleattn:" in err and "--registry" in err
+    for bad in ("scaleattn", "team/images"):  # Docker Hub names, not a registry host
+        rc = submit.run(submit_parser().parse_args(["s3://d/ds.zarr", "--out", "s3://r/x", "--registry", bad,
+                                                    "--dry-run"]))
+        assert rc == 2 and "must start with a registry host" in capsys.readouterr().err
+    # an explicit image without a registry is the user's choice (preloaded nodes, a mirror): a clear warning
+    job = dry_run(capsys, ["s3://d/ds.zarr", "--out", "s3://r/x", "--image", "scaleattn:dev", "--dry-run"])
+    assert pods_of(job)["runner"]["containers"][0]["image"] == "scaleattn:dev"
+    rc = submit.run(submit_parser().parse_args(["s3://d/ds.zarr", "--out", "s3://r/x", "--image", "scaleattn:dev",
+                                                "--dry-run"]))
+    err = capsys.readouterr().err
+    assert rc == 0 and "warning: image 'scaleattn:dev' names no registry" in err
+
+
+@pytest.mark.parametrize("image, registry", [("registry.example.com/ml/scaleattn:1", "registry.example.com"),
+                                             ("localhost/scaleattn:1", "localhost"), ("host:5000/x", "host:5000"),
+                                             ("scaleattn:1", None), ("library/scaleattn", None)])
+def test_registry_of(image, registry):
+    assert submit.registry_of(image) == registry
 
 
 def test_submit_through_the_cli(capsys):
@@ -387,6 +456,13 @@ def test_submit_through_the_cli(capsys):
     (dict(fit_args=["--scheduler", "tcp://x:8786"]), "set by the DaskJob"),
     (dict(fit_args="--heads 2"), "list of strings"),
     (dict(image="bad image"), "image must be"),
+    (dict(scheduler_timeout=0), "scheduler timeout must be >= 1"),
+    (dict(worker_timeout=2.5), "worker timeout must be an integer"),
+    (dict(deadline=0), "deadline must be >= 1"),
+    (dict(node_selector={"bad key!": "x"}), "not a valid label key"),
+    (dict(node_selector={"pool": "a b"}), "not a valid label value"),
+    (dict(fit_args=["--worker-timeout=5"]), "set by the DaskJob"),
+    (dict(registry="scaleattn"), "must start with a registry host"),
 ])
 def test_render_rejects_bad_options(kwargs, match):
     args = dict(dataset="s3://b/ds.zarr", out="s3://b/run")
@@ -423,7 +499,7 @@ def test_submit_without_cluster_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert "no Kubernetes cluster reachable" in err and len(err.strip().splitlines()) == 1
 
 
-def _fake_kr8s(monkeypatch, *, secrets=("scaleattn-s3",), create_error=None, statuses=()):
+def _fake_kr8s(monkeypatch, *, secrets=("scaleattn-s3",), create_error=None, statuses=(), runner_exit=None):
     """A stand-in for kr8s (no cluster here): records the created object, replays job statuses."""
     import sys
     import types
@@ -462,7 +538,21 @@ def _fake_kr8s(monkeypatch, *, secrets=("scaleattn-s3",), create_error=None, sta
                 self.raw = {**self.raw, "status": {"jobStatus": next(replay)}}
         return Job
 
-    objects.Secret, objects.new_class = Secret, new_class
+    class Pod:  # the runner pod, kept after the job ends
+        def __init__(self, name):
+            self.name = name
+            state = {"terminated": {"exitCode": runner_exit}} if runner_exit is not None else {"running": {}}
+            self.raw = {"status": {"containerStatuses": [{"name": "runner", "state": state}]}}
+
+        @classmethod
+        def get(cls, name, namespace=None, api=None):
+            return cls(name)
+
+        def logs(self, container=None, tail_lines=None):
+            assert container == "runner"
+            yield from ["fitting ...", "scaleattn fit: error: the last line"][-tail_lines:]
+
+    objects.Secret, objects.new_class, objects.Pod = Secret, new_class, Pod
     kr8s.objects = objects
     monkeypatch.setitem(sys.modules, "kr8s", kr8s)
     monkeypatch.setitem(sys.modules, "kr8s.objects", objects)
@@ -495,6 +585,22 @@ def test_apply_errors_are_one_line(monkeypatch, setup, match):
     with pytest.raises(submit.SubmitError, match=match) as info:
         submit.apply_daskjob(job, follow=False, log=lambda m: None)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("final, code", [("Failed", 2), ("Failed", 137), ("Successful", 0)])
+def test_submit_wait_exits_with_the_runners_code(monkeypatch, capsys, final, code):
+    _fake_kr8s(monkeypatch, statuses=["Running", final], runner_exit=code)
+    monkeypatch.setattr(submit.follow.time, "sleep", lambda s: None)
+    rc = submit.run(submit_parser().parse_args(["s3://b/ds.zarr", "--out", "s3://b/run", "--name", "w", "--wait"]))
+    err = capsys.readouterr().err
+    assert rc == code
+    assert ("runner exited with code" in err and "scaleattn fit: error: the last line" in err) == bool(code)
+
+
+def test_submit_wait_refuses_no_follow_and_timeout(capsys):
+    for extra in (["--no-follow"], ["--timeout", "60"]):
+        rc = submit.run(submit_parser().parse_args(["s3://b/ds.zarr", "--out", "s3://b/run", "--wait", *extra]))
+        assert rc == 2 and "--wait follows the job to its end" in capsys.readouterr().err
 
 
 def test_yaml_round_trip():
@@ -542,6 +648,10 @@ def test_dockerfile(dockerfile, extras):
     used = set(re.search(r'"/src\[([^\]]*)\]"', installs[0]).group(1).split(","))
     assert used == extras and used <= set(project["optional-dependencies"])
     assert "--constraint /tmp/constraints.txt" in installs[0]
+    # the dashboard's /metrics needs prometheus_client; a `# syntax=` directive makes BuildKit fetch a frontend image
+    assert re.search(r'"/src\[[^\]]*\]" prometheus_client ', installs[0]), installs[0]
+    assert "import scaleattn, s3fs, bokeh, prometheus_client" in (DOCKER / dockerfile).read_text()
+    assert not re.search(r"(?im)^#\s*syntax\s*=", (DOCKER / dockerfile).read_text())
     entry = [rest for w, rest in ins if w == "ENTRYPOINT"]
     assert entry and "tini" in entry[-1]
     # what the images copy is in the build context (.dockerignore allow-list)
@@ -566,9 +676,26 @@ def test_constraints_pin_everything_the_images_install():
             pins[re.sub(r"[-_.]+", "-", name.lower())] = Version(version)
     project = _pyproject()
     reqs = project["dependencies"] + project["optional-dependencies"]["gpu"] + project["optional-dependencies"]["s3"]
-    reqs += ["cuda-bindings>=12,<13", "bokeh>=3.1", "pip", "setuptools>=68", "wheel"]
+    reqs += ["cuda-bindings>=12,<13", "bokeh>=3.1", "prometheus_client", "pip", "setuptools>=68", "wheel"]
     for text in reqs:
         req = packaging.Requirement(text)
         key = re.sub(r"[-_.]+", "-", req.name.lower())
         assert key in pins, f"{req.name} is not pinned in deploy/docker/constraints.txt"
         assert req.specifier.contains(pins[key], prereleases=True), f"pin {key}=={pins[key]} violates {text}"
+
+
+def test_operator_version_is_pinned_in_the_docs_and_ci():
+    """docs/kubernetes.md installs one operator chart version, CI validates against that release's CRDs."""
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    helm = re.findall(r"helm install[^`]*?dask-kubernetes-operator[^`]*", docs)
+    assert helm, "no helm install of the operator in docs/kubernetes.md"
+    pins = {m for h in helm for m in re.findall(r"--version\s+(\S+)", h)}
+    assert len(pins) == 1 and all(re.fullmatch(r"\d{4}\.\d+\.\d+", p) for p in pins), helm
+    (pin,) = pins
+    assert f"dask-kubernetes=={pin}" in (ROOT / ".ci" / "run").read_text()
+    try:
+        from importlib.metadata import version
+        installed = version("dask-kubernetes")
+    except Exception:
+        pytest.skip("dask-kubernetes is not installed")
+    assert installed == pin, f"installed dask-kubernetes {installed} (its CRDs are validated) != documented {pin}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..errors import InputNotFoundError, MissingDependencyError, ParameterError
+from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
 from .memory import worker_config
 
@@ -53,7 +53,8 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
 
 @contextlib.contextmanager
 def connect(scheduler: str | None = None, workers: int | None = None, threads_per_worker: int = 1,
-            gpus: int | None = None, security=None, quiet: bool = False, progress=None):
+            gpus: int | None = None, security=None, quiet: bool = False, progress=None,
+            scheduler_timeout: float | None = None, worker_timeout: float | None = None):
     """Yield a ``distributed.Client`` for one job and close what this call started.
 
     Parameters
@@ -74,6 +75,12 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Do not print the cluster line (workers, dashboard link).
     progress : Reporter, optional
         Where the cluster line goes (default: stderr through :class:`~scaleattn.progress.ConsoleReporter`).
+    scheduler_timeout : float, optional
+        Seconds to keep trying to reach ``scheduler`` (default: the dask config
+        ``distributed.comm.timeouts.connect``, 30 s): a scheduler that starts after this process (a Kubernetes
+        job's pods start in any order) is waited for.
+    worker_timeout : float, optional
+        With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here).
 
     Yields
     ------
@@ -85,6 +92,9 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         ``workers``/``gpus`` together with a scheduler address.
     MissingDependencyError
         ``gpus`` without dask-cuda.
+    ClusterError
+        The scheduler was not reached within ``scheduler_timeout``, or no worker joined within
+        ``worker_timeout``.
 
     The embedded cluster's scheduler, workers and dashboard listen on 127.0.0.1 only; its workers start with
     :func:`~scaleattn.distributed.memory.worker_config` (large freed buffers go back to the OS).
@@ -105,7 +115,20 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     kwargs = {} if security is None else {"security": security}
     with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
         if scheduler:
-            client = stack.enter_context(Client(scheduler, **kwargs))
+            timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
+            try:
+                client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
+            except OSError as e:  # distributed raises OSError (TimeoutError) after the connect timeout
+                raise ClusterError(f"could not reach the Dask scheduler at {scheduler}"
+                                   + (f" within {scheduler_timeout:g} s (--scheduler-timeout)" if timeout else "")
+                                   + f": {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            if worker_timeout is not None:
+                try:
+                    client.wait_for_workers(1, timeout=worker_timeout)
+                except TimeoutError:
+                    raise ClusterError(f"no Dask worker joined the scheduler at {scheduler} within"
+                                       f" {worker_timeout:g} s (--worker-timeout): are the worker pods Pending (no"
+                                       " node with the requested CPUs, memory or GPUs) or failing?") from None
         else:
             # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
             common = dict(dashboard_address="127.0.0.1:0", **kwargs)
