@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 from .dataset import Dataset, DatasetError, open_dataset, write_dataset  # noqa: E402
 from .statistics import Statistics, compute_statistics, statistics_from_arrays  # noqa: E402
 from .solver import Certificate, Solution, certify, solve  # noqa: E402
-from .heads import Heads, coef_distance, coef_from_heads, compare_models, search_heads, svd_heads  # noqa: E402
+from .heads import Heads, coef_distance, coef_from_heads, compare_models, svd_heads  # noqa: E402
+from .head_search import search_heads  # noqa: E402
 from .model import MHLAModel, MHLARegressor, evaluate  # noqa: E402
 from .job import FitResult, certify_dataset, fit  # noqa: E402
 

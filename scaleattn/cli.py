@@ -42,6 +42,17 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0 (argparse then exits 2 with the option's name)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {x}")
+    return x
+
+
 def _add_cluster_args(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--scheduler", metavar="ADDRESS",
@@ -125,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True,
                    help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
+    f.add_argument("--heads-budget", type=_positive_float, default=None, metavar="SECONDS",
+                   help="time budget of the head search for minimal / H (default 60; the report says when it ran out)")
     f.add_argument("--rtol", type=float, default=None, help="relative eigenvalue cutoff (default 16*psi*eps)")
     f.add_argument("--solver", choices=["auto", "eigh", "cholesky"], default="auto",
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
@@ -262,7 +275,8 @@ def _cmd_fit(args) -> int:
                   exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=not (args.quiet or args.json), storage_options=opts,
                   device=args.device, plots=not args.no_plots, resume=args.resume, checkpoint=args.checkpoint,
-                  keep_checkpoint=args.keep_checkpoint)
+                  keep_checkpoint=args.keep_checkpoint,
+                  **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
     _emit(args, res.report, format_report(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
           + ("" if args.no_plots else ", *.png"))
     return 0

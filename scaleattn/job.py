@@ -16,7 +16,8 @@ import numpy as np
 
 from . import __version__, _storage
 from .dataset import Dataset, DatasetError, open_dataset
-from .heads import Heads, ambiguity_witness, coef_distance, coef_from_heads, search_heads, svd_heads
+from .head_search import DEFAULT_BUDGET, search_heads
+from .heads import Heads, ambiguity_witness, coef_distance, coef_from_heads, svd_heads
 from .model import MHLAModel, evaluate
 from .solver import Certificate, Solution, certify, solve
 from .statistics import Statistics, compute_statistics
@@ -35,18 +36,19 @@ def parse_heads(heads) -> str | int:
     return h
 
 
-def recover_heads(coef, d: int, heads="svd", stats: Statistics | None = None) -> Heads:
+def recover_heads(coef, d: int, heads="svd", stats: Statistics | None = None,
+                  budget: float | None = DEFAULT_BUDGET) -> Heads:
     """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
-    With ``stats`` the heads carry their training loss and the loss-versus-heads curve
-    (:func:`scaleattn.heads.search_heads`); without, only ``"svd"`` is available.
+    With ``stats`` the heads carry their training loss, the loss-versus-heads curve and a lower bound on the
+    head count (:func:`scaleattn.head_search.search_heads`, ``budget`` seconds); without, only ``"svd"``.
     """
     heads = parse_heads(heads)
     if stats is None:
         if heads != "svd":
             raise ValueError(f"heads={heads!r} needs the statistics (the training loss decides)")
         return svd_heads(coef, d)
-    return search_heads(stats, coef, heads)
+    return search_heads(stats, coef, heads, budget=budget)
 
 
 #: heads reproducing the fitted coefficients to this relative residual define the same model
@@ -54,14 +56,15 @@ EXACT_HEADS_RTOL = 1e-10
 
 
 def model_from_statistics(stats: Statistics, causal: bool = False, heads="svd", rtol=None, ridge: float = 0.0,
-                          solver: str = "auto"):
+                          solver: str = "auto", heads_budget: float | None = DEFAULT_BUDGET):
     """Solve, certify and recover heads from statistics alone: ``(MHLAModel, Solution, Heads)``.
 
     When the heads cannot reproduce the fit (``heads=H`` below the minimal head count) the model's
-    coefficients are the heads' own ``c(Theta)``: the model is the H-head model.
+    coefficients are the heads' own ``c(Theta)``: the model is the H-head model. ``heads_budget``: seconds
+    for the head search (:func:`scaleattn.head_search.search_heads`).
     """
     sol = solve(stats, rtol, ridge=ridge, method=solver)
-    h = recover_heads(sol.coef, stats.d, heads, stats)
+    h = recover_heads(sol.coef, stats.d, heads, stats, heads_budget)
     coef = sol.coef if h.residual <= EXACT_HEADS_RTOL else coef_from_heads(h.V, h.Q)
     model = MHLAModel(coef, h.V, h.Q, stats.d, causal)
     return model, sol, h
@@ -102,7 +105,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) 
 def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: float | None = None,
         ridge: float = 0.0, exact_mse: bool = True, overwrite: bool = False, progress: bool = False,
         storage_options: dict | None = None, device: str = "auto", plots: bool = True, resume: bool = False,
-        checkpoint: str | None = None, keep_checkpoint: bool = False, solver: str = "auto") -> FitResult:
+        checkpoint: str | None = None, keep_checkpoint: bool = False, solver: str = "auto",
+        heads_budget: float | None = DEFAULT_BUDGET) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -115,6 +119,9 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     client : distributed.Client, optional
         Cluster to run on (:func:`scaleattn.cluster.connect`); None computes in this process.
     heads : "svd" | "minimal" | int
+    heads_budget : float or None
+        Seconds for the head search of ``"minimal"`` / H (:func:`scaleattn.head_search.search_heads`; None:
+        no limit); the report's ``heads_budget_exhausted`` says when it ran out.
     ridge : float
         Scaled ridge strength (:func:`scaleattn.solver.solve`); the report gives the effective dof.
     solver : "auto" | "eigh" | "cholesky"
@@ -167,7 +174,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     from .cluster import status
 
     with status(f"solve (psi {stats.psi:,}) and heads ({heads})", progress):
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol, ridge, solver)
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, rtol, ridge, solver, heads_budget)
     times["solve_and_heads"] = time.perf_counter() - t
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     cert = sol.certificate
@@ -185,6 +192,7 @@ def fit(dataset, out: str | None = None, *, client=None, heads="svd", rtol: floa
     }
     if h.sse is not None:
         report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
+    report.update(_heads_search_report(h, n_out))
     wit = ambiguity_witness(sol, stats)
     if wit is not None:
         report["witness"] = wit.summary()
@@ -267,6 +275,38 @@ def certify_dataset(dataset, *, client=None, rtol=None, progress=False, storage_
     return certify(stats, rtol, method=solver)
 
 
+def _heads_search_report(h: Heads, n_out: int) -> dict:
+    """The head search's report keys (docs/report.md §4): exactness, loss gap, lower bound and its kind."""
+    if h.lower_bound is None:
+        return {}
+    return {"heads_exact": bool(h.exact), "heads_loss_gap": (h.loss_gap or 0.0) / max(n_out, 1),
+            "heads_lower_bound": int(h.lower_bound), "heads_lower_bound_kind": h.lower_bound_kind,
+            "heads_bound_every_c": int(h.bound_every_c), "heads_bound_generic": int(h.bound_generic),
+            "heads_meets_bound": bool(h.meets_bound), "heads_budget_exhausted": bool(h.budget_exhausted),
+            "heads_search_seconds": float(h.seconds or 0.0)}
+
+
+def _heads_line(r: dict) -> str:
+    """``heads 4 (minimal)  minimal: yes, meets the bound 4 (dimension count (generic data))`` and kin."""
+    line = f"heads {r['n_heads']} ({r['heads_method']})"
+    if "heads_lower_bound" in r:
+        k, kind = r["heads_lower_bound"], r["heads_lower_bound_kind"]
+        if r["heads_method"] == "svd":
+            line += f"  at least {k} needed ({kind}); --heads minimal searches for the fewest"
+        elif not r["heads_exact"]:
+            line += (f"  lossy: no exact {r['n_heads']}-head model found (exact needs >= {k}: {kind});"
+                     f" ||c_H - c||/||c|| = {r['heads_residual']:.3g}, train MSE +{r['heads_loss_gap']:.3g}")
+        elif r["heads_meets_bound"]:
+            line += f"  minimal: yes, meets the bound {k} ({kind})"
+        else:
+            line += f"  fewest found; bound {k} ({kind})"
+        if r["heads_budget_exhausted"]:
+            line += f"  [search budget ran out after {r['heads_search_seconds']:.1f} s]"
+    if "teacher_heads" in r:
+        line += f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}"
+    return line
+
+
 def format_report(r: dict) -> str:
     """A short human summary of a fit report."""
     verdict = "IDENTIFIABLE: every least-squares fit computes the same function" if r["identifiable"] else (
@@ -277,8 +317,7 @@ def format_report(r: dict) -> str:
         f"lambda_min {r['lambda_min']:.4g}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
         f"certificate: {verdict}",
         f"train MSE {r['train_mse']:.4g}  (relative {r['relative_train_mse']:.3g}; mean y^2 {r['target_mean_square']:.4g})",
-        f"heads {r['n_heads']} ({r['heads_method']})" + (
-            f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}" if "teacher_heads" in r else ""),
+        _heads_line(r),
         *([("loss vs heads: " + "  ".join(f"{e['heads']}:{e['train_mse_stats']:.3g}" for e in r["loss_vs_heads"]))]
           if len(r.get("loss_vs_heads", [])) > 1 else []),
         *([f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output"]
