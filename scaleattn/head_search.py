@@ -43,10 +43,12 @@ JACOBIAN_CHECK_MAX = 4000
 #: Levenberg-Marquardt steps per head count of the loss-versus-heads curve (its lossy fits creep slowly: the
 #: curve is an upper bound on the least loss within ~1% at d = 8; ``heads=H`` polishes its model further)
 CURVE_ITERS = 12
-#: ... and five times as many where a step is cheap (its normal matrix costs at most this many multiply-adds)
-CURVE_CHEAP = 1e8
-#: starts and Levenberg-Marquardt steps of each bisection probe for exact models below the dimension count
-PROBE_STARTS, PROBE_ITERS = 2, 60
+#: a step is cheap when its normal matrix costs at most this many multiply-adds (~0.01 s): the curve then takes
+#: five times as many steps and each bisection probe four times as many starts
+CHEAP_STEP = 1e8
+#: starts and Levenberg-Marquardt steps of each bisection probe for exact models below the dimension count; a
+#: probe stops when 5 steps reduce the squared residual by less than PROBE_STALL (runs that converge do far more)
+PROBE_STARTS, PROBE_ITERS, PROBE_STALL = 3, 60, 0.3
 #: up to this d the head search runs single-threaded BLAS (thousands of small products; threads only contend)
 SMALL_D = 8
 #: ``heads_lower_bound_kind`` values
@@ -173,6 +175,11 @@ class _Target:
         """Side of the normal matrix of one step with H heads (the smaller of J's two dimensions)."""
         return min(max(self.rows - H * self.d, 0) * self.n_a, H * self.d * self.n_l)
 
+    def step_cost(self, H: int) -> float:
+        """Multiply-adds of one step's normal matrix with H heads (side^2 times the other dimension of J)."""
+        rows, cols = max(self.rows - H * self.d, 0) * self.n_a, H * self.d * self.n_l
+        return float(min(rows, cols)) ** 2 * max(rows, cols)
+
     def feasible(self, H: int) -> bool:
         """Whether one step with H heads fits: normal matrix side <= ``VARPRO_MAX`` and its largest temporary
         (``Y`` or ``X`` of :meth:`normal`) <= ``WORK_MAX`` entries."""
@@ -297,13 +304,16 @@ class _CoefProblem:
     def feasible(self, H: int) -> bool:
         return any(t.feasible(H) for t in self.targets)
 
-    def run(self, H, spec, seed, iters, tol, deadline):
+    def cheap(self, H: int) -> bool:
+        return min(t.step_cost(H) for t in self.targets) <= CHEAP_STEP
+
+    def run(self, H, spec, seed, iters, tol, deadline, stall_rtol: float = 1e-3):
         """One start: ``(V, Q, f, reason)`` with balanced heads and ``f`` the squared coefficient residual."""
         a, b = self.targets
         k = int(b.feasible(H) and (not a.feasible(H) or b.normal_side(H) < a.normal_side(H)))
         tg = self.targets[k]
-        r = _varpro(tg, _start_factor(spec, self.coef, self.d, H, seed, bool(k)), iters, _ftol2(tg, tol), 1e-3,
-                    deadline)
+        r = _varpro(tg, _start_factor(spec, self.coef, self.d, H, seed, bool(k)), iters, _ftol2(tg, tol),
+                    stall_rtol, deadline)
         V, Q = (r.V, r.Q) if k == 0 else (r.Q.transpose(0, 2, 1), r.V.transpose(0, 2, 1))
         return (*_balanced(np.ascontiguousarray(V), np.ascontiguousarray(Q)), r.f, r.reason)
 
@@ -316,7 +326,8 @@ def fit_heads(coef, d: int, H: int, *, gram=None, starts: int = 4, seed: int = 0
     loss above that of ``coef`` when ``coef`` is the least-squares fit, DESIGN §3) over H heads. For fixed
     ``Q`` the ``V`` solve a linear least-squares problem (one (psi, H d) matrix shared by all outputs), so
     the search runs over ``Q`` alone: Levenberg-Marquardt steps with Kaufman's Jacobian of the projected
-    residual (Golub-Pereyra variable projection). Starts: ``Q0`` if given, the paper's top-H SVD heads
+    residual (Golub-Pereyra variable projection); in the coefficient norm, over ``V`` with ``Q`` eliminated
+    instead when that system is smaller (``d_out < d``). Starts: ``Q0`` if given, the paper's top-H SVD heads
     ([Y25] Alg. 1), then random heads from ``seed`` (deterministic), ``starts`` in all; it stops at the
     first start whose relative coefficient residual is at most ``tol``.
 
@@ -376,8 +387,8 @@ def fit_heads(coef, d: int, H: int, *, gram=None, starts: int = 4, seed: int = 0
     if not ok:
         raise ValueError(f"H = {H} heads at d = {d}, d_out = {d_out}: a variable-projection step would exceed "
                          f"VARPRO_MAX = {VARPRO_MAX} / WORK_MAX = {WORK_MAX:,}; use rank_r_heads")
-        if Q0 is not None:  # a given Q starts the problem that searches over Q
-            specs = [("q0", Q0)] + specs[1:]
+    if gram is None and Q0 is not None:  # a given Q starts the problem that searches over Q
+        specs = [("q0", Q0)] + specs[1:]
     best, exhausted = None, False
     for i, spec in enumerate(specs):
         if i and time.perf_counter() > deadline:
@@ -496,7 +507,13 @@ def flattening_bound(coef, d: int, tol: float = 1e-10, draws: int = 8, seed: int
 
 def naive_dimension(d: int, d_out: int, H: int) -> int:
     """``min(H (a + b - H), psi d_out)`` with ``a = d_out d``, ``b = d^2``: the dimension of rank-H matrices W
-    (a, b), capped at the coefficient space's (DESIGN §2). An upper bound on :func:`image_dimension`."""
+    (a, b), capped at the coefficient space's (DESIGN §2). An upper bound on :func:`image_dimension`.
+
+    Examples
+    --------
+    >>> naive_dimension(3, 3, 3), naive_dimension(3, 3, 4)   # psi * d_out = 54
+    (45, 54)
+    """
     a, b = d_out * d, d * d
     full = n_features(d) * d_out
     return full if H >= min(a, b) else min(H * (a + b - H), full)
@@ -521,6 +538,20 @@ def image_dimension(d: int, d_out: int, H: int, seed: int = 0, rtol: float = 1e-
     ``GL(H)`` symmetry ``A X, B X^-T``) and smaller where ``p`` folds more directions together: for
     ``d_out = 1`` it is ``H (d + d^2 - H) - d H (H - 1) / 2`` (each pair of heads has the d extra symmetries
     ``Q_g += v_h u^T, Q_h -= v_g u^T``). Numerical rank: singular values above ``rtol`` times the largest.
+
+    Parameters
+    ----------
+    d, d_out, H : int
+        Token dimension, outputs, heads.
+    seed : int
+        The random point is drawn from ``[seed, d, d_out, H]``.
+    rtol : float
+        Relative singular-value cutoff.
+
+    Returns
+    -------
+    int
+        The rank, at most ``psi * d_out``.
 
     Examples
     --------
@@ -573,6 +604,16 @@ def generic_heads_bound(d: int, d_out: int) -> int:
     is returned. It is a bound for generic ``c`` only: coefficients of a model with fewer heads (a teacher)
     are not generic; :func:`flattening_bound` holds for every ``c``.
 
+    Parameters
+    ----------
+    d, d_out : int
+        Token dimension and outputs.
+
+    Returns
+    -------
+    int
+        Between the naive count and ``min(d_out*d, d^2)`` (where the SVD heads are always exact).
+
     Examples
     --------
     >>> generic_heads_bound(3, 3), generic_heads_bound(5, 3), generic_heads_bound(4, 4), generic_heads_bound(5, 1)
@@ -623,7 +664,7 @@ class _Search:
     def sse(self, V, Q) -> float:
         return self.stats.sse(coef_from_heads(V, Q), self.G) if V.shape[0] else float(self.stats.yy)
 
-    def exact(self, r: int, n_starts: int, extra=(), iters: int | None = None):
+    def exact(self, r: int, n_starts: int, extra=(), iters: int | None = None, stall_rtol: float = 1e-3):
         """An exact r-head model ``(V, Q)`` in the coefficient norm from up to ``n_starts`` starts (the models
         ``extra`` first), or None; the best attempt is kept in ``attempts``."""
         if not self.prob.feasible(r):  # too large for a Newton-type step: alternating projections
@@ -634,7 +675,7 @@ class _Search:
         for spec in _starts(n_starts, extra):
             if self.out_of_time():
                 return None
-            V, Q, _, _ = self.prob.run(r, spec, self.seed, iters or self.iters, self.tol, self.deadline)
+            V, Q, _, _ = self.prob.run(r, spec, self.seed, iters or self.iters, self.tol, self.deadline, stall_rtol)
             res = _relative_residual(V, Q, self.coef)
             if r not in self.attempts or res < self.attempts[r][0]:
                 self.attempts[r] = (res, V, Q)
@@ -656,9 +697,7 @@ class _Search:
         cur = coef_from_heads(V, Q) if V.shape[0] else np.zeros_like(self.coef)
         grad = _adjoint(tg.Lt.T @ (tg.Lt @ (cur - self.coef)), self.d)
         q_new = _svd(grad)[2][0].reshape(1, self.d, self.d)
-        r = Q.shape[0] + 1
-        rows, cols = max(tg.rows - r * tg.d, 0) * tg.n_a, r * tg.d * tg.n_l
-        n = 5 * CURVE_ITERS if min(rows, cols) ** 2 * max(rows, cols) <= CURVE_CHEAP else CURVE_ITERS
+        n = 5 * CURVE_ITERS if tg.step_cost(Q.shape[0] + 1) <= CHEAP_STEP else CURVE_ITERS
         f, Vn, Qn = self.loss_run(np.concatenate([Q, q_new]), min(self.iters, n), 1e-4)
         if f > f_prev:
             return f_prev, np.concatenate([V, np.zeros((1, self.d_out, self.d))]), np.concatenate([Q, q_new])
@@ -690,7 +729,7 @@ class _Curve:
         return None, None
 
 
-def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, iters: int = 200,
+def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, iters: int = 200,
                  budget: float | None = DEFAULT_BUDGET, starts: int = 4, seed: int = 0) -> Heads:
     """Heads for the fitted coefficients ``coef`` (psi, d_out), with losses from the statistics (DESIGN §5).
 
@@ -814,8 +853,10 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
     lo, top = max(every_c, 1), (cap + 1 if hi is None else hi)
     while lo < top and not s.out_of_time():
         mid = (lo + top) // 2
-        found = s.exact(mid, PROBE_STARTS, extra=[curve.models[mid]] if mid in curve.models else [],
-                        iters=min(s.iters, PROBE_ITERS))
+        extra = [] if model is None else [_pruned(*model, mid)]  # the exact model less its weakest heads
+        extra += [curve.models[mid]] if mid in curve.models else []
+        n = PROBE_STARTS * (4 if s.prob.cheap(mid) else 1)
+        found = s.exact(mid, n, extra=extra, iters=min(s.iters, PROBE_ITERS), stall_rtol=PROBE_STALL)
         if found is not None:
             hi, model, top = mid, found, mid
         else:
@@ -827,7 +868,7 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
         sse = s.sse(V, Q)
         return Heads(V, Q, _split_spectrum(coef, d), _relative_residual(V, Q, coef), method, sse=sse,
                      curve=_monotone(points + [(hi, sse)]), exact=True)
-    # (4) no exact model with at most H heads: the lowest training loss found with H heads
+    # (5) no exact model with at most H heads: the lowest training loss found with H heads
     cands = [(s.sse(*curve_models[cap]), *curve_models[cap])] if cap in curve_models else []
     if cap in s.attempts:
         cands.append((s.sse(s.attempts[cap][1], s.attempts[cap][2]), s.attempts[cap][1], s.attempts[cap][2]))
@@ -844,6 +885,13 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
     pts = [p for p in points if p[0] < cap] + [(cap, sse)]
     return Heads(V, Q, _split_spectrum(coef, d), _relative_residual(V, Q, coef), method, sse=sse,
                  curve=_monotone(pts), exact=_relative_residual(V, Q, coef) <= s.tol)
+
+
+def _pruned(V, Q, r: int):
+    """The r heads of (V, Q) with the largest ``||V_h|| ||Q_h||`` (a start for an r-head model)."""
+    w = np.linalg.norm(V.reshape(V.shape[0], -1), axis=1) * np.linalg.norm(Q.reshape(Q.shape[0], -1), axis=1)
+    keep = np.sort(np.argsort(-w, kind="stable")[:r])
+    return V[keep], Q[keep]
 
 
 def _monotone(points):
@@ -868,7 +916,7 @@ def _finish(h: Heads, stats, coef, G, tol, bound, every_c, generic, exhausted, t
     return h
 
 
-def loss_vs_heads(stats, max_heads: int, gram=None, coef=None, iters: int = 60,
+def loss_vs_heads(stats, max_heads: int, gram=None, *, coef=None, iters: int = 60,
                   budget: float | None = DEFAULT_BUDGET) -> list[Heads]:
     """Lowest training losses found with H = 1 .. ``max_heads`` heads, from the statistics only (DESIGN §3, §5).
 
@@ -876,7 +924,22 @@ def loss_vs_heads(stats, max_heads: int, gram=None, coef=None, iters: int = 60,
     variable projection on ``tr((c - coef)^T G (c - coef))`` (the training loss above the least-squares one);
     never worse than model H-1 plus a zero head, so the losses are non-increasing in H. ``coef`` defaults to
     ``G^+ B`` on the numerically nonzero spectrum of the Jacobi-scaled Gram (DESIGN §4). Stops early (fewer
-    models) when ``budget`` seconds run out or a step would exceed ``VARPRO_MAX``.
+    models) when ``budget`` seconds run out or a step would exceed ``VARPRO_MAX`` / ``WORK_MAX``.
+
+    Parameters
+    ----------
+    stats : Statistics
+        With targets (DESIGN §3).
+    max_heads : int
+        Largest head count (capped at ``min(d_out*d, d^2)``).
+    gram : array (psi, psi), optional
+        ``stats.gram()``, when the caller has it.
+    coef : array (psi, d_out), optional
+        The coefficients the losses are measured from (e.g. ``solve(stats).coef``).
+    iters : int
+        At most this many Levenberg-Marquardt steps per head count (``CURVE_ITERS`` caps it on large steps).
+    budget : float or None
+        Seconds.
 
     Returns
     -------

@@ -227,7 +227,7 @@ def test_minimal_heads_meet_the_bound_at_larger_d(d, d_out, expected):
 
 # ---- teachers: exactly their head count ---------------------------------------------------------------
 @pytest.mark.parametrize("d,d_out,H,kind", [(3, 3, 3, KIND_EVERY_C), (4, 4, 4, KIND_EVERY_C),
-                                            (5, 3, 2, KIND_EVERY_C), (4, 4, 5, None)])
+                                            (5, 3, 2, KIND_EVERY_C), (4, 4, 5, None), (5, 3, 4, None)])
 def test_teacher_heads_recovered_exactly(d, d_out, H, kind):
     D = make_mhla(d=d, heads=H, d_out=d_out, length=20, samples=max(100, n_features(d)), causal=True, seed=d + H)
     st = statistics_from_arrays(D["tokens"], D["targets"])
@@ -349,3 +349,15 @@ def test_fit_heads_coefficients_and_loss():
     assert not fit_heads(c, 4, 3).exact
     with pytest.raises(ValueError, match="heads"):
         fit_heads(c, 4, 9)
+
+
+def test_fit_heads_from_a_given_start_and_on_the_loss():
+    D = make_mhla(d=3, heads=2, d_out=2, length=20, samples=120, causal=True, noise=0.1, seed=4)
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    sol = solve(st)
+    G = st.gram()
+    h = fit_heads(sol.coef, 3, 3, Q0=D["Q"][[0, 1, 1]] + 0.1, starts=1)  # only the given Q (V eliminated)
+    assert h.exact and h.n_heads == 3 and _forward_matches(h, sol.coef, 3) <= 1e-11
+    hl = fit_heads(sol.coef, 3, 2, gram=G, starts=3)  # the training loss: better than the teacher's 2 heads
+    gap = st.sse(coef_from_heads(hl.V, hl.Q), G) - sol.sse
+    assert 0 <= gap <= st.sse(coef_from_heads(D["V"], D["Q"]), G) - sol.sse
