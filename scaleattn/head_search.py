@@ -26,7 +26,6 @@ import math
 import time
 
 import numpy as np
-import scipy.linalg
 
 from .features import n_features, n_pairs, triu_index
 from .heads import Heads, coef_from_heads, coef_to_W, rank_r_heads, svd_heads
@@ -44,8 +43,8 @@ JACOBIAN_CHECK_MAX = 4000
 #: curve is an upper bound on the least loss within ~1% at d = 8; ``heads=H`` polishes its model further)
 CURVE_ITERS = 12
 #: a step is cheap when its normal matrix costs at most this many multiply-adds (~0.01 s): the curve then takes
-#: five times as many steps and each bisection probe four times as many starts
-CHEAP_STEP = 1e8
+#: five times as many steps; below PROBE_CHEAP (d <= 5 or so) each bisection probe takes four times the starts
+CHEAP_STEP, PROBE_CHEAP = 1e8, 1e7
 #: starts and Levenberg-Marquardt steps of each bisection probe for exact models below the dimension count; a
 #: probe stops when 5 steps reduce the squared residual by less than PROBE_STALL (runs that converge do far more)
 PROBE_STARTS, PROBE_ITERS, PROBE_STALL = 3, 60, 0.3
@@ -84,12 +83,19 @@ def _q_tensor(E, V) -> np.ndarray:
     return np.einsum("pik,hai->pahk", E, V)
 
 
+def _linalg():
+    """``scipy.linalg``, imported on first use (it would add ~0.3 s or more to ``import scaleattn``)."""
+    import scipy.linalg
+
+    return scipy.linalg
+
+
 def _svd(a, full_matrices=False, compute_uv=True):
     """numpy's SVD (LAPACK gesdd), falling back to gesvd on the rare gesdd convergence failure."""
     try:
         return np.linalg.svd(a, full_matrices=full_matrices, compute_uv=compute_uv)
     except np.linalg.LinAlgError:
-        return scipy.linalg.svd(a, full_matrices=full_matrices, compute_uv=compute_uv, lapack_driver="gesvd")
+        return _linalg().svd(a, full_matrices=full_matrices, compute_uv=compute_uv, lapack_driver="gesvd")
 
 
 def _orthonormal(Q) -> np.ndarray:
@@ -204,6 +210,7 @@ def _varpro(tg: _Target, Q0, iters: int, ftol2: float, stall_rtol: float, deadli
     """Levenberg-Marquardt on the variable-projection functional ``f(Q) = ||P_perp(Q) T||^2`` (V eliminated)
     from ``Q0``, with Kaufman's Jacobian and Nielsen's damping update. Stops when ``f <= ftol2``, when ``f``
     fell by less than ``stall_rtol`` relative over 5 steps, after ``iters`` steps or at ``deadline``."""
+    sla = _linalg()
     Q = _orthonormal(Q0)
     V, rho, Ut, f = tg.project(Q)
     lam, nu, hist = None, 2.0, [f]
@@ -222,15 +229,15 @@ def _varpro(tg: _Target, Q0, iters: int, ftol2: float, stall_rtol: float, deadli
         accepted = False
         while lam <= 1e16 * top:
             try:
-                cf = scipy.linalg.cho_factor(A + lam * np.eye(A.shape[0]), check_finite=False)
+                cf = sla.cho_factor(A + lam * np.eye(A.shape[0]), check_finite=False)
             except np.linalg.LinAlgError:
                 lam, nu = lam * nu, nu * 2
                 continue
             if rowform:
-                step = -tg.jt(N0, Ut, scipy.linalg.cho_solve(cf, rho.reshape(-1), check_finite=False)
+                step = -tg.jt(N0, Ut, sla.cho_solve(cf, rho.reshape(-1), check_finite=False)
                               .reshape(rho.shape))
             else:
-                step = -scipy.linalg.cho_solve(cf, g.reshape(-1), check_finite=False).reshape(g.shape)
+                step = -sla.cho_solve(cf, g.reshape(-1), check_finite=False).reshape(g.shape)
             pred = f - float(np.sum((tg.jx(N0, Ut, step) + rho) ** 2))
             Qn = _orthonormal(Q + step)
             Vn, rhon, Utn, fn = tg.project(Qn)
@@ -304,8 +311,8 @@ class _CoefProblem:
     def feasible(self, H: int) -> bool:
         return any(t.feasible(H) for t in self.targets)
 
-    def cheap(self, H: int) -> bool:
-        return min(t.step_cost(H) for t in self.targets) <= CHEAP_STEP
+    def cheap(self, H: int, limit: float) -> bool:
+        return min(t.step_cost(H) for t in self.targets) <= limit
 
     def run(self, H, spec, seed, iters, tol, deadline, stall_rtol: float = 1e-3):
         """One start: ``(V, Q, f, reason)`` with balanced heads and ``f`` the squared coefficient residual."""
@@ -389,19 +396,33 @@ def fit_heads(coef, d: int, H: int, *, gram=None, starts: int = 4, seed: int = 0
                          f"VARPRO_MAX = {VARPRO_MAX} / WORK_MAX = {WORK_MAX:,}; use rank_r_heads")
     if gram is None and Q0 is not None:  # a given Q starts the problem that searches over Q
         specs = [("q0", Q0)] + specs[1:]
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1 if d <= SMALL_D else None, user_api="blas"):
+        best, exhausted = _fit_starts(coef, d, H, specs, gram, tg if gram is not None else prob, seed, tol, iters,
+                                      deadline)
+    _, V, Q = best
+    res = _relative_residual(V, Q, coef)
+    return Heads(V, Q, _split_spectrum(coef, d), res, f"fit-{H}", exact=res <= tol,
+                 budget_exhausted=exhausted, seconds=time.perf_counter() - t0)
+
+
+def _fit_starts(coef, d, H, specs, gram, problem, seed, tol, iters, deadline):
+    """The starts of :func:`fit_heads`: ``((key, V, Q), budget_exhausted)`` of the best (coefficient residual,
+    or loss with ``gram``); stops at the first exact one in the coefficient norm."""
     best, exhausted = None, False
     for i, spec in enumerate(specs):
         if i and time.perf_counter() > deadline:
             exhausted = True
             break
         if gram is None and spec[0] == "q0":
-            tg0 = prob.targets[0]
+            tg0 = problem.targets[0]
             r = _varpro(tg0, spec[1], iters, _ftol2(tg0, tol), 1e-3, deadline)
             V, Q, f, reason = (*_balanced(r.V, r.Q), r.f, r.reason)
         elif gram is None:
-            V, Q, f, reason = prob.run(H, spec, seed, iters, tol, deadline)
+            V, Q, f, reason = problem.run(H, spec, seed, iters, tol, deadline)
         else:
-            r = _varpro(tg, _start_factor(spec, coef, d, H, seed, False), iters, 0.0, 1e-9, deadline)
+            r = _varpro(problem, _start_factor(spec, coef, d, H, seed, False), iters, 0.0, 1e-9, deadline)
             V, Q, f, reason = (*_balanced(r.V, r.Q), r.f, r.reason)
         exhausted |= reason == "budget"
         key = _relative_residual(V, Q, coef) if gram is None else f
@@ -409,10 +430,7 @@ def fit_heads(coef, d: int, H: int, *, gram=None, starts: int = 4, seed: int = 0
             best = (key, V, Q)
         if gram is None and key <= tol:
             break
-    _, V, Q = best
-    res = _relative_residual(V, Q, coef)
-    return Heads(V, Q, _split_spectrum(coef, d), res, f"fit-{H}", exact=res <= tol,
-                 budget_exhausted=exhausted, seconds=time.perf_counter() - t0)
+    return best, exhausted
 
 
 def _check_h(H, d, d_out):
@@ -560,9 +578,12 @@ def image_dimension(d: int, d_out: int, H: int, seed: int = 0, rtol: float = 1e-
     >>> image_dimension(3, 1, 2), naive_dimension(3, 1, 2)   # d_out = 1 loses d H (H - 1) / 2 = 3
     (17, 18)
     """
+    from threadpoolctl import threadpool_limits
+
     rng = np.random.default_rng([seed, d, d_out, H])
     J = _heads_jacobian(d, d_out, rng.standard_normal((H, d_out, d)), rng.standard_normal((H, d, d)))
-    s = np.linalg.svd(J, compute_uv=False)
+    with threadpool_limits(limits=1 if d <= SMALL_D else None, user_api="blas"):
+        s = _svd(J, compute_uv=False)
     return int(np.sum(s > rtol * s[0]))
 
 
@@ -584,7 +605,7 @@ def _full_image(d: int, d_out: int, H: int) -> bool:
         A = A.reshape(n, n)
         margin = 1e-9 * float(np.max(np.sum(np.abs(A), axis=1)))
         try:
-            scipy.linalg.cholesky(A - margin * np.eye(n), lower=True, check_finite=False)
+            _linalg().cholesky(A - margin * np.eye(n), lower=True, check_finite=False)
             return True
         except np.linalg.LinAlgError:
             continue
@@ -624,8 +645,11 @@ def generic_heads_bound(d: int, d_out: int) -> int:
     H = next(h for h in range(1, n_max + 1) if naive_dimension(d, d_out, h) >= full)
     if full > JACOBIAN_CHECK_MAX:
         return H
-    while H < n_max and not _full_image(d, d_out, H):
-        H += 1
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1 if d <= SMALL_D else None, user_api="blas"):
+        while H < n_max and not _full_image(d, d_out, H):
+            H += 1
     return H
 
 
@@ -855,7 +879,7 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
         mid = (lo + top) // 2
         extra = [] if model is None else [_pruned(*model, mid)]  # the exact model less its weakest heads
         extra += [curve.models[mid]] if mid in curve.models else []
-        n = PROBE_STARTS * (4 if s.prob.cheap(mid) else 1)
+        n = PROBE_STARTS * (4 if s.prob.cheap(mid, PROBE_CHEAP) else 1)
         found = s.exact(mid, n, extra=extra, iters=min(s.iters, PROBE_ITERS), stall_rtol=PROBE_STALL)
         if found is not None:
             hi, model, top = mid, found, mid

@@ -292,7 +292,7 @@ def _heads_line(r: dict) -> str:
     if "heads_lower_bound" in r:
         k, kind = r["heads_lower_bound"], r["heads_lower_bound_kind"]
         if r["heads_method"] == "svd":
-            line += f"  at least {k} needed ({kind}); --heads minimal searches for the fewest"
+            line += f"  bound {k} ({kind}; --heads minimal for the fewest)"
         elif not r["heads_exact"]:
             line += (f"  lossy: no exact {r['n_heads']}-head model found (exact needs >= {k}: {kind});"
                      f" ||c_H - c||/||c|| = {r['heads_residual']:.3g}, train MSE +{r['heads_loss_gap']:.3g}")

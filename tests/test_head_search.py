@@ -298,7 +298,7 @@ def test_fewest_found_line_and_svd_line():
     assert h.n_heads == 5 and "fewest found; bound 4 (flattening rank (every c))" in _line(r)
     s = search_heads(st, sol.coef, "svd")
     rs = {"n_heads": s.n_heads, "heads_method": "svd", "heads_residual": s.residual, **_report_keys(s, st)}
-    assert s.n_heads == 16 and s.lower_bound == 4 and "at least 4 needed (flattening rank (every c))" in _line(rs)
+    assert s.n_heads == 16 and s.lower_bound == 4 and "bound 4 (flattening rank (every c); --heads minimal for the fewest)" in _line(rs)
 
 
 # ---- budget, determinism, loss_vs_heads, fit_heads ---------------------------------------------------------
