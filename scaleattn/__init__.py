@@ -20,7 +20,8 @@ from .distributed.evaluate import evaluate
 from .errors import DatasetError, ScaleattnError
 from .estimator import MHLARegressor
 from .features import coef_distance
-from .heads import Heads, coef_from_heads, compare_models, search_heads, svd_heads
+from .head_search import search_heads
+from .heads import Heads, coef_from_heads, compare_models, svd_heads
 from .model import MHLAModel
 from .pipeline import FitResult, certify_dataset, fit
 from .solver import Solution, solve

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True,
                    help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
+    f.add_argument("--heads-budget", type=_positive_float, default=None, metavar="SECONDS",
+                   help="time budget of the head search for minimal / H (default 60; the report says when it ran"
+                        " out)")
     f.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
     f.add_argument("--solver", choices=list(SOLVERS), default="auto",
@@ -300,7 +303,8 @@ def _cmd_fit(args) -> int:
         res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
                   solver=args.solver, exact_mse=not args.no_exact_mse, overwrite=args.overwrite, progress=reporter,
                   storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
-                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint)
+                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
+                  **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
     _emit(args, res.report, fit_summary(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
           + ("" if args.no_plots else ", *.png"))
     return 0

@@ -12,7 +12,8 @@ from ._params import heads_spec
 from ._storage import atomic_output, resolve
 from .errors import FormatError, InputNotFoundError, ParameterError
 from .features import predict_rows, token_features, triu_index
-from .heads import Heads, coef_from_heads, search_heads, svd_heads
+from .head_search import DEFAULT_BUDGET, search_heads
+from .heads import Heads, coef_from_heads, svd_heads
 from .solver import Solution, solve
 
 __all__ = ["MHLAModel", "model_from_statistics", "recover_heads", "heads_are_exact", "EXACT_HEADS_RTOL"]
@@ -156,11 +157,12 @@ def heads_are_exact(heads: Heads) -> bool:
     return heads.residual <= EXACT_HEADS_RTOL
 
 
-def recover_heads(coef, d: int, heads="svd", stats=None, gram=None) -> Heads:
+def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: float | None = DEFAULT_BUDGET) -> Heads:
     """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
-    With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss and the
-    loss-versus-heads curve (:func:`scaleattn.heads.search_heads`); without, only ``"svd"`` is available.
+    With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
+    loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.head_search.search_heads`,
+    ``budget`` seconds); without, only ``"svd"`` is available.
     Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
     """
     heads = heads_spec(heads)
@@ -168,21 +170,22 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None) -> Heads:
         if heads != "svd":
             raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")
         return svd_heads(coef, d)
-    return search_heads(stats, coef, heads, gram=gram)
+    return search_heads(stats, coef, heads, gram=gram, budget=budget)
 
 
 def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
-                          solver: str = "auto", gram=None) -> tuple[MHLAModel, Solution, Heads]:
+                          solver: str = "auto", gram=None,
+                          heads_budget: float | None = DEFAULT_BUDGET) -> tuple[MHLAModel, Solution, Heads]:
     """Solve, certify and recover heads from statistics alone ([Y25] Algorithm 1): ``(model, solution, heads)``.
 
     The feature Gram is expanded from the compact one once (or taken from ``gram``, which is not modified) and
     shared by the solve and the head search. When the heads cannot reproduce the fit (``heads=H`` below the
     minimal head count, :func:`heads_are_exact`) the model's coefficients are the heads' own ``c(Theta)``: the
-    model is the H-head model.
+    model is the H-head model. ``heads_budget``: seconds for the head search (None: no limit).
     """
     stats = stats.to_numpy()
     G = stats.gram() if gram is None else gram
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
-    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G)
+    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget)
     coef = sol.coef if heads_are_exact(h) else coef_from_heads(h.V, h.Q)
     return MHLAModel(coef, h.V, h.Q, stats.d, causal), sol, h

@@ -26,6 +26,7 @@ from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, release_large_buffers
 from .errors import DatasetError, OutputExistsError, ScaleattnError
 from .features import coef_distance
+from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
@@ -111,7 +112,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) 
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
-        keep_checkpoint: bool = False, solver: str = "auto", **deprecated) -> FitResult:
+        keep_checkpoint: bool = False, solver: str = "auto", heads_budget: float | None = DEFAULT_BUDGET,
+        **deprecated) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -124,7 +126,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     client : distributed.Client, optional
         Cluster to run on (:func:`scaleattn.cluster.connect`); None computes in this process.
     heads : "svd" | "minimal" | int
-        Head recovery (:func:`scaleattn.heads.search_heads`).
+        Head recovery (:func:`scaleattn.head_search.search_heads`).
     cutoff_rtol : float, optional
         Relative eigenvalue cutoff in (0, 1) (default ``16 psi eps``).
     ridge : float
@@ -154,6 +156,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Solver path (:func:`scaleattn.spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI``.
+    heads_budget : float or None
+        Seconds for the head search of ``"minimal"`` / H (None: no limit); the report's
+        ``heads_budget_exhausted`` says when it ran out.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -193,6 +198,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = real("ridge", ridge, 0.0)
+    heads_budget = real("heads_budget", heads_budget, 0.0, low_open=True, none_ok=True)
     choice("solver", solver, SOLVERS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
@@ -221,7 +227,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
         stats = stats.to_numpy()
         G = stats.gram()  # expanded once: the solve, the heads and the witness share it
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G)
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G,
+                                              heads_budget=heads_budget)
         report = _report(ds, stats, sol, h, model, G)
         del G
     times["solve_and_heads"] = time.perf_counter() - t
@@ -274,6 +281,7 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
     }
     if h.sse is not None:
         report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
+    report.update(_heads_search_report(h, n_out))
     wit = ambiguity_witness(sol, stats, gram)
     if wit is not None:
         report["witness"] = wit.summary()
@@ -282,6 +290,17 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
         report["teacher_heads"] = int(teacher[0].shape[0])
         report["teacher_coef_distance"] = coef_distance(model.coef, coef_from_heads(*teacher))
     return report
+
+
+def _heads_search_report(h: Heads, n_out: int) -> dict:
+    """The head search's report keys (docs/report.md §4): exactness, loss gap, lower bound and its kind."""
+    if h.lower_bound is None:
+        return {}
+    return {"heads_exact": bool(h.exact), "heads_loss_gap": (h.loss_gap or 0.0) / max(n_out, 1),
+            "heads_lower_bound": int(h.lower_bound), "heads_lower_bound_kind": h.lower_bound_kind,
+            "heads_bound_every_c": int(h.bound_every_c), "heads_bound_generic": int(h.bound_generic),
+            "heads_meets_bound": bool(h.meets_bound), "heads_budget_exhausted": bool(h.budget_exhausted),
+            "heads_search_seconds": float(h.seconds or 0.0)}
 
 
 def _plots(result: FitResult, ds: Dataset) -> dict:

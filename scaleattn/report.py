@@ -6,7 +6,7 @@ dicts keeps this module below every other: the result objects of every layer ren
 """
 from __future__ import annotations
 
-__all__ = ["fit_summary", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict"]
+__all__ = ["fit_summary", "heads_line", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict"]
 
 
 def verdict(r: dict) -> str:
@@ -27,9 +27,7 @@ def fit_summary(r: dict) -> str:
         f"certificate: {verdict(r)}",
         f"train MSE {r['train_mse']:.4g}  (relative {_g(r['relative_train_mse'], '.3g')};"
         f" mean y^2 {r['target_mean_square']:.4g})",
-        f"heads {r['n_heads']} ({r['heads_method']})" + (
-            f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}"
-            if "teacher_heads" in r else ""),
+        heads_line(r),
     ]
     if len(r.get("loss_vs_heads", [])) > 1:
         lines.append("loss vs heads: " + "  ".join(f"{e['heads']}:{e['train_mse_stats']:.3g}"
@@ -43,6 +41,27 @@ def fit_summary(r: dict) -> str:
                      " input (report.json: witness)")
     lines.append(f"wall time {r['seconds']:.2f} s")
     return "\n".join(lines)
+
+
+def heads_line(r: dict) -> str:
+    """``heads 4 (minimal)  minimal: yes, meets the bound 4 (dimension count (generic data))`` and kin."""
+    line = f"heads {r['n_heads']} ({r['heads_method']})"
+    if "heads_lower_bound" in r:
+        k, kind = r["heads_lower_bound"], r["heads_lower_bound_kind"]
+        if r["heads_method"] == "svd":
+            line += f"  bound {k} ({kind}; --heads minimal for the fewest)"
+        elif not r["heads_exact"]:
+            line += (f"  lossy: no exact {r['n_heads']}-head model found (exact needs >= {k}: {kind});"
+                     f" ||c_H - c||/||c|| = {r['heads_residual']:.3g}, train MSE +{r['heads_loss_gap']:.3g}")
+        elif r["heads_meets_bound"]:
+            line += f"  minimal: yes, meets the bound {k} ({kind})"
+        else:
+            line += f"  fewest found; bound {k} ({kind})"
+        if r["heads_budget_exhausted"]:
+            line += f"  [search budget ran out after {r['heads_search_seconds']:.1f} s]"
+    if "teacher_heads" in r:
+        line += f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}"
+    return line
 
 
 def certificate_summary(s: dict) -> str:

@@ -18,7 +18,8 @@ CONTRACT = [
     # L1: features and datasets
     "features", "dataset",
     # L2: pure computation, arrays in, arrays out
-    "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "model",
+    "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "head_fit", "head_bounds",
+    "head_search", "model",
     # L3: Dask
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
     "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.cluster",

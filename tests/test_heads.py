@@ -13,7 +13,8 @@ from scaleattn.certificate import ambiguity_witness
 from scaleattn.cli import main
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_assoc, make_mhla, mhla_forward
-from scaleattn.heads import coef_from_heads, compare_models, loss_vs_heads, search_heads, svd_heads
+from scaleattn.head_search import loss_vs_heads, search_heads
+from scaleattn.heads import coef_from_heads, compare_models, svd_heads
 from scaleattn.model import MHLAModel
 from scaleattn.solver import solve
 from scaleattn.statistics import statistics_from_arrays
