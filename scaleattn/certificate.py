@@ -280,7 +280,8 @@ class Witness:
     of a QR of the features when the solution has one, ``||R n||^2`` instead of ``n^T G n``).
     ``prediction_scale`` is the scale the step aimed the prediction gap at (the larger of ``||prediction_a||``
     and the root mean square target). The pair proves the ambiguity (:attr:`conclusive`) only when the gap is
-    at least :data:`WITNESS_MIN_GAP` of that scale.
+    at least :data:`WITNESS_MIN_GAP` of that scale and the certificate's ``verdict`` (``certificate_verdict``)
+    is a settled ``"not identifiable"``.
     """
 
     coef_a: np.ndarray
@@ -293,6 +294,7 @@ class Witness:
     n_out: int
     target_sum_squares: float
     prediction_scale: float = float("nan")
+    certificate_verdict: str = "not identifiable"
 
     @property
     def prediction_relative_difference(self) -> float:
@@ -303,9 +305,13 @@ class Witness:
     @property
     def conclusive(self) -> bool:
         """Whether the pair proves the ambiguity: the predictions differ by at least :data:`WITNESS_MIN_GAP` of
-        the prediction scale with equal training losses. A smaller gap is the loss's round-off at work (the data
-        do change the loss along that direction), not evidence that the function is undetermined."""
-        return bool(self.prediction_relative_difference >= WITNESS_MIN_GAP)
+        the prediction scale with equal training losses, and the certificate settled "not identifiable". A
+        smaller gap is the loss's round-off at work (the data do change the loss along that direction); a
+        "not settled" certificate means the direction may be determined by the data below the method's
+        precision (nearly collinear tokens: a prediction-scale step then changes the loss by ~1e-18, below what
+        the Gram resolves, yet the minimiser is unique). Neither is evidence that the function is undetermined."""
+        return bool(self.prediction_relative_difference >= WITNESS_MIN_GAP
+                    and self.certificate_verdict == "not identifiable")
 
     def summary(self) -> dict:
         """JSON-ready: tokens, predictions, losses (MSE over rows and outputs) and their relative gap, the
@@ -318,7 +324,8 @@ class Witness:
                 "prediction_difference": float(np.linalg.norm(self.prediction_b - self.prediction_a)),
                 "prediction_scale": float(self.prediction_scale),
                 "prediction_relative_difference": self.prediction_relative_difference,
-                "conclusive": self.conclusive, "coef_distance": coef_distance(self.coef_a, self.coef_b)}
+                "certificate_verdict": self.certificate_verdict, "conclusive": self.conclusive,
+                "coef_distance": coef_distance(self.coef_a, self.coef_b)}
 
 
 def ambiguity_witness(solution, stats, gram=None, length: int | None = None, candidates: int = 16,
@@ -333,7 +340,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     best of ``candidates`` random draws by ``|phi . n| / ||phi||``. A solution from a QR of the features
     (``solution.factor``, :mod:`scaleattn.qr`) gives the loss changes from ``R`` (exact to ``eps^2``), a Gram
     solution from ``G`` (to ``eps``). A pair whose step had to shrink below :data:`WITNESS_MIN_GAP` of the
-    prediction scale is returned with ``conclusive`` False.
+    prediction scale, or of a certificate that is not settled, is returned with ``conclusive`` False.
     """
     Nb = np.asarray(solution.null_basis)
     if Nb.shape[1] == 0:
@@ -378,4 +385,4 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     cb[:, a] += t * n
     pb = predict_rows(cb, s[i : i + 1], x[i : i + 1])[0]
     return Witness(c, cb, tok[i], pa, pb, float(sse_a), float(sse_a + t * t * nGn + 2 * t * cross),
-                   max(stats.n_rows * stats.d_out, 1), float(stats.yy), float(scale))
+                   max(stats.n_rows * stats.d_out, 1), float(stats.yy), float(scale), solution.certificate.verdict)

@@ -81,6 +81,11 @@ def fit_summary(r: dict) -> str:
             lines.append(f"witness: two fits with train MSE {w['loss_a']:.6g} and {w['loss_b']:.6g} differ by"
                          f" {w['prediction_difference']:.3g} (norm){gap} in their predictions on a"
                          f" {len(w['tokens'])}-token input (report.json: witness)")
+        elif w.get("certificate_verdict", "not identifiable") != "not identifiable":
+            lines.append("witness: inconclusive, not a proof of ambiguity: the certificate is"
+                         f" {w['certificate_verdict']} (fits with equal train MSE differ by"
+                         f" {w['prediction_difference']:.3g}{gap} on a {len(w['tokens'])}-token input, but the data"
+                         " may determine that direction below the precision of the method)")
         else:
             lines.append(f"witness: inconclusive, not a proof of ambiguity: fits with equal train MSE differ by only"
                          f" {w['prediction_difference']:.3g}{gap} on a {len(w['tokens'])}-token input (round-off of"

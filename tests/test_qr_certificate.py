@@ -237,6 +237,32 @@ def test_gram_only_witness_on_lauchli_is_inconclusive(tmp_path):
         scaleattn.fit(ds, certificate="lstsq")
 
 
+def test_witness_needs_a_gap_and_a_settled_verdict():
+    """Gram only: a settled "not identifiable" whose loss changes along the null direction (the step shrinks), and
+    a "not settled" one whose step does not shrink (the loss changes by ~1e-18 there): neither is a proof."""
+    rng = np.random.default_rng(5)
+    lens = rng.integers(2, 9, size=500)
+    tok, y = lauchli(2, 500, 8, 3e-3, seed=5, noise=0.01, causal=True, lengths=lens)
+    stats = scaleattn.statistics_from_arrays(tok, y, lens)
+    sol = scaleattn.solve(stats)
+    w = ambiguity_witness(sol, stats)
+    assert sol.certificate.verdict == "not identifiable" and w.prediction_relative_difference < WITNESS_MIN_GAP
+    assert not w.conclusive and "round-off of the training loss" in fit_summary(_fit_report(stats, sol, w))
+    tok, y = lauchli(3, 4000, 6, 1e-3, noise=1e-3)
+    stats = scaleattn.statistics_from_arrays(tok, y)
+    sol = scaleattn.solve(stats)
+    w = ambiguity_witness(sol, stats)
+    assert sol.certificate.verdict == "not settled" and w.prediction_relative_difference >= WITNESS_MIN_GAP
+    assert not w.conclusive and w.summary()["certificate_verdict"] == "not settled"
+    assert "the certificate is not settled" in fit_summary(_fit_report(stats, sol, w))
+
+
+def _fit_report(stats, sol, w):
+    return {"n_rows": stats.n_rows, "n_samples": 1, "length": 1, "causal": False, "d": stats.d, "d_out": stats.d_out,
+            **sol.certificate.summary(), "train_mse": 0.0, "relative_train_mse": 0.0, "target_mean_square": 1.0,
+            "n_heads": 1, "heads_method": "svd", "seconds": 0.0, "witness": w.summary()}
+
+
 # ---- train_mse_stats: its documented floor holds -----------------------------------------------------------------
 def test_sse_floors_bound_the_real_error():
     mpmath.mp.dps = 50
