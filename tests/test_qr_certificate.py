@@ -299,6 +299,24 @@ def test_tsqr_merge_equals_one_qr(tmp_path):
     assert np.array_equal(compute_r(ds, group_samples=200).R, f.R)  # fixed tree: rerun bits
     g = compute_r(ds, targets=False, group_samples=200)
     assert g.d_out == 0 and certificate_from_r(g).rank == 18
+    few = factor_from_arrays(tok[:4], y[:4])  # fewer rows than features: R padded with zero rows
+    assert few.R.shape == (21, 21) and certificate_from_r(few).rank == 4 == np.linalg.matrix_rank(
+        reference(tok[:4], y[:4])[0])
+
+
+@pytest.mark.slow
+def test_lauchli_d8_matches_lstsq(tmp_path):
+    """d = 8 (psi = 288), cond(Phi) ~ 1e8: the Gram keeps about a third of the directions and misses the least-squares
+    minimum by about 1 %; the QR pass (through fit, on a Zarr dataset) matches numpy."""
+    tok, y = lauchli(8, 6000, 10, 3e-3, noise=0.01)
+    P, Y, c_ref, sse_ref, rank_ref = reference(tok, y)
+    ds = scaleattn.write_dataset(tmp_path / "l8.zarr", tok, y, chunk_samples=1000)
+    res = scaleattn.fit(ds, plots=False)
+    r = res.report
+    assert r["certificate_method"] == "qr" and r["rank"] == rank_ref == 288 and r["verdict"] == "identifiable"
+    assert r["gram_rank"] < 200 and r["gram_verdict"] != "identifiable"
+    assert rel(res.model.coef, c_ref) < 1e-6
+    assert r["train_mse"] == pytest.approx(sse_ref / Y.size, rel=1e-9)
 
 
 @pytest.mark.slow
