@@ -87,7 +87,16 @@ def one_blas_thread():
     calls): LAPACK factorisations (the QR of :mod:`scaleattn.qr`) then give the same bits for any BLAS thread
     count, i.e. in process and on single-threaded Dask workers, and never oversubscribe a loaded machine
     (measured: a 6,000 x 296 QR in 0.26 s on one thread, 6.2 s on two busy cores). A no-op where BLAS already
-    runs one thread."""
+    runs one thread.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> with one_blas_thread():
+    ...     r = np.linalg.qr(np.ones((4, 2)), mode="r")
+    >>> r.shape
+    (2, 2)
+    """
     global _LIMITED
     if getattr(_IN_KERNEL, "active", False) or _blas_threads() == 1:
         yield

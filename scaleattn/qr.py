@@ -104,7 +104,20 @@ def _r_of(a: np.ndarray) -> np.ndarray:
 
 
 def merge_factors(*parts: QRFactor) -> QRFactor:
-    """The R of the stacked rows of ``parts`` in order: ``qr([R_1; R_2; ...])`` (TSQR's combine step)."""
+    """The R of the stacked rows of ``parts`` in order: ``qr([R_1; R_2; ...])`` (TSQR's combine step, DESIGN §6:
+    ``[A_1; A_2] = diag(Q_1, Q_2) [R_1; R_2]``, so the R of the stack is the R of all rows).
+
+    Raises :class:`~scaleattn.errors.ParameterError` for factors of different shapes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> tok = np.random.default_rng(0).standard_normal((30, 4, 2))
+    >>> f = merge_factors(factor_from_arrays(tok[:10]), factor_from_arrays(tok[10:]))
+    >>> g = factor_from_arrays(tok)
+    >>> f.n_rows, bool(np.allclose(f.R.T @ f.R, g.R.T @ g.R))
+    (30, True)
+    """
     if len({(f.psi, f.R.shape) for f in parts}) != 1:
         raise ParameterError("cannot merge R factors of different shapes")
     if len(parts) == 1:
@@ -118,7 +131,17 @@ def accumulate_r(factor: QRFactor, tokens, targets=None, lengths=None, causal: b
     ``tokens`` (n, T, d), ``targets`` (n, d_out) or (n, T, d_out) (required when the factor has outputs),
     ``lengths`` (n,) as in :func:`scaleattn.features.token_features` (numpy, float64). The rows are formed
     ``QR_BLOCK_BYTES`` at a time (at least ``2 p``), each block stacked under the current R and re-factored.
+    Raises :class:`~scaleattn.errors.ParameterError` when the factor has outputs and ``targets`` is None.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> tok = np.random.default_rng(0).standard_normal((5, 3, 2))
+    >>> accumulate_r(QRFactor.zeros(2), tok, causal=True).n_rows  # one row per prefix
+    15
     """
+    if factor.d_out and targets is None:
+        raise ParameterError(f"this R factor has {factor.d_out} outputs: targets are needed")
     tokens = np.asarray(tokens)
     n, T, d = tokens.shape
     p = factor.R.shape[1]
@@ -173,8 +196,14 @@ def factor_from_arrays(tokens, targets=None, lengths=None, causal=None) -> QRFac
 def qr_cutoff(psi: int, cutoff_rtol: float | None = None) -> float:
     """Relative singular-value cutoff of the QR path: ``16 psi eps`` (:func:`~scaleattn.spectrum.default_rtol`,
     the same number the Gram applies to eigenvalues, now on singular values: independent of N), or
-    ``sqrt(cutoff_rtol)`` for an explicit eigenvalue cutoff (the same directions dropped as on the Gram)."""
-    return default_rtol(psi) if cutoff_rtol is None else float(np.sqrt(cutoff_rtol))
+    ``sqrt(cutoff_rtol)`` for an explicit eigenvalue cutoff (the same directions dropped as on the Gram).
+
+    Examples
+    --------
+    >>> qr_cutoff(6) == 16 * 6 * 2.0**-52, qr_cutoff(6, 1e-10)
+    (True, 1e-05)
+    """
+    return float(default_rtol(psi) if cutoff_rtol is None else np.sqrt(cutoff_rtol))
 
 
 @dataclasses.dataclass
@@ -244,8 +273,18 @@ def certificate_from_r(factor: QRFactor, cutoff_rtol: float | None = None, gram:
 
 @dataclasses.dataclass
 class QRSolution(Solution):
-    """A :class:`~scaleattn.solver.Solution` solved from the R factor (``factor``): ``sse`` is the residual
-    ``||z - R11 c||^2 + ||R22||_F^2`` (floor ~``eps^2 yy``, not the Gram formula's ``eps``)."""
+    """A :class:`~scaleattn.solver.Solution` ([Y25] Alg. 1) solved from the R factor (``factor``): ``sse`` is the
+    residual ``||z - R11 c||^2 + ||R22||_F^2`` (round-off :func:`residual_floor`, ``eps^2``-sized, not the Gram
+    formula's ``eps``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(1)
+    >>> sol = solve_from_r(factor_from_arrays(rng.standard_normal((40, 3, 2)), rng.standard_normal((40, 1))))
+    >>> isinstance(sol, Solution), sol.factor.n_rows
+    (True, 40)
+    """
 
     factor: QRFactor | None = None
 
@@ -327,7 +366,17 @@ def residual_floor(factor: QRFactor, coef) -> float:
     (:func:`solve_from_r`): ``sum_a eps K_a (eps K_a + 2 sqrt(sse_a))`` with ``K_a = ||y_a|| + sum_j |c_ja|
     ||phi_j||``. The backward error of a Householder QR is ``~ eps`` of each column's norm and moves the
     residual norm by ``~ eps K_a``: a floor ``(eps K)^2``, the square of the relative size of
-    :meth:`scaleattn.Statistics.sse_floor` (``eps``), plus the first-order term when the residual is not 0."""
+    :meth:`scaleattn.Statistics.sse_floor` (``eps``), plus the first-order term when the residual is not 0
+    (DESIGN §3, §4).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(2)
+    >>> f = factor_from_arrays(rng.standard_normal((50, 3, 2)), rng.standard_normal((50, 1)))
+    >>> residual_floor(f, solve_from_r(f).coef) < 1e-12
+    True
+    """
     psi = factor.psi
     c = np.abs(np.asarray(coef))
     k = np.linalg.norm(factor.R[:, psi:], axis=0) + np.linalg.norm(factor.R[:psi, :psi], axis=0) @ c

@@ -23,7 +23,15 @@ __all__ = ["compute_r", "group_r", "qr_memory", "check_qr_memory"]
 
 def group_r(dataset, start: int, stop: int, targets: bool = True) -> QRFactor:
     """R factor of the rows ``[phi | y]`` of samples ``[start, stop)`` (``targets=False``: ``phi`` only), streamed
-    chunk by chunk (one Dask task). Raises :class:`~scaleattn.errors.DatasetError` on bad values."""
+    chunk by chunk (one Dask task; DESIGN §6). Raises :class:`~scaleattn.errors.DatasetError` on bad values.
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> ds = scaleattn.write_dataset("_doc_gr.zarr", np.ones((8, 3, 2)), np.ones((8, 1)), overwrite=True)
+    >>> group_r(ds, 0, 4).n_rows, group_r(ds, 0, 4, targets=False).d_out
+    (4, 0)
+    """
     f = QRFactor.zeros(dataset.d, dataset.d_out if targets else 0)
     for a in range(start, stop, dataset.chunk_samples):
         tok, lens, y = dataset.read(a, min(stop, a + dataset.chunk_samples), targets=targets)
@@ -35,7 +43,14 @@ def qr_memory(d: int, d_out: int, split_every: int = SPLIT_EVERY) -> dict:
     """Estimated peak bytes of the QR pass: ``worker_bytes`` (a block of rows three times: its features, the
     stack under R and LAPACK's work on it; the R's a task combines, stacked) and ``solver_bytes`` (the final R,
     the scaled copy of R11 and its SVD factors U and V: about ``p^2 + 3 psi^2`` floats, counted as 4).
-    Independent of the number of rows."""
+    Independent of the number of rows.
+
+    Examples
+    --------
+    >>> est = qr_memory(12, 1)  # psi = 936: the largest that certificate="auto" factors
+    >>> est["psi"], round(est["solver_bytes"] / 2**20)
+    (936, 33)
+    """
     psi = n_features(d)
     p = psi + d_out
     r = 8.0 * p * p
@@ -45,7 +60,18 @@ def qr_memory(d: int, d_out: int, split_every: int = SPLIT_EVERY) -> dict:
 
 def check_qr_memory(d: int, d_out: int, client=None, memory_limit=None) -> dict:
     """Refuse a QR pass that cannot fit (this process, and every worker with a memory limit); return
-    :func:`qr_memory`'s estimate. Raises :class:`~scaleattn.errors.InsufficientMemoryError`."""
+    :func:`qr_memory`'s estimate. ``memory_limit`` as :func:`~.memory.available_memory`.
+
+    Raises
+    ------
+    InsufficientMemoryError
+        With the memory needed, the memory there is, and what to do.
+
+    Examples
+    --------
+    >>> check_qr_memory(4, 1, memory_limit="1GiB")["psi"]
+    40
+    """
     est = qr_memory(d, d_out)
     have = available_memory(memory_limit)
     if est["solver_bytes"] > have:
