@@ -263,6 +263,21 @@ def _fit_report(stats, sol, w):
             "n_heads": 1, "heads_method": "svd", "seconds": 0.0, "witness": w.summary()}
 
 
+def test_spectrum_plot_of_a_qr_certificate():
+    from scaleattn import plot
+
+    tok, y = lauchli(2, 2000, 6, 1e-3)
+    cert = solve_from_r(factor_from_arrays(tok, y)).certificate
+    fig = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.cutoff_rtol,
+                               lambda_min=cert.lambda_min, identifiable=cert.identifiable)
+    ax, ax2 = fig.axes
+    (lmin,) = [ln for ln in ax.get_lines() if ln.get_gid() == "lambda_min"]
+    (cut,) = [ln for ln in ax2.get_lines() if ln.get_gid() == "cutoff"]
+    assert "not identifiable" not in lmin.get_label() and lmin.get_ydata()[0] == pytest.approx(cert.lambda_min)
+    assert cut.get_ydata()[0] == pytest.approx(cert.cutoff_rtol * cert.spectrum_scaled[-1])  # 4.5e-28, not floored
+    assert not [ln for ln in ax2.get_lines() if ln.get_gid() == "dropped"]
+
+
 # ---- train_mse_stats: its documented floor holds -----------------------------------------------------------------
 def test_sse_floors_bound_the_real_error():
     mpmath.mp.dps = 50
