@@ -5,6 +5,13 @@ If ``lambda_min(Lambda_D) > 0`` with ``Lambda_D = G / N`` (the uncentred second 
 every empirical risk minimiser computes the same function on all inputs of any length. :func:`certify` decides
 it from the statistics (the rank of the Jacobi-scaled Gram beyond the relative cutoff); when it fails,
 :func:`ambiguity_witness` gives two models with equal training loss that disagree on a concrete input.
+
+The verdict is honest about precision: a rank decision is *settled* only when every eigenvalue (singular value,
+for a certificate from a QR of the features, :mod:`scaleattn.qr`) clears the cutoff by at least
+:data:`SETTLE_FACTOR`; otherwise it is ``"not settled"`` (round-off of the method could flip it). The float64
+Gram squares the condition number of the features, so its verdicts hold "at the precision of the Gram": a
+direction whose eigenvalue is below the Gram's round-off may still be determined by the float64 data, which a
+QR of the features decides.
 """
 from __future__ import annotations
 
@@ -28,7 +35,20 @@ from .spectrum import (
 )
 
 __all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "Witness",
-           "ambiguity_witness"]
+           "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
+
+#: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
+#: (eigenvalues of the Jacobi-scaled Gram for ``method="gram"``, singular values of the scaled R for ``"qr"``).
+#: Both are computed to an absolute error of a few ``psi * eps`` of the largest, below the cutoff ``16 psi eps``
+#: (relative): one decade either side of it covers that error and its constant. Exactly null directions land
+#: 140-3,300x below the cutoff on both paths (collinear or subspace tokens, orthogonal associative memory).
+SETTLE_FACTOR = 10.0
+#: the three verdicts of :attr:`Certificate.verdict`
+VERDICTS = ("identifiable", "not identifiable", "not settled")
+#: a witness is presented as proof of ambiguity only when its two predictions differ by at least this fraction
+#: of the prediction scale: a smaller gap means the step along the null direction had to be shrunk to keep the
+#: training losses equal, i.e. the loss does change along it and the pair only reflects the loss's round-off
+WITNESS_MIN_GAP = 0.1
 
 
 @dataclasses.dataclass
@@ -36,17 +56,23 @@ class Certificate:
     """Identifiability certificate ([Y25] Lemma 2.3; DESIGN §4).
 
     ``lambda_min``, ``lambda_max``: extreme eigenvalues of ``Lambda_D = G / N`` (the paper's quantity).
-    ``identifiable``: the Jacobi-scaled Gram has full rank beyond the relative cutoff, i.e. ``lambda_min > 0``
-    up to round-off: every least-squares fit computes the same function. ``ambiguous_dim = psi - rank``.
-    ``spectrum_scaled`` (psi,): ascending eigenvalues of the Jacobi-scaled Gram (the rank decision uses these);
-    ``eigenvalues`` (psi,) float64: ascending eigenvalues of ``Lambda_D`` itself (for plots; DESIGN §4).
+    ``verdict``: ``"identifiable"`` (full rank, every value clears the cutoff by :data:`SETTLE_FACTOR`: every
+    least-squares fit computes the same function), ``"not identifiable"`` (``ambiguous_dim = psi - rank``
+    directions are null at the method's precision, by the same margin) or ``"not settled"`` (a value lies within
+    that factor of the cutoff: round-off of the method could flip the rank). ``identifiable`` is
+    ``verdict == "identifiable"`` (certified). ``method`` says what decided: ``"gram"`` (eigenvalues of the
+    float64 Gram, DESIGN §4) or ``"qr"`` (singular values of the R of a QR of the features,
+    :mod:`scaleattn.qr`; it resolves values down to ``psi eps`` where the Gram stops at ``sqrt(psi eps)``).
+    ``spectrum_scaled`` (psi,): ascending eigenvalues of the Jacobi-scaled Gram (for ``"qr"`` the squared
+    singular values of the scaled R); ``eigenvalues`` (psi,) float64: ascending eigenvalues of ``Lambda_D``
+    itself (for plots; DESIGN §4).
 
     Attributes
     ----------
     n_rows, psi, rank : int
         Rows the statistics saw, features, numerical rank of the Jacobi-scaled Gram.
     cutoff_rtol : float
-        The relative eigenvalue cutoff the rank uses.
+        The relative eigenvalue cutoff the rank uses (``"qr"``: the square of its singular-value cutoff).
     lambda_min, lambda_max : float
         Extreme eigenvalues of ``Lambda_D = G / N``.
     lambda_min_scaled, condition_number : float
@@ -54,6 +80,10 @@ class Certificate:
     spectrum_scaled : ndarray (psi,) or (2,)
     eigenvalues : ndarray (psi,) or None
         None on the Cholesky path (extreme eigenvalues only).
+    method : {"gram", "qr"}
+        What decided the rank.
+    gram : Certificate or None
+        For ``method="qr"``: the Gram's certificate that the QR settled (its verdict is ``gram_verdict``).
 
     See Also
     --------
@@ -66,6 +96,8 @@ class Certificate:
     >>> cert = scaleattn.certify(stats)
     >>> cert.identifiable, cert.rank == cert.psi == 6, cert.lambda_min > 0
     (True, True, True)
+    >>> cert.verdict, cert.method, cert.margin > 1e3
+    ('identifiable', 'gram', True)
     """
 
     n_rows: int
@@ -78,25 +110,80 @@ class Certificate:
     condition_number: float
     spectrum_scaled: np.ndarray
     eigenvalues: np.ndarray | None = None
+    method: str = "gram"
+    gram: Certificate | None = None
 
     @property
     def rtol(self) -> float:
         """Deprecated name of :attr:`cutoff_rtol`."""
         return self.cutoff_rtol
 
+    def _nearest(self) -> tuple[float, float | None]:
+        """``(smallest kept, largest dropped in magnitude)`` relative to the largest value, in the method's own
+        quantity (eigenvalues for ``"gram"``, singular values for ``"qr"``); nan/None where the spectrum does not
+        say."""
+        w = np.asarray(self.spectrum_scaled, np.float64)
+        top = max(float(w[-1]), 0.0) if w.size else 0.0
+        if top <= 0:
+            return float("nan"), None
+        rel = w / top if self.method == "gram" else np.sqrt(np.maximum(w, 0.0) / top)
+        if w.size != self.psi:  # extreme eigenvalues only (Cholesky path): full rank by construction
+            return (float(rel[0]), None) if self.rank == self.psi else (float("nan"), None)
+        k = self.psi - self.rank
+        kept = float(rel[k]) if self.rank else float("nan")
+        # dropped: the largest magnitude (a negative round-off eigenvalue of the Gram is as far from 0 as its size)
+        return kept, (float(np.max(np.abs(rel[:k]))) if k else None)
+
+    @property
+    def cutoff(self) -> float:
+        """The cutoff in the method's quantity, relative to the largest value: ``cutoff_rtol`` (eigenvalues) for
+        ``"gram"``, ``sqrt(cutoff_rtol)`` (singular values) for ``"qr"``."""
+        return float(self.cutoff_rtol if self.method == "gram" else np.sqrt(self.cutoff_rtol))
+
+    @property
+    def margin(self) -> float:
+        """Factor by which the value nearest to the cutoff clears it (>= 1; inf when none is near, nan when the
+        spectrum does not say): ``min(smallest kept / cutoff, cutoff / largest dropped)``."""
+        kept, dropped = self._nearest()
+        if np.isnan(kept) and dropped is None:
+            return float("nan")
+        up = kept / self.cutoff if np.isfinite(kept) else float("inf")
+        down = self.cutoff / dropped if dropped else float("inf")  # exactly null (zero) values: no limit
+        return float(min(up, down))
+
+    @property
+    def verdict(self) -> str:
+        """``"identifiable"``, ``"not identifiable"`` or ``"not settled"`` (see the class docstring)."""
+        m = self.margin
+        if np.isnan(m):  # no spectrum to measure a margin on: an all-zero Gram is null, a full rank unproven
+            return "not identifiable" if self.rank < self.psi else "not settled"
+        if m < SETTLE_FACTOR:
+            return "not settled"
+        return "identifiable" if self.rank == self.psi else "not identifiable"
+
     @property
     def identifiable(self) -> bool:
-        return self.rank == self.psi
+        """Certified identifiable: ``verdict == "identifiable"`` (full rank, settled)."""
+        return self.verdict == "identifiable"
 
     @property
     def ambiguous_dim(self) -> int:
         return self.psi - self.rank
 
     def summary(self) -> dict:
+        """JSON-ready numbers: the keys of docs/report.md §2 (``verdict``, ``certificate_method``, ``margin``,
+        ``smallest_kept_relative``, ``largest_dropped_relative``, ``settle_factor`` and the Gram's own
+        ``gram_verdict``, ``gram_rank``, ``gram_margin`` besides the rank and eigenvalues)."""
+        kept, dropped = self._nearest()
+        g = self.gram if self.gram is not None else self
         return {"n_rows": self.n_rows, "psi": self.psi, "rank": self.rank, "cutoff_rtol": self.cutoff_rtol,
                 "lambda_min": self.lambda_min, "lambda_max": self.lambda_max,
                 "lambda_min_scaled": self.lambda_min_scaled, "condition_number": self.condition_number,
-                "identifiable": self.identifiable, "ambiguous_dim": self.ambiguous_dim}
+                "identifiable": self.identifiable, "ambiguous_dim": self.ambiguous_dim,
+                "verdict": self.verdict, "certificate_method": self.method, "margin": self.margin,
+                "smallest_kept_relative": kept, "largest_dropped_relative": dropped,
+                "settle_factor": SETTLE_FACTOR, "gram_verdict": g.verdict, "gram_rank": g.rank,
+                "gram_margin": g.margin}
 
 
 def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
@@ -189,7 +276,12 @@ class Witness:
     ``coef_a`` is the fit, ``coef_b = coef_a + t n e_a^T`` with ``n`` (psi,) the null direction of the Gram
     with the smallest Rayleigh quotient; ``tokens`` (T, d) is an input on which their last-token predictions
     ``prediction_a``, ``prediction_b`` (d_out,) differ; ``sse_a``, ``sse_b`` their training sums of squares
-    (``sse_b - sse_a = t^2 n^T G n + 2 t n^T (G c_a - B_a)`` exactly, no cancellation against yy).
+    (``sse_b - sse_a = t^2 n^T G n + 2 t n^T (G c_a - B_a)`` exactly, no cancellation against yy; from the R
+    of a QR of the features when the solution has one, ``||R n||^2`` instead of ``n^T G n``).
+    ``prediction_scale`` is the scale the step aimed the prediction gap at (the larger of ``||prediction_a||``
+    and the root mean square target). The pair proves the ambiguity (:attr:`conclusive`) only when the gap is
+    at least :data:`WITNESS_MIN_GAP` of that scale and the certificate's ``verdict`` (``certificate_verdict``)
+    is a settled ``"not identifiable"``.
     """
 
     coef_a: np.ndarray
@@ -201,15 +293,38 @@ class Witness:
     sse_b: float
     n_out: int
     target_sum_squares: float
+    prediction_scale: float = float("nan")
+    certificate_verdict: str = "not identifiable"
+
+    @property
+    def prediction_relative_difference(self) -> float:
+        """``||prediction_b - prediction_a|| / prediction_scale``: about 1 when the step along the null direction
+        left the training loss unchanged, much less when the loss forced it down."""
+        return float(np.linalg.norm(self.prediction_b - self.prediction_a) / self.prediction_scale)
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether the pair proves the ambiguity: the predictions differ by at least :data:`WITNESS_MIN_GAP` of
+        the prediction scale with equal training losses, and the certificate settled "not identifiable". A
+        smaller gap is the loss's round-off at work (the data do change the loss along that direction); a
+        "not settled" certificate means the direction may be determined by the data below the method's
+        precision (nearly collinear tokens: a prediction-scale step then changes the loss by ~1e-18, below what
+        the Gram resolves, yet the minimiser is unique). Neither is evidence that the function is undetermined."""
+        return bool(self.prediction_relative_difference >= WITNESS_MIN_GAP
+                    and self.certificate_verdict == "not identifiable")
 
     def summary(self) -> dict:
-        """JSON-ready: tokens, predictions, losses (MSE over rows and outputs) and their relative gap."""
-        la, lb = max(self.sse_a, 0.0) / self.n_out, max(self.sse_b, 0.0) / self.n_out  # floor ~eps * mean y^2
+        """JSON-ready: tokens, predictions, losses (MSE over rows and outputs) and their relative gap, the
+        prediction gap (absolute and relative to the prediction scale) and whether the pair is conclusive."""
+        la, lb = max(self.sse_a, 0.0) / self.n_out, max(self.sse_b, 0.0) / self.n_out
         return {"tokens": self.tokens.tolist(), "prediction_a": self.prediction_a.tolist(),
                 "prediction_b": self.prediction_b.tolist(), "loss_a": float(la), "loss_b": float(lb),
                 "loss_relative_difference": float(abs(self.sse_b - self.sse_a) / max(
                     self.sse_a, self.sse_b, self.target_sum_squares, 1e-300)),
                 "prediction_difference": float(np.linalg.norm(self.prediction_b - self.prediction_a)),
+                "prediction_scale": float(self.prediction_scale),
+                "prediction_relative_difference": self.prediction_relative_difference,
+                "certificate_verdict": self.certificate_verdict, "conclusive": self.conclusive,
                 "coef_distance": coef_distance(self.coef_a, self.coef_b)}
 
 
@@ -222,7 +337,10 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     prediction on the witness input by about the scale of the targets, shrunk if needed so that the
     training losses agree to ``loss_rtol`` relative (to the larger of the loss and ``yy``, the scale the
     statistics resolve). The witness input (``length`` tokens, default d + 1, entries N(0, 1/length)) is the
-    best of ``candidates`` random draws by ``|phi . n| / ||phi||``.
+    best of ``candidates`` random draws by ``|phi . n| / ||phi||``. A solution from a QR of the features
+    (``solution.factor``, :mod:`scaleattn.qr`) gives the loss changes from ``R`` (exact to ``eps^2``), a Gram
+    solution from ``G`` (to ``eps``). A pair whose step had to shrink below :data:`WITNESS_MIN_GAP` of the
+    prediction scale, or of a certificate that is not settled, is returned with ``conclusive`` False.
     """
     Nb = np.asarray(solution.null_basis)
     if Nb.shape[1] == 0:
@@ -230,8 +348,13 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     G = np.asarray(stats.gram() if gram is None else gram)
     c = np.asarray(solution.coef, np.float64)
     d = stats.d
-    w, U = np.linalg.eigh(Nb.T @ (G @ Nb))
-    n = Nb @ U[:, 0]
+    factor = getattr(solution, "factor", None)
+    if factor is not None:  # [Phi | Y] = Q R: n^T G n = ||R11 n||^2, G c - B = R11^T (R11 c - z), no squaring
+        R11, z = factor.R[: Nb.shape[0], : Nb.shape[0]], factor.R[: Nb.shape[0], Nb.shape[0]:]
+        n = Nb @ np.linalg.svd(R11 @ Nb)[2][-1]
+    else:
+        w, U = np.linalg.eigh(Nb.T @ (G @ Nb))
+        n = Nb @ U[:, 0]
     n /= np.linalg.norm(n)
     a = int(np.argmax(np.linalg.norm(c, axis=0)))
     T = d + 1 if length is None else int(length)
@@ -245,8 +368,13 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     unit = float(f[i] @ n)
     scale = max(float(np.linalg.norm(pa)), np.sqrt(stats.target_mean_square), 1e-12)
     t = scale / unit if unit != 0 else 0.0
-    sse_a = stats.sse(c, G)
-    nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
+    if factor is not None:
+        Rn = R11 @ n
+        sse_a = float(solution.sse)
+        nGn, cross = float(Rn @ Rn), float(Rn @ (R11 @ c[:, a] - z[:, a]))
+    else:
+        sse_a = stats.sse(c, G)
+        nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
     ref = max(abs(sse_a), float(stats.yy), 1e-300)
     for _ in range(60):  # shrink until the losses agree (the gap is t^2 nGn + 2 t cross)
         gap = t * t * nGn + 2 * t * cross
@@ -257,4 +385,4 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     cb[:, a] += t * n
     pb = predict_rows(cb, s[i : i + 1], x[i : i + 1])[0]
     return Witness(c, cb, tok[i], pa, pb, float(sse_a), float(sse_a + t * t * nGn + 2 * t * cross),
-                   max(stats.n_rows * stats.d_out, 1), float(stats.yy))
+                   max(stats.n_rows * stats.d_out, 1), float(stats.yy), float(scale), solution.certificate.verdict)

@@ -14,6 +14,7 @@ from ._backend import DEVICES
 from ._storage import parse_storage_options
 from ._version import __version__
 from .errors import ScaleattnError
+from .qr import CERTIFICATE_METHODS, QR_MAX_PSI
 from .spectrum import SOLVERS
 
 __all__ = ["main", "build_parser"]
@@ -80,6 +81,12 @@ def _add_io_args(p, out=True):
         p.add_argument("--overwrite", action="store_true", help="replace the output if it exists")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", default=None,
                    help="fsspec option for s3:// and other URLs (repeatable), e.g. endpoint_url=http://...")
+
+
+def _add_certificate_arg(p):
+    p.add_argument("--certificate", choices=list(CERTIFICATE_METHODS), default="auto",
+                   help="what decides the rank: auto (a QR of the features, a second data pass, only when the Gram"
+                        f" cannot certify and psi <= {QR_MAX_PSI:,}), gram (the Gram only), qr (always the QR)")
 
 
 def _add_output_args(p):
@@ -150,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--solver", choices=list(SOLVERS), default="auto",
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
                         " eigh: the whole spectrum of Lambda_D at any psi (slower)")
+    _add_certificate_arg(f)
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
-                   help="skip the second data pass; train MSE from the statistics (floor ~eps*mean y^2)")
+                   help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor)")
     f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")
     f.add_argument("--resume", action="store_true",
                    help="continue an interrupted fit from its checkpoint: finished row groups are not recomputed")
@@ -172,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--solver", choices=list(SOLVERS), default="auto",
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
                         " eigh: the whole spectrum of Lambda_D at any psi (slower)")
+    _add_certificate_arg(c)
     _add_cluster_args(c)
     _add_io_args(c, out=False)
     _add_output_args(c)
@@ -301,7 +310,8 @@ def _cmd_fit(args) -> int:
     ds = preflight(args.dataset, args.out, args.overwrite, opts)
     with _cluster(args, reporter) as client:
         res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
-                  solver=args.solver, exact_mse=not args.no_exact_mse, overwrite=args.overwrite, progress=reporter,
+                  solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
+                  overwrite=args.overwrite, progress=reporter,
                   storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
                   checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
                   **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
@@ -321,7 +331,8 @@ def _cmd_certify(args) -> int:
     check_cutoff(args.cutoff_rtol)
     ds = open_dataset(args.dataset, opts)
     with _cluster(args, reporter) as client:
-        cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver)
+        cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
+                               certificate=args.certificate)
     _emit(args, cert.summary(), certificate_summary(cert.summary()))
     return 0
 

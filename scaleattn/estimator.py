@@ -11,6 +11,8 @@ from .certificate import check_cutoff
 from .dataset import check_arrays
 from .errors import DatasetError
 from .model import model_from_statistics
+from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
+from .solver import solve
 from .spectrum import SOLVERS
 from .statistics import statistics_from_arrays
 
@@ -42,6 +44,9 @@ class MHLARegressor:
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
     solver : "auto", "eigh" or "cholesky"
         Solver path (:func:`scaleattn.spectrum.solver_path`).
+    certificate : "auto", "gram" or "qr"
+        What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
+        (:mod:`scaleattn.qr`) only when the Gram does not certify identifiability and psi is small.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -75,12 +80,13 @@ class MHLARegressor:
     """
 
     def __init__(self, heads="svd", cutoff_rtol=None, ridge: float = 0.0, solver: str = "auto",
-                 rtol=_DEPRECATED):
+                 rtol=_DEPRECATED, certificate: str = "auto"):
         self.heads = heads
         self.cutoff_rtol = cutoff_rtol
         self.ridge = ridge
         self.solver = solver
         self.rtol = rtol
+        self.certificate = certificate
 
     def get_params(self, deep=True) -> dict:
         """The constructor's parameters (read from its signature, as scikit-learn's ``BaseEstimator``)."""
@@ -101,7 +107,8 @@ class MHLARegressor:
             warnings.warn("rtol= is deprecated; use cutoff_rtol=", DeprecationWarning, stacklevel=3)
             cutoff = self.rtol
         return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(cutoff),
-                "ridge": real("ridge", self.ridge, 0.0), "solver": choice("solver", self.solver, SOLVERS)}
+                "ridge": real("ridge", self.ridge, 0.0), "solver": choice("solver", self.solver, SOLVERS),
+                "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
     def fit(self, tokens, targets, lengths=None):
         """Fit to tokens (n, T, d) and targets (n, d_out) (last token) or (n, T, d_out) (every prefix).
@@ -119,9 +126,14 @@ class MHLARegressor:
             if bad.any():
                 raise DatasetError(f"{name}: sample {int(np.flatnonzero(bad)[0])} contains NaN or Inf")
         stats = statistics_from_arrays(tokens, targets, lengths)
+        G = stats.gram()
+        sol = solve(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
+        if needs_qr(params["certificate"], sol.certificate, stats.psi):  # the arrays are here: no second pass
+            sol = solve_from_r(factor_from_arrays(tokens, targets, lengths), params["cutoff_rtol"], params["ridge"],
+                               gram=sol.certificate)
         self.model_, self.solution_, self.heads_result_ = model_from_statistics(
             stats, causal=targets.ndim == 3, heads=params["heads"], cutoff_rtol=params["cutoff_rtol"],
-            ridge=params["ridge"], solver=params["solver"])
+            ridge=params["ridge"], solver=params["solver"], gram=G, solution=sol)
         self.certificate_ = self.solution_.certificate
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads

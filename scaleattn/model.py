@@ -174,18 +174,20 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
 
 
 def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
-                          solver: str = "auto", gram=None,
+                          solver: str = "auto", gram=None, solution: Solution | None = None,
                           heads_budget: float | None = DEFAULT_BUDGET) -> tuple[MHLAModel, Solution, Heads]:
     """Solve, certify and recover heads from statistics alone ([Y25] Algorithm 1): ``(model, solution, heads)``.
 
     The feature Gram is expanded from the compact one once (or taken from ``gram``, which is not modified) and
-    shared by the solve and the head search. When the heads cannot reproduce the fit (``heads=H`` below the
-    minimal head count, :func:`heads_are_exact`) the model's coefficients are the heads' own ``c(Theta)``: the
-    model is the H-head model. ``heads_budget``: seconds for the head search (None: no limit).
+    shared by the solve and the head search. ``solution``: a solution the caller already has (e.g. from a QR
+    of the features, :func:`scaleattn.qr.solve_from_r`) instead of solving here. When the heads cannot
+    reproduce the fit (``heads=H`` below the minimal head count, :func:`heads_are_exact`) the model's
+    coefficients are the heads' own ``c(Theta)``: the model is the H-head model. ``heads_budget``: seconds for
+    the head search (None: no limit).
     """
     stats = stats.to_numpy()
     G = stats.gram() if gram is None else gram
-    sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
+    sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget)
     coef = sol.coef if heads_are_exact(h) else coef_from_heads(h.V, h.Q)
     return MHLAModel(coef, h.V, h.Q, stats.d, causal), sol, h

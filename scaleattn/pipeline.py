@@ -4,6 +4,8 @@ Data flow one way (DESIGN §6)::
 
     Zarr dataset --row groups--> workers: features -> partial statistics --tree reduction--> statistics
         --> solver (client side): Jacobi-scaled eigh, certificate, c = G^+ B --> heads --> model + report
+    only when the Gram cannot certify (``certificate="auto"``, :func:`scaleattn.qr.needs_qr`):
+    Zarr dataset --row groups--> workers: R of [phi | y] --TSQR tree--> R --> certificate, c = R^+ z
 
 :func:`fit` and :func:`certify_dataset` are the public entries: they validate every parameter and resolve every
 store once, check the memory, and only then start work.
@@ -24,6 +26,7 @@ from .dataset import Dataset, open_dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, release_large_buffers
+from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import DatasetError, OutputExistsError, ScaleattnError
 from .features import coef_distance
 from .head_search import DEFAULT_BUDGET
@@ -31,8 +34,9 @@ from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
 from .progress import as_reporter
+from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
-from .solver import Solution
+from .solver import Solution, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
@@ -65,8 +69,8 @@ class FitResult:
     >>> res = scaleattn.fit(ds, heads="minimal")
     >>> res.certificate.identifiable, res.model.n_heads
     (True, 1)
-    >>> print(res.summary().splitlines()[3])
-    certificate: IDENTIFIABLE: every least-squares fit computes the same function
+    >>> print(res.summary().splitlines()[3])  # doctest: +ELLIPSIS
+    certificate: IDENTIFIABLE: every least-squares fit computes the same function [the float64 Gram, margin ...x]
     """
 
     model: MHLAModel
@@ -112,8 +116,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) 
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
-        keep_checkpoint: bool = False, solver: str = "auto", heads_budget: float | None = DEFAULT_BUDGET,
-        **deprecated) -> FitResult:
+        keep_checkpoint: bool = False, solver: str = "auto", certificate: str = "auto",
+        heads_budget: float | None = DEFAULT_BUDGET, **deprecated) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -132,8 +136,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     ridge : float
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`); the report gives the effective dof.
     exact_mse : bool
-        Measure the training MSE by a second pass over the data (exact to round-off even at 1e-30), in
-        addition to the statistics formula (whose floor is about eps * mean(y^2)).
+        Measure the training MSE by a pass over the data (exact to round-off even at 1e-30), in addition to
+        the statistics formula (whose round-off is ``train_mse_stats_floor``, :meth:`Statistics.sse_floor`).
     overwrite : bool
         Replace an existing ``out`` (and start over instead of resuming a checkpoint).
     progress : bool or Reporter
@@ -156,6 +160,12 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Solver path (:func:`scaleattn.spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI``.
+    certificate : "auto" | "gram" | "qr"
+        What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.qr`): ``"gram"`` the float64 Gram
+        only; ``"qr"`` a tall-skinny QR of the features ``[Phi | Y]`` (a second pass over the data, any psi):
+        rank from the singular values of R, ``c = R^+ z``, the residual from R; ``"auto"`` the QR only when the
+        Gram does not certify identifiability and psi <= ``QR_MAX_PSI`` (well-conditioned data: one pass,
+        unchanged results). The report's ``certificate_method`` says which decided.
     heads_budget : float or None
         Seconds for the head search of ``"minimal"`` / H (None: no limit); the report's
         ``heads_budget_exhausted`` says when it ran out.
@@ -200,6 +210,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     ridge = real("ridge", ridge, 0.0)
     heads_budget = real("heads_budget", heads_budget, 0.0, low_open=True, none_ok=True)
     choice("solver", solver, SOLVERS)
+    choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = preflight(dataset, out, overwrite, storage_options)
@@ -207,6 +218,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
     ckpt = _checkpoint_location(out, checkpoint, opts)
     check_fit_memory(ds.d, ds.d_out, client=client, solver=solver)  # refuse before the build
+    if certificate == "qr":
+        check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups
     if ckpt is not None and not resume and ckpt.exists():
         if not overwrite:
@@ -224,14 +237,31 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         raise
     times["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
+    stats = stats.to_numpy()
+    G = stats.gram()  # expanded once: the solve, the heads and the witness share it
+
+    def heads_and_report(sol, gram):
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=gram,
+                                              solution=sol, heads_budget=heads_budget)
+        return model, sol, h, _report(ds, stats, sol, h, model, gram)
+
     with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
-        stats = stats.to_numpy()
-        G = stats.gram()  # expanded once: the solve, the heads and the witness share it
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G,
-                                              heads_budget=heads_budget)
-        report = _report(ds, stats, sol, h, model, G)
-        del G
+        sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
+        qr = needs_qr(certificate, sol.certificate, stats.psi)
+        if not qr:
+            model, sol, h, report = heads_and_report(sol, G)
     times["solve_and_heads"] = time.perf_counter() - t
+    if qr:  # the Gram cannot settle the certificate (or certificate="qr"): a QR of the features, a second pass
+        t = time.perf_counter()
+        check_qr_memory(ds.d, ds.d_out, client)
+        factor = compute_r(ds, client, progress=reporter)
+        times["qr"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with reporter.phase(f"solve from R (psi {stats.psi:,}) and heads ({heads})"):
+            sol = solve_from_r(factor, cutoff_rtol, ridge, gram=sol.certificate)
+            model, sol, h, report = heads_and_report(sol, G)
+        times["solve_and_heads"] += time.perf_counter() - t
+    del G
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     if exact_mse:
         t = time.perf_counter()
@@ -268,12 +298,18 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
     cert = sol.certificate
     n_out = stats.n_rows * stats.d_out
     exact = heads_are_exact(h)
+    factor = getattr(sol, "factor", None)
+    lstsq_floor = (stats.sse_floor(sol.coef, gram) if factor is None else residual_floor(factor, sol.coef)) / n_out
     report = {
         "n_rows": stats.n_rows, "n_samples": ds.n_samples, "length": ds.length, "d": ds.d, "d_out": ds.d_out,
         "causal": ds.causal, "psi": stats.psi, **cert.summary(),
         # the saved model's loss: the least-squares fit's, unless heads=H could not reproduce it
         "train_mse_stats": max(sol.sse if exact else h.sse, 0.0) / n_out,
-        "lstsq_train_mse_stats": max(sol.sse, 0.0) / n_out, "target_mean_square": stats.target_mean_square,
+        "train_mse_stats_floor": lstsq_floor if exact else stats.sse_floor(model.coef, gram) / n_out,
+        "lstsq_train_mse_stats": max(sol.sse, 0.0) / n_out, "lstsq_train_mse_stats_floor": lstsq_floor,
+        # every loss_vs_heads entry comes from the statistics formula: its round-off at the fitted coefficients
+        "loss_vs_heads_floor": stats.sse_floor(sol.coef, gram) / n_out,
+        "target_mean_square": stats.target_mean_square,
         "n_heads": model.n_heads, "heads_method": h.method, "heads_residual": h.residual,
         "head_singular_values": h.spectrum.tolist(),
         "loss_vs_heads": [{"heads": int(k), "train_mse_stats": max(v, 0.0) / n_out} for k, v in h.curve],
@@ -313,7 +349,8 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
-                    solver: str = "auto", device: str = "auto", **deprecated) -> Certificate:
+                    solver: str = "auto", device: str = "auto", certificate: str = "auto",
+                    **deprecated) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
     Parameters
@@ -329,12 +366,17 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` the extreme
         eigenvalues only.
     device : "auto" | "cpu" | "gpu"
+    certificate : "auto" | "gram" | "qr"
+        As :func:`fit`: ``"auto"`` takes a second pass (a QR of the features, no targets) only when the Gram
+        does not certify identifiability and psi <= ``QR_MAX_PSI``; ``"qr"`` always, ``"gram"`` never.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
     Returns
     -------
     Certificate
+        ``method`` says what decided (``"gram"`` or ``"qr"``); ``verdict`` is ``"identifiable"``, ``"not
+        identifiable"`` or ``"not settled"``.
 
     Raises
     ------
@@ -355,10 +397,19 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     no_other_kwargs(deprecated, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)
     choice("solver", solver, SOLVERS)
+    choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = _open(dataset, storage_options)
     check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate")
+    if certificate == "qr":
+        check_qr_memory(ds.d, 0, client)
     stats = compute_statistics(ds, client, targets=False, progress=reporter, device=device)
     with reporter.phase(f"certificate (psi {stats.psi:,})"):
-        return certify(stats, cutoff_rtol, solver=solver)
+        cert = certify(stats, cutoff_rtol, solver=solver)
+    if not needs_qr(certificate, cert, stats.psi):
+        return cert
+    check_qr_memory(ds.d, 0, client)
+    factor = compute_r(ds, client, targets=False, progress=reporter)
+    with reporter.phase(f"certificate from R (psi {stats.psi:,})"):
+        return certificate_from_r(factor, cutoff_rtol, gram=cert)

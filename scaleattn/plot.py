@@ -38,15 +38,15 @@ def _figure(ncols: int = 1, width: float = 5.0):
     return fig, axes
 
 
-def _positive_floor(values, top):
-    """Values for a log axis: entries <= floor (zero or round-off negatives) are drawn at ``floor``."""
-    floor = max(abs(float(top)), 1e-300) * 1e-18
+def _positive_floor(values, top, rel: float = 1e-18):
+    """Values for a log axis: entries <= floor = ``rel * top`` (zero or round-off negatives) are drawn at it."""
+    floor = max(abs(float(top)), 1e-300) * rel
     return np.maximum(np.asarray(values, np.float64), floor), floor
 
 
 # ---- the certificate's spectrum ---------------------------------------------------------------------------
 def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None = None, lambda_min=None,
-                    title: str | None = None):
+                    title: str | None = None, identifiable: bool | None = None):
     """Eigenvalue spectrum of ``Lambda_D = G / N`` with ``lambda_min`` / ``lambda_max`` marked ([Y25] Lemma 2.3;
     DESIGN §4), and, when ``eigenvalues_scaled`` is given, the Jacobi-scaled spectrum with the relative cutoff
     ``rtol * max`` that decides the rank (eigenvalues below it are the ambiguous directions, drawn in red).
@@ -61,6 +61,10 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
         Relative cutoff (``report["cutoff_rtol"]``); needed to draw the cutoff.
     lambda_min : float, optional
         The certificate's ``lambda_min`` (default: the smallest eigenvalue clipped at 0).
+    identifiable : bool, optional
+        The certificate's verdict (``report["identifiable"]``) for the ``lambda_min`` label; default: lambda_min
+        at the plot's floor means not identifiable. The floor is ``1e-18`` of the largest value, lower when the
+        cutoff is (a QR certificate's spectrum resolves ``(psi eps)^2``).
 
     Returns a Figure with one axis (two with ``eigenvalues_scaled``), log y, eigenvalues in descending order.
     """
@@ -70,13 +74,15 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     fig, axes = _figure(1 if eigenvalues_scaled is None else 2)
     lam_max = float(ev[0])
     lam_min = float(max(ev[-1], 0.0)) if lambda_min is None else float(lambda_min)
-    shown, floor = _positive_floor(ev, lam_max)
+    rel = 1e-18 if rtol is None else min(1e-18, 1e-2 * float(rtol))  # below the cutoff, whatever the method
+    shown, floor = _positive_floor(ev, lam_max, rel)
+    not_identifiable = lam_min <= floor if identifiable is None else not identifiable
     ax = axes[0]
     idx = np.arange(1, ev.size + 1)
     ax.semilogy(idx, shown, ".-", color="C0", ms=3, lw=0.8, label=r"eigenvalues of $\Lambda_D$")
     ax.axhline(lam_max, color="C2", ls=":", lw=1, gid="lambda_max", label=rf"$\lambda_{{\max}}$ = {lam_max:.3g}")
     ax.axhline(max(lam_min, floor), color="C3", ls="--", lw=1.2, gid="lambda_min",
-               label=rf"$\lambda_{{\min}}$ = {lam_min:.3g}" + (" (not identifiable)" if lam_min <= floor else ""))
+               label=rf"$\lambda_{{\min}}$ = {lam_min:.3g}" + (" (not identifiable)" if not_identifiable else ""))
     ax.set_xlabel("eigenvalue index (descending)")
     ax.set_ylabel(r"eigenvalue of $\Lambda_D = G/N$")
     ax.set_title(title or r"Certificate: spectrum of $\Lambda_D$")
@@ -84,7 +90,7 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     if eigenvalues_scaled is not None:
         ws = np.sort(np.asarray(eigenvalues_scaled, np.float64))[::-1]
         top = max(float(ws[0]), 0.0)
-        shown_s, _ = _positive_floor(ws, top)
+        shown_s, _ = _positive_floor(ws, top, rel)
         ax2 = axes[1]
         cut = None if rtol is None else float(rtol) * top
         kept = np.ones(ws.size, bool) if cut is None else ws > cut
@@ -94,7 +100,7 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
             ax2.semilogy(j[~kept], shown_s[~kept], "x", color="C3", ms=5, gid="dropped",
                          label=f"below cutoff ({int((~kept).sum())}: ambiguous)")
         if cut is not None:
-            ax2.axhline(max(cut, _positive_floor([cut], top)[1]), color="k", ls="--", lw=1, gid="cutoff",
+            ax2.axhline(max(cut, _positive_floor([cut], top, rel)[1]), color="k", ls="--", lw=1, gid="cutoff",
                         label=f"cutoff {float(rtol):.1e} x max")
         ax2.set_xlabel("eigenvalue index (descending)")
         ax2.set_ylabel(r"eigenvalue of $D^{-1/2} G D^{-1/2}$")
@@ -206,7 +212,8 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
     figs = {}
     if view["eigenvalues"] is not None:
         figs["spectrum"] = spectrum_figure(view["eigenvalues"], view["eigenvalues_scaled"],
-                                           rtol=r.get("cutoff_rtol"), lambda_min=r.get("lambda_min"))
+                                           rtol=r.get("cutoff_rtol"), lambda_min=r.get("lambda_min"),
+                                           identifiable=r.get("identifiable"))
     if r.get("head_singular_values"):
         figs["heads"] = head_spectrum_figure(r["head_singular_values"], r.get("n_heads"))
     lvh = loss_vs_heads_figure(r.get("loss_vs_heads"), r.get("target_mean_square"))

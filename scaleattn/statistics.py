@@ -120,11 +120,34 @@ class Statistics:
     def sse(self, coef, gram=None) -> float:
         """Sum of squared residuals of ``coef`` (psi, d_out): ``yy - 2 tr(c^T B) + tr(c^T G c)``, no data pass.
 
-        Its round-off floor is about ``eps * yy``; use a data pass (``evaluate``) for errors far below it.
+        Its round-off floor is :meth:`sse_floor` (``eps`` times ``yy`` plus ``||c||^2 ||G||``-sized terms, not
+        ``eps * yy`` alone): large, cancelling coefficients of ill-conditioned data raise it far above
+        ``eps * yy``. Use a data pass (``evaluate``) or a QR of the features for errors below it.
         """
         G = self.gram() if gram is None else gram
         c = np.asarray(coef)
         return float(self.yy - 2 * np.sum(c * self.moments) + np.sum(c * (G @ c)))
+
+    def sse_floor(self, coef, gram=None) -> float:
+        """Order of magnitude of the round-off in :meth:`sse` (DESIGN §3): ``eps * sum_a K_a^2`` with
+        ``K_a = sqrt(yy) + sum_j |c_ja| sqrt(G_jj)``.
+
+        ``G``, ``B`` and ``yy`` each carry relative round-off ``~ eps`` of the sums of absolute products they
+        accumulate, and ``sum_i (|phi_i| . |c|)^2 <= (sum_j |c_j| sqrt(G_jj))^2`` (Cauchy-Schwarz), so the three
+        terms of the formula are uncertain by ``eps (sqrt(yy) + sum_j |c_j| sqrt(G_jj))^2`` per output: about
+        ``eps psi ||c||^2 ||G||`` for large coefficients, ``eps yy`` for small ones. Values of :meth:`sse`
+        below this are round-off.
+
+        Examples
+        --------
+        >>> import numpy as np, scaleattn
+        >>> st = scaleattn.statistics_from_arrays(np.ones((4, 2, 2)), np.ones((4, 1)))
+        >>> st.sse_floor(np.zeros((6, 1))) == 2.0**-52 * st.yy  # c = 0: eps * yy
+        True
+        """
+        G = self.gram() if gram is None else gram
+        k = np.sqrt(max(float(self.yy), 0.0)) + np.sqrt(np.maximum(np.diag(G), 0.0)) @ np.abs(np.asarray(coef))
+        return float(np.finfo(np.float64).eps * np.sum(k * k))
 
     @property
     def target_mean_square(self) -> float:

@@ -20,9 +20,10 @@ CONTRACT = [
     # L2: pure computation, arrays in, arrays out
     "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
+    "qr",  # the QR certificate's local algebra (needs certificate and solver)
     # L3: Dask
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
-    "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.cluster",
+    "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.tsqr", "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
     "run", "plot", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
