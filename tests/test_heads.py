@@ -1,18 +1,12 @@
-"""Heads and identifiability beyond the paper: minimal heads, best H-head models, the loss-versus-heads
-curve, ambiguity witnesses, model comparison and ridge (DESIGN §4, §5).
+"""Heads beyond the paper: minimal heads, best H-head models, the loss-versus-heads curve and model comparison
+(DESIGN §4, §5).
 
-Independent references: teacher predictions straight from the heads (``mhla_forward``), data-pass MSEs,
-dense least squares on the explicit feature matrix.
+Independent references: teacher predictions straight from the heads (``mhla_forward``), data-pass MSEs.
 """
-import json
-
 import numpy as np
 import pytest
 
-from scaleattn.certificate import ambiguity_witness
-from scaleattn.cli import main
-from scaleattn.features import phi, token_features
-from scaleattn.generate import make_assoc, make_mhla, mhla_forward
+from scaleattn.generate import make_mhla, mhla_forward
 from scaleattn.heads import coef_from_heads, compare_models, loss_vs_heads, search_heads, svd_heads
 from scaleattn.model import MHLAModel
 from scaleattn.solver import solve
@@ -91,48 +85,6 @@ def test_noisy_agnostic_loss_vs_heads():
         assert m.sse / n_out == pytest.approx(_data_mse(m.V, m.Q, D, True), rel=1e-8)
 
 
-def test_witness_orthogonal_associative_memory():
-    D = make_assoc(2, 2048, orthogonal=True, seed=0)
-    st, sol = _fit(D)
-    cert = sol.certificate
-    assert not cert.identifiable and cert.ambiguous_dim == sol.null_basis.shape[1] > 0
-    w = ambiguity_witness(sol, st)
-    s, x = token_features(D["tokens"])
-    F = phi(s, x)
-    ya, yb = F @ w.coef_a, F @ w.coef_b
-    ms = float(np.mean(D["targets"] ** 2))
-    mse_a, mse_b = np.mean((ya - D["targets"]) ** 2), np.mean((yb - D["targets"]) ** 2)
-    # equal training loss: on the data (independent pass) and as reported, relative to the target scale
-    assert abs(mse_a - mse_b) <= 1e-10 * max(mse_a, mse_b, ms)
-    r = w.summary()
-    assert r["loss_relative_difference"] <= 1e-10 and abs(r["loss_a"] - r["loss_b"]) <= 1e-10 * ms
-    assert np.max(np.abs(ya - yb)) <= 1e-10 * np.sqrt(ms)  # same predictions on every training sample
-    # different predictions on the witness input, recomputed from the full W = p^-1(c) by a dense sum
-    tok = np.asarray(r["tokens"])
-    S, xl = tok.T @ tok, tok[-1]
-
-    def dense(c):
-        h = svd_heads(c, st.d)
-        return np.einsum("haj,jk,hkl,l->a", h.V, S, h.Q, xl)
-
-    pa, pb = dense(w.coef_a), dense(w.coef_b)
-    assert np.allclose(pa, r["prediction_a"], atol=1e-12) and np.allclose(pb, r["prediction_b"], atol=1e-12)
-    assert np.linalg.norm(pa - pb) >= 0.1 * np.sqrt(ms)
-    # two models built from the witness really are different functions
-    ma = MHLAModel(w.coef_a, *_vq(w.coef_a, st.d), st.d)
-    mb = MHLAModel(w.coef_b, *_vq(w.coef_b, st.d), st.d)
-    assert not compare_models(ma, mb)["equivalent"]
-    # identifiable data (unit-norm Gaussian keys): no witness
-    D2 = make_assoc(2, 2048, seed=1)
-    st2, sol2 = _fit(D2)
-    assert sol2.certificate.identifiable and ambiguity_witness(sol2, st2) is None
-
-
-def _vq(c, d):
-    h = svd_heads(c, d)
-    return h.V, h.Q
-
-
 def test_compare_models_symmetries():
     rng = np.random.default_rng(0)
     V, Q = rng.standard_normal((2, 3, 3)), rng.standard_normal((2, 3, 3))
@@ -154,54 +106,3 @@ def test_compare_models_symmetries():
     assert not r["equivalent"] and r["distance"] == pytest.approx(np.linalg.norm(a.coef - d.coef), rel=1e-12)
     with pytest.raises(ValueError, match="d, d_out"):
         compare_models(a, MHLAModel(coef_from_heads(V[:, :2], Q), V[:, :2], Q, 3))
-
-
-def test_ridge_against_dense_solution():
-    D = make_mhla(d=3, heads=1, length=10, samples=80, noise=0.3, seed=2)
-    st = statistics_from_arrays(D["tokens"], D["targets"])
-    s, x = token_features(D["tokens"])
-    F = phi(s, x)
-    A = F.T @ F
-    for lam in (1e-3, 0.1):
-        sol = solve(st, ridge=lam)
-        M = A + lam * np.diag(np.diag(A))
-        c = np.linalg.solve(M, F.T @ D["targets"])
-        assert _rel(sol.coef, c) <= 1e-8
-        hat = F @ np.linalg.solve(M, F.T)  # effective dof = trace of the hat matrix
-        assert sol.effective_dof == pytest.approx(np.trace(hat), rel=1e-8)
-        assert sol.ridge == lam
-    base = solve(st)
-    assert base.effective_dof == base.rank and base.ridge == 0.0
-    assert solve(st, ridge=0.1).sse > base.sse  # ridge trades training loss for a smaller model
-    with pytest.raises(ValueError, match="ridge"):
-        solve(st, ridge=-1.0)
-
-
-def test_cli_fit_minimal_witness_and_compare(tmp_path, capsys):
-    data, assoc = str(tmp_path / "d.zarr"), str(tmp_path / "a.zarr")
-    assert main(["generate", "mhla", data, "--d", "3", "--heads", "2", "--length", "20", "--samples", "60",
-                 "--causal"]) == 0
-    assert main(["generate", "assoc", assoc, "--pairs", "2", "--samples", "1024", "--orthogonal"]) == 0
-    r1, r2, r3 = (str(tmp_path / n) for n in ("r1", "r2", "r3"))
-    assert main(["fit", data, "--out", r1, "--heads", "minimal", "--local", "--quiet", "--no-plots"]) == 0
-    assert main(["fit", data, "--out", r2, "--heads", "svd", "--local", "--quiet", "--no-plots"]) == 0
-    assert main(["fit", assoc, "--out", r3, "--local", "--quiet", "--no-plots", "--ridge", "1e-9"]) == 0
-    rep1 = json.load(open(f"{r1}/report.json"))
-    assert rep1["n_heads"] == 2 and [e["heads"] for e in rep1["loss_vs_heads"]] == [1, 2]
-    assert rep1["loss_vs_heads"][-1]["train_mse_stats"] <= 1e-12 * rep1["target_mean_square"]
-    assert "witness" not in rep1 and rep1["ridge"] == 0 and rep1["effective_dof"] == rep1["psi"]
-    rep3 = json.load(open(f"{r3}/report.json"))
-    assert not rep3["identifiable"] and rep3["ambiguous_dim"] > 0 and rep3["ridge"] == 1e-9
-    assert rep3["effective_dof"] == pytest.approx(rep3["rank"], rel=1e-3)
-    wit = rep3["witness"]
-    assert np.asarray(wit["tokens"]).shape[1] == rep3["d"] and wit["prediction_difference"] > 0.1
-    assert abs(wit["loss_a"] - wit["loss_b"]) <= 1e-10 * rep3["target_mean_square"]
-    capsys.readouterr()
-    # minimal (2 heads) and svd (9 heads) fits compute the same function; the assoc model is another one
-    assert main(["compare", f"{r1}/model.zarr", f"{r2}/model.zarr", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["equivalent"] and (out["n_heads_a"], out["n_heads_b"]) == (2, 9)
-    assert main(["compare", f"{r1}/model.zarr", f"{r3}/model.zarr", "--quiet"]) == 2  # d 3 vs 4: bad input
-    assert main(["fit", data, "--out", str(tmp_path / "r4"), "--heads", "1", "--local", "--quiet", "--no-plots"]) == 0
-    assert main(["compare", f"{r1}/model.zarr", str(tmp_path / "r4/model.zarr"), "--quiet"]) == 1
-    assert main(["compare", f"{r1}/model.zarr", str(tmp_path / "nothing.zarr"), "--quiet"]) == 2

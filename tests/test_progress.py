@@ -1,7 +1,6 @@
 """Progress of long steps: rich bars counted in rows on stderr in a captured CLI run with a real LocalCluster,
 driven by the job's own client and futures, never default_client(); phases named; --json/--quiet clean."""
 import json
-import time
 
 import pytest
 from distributed import Client, LocalCluster, default_client
@@ -10,8 +9,7 @@ import scaleattn.distributed.cluster as cluster
 from scaleattn import generate
 from scaleattn.cli import main
 from scaleattn.distributed.build import compute_statistics
-from scaleattn.distributed.reduction import run_trees
-from scaleattn.progress import ConsoleReporter, Reporter
+from scaleattn.progress import ConsoleReporter
 
 
 @pytest.fixture(scope="module")
@@ -65,38 +63,6 @@ def test_progress_uses_the_job_client_not_the_default(ds, two_clients, capfd):
     assert _n_prefixes(job) > 0 and _n_prefixes(other) == before  # nothing ran on the default client
 
 
-class _Recorder(Reporter):
-    """A reporter that records what it is told (the reporter is injected; compute code never imports UI)."""
-
-    def __init__(self):
-        self.events = []
-
-    def bar(self, name, total, unit="rows", done=0, note=""):
-        import contextlib
-
-        self.events.append(("bar", name, total, unit, done))
-
-        @contextlib.contextmanager
-        def cm():
-            yield lambda n=1: self.events.append(("advance", n))
-
-        return cm()
-
-
-def test_reporter_counts_rows_weighted_by_task(two_clients):
-    job, _ = two_clients
-    futs = [job.submit(time.sleep, 0.01, key=f"nap-{i}", pure=False) for i in range(6)]
-    rec = _Recorder()
-    with rec.bar("statistics", 60) as advance:
-        run_trees(job, [futs], _first, advance=advance, weights={f.key: 10 for f in futs})
-    assert rec.events[0] == ("bar", "statistics", 60, "rows", 0)
-    assert sorted(e[1] for e in rec.events[1:]) == [10] * 6
-
-
-def _first(*parts):
-    return parts[0]
-
-
 def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
     import io
 
@@ -108,18 +74,3 @@ def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
         pass
     text = buf.getvalue()
     assert "1,000/1,000 rows" in text and "resumed from the checkpoint" in text and "solve: done in" in text
-
-
-def test_run_trees_reraises_task_error_and_cancels(two_clients):
-    job, _ = two_clients
-
-    def boom():
-        raise ValueError("tokens: sample 7 contains NaN or Inf")
-
-    slow = job.submit(time.sleep, 30, pure=False)
-    with pytest.raises(ValueError, match="sample 7"):
-        run_trees(job, [[job.submit(boom, pure=False), slow]], _first)
-    deadline = time.monotonic() + 10
-    while slow.status != "cancelled" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert slow.status == "cancelled"

@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 import scipy.linalg
 
+from scaleattn import solver
+from scaleattn.certificate import certify
+from scaleattn.features import phi, token_features
+from scaleattn.generate import make_mhla
 from scaleattn.solver import solve
 from scaleattn.spectrum import default_rtol
 from scaleattn.statistics import statistics_from_arrays
@@ -178,3 +182,59 @@ def test_near_singular_full_rank():
     assert rel(sol.coef, c_ref) < cond * 1e-14
     # the statistics' SSE formula has a round-off floor ~ eps * sum(y^2) (Statistics.sse)
     assert sol.sse == pytest.approx(np.sum((P @ c_ref - y) ** 2), abs=1e-12 * np.sum(y**2))
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_mhla(d=4, heads=2, length=12, samples=60, causal=True, noise=0.05, seed=3)
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-3])
+def test_large_psi_path_agrees_with_eigh_path(data, ridge):
+    st = statistics_from_arrays(data["tokens"], data["targets"])
+    a = solver.solve(st, ridge=ridge)  # psi = 40: eigh
+    b = solver.solve(st, ridge=ridge, large_psi=10)  # forced: Cholesky + Lanczos
+    assert a.certificate.eigenvalues is not None and b.certificate.eigenvalues is None
+    assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    ca, cb = a.certificate, b.certificate
+    assert cb.identifiable and cb.rank == ca.rank == st.psi
+    for k in ("lambda_min", "lambda_max", "lambda_min_scaled", "condition_number"):
+        assert getattr(cb, k) == pytest.approx(getattr(ca, k), rel=1e-8), k
+    assert b.sse == pytest.approx(a.sse, rel=1e-9)
+    assert b.effective_dof == pytest.approx(a.effective_dof, rel=1e-10)
+    cc = certify(st, solver="cholesky")
+    assert cc.lambda_min == pytest.approx(ca.lambda_min, rel=1e-8)
+
+
+def test_large_psi_path_falls_back_to_eigh_when_not_identifiable():
+    D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    a, b = solver.solve(st), solver.solve(st, solver="cholesky")
+    assert b.rank == a.rank < st.psi and b.null_basis.shape[1] == st.psi - a.rank
+    assert np.allclose(b.coef, a.coef, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        solver.solve(st, solver="qr")
+    with pytest.warns(DeprecationWarning, match="method= is deprecated"):  # the old keyword still works
+        c = solver.solve(st, method="cholesky")
+    assert np.array_equal(c.coef, b.coef)
+
+
+def test_ridge_against_dense_solution():
+    D = make_mhla(d=3, heads=1, length=10, samples=80, noise=0.3, seed=2)
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    s, x = token_features(D["tokens"])
+    F = phi(s, x)
+    A = F.T @ F
+    for lam in (1e-3, 0.1):
+        sol = solve(st, ridge=lam)
+        M = A + lam * np.diag(np.diag(A))
+        c = np.linalg.solve(M, F.T @ D["targets"])
+        assert rel(sol.coef, c) <= 1e-8
+        hat = F @ np.linalg.solve(M, F.T)  # effective dof = trace of the hat matrix
+        assert sol.effective_dof == pytest.approx(np.trace(hat), rel=1e-8)
+        assert sol.ridge == lam
+    base = solve(st)
+    assert base.effective_dof == base.rank and base.ridge == 0.0
+    assert solve(st, ridge=0.1).sse > base.sse  # ridge trades training loss for a smaller model
+    with pytest.raises(ValueError, match="ridge"):
+        solve(st, ridge=-1.0)

@@ -174,3 +174,30 @@ def test_bad_endpoint_bucket_and_credentials_exit_2_with_a_clear_message(s3):
         _set_moto_auth(s3["endpoint"], "inf")
     _assert_clear_error(r, "cannot access the object store", "Forbidden", "AWS_SECRET_ACCESS_KEY")
     assert not s3["fs"].exists(f"{BUCKET}/x")
+
+
+def test_store_hiccups_are_retried_bad_data_fails_once():
+    """Tasks retry transient store errors themselves (Dask retries are off), so bad data fails at once."""
+    from scaleattn._storage import StorageError, transient, with_retries
+    from scaleattn.dataset import DatasetError
+
+    calls = []
+
+    def flaky(fail_times, exc):
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise exc
+        return "ok"
+
+    assert with_retries(flaky, 2, ConnectionError("reset"), delay=0) == "ok" and len(calls) == 3
+    for exc in (DatasetError("tokens: sample 3 contains NaN"), FileNotFoundError("x"), PermissionError("no"),
+                StorageError("refused"), ValueError("bad")):
+        calls.clear()
+        with pytest.raises(type(exc)):
+            with_retries(flaky, 5, exc, delay=0)
+        assert len(calls) == 1, exc
+        assert not transient(exc)
+    calls.clear()
+    with pytest.raises(TimeoutError):
+        with_retries(flaky, 5, TimeoutError("slow"), attempts=3, delay=0)
+    assert len(calls) == 3

@@ -3,7 +3,10 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from scaleattn.cli import main
 
 
 def run(*args, check=True):
@@ -73,3 +76,33 @@ def test_solver_paths_agree_at_d16(tmp_path):
         assert cert["psi"] == 2176 and cert["identifiable"]
         assert cert["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
         assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
+
+
+def test_cli_fit_minimal_witness_and_compare(tmp_path, capsys):
+    data, assoc = str(tmp_path / "d.zarr"), str(tmp_path / "a.zarr")
+    assert main(["generate", "mhla", data, "--d", "3", "--heads", "2", "--length", "20", "--samples", "60",
+                 "--causal"]) == 0
+    assert main(["generate", "assoc", assoc, "--pairs", "2", "--samples", "1024", "--orthogonal"]) == 0
+    r1, r2, r3 = (str(tmp_path / n) for n in ("r1", "r2", "r3"))
+    assert main(["fit", data, "--out", r1, "--heads", "minimal", "--local", "--quiet", "--no-plots"]) == 0
+    assert main(["fit", data, "--out", r2, "--heads", "svd", "--local", "--quiet", "--no-plots"]) == 0
+    assert main(["fit", assoc, "--out", r3, "--local", "--quiet", "--no-plots", "--ridge", "1e-9"]) == 0
+    rep1 = json.load(open(f"{r1}/report.json"))
+    assert rep1["n_heads"] == 2 and [e["heads"] for e in rep1["loss_vs_heads"]] == [1, 2]
+    assert rep1["loss_vs_heads"][-1]["train_mse_stats"] <= 1e-12 * rep1["target_mean_square"]
+    assert "witness" not in rep1 and rep1["ridge"] == 0 and rep1["effective_dof"] == rep1["psi"]
+    rep3 = json.load(open(f"{r3}/report.json"))
+    assert not rep3["identifiable"] and rep3["ambiguous_dim"] > 0 and rep3["ridge"] == 1e-9
+    assert rep3["effective_dof"] == pytest.approx(rep3["rank"], rel=1e-3)
+    wit = rep3["witness"]
+    assert np.asarray(wit["tokens"]).shape[1] == rep3["d"] and wit["prediction_difference"] > 0.1
+    assert abs(wit["loss_a"] - wit["loss_b"]) <= 1e-10 * rep3["target_mean_square"]
+    capsys.readouterr()
+    # minimal (2 heads) and svd (9 heads) fits compute the same function; the assoc model is another one
+    assert main(["compare", f"{r1}/model.zarr", f"{r2}/model.zarr", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["equivalent"] and (out["n_heads_a"], out["n_heads_b"]) == (2, 9)
+    assert main(["compare", f"{r1}/model.zarr", f"{r3}/model.zarr", "--quiet"]) == 2  # d 3 vs 4: bad input
+    assert main(["fit", data, "--out", str(tmp_path / "r4"), "--heads", "1", "--local", "--quiet", "--no-plots"]) == 0
+    assert main(["compare", f"{r1}/model.zarr", str(tmp_path / "r4/model.zarr"), "--quiet"]) == 1
+    assert main(["compare", f"{r1}/model.zarr", str(tmp_path / "nothing.zarr"), "--quiet"]) == 2
