@@ -8,13 +8,8 @@ from scaleattn.features import phi, token_features
 from scaleattn.generate import make_assoc
 from scaleattn.heads import compare_models, svd_heads
 from scaleattn.model import MHLAModel
-from scaleattn.solver import solve
 from scaleattn.statistics import statistics_from_arrays
-
-
-def _fit(D):
-    st = statistics_from_arrays(D["tokens"], D["targets"])
-    return st, solve(st)
+from tests.helpers import solve_arrays
 
 
 def test_associative_memory_certificate():
@@ -26,7 +21,7 @@ def test_associative_memory_certificate():
 
 def test_witness_orthogonal_associative_memory():
     D = make_assoc(2, 2048, orthogonal=True, seed=0)
-    st, sol = _fit(D)
+    st, sol = solve_arrays(D)
     cert = sol.certificate
     assert not cert.identifiable and cert.ambiguous_dim == sol.null_basis.shape[1] > 0
     w = ambiguity_witness(sol, st)
@@ -57,7 +52,7 @@ def test_witness_orthogonal_associative_memory():
     assert not compare_models(ma, mb)["equivalent"]
     # identifiable data (unit-norm Gaussian keys): no witness
     D2 = make_assoc(2, 2048, seed=1)
-    st2, sol2 = _fit(D2)
+    st2, sol2 = solve_arrays(D2)
     assert sol2.certificate.identifiable and ambiguity_witness(sol2, st2) is None
 
 

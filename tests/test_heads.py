@@ -9,17 +9,7 @@ import pytest
 from scaleattn.generate import make_mhla, mhla_forward
 from scaleattn.heads import coef_from_heads, compare_models, loss_vs_heads, search_heads, svd_heads
 from scaleattn.model import MHLAModel
-from scaleattn.solver import solve
-from scaleattn.statistics import statistics_from_arrays
-
-
-def _fit(D):
-    st = statistics_from_arrays(D["tokens"], D["targets"])
-    return st, solve(st)
-
-
-def _rel(a, b):
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+from tests.helpers import solve_arrays
 
 
 def _data_mse(V, Q, D, causal):
@@ -28,15 +18,15 @@ def _data_mse(V, Q, D, causal):
 
 
 @pytest.mark.parametrize("d,H", [(2, 1), (4, 1), (4, 2), (4, 3), (8, 2)])
-def test_minimal_heads_recover_realizable_teacher(d, H):
+def test_minimal_heads_recover_realizable_teacher(rel_err, d, H):
     causal = d < 8
     D = make_mhla(d=d, heads=H, length=100 if causal else 16, samples=64 if causal else 600, causal=causal, seed=d + H)
-    st, sol = _fit(D)
+    st, sol = solve_arrays(D)
     h = search_heads(st, sol.coef, "minimal")
     assert h.n_heads == H and h.method == "minimal"
     # same function as the teacher on fresh inputs (predictions straight from the heads)
     fresh = make_mhla(d=d, heads=H, length=30, samples=40, causal=True, teacher=(D["V"], D["Q"]), seed=123)
-    assert _rel(mhla_forward(h.V, h.Q, fresh["tokens"], causal=True), fresh["targets"]) <= 1e-9
+    assert rel_err(mhla_forward(h.V, h.Q, fresh["tokens"], causal=True), fresh["targets"]) <= 1e-9
     # the teacher up to its symmetries (head order, V_h a / Q_h / a, ...): equal c(Theta)
     assert np.linalg.norm(coef_from_heads(h.V, h.Q) - coef_from_heads(D["V"], D["Q"])) <= 1e-8
     # the paper's SVD heads: the symmetric split raises the rank to the maximum
@@ -52,7 +42,7 @@ def test_minimal_heads_recover_realizable_teacher(d, H):
 
 def test_best_h_heads_below_teacher_rank():
     D = make_mhla(d=3, heads=3, length=40, samples=100, causal=True, seed=5)
-    st, sol = _fit(D)
+    st, sol = solve_arrays(D)
     n_out = st.n_rows * st.d_out
     h2 = search_heads(st, sol.coef, 2)
     assert h2.n_heads == 2 and h2.method == "best-2" and h2.residual > 1e-3
@@ -71,7 +61,7 @@ def test_best_h_heads_below_teacher_rank():
 
 def test_noisy_agnostic_loss_vs_heads():
     D = make_mhla(d=3, heads=2, length=20, samples=150, causal=True, noise=0.2, seed=11)
-    st, sol = _fit(D)
+    st, sol = solve_arrays(D)
     n_out = st.n_rows * st.d_out
     h = search_heads(st, sol.coef, "minimal")
     losses = np.array([v for _, v in h.curve])

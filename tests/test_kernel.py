@@ -4,14 +4,8 @@ import numpy as np
 import pytest
 
 from scaleattn.features import compact_factors, token_features
-from scaleattn.generate import make_mhla
 from scaleattn.kernel import gram_update
 from scaleattn.statistics import statistics_from_arrays
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_mhla(d=4, heads=2, length=12, samples=60, causal=True, noise=0.05, seed=3)
 
 
 @pytest.mark.parametrize("panel_rows,panel_cols,threads", [(1, 1, 1), (5, 7, 2), (64, 13, 3), (4096, 4096, 1)])
@@ -38,19 +32,20 @@ def threaded(monkeypatch):
     monkeypatch.setattr(st, "MIN_THREAD_MACS", 0)
 
 
-def test_kernel_threads_give_identical_bits(data, threaded):
+def test_kernel_threads_give_identical_bits(noisy_causal_arrays, threaded):
     from threadpoolctl import threadpool_limits
 
-    s, x = token_features(data["tokens"], None, True)
+    D = noisy_causal_arrays
+    s, x = token_features(D["tokens"], None, True)
     a = gram_update(np.zeros((55, 10)), s, x, threads=1, panel_rows=16, panel_cols=8)
     for threads in (2, 3, 8):
         b = gram_update(np.zeros((55, 10)), s, x, threads=threads, panel_rows=16, panel_cols=8)
         assert np.array_equal(a, b), threads
     # the whole build: the same bits for any BLAS thread count (every BLAS call runs on one thread)
-    ref = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+    ref = statistics_from_arrays(D["tokens"], D["targets"], block_rows=100)
     for n in (1, 2):
         with threadpool_limits(n):
-            st = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+            st = statistics_from_arrays(D["tokens"], D["targets"], block_rows=100)
         assert np.array_equal(st.gram_compact, ref.gram_compact) and np.array_equal(st.moments, ref.moments), n
 
 
@@ -88,19 +83,20 @@ def test_kernel_propagates_errors_and_survives_nesting(threaded, threads):
     assert np.array_equal(outer, gram_update(np.zeros_like(ref), s, x, threads=1, panel_rows=64, panel_cols=16))
 
 
-def test_concurrent_callers_keep_the_blas_setting(data, threaded):
+def test_concurrent_callers_keep_the_blas_setting(noisy_causal_arrays, threaded):
     """Builds from several user threads at once: each is correct, and the process's BLAS thread count is
     what it was before (the kernel's thread limit is taken and restored one call at a time)."""
     import threading
 
     from scaleattn.kernel import _blas_threads
 
+    D = noisy_causal_arrays
     before = _blas_threads()
-    ref = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+    ref = statistics_from_arrays(D["tokens"], D["targets"], block_rows=100)
     out = [None] * 4
 
     def build(i):
-        out[i] = statistics_from_arrays(data["tokens"], data["targets"], block_rows=100)
+        out[i] = statistics_from_arrays(D["tokens"], D["targets"], block_rows=100)
 
     ts = [threading.Thread(target=build, args=(i,)) for i in range(4)]
     for t in ts:

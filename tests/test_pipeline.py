@@ -13,12 +13,8 @@ from scaleattn.pipeline import fit
 from scaleattn.statistics import statistics_from_arrays
 
 
-def rel_mse(pred, y):
-    return float(((pred - y) ** 2).mean() / (y ** 2).mean())
-
-
 @pytest.mark.parametrize("d,N", [(2, 512), (4, 2048)])
-def test_realizable_fit_reaches_float64_floor(tmp_path, d, N):
+def test_realizable_fit_reaches_float64_floor(rel_mse, tmp_path, d, N):
     ds = generate_mhla(tmp_path / "train.zarr", d=d, heads=1, length=100, samples=N, causal=True, seed=0)
     res = fit(ds)
     V, Q = ds.teacher()

@@ -6,21 +6,13 @@ import pytest
 from distributed import Client, LocalCluster, default_client
 
 import scaleattn.distributed.cluster as cluster
-from scaleattn import generate
-from scaleattn.cli import main
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.progress import ConsoleReporter
 
 
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return generate.generate_mhla(str(tmp_path_factory.mktemp("prog") / "d.zarr"), d=2, heads=1, length=10,
-                                  samples=96, causal=True, chunk_samples=16, seed=0)
-
-
-def test_cli_fit_shows_dashboard_and_bars(ds, tmp_path, capfd):
-    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--workers", "1", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
+def test_cli_fit_shows_dashboard_and_bars(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "run", "--workers", "1", "--no-plots")
+    out, err = r.stdout, r.stderr
     assert "dashboard http://127.0.0.1:" in err  # the link is printed when the cluster starts
     lines = err.splitlines()
     assert any(ln.startswith("statistics") and "960/960 rows" in ln and "rows/s" in ln for ln in lines), err
@@ -30,13 +22,11 @@ def test_cli_fit_shows_dashboard_and_bars(ds, tmp_path, capfd):
     assert "statistics" not in out and "certificate: IDENTIFIABLE" in out  # bars on stderr, summary on stdout
 
 
-def test_cli_json_and_quiet_are_clean(ds, tmp_path, capfd):
-    assert main(["fit", ds.url, "--out", str(tmp_path / "a"), "--local", "--json", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
-    assert json.loads(out)["n_rows"] == 960 and "statistics" not in err
-    assert main(["fit", ds.url, "--out", str(tmp_path / "b"), "--local", "--quiet", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
-    assert out == "" and err == ""
+def test_cli_json_and_quiet_are_clean(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "a", "--local", "--json", "--no-plots")
+    assert json.loads(r.stdout)["n_rows"] == 960 and "statistics" not in r.stderr
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "b", "--local", "--quiet", "--no-plots")
+    assert r.stdout == "" and r.stderr == ""
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +43,10 @@ def _n_prefixes(client):
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.task_prefixes))
 
 
-def test_progress_uses_the_job_client_not_the_default(ds, two_clients, capfd):
+def test_progress_uses_the_job_client_not_the_default(causal_ds, two_clients, capfd):
     job, other = two_clients
     before = _n_prefixes(other)
-    st = compute_statistics(ds, job, progress=True)
+    st = compute_statistics(causal_ds, job, progress=True)
     assert st.n_rows == 960
     err = capfd.readouterr().err
     assert "960/960 rows" in err and "statistics" in err

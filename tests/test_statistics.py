@@ -36,11 +36,6 @@ def test_compact_gram_equals_dense_with_variable_lengths(causal):
     assert st.yy == pytest.approx(float((y * y).sum()), rel=1e-13)
 
 
-@pytest.fixture(scope="module")
-def data():
-    return make_mhla(d=4, heads=2, length=12, samples=60, causal=True, noise=0.05, seed=3)
-
-
 def _dense_reference(D):
     s, x = token_features(D["tokens"], None, True)
     f = phi(s, x)
@@ -48,14 +43,15 @@ def _dense_reference(D):
     return f.T @ f, f.T @ y, s, x
 
 
-def test_statistics_do_not_depend_on_block_or_panel_sizes(data):
-    G_ref, B_ref, _, _ = _dense_reference(data)
-    base = statistics_from_arrays(data["tokens"], data["targets"])
+def test_statistics_do_not_depend_on_block_or_panel_sizes(noisy_causal_arrays):
+    D = noisy_causal_arrays
+    G_ref, B_ref, _, _ = _dense_reference(D)
+    base = statistics_from_arrays(D["tokens"], D["targets"])
     assert np.allclose(base.gram(), G_ref, rtol=1e-12, atol=1e-12 * np.abs(G_ref).max())
     assert np.allclose(base.moments, B_ref, rtol=1e-12, atol=1e-12 * np.abs(B_ref).max())
     scale = np.abs(base.gram_compact).max()
     for block_rows in (1, 7, 100, 5000):
-        st = statistics_from_arrays(data["tokens"], data["targets"], block_rows=block_rows)
+        st = statistics_from_arrays(D["tokens"], D["targets"], block_rows=block_rows)
         assert np.abs(st.gram_compact - base.gram_compact).max() <= 1e-12 * scale
         assert np.abs(st.moments - base.moments).max() <= 1e-12 * np.abs(base.moments).max()
         assert st.n_rows == base.n_rows and st.yy == pytest.approx(base.yy, rel=1e-12)

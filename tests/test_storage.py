@@ -4,23 +4,18 @@ interrupted fit resumed from its s3 checkpoint, and the results compared bit for
 import json
 import os
 import socket
-import subprocess
-import sys
 import urllib.request
 
 import numpy as np
 import pytest
 
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-from scaleattn.certificate import certify  # noqa: E402
+from scaleattn.certificate import certify
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.evaluate import evaluate
-from scaleattn.generate import generate_mhla  # noqa: E402
-from scaleattn.model import MHLAModel  # noqa: E402
-from scaleattn.pipeline import fit  # noqa: E402
-from scaleattn.statistics import Statistics  # noqa: E402
+from scaleattn.model import MHLAModel
+from scaleattn.pipeline import fit
+from scaleattn.statistics import Statistics
+from tests.helpers import assert_same_stats, run_cli_process
 
 BUCKET = "scaleattn-test"
 KEY, SECRET = "testing-key", "testing-secret"  # moto accepts any key while its IAM auth is off
@@ -43,15 +38,14 @@ def _clean_env(**extra) -> dict:
 
 
 def _cli(args, **env):
-    return subprocess.run([sys.executable, "-m", "scaleattn.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=_clean_env(**env))
+    return run_cli_process(*args, rc=None, env=_clean_env(**env))
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
+def s3(tmp_path_factory, causal_groups_ds):
     """A moto S3 server with one bucket holding a dataset uploaded from local disk, and the local-disk fit."""
-    import s3fs
-
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
@@ -62,8 +56,8 @@ def s3(tmp_path_factory):
         fs = s3fs.S3FileSystem(**opts)
         fs.mkdir(BUCKET)
         tmp = tmp_path_factory.mktemp("s3")
-        ds = generate_mhla(tmp / "d.zarr", d=3, heads=2, length=10, samples=64, causal=True, chunk_samples=8, seed=1)
-        fs.put(str(tmp / "d.zarr"), f"{BUCKET}/d.zarr", recursive=True)  # the same bytes on both sides
+        ds = causal_groups_ds
+        fs.put(ds.url, f"{BUCKET}/d.zarr", recursive=True)  # the same bytes on both sides
         local = fit(ds, str(tmp / "run"), plots=False)  # in-process, no Dask: same reduction tree, same bits
         yield {"endpoint": endpoint, "opts": opts, "fs": fs, "local": local, "local_ds": ds, "tmp": tmp}
     finally:
@@ -76,10 +70,7 @@ def _url(path: str) -> str:
 
 def _same_run(s3, run_url: str, local):
     """Statistics and model written under ``run_url`` equal the local fit's bit for bit."""
-    st = Statistics.load(run_url + "/stats.zarr", s3["opts"])
-    assert np.array_equal(st.gram_compact, local.statistics.gram_compact)
-    assert np.array_equal(st.moments, local.statistics.moments)
-    assert (st.yy, st.n_rows) == (local.statistics.yy, local.statistics.n_rows)
+    assert_same_stats(Statistics.load(run_url + "/stats.zarr", s3["opts"]), local.statistics)
     m = MHLAModel.load(run_url + "/model.zarr", s3["opts"])
     for name in ("coef", "V", "Q"):
         assert np.array_equal(getattr(m, name), getattr(local.model, name)), name

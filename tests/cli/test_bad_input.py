@@ -11,14 +11,14 @@ import hashlib
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
+
+from tests.helpers import run_cli_process
 
 N, T, D, D_OUT = 6, 4, 2, 2
 
@@ -301,8 +301,7 @@ def _tree_hash(root: Path) -> dict:
 def _run(case: Case, d: Path) -> dict:
     argv = case.build(d)
     before = _tree_hash(d)
-    p = subprocess.run([sys.executable, "-m", "scaleattn.cli", *argv], cwd=d, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = run_cli_process(*argv, rc=None, cwd=d, extra_env={"PYTHONWARNINGS": "ignore"}, timeout=120)
     return {"argv": argv, "rc": p.returncode, "stderr": p.stderr, "stdout": p.stdout, "before": before,
             "after": _tree_hash(d)}
 

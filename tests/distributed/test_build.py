@@ -11,10 +11,6 @@ from scaleattn.generate import make_mhla
 from scaleattn.statistics import statistics_from_arrays
 
 
-def _rel(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     D = make_mhla(d=4, heads=2, length=9, samples=60, d_out=3, causal=True, variable_lengths=True, seed=7)
@@ -43,36 +39,36 @@ def test_tile_bounds_cover_tc_and_bound_memory():
 
 
 @pytest.mark.parametrize("tile_rows,group_samples", [(None, None), (5, 160), (7, 32), (20, 16), (54, 48), (55, 160)])
-def test_tiled_statistics_match_untiled_and_dense(data, tile_rows, group_samples):
+def test_tiled_statistics_match_untiled_and_dense(rel_err, data, tile_rows, group_samples):
     ds, G, B, yy, N = data
     base = compute_statistics(ds)
     info = {}
     st = compute_statistics(ds, tile_rows=tile_rows, group_samples=group_samples, info=info)
     assert info["tiles"] == (1 if tile_rows is None else -(-55 // tile_rows))
-    assert _rel(st.gram_compact, base.gram_compact) <= 1e-12
-    assert _rel(st.gram(), G) <= 1e-12 and _rel(st.moments, B) <= 1e-12
+    assert rel_err(st.gram_compact, base.gram_compact, np.inf) <= 1e-12
+    assert rel_err(st.gram(), G, np.inf) <= 1e-12 and rel_err(st.moments, B, np.inf) <= 1e-12
     assert st.n_rows == N and st.yy == pytest.approx(yy, rel=1e-12)
     assert st.gram_compact.shape == base.gram_compact.shape and st.moments.shape == (40, 3)
 
 
-def test_tile_partial_holds_only_its_rows(data):
+def test_tile_partial_holds_only_its_rows(rel_err, data):
     ds, *_ = data
     full = group_statistics(ds, 0, 32)
     t = group_statistics(ds, 0, 32, targets=False, cols=(20, 40))
     assert t.gram_compact.shape == (20, 10) and t.moments.shape == (40, 0)  # memory: tile rows x d(d+1)/2
     assert t.n_rows == full.n_rows
-    assert _rel(t.gram_compact, full.gram_compact[20:40]) <= 1e-13
+    assert rel_err(t.gram_compact, full.gram_compact[20:40], np.inf) <= 1e-13
 
 
-def test_small_max_tile_bytes_turns_tiling_on(data):
+def test_small_max_tile_bytes_turns_tiling_on(rel_err, data):
     ds, G, *_ = data
     info = {}
     st = compute_statistics(ds, max_tile_bytes=8 * 10 * 10, info=info)
-    assert info["tiles"] == 6 and _rel(st.gram(), G) <= 1e-12
+    assert info["tiles"] == 6 and rel_err(st.gram(), G, np.inf) <= 1e-12
     assert info["groups"] == len(row_groups(ds, max_groups=16))
 
 
-def test_distributed_tiled_is_bit_identical_to_local(data, client):
+def test_distributed_tiled_is_bit_identical_to_local(rel_err, data, client):
     ds, G, B, *_ = data
     info = {}
     local = compute_statistics(ds, tile_rows=13)  # one process
@@ -83,12 +79,12 @@ def test_distributed_tiled_is_bit_identical_to_local(data, client):
     np.testing.assert_array_equal(dist.gram_compact, local3.gram_compact)
     np.testing.assert_array_equal(dist.moments, local3.moments)
     assert dist.yy == local3.yy and dist.n_rows == local3.n_rows
-    assert _rel(dist.gram_compact, local.gram_compact) <= 1e-12 and _rel(dist.gram(), G) <= 1e-12
+    assert rel_err(dist.gram_compact, local.gram_compact, np.inf) <= 1e-12 and rel_err(dist.gram(), G, np.inf) <= 1e-12
     # a different chunking of the same data gives the same statistics to round-off
     D = ds.read(0, ds.n_samples)
     other = write_dataset(ds.url + ".rechunk", D[0], D[2], D[1], chunk_samples=24)
     re = compute_statistics(other, client, tile_rows=29)
-    assert _rel(re.gram_compact, local.gram_compact) <= 1e-12 and _rel(re.moments, B) <= 1e-12
+    assert rel_err(re.gram_compact, local.gram_compact, np.inf) <= 1e-12 and rel_err(re.moments, B, np.inf) <= 1e-12
 
 
 def test_distributed_statistics_independent_of_workers_and_chunking(tmp_path, client):

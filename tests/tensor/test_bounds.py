@@ -1,4 +1,5 @@
-"""Logit bounds and the automatic degree of the polynomial path (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
+"""Logit bounds and the automatic degree of the polynomial path (DESIGN §8). Dense references
+(tests/tensor/reference.py) are written independently of the package."""
 
 import numpy as np
 

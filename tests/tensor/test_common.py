@@ -1,4 +1,5 @@
-"""Input validation of the tensor API: shapes, dtypes, finiteness and options, each naming the argument (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
+"""Input validation of the tensor API: shapes, dtypes, finiteness and options, each naming the argument (DESIGN §8).
+Dense references (tests/tensor/reference.py) are written independently of the package."""
 
 import numpy as np
 import pytest

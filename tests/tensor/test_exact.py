@@ -1,4 +1,5 @@
-"""Exact tensor attention: forward against the dense softmax, gradients against finite differences and torch autograd (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
+"""Exact tensor attention: forward against the dense softmax, gradients against finite differences and torch
+autograd (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
 import math
 
 import numpy as np

@@ -1,4 +1,6 @@
-"""The polynomial fast path: equal to exact attention at high degree, within its a-priori error bounds, converging with the degree, causal by prefix sums, falling back when logits are large (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
+"""The polynomial fast path: equal to exact attention at high degree, within its a-priori error bounds, converging
+with the degree, causal by prefix sums, falling back when logits are large (DESIGN §8). Dense references
+(tests/tensor/reference.py) are written independently of the package."""
 import math
 
 import numpy as np

@@ -1,4 +1,6 @@
-"""Tensor-attention weights: gradients of the weights and of X against finite differences, batch and causal; training lowers the loss, locally and on Dask alike (DESIGN §8). Dense references (tests/tensor/reference.py) are written independently of the package."""
+"""Tensor-attention weights: gradients of the weights and of X against finite differences, batch and causal;
+training lowers the loss, locally and on Dask alike (DESIGN §8). Dense references (tests/tensor/reference.py) are
+written independently of the package."""
 
 import numpy as np
 import pytest
