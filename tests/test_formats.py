@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import zarr
 
-xr = pytest.importorskip("xarray")
-
 import scaleattn as sa
 from scaleattn import generate
+
+xr = pytest.importorskip("xarray")
 
 
 def _open_both(url, group=None):

@@ -1,4 +1,5 @@
-"""The torch models of the baselines: MHLA with the teacher's heads is DESIGN §1 (padding, causal, fused), two layers match numpy, mismatched models are refused."""
+"""The torch models of the baselines: MHLA with the teacher's heads is DESIGN §1 (padding, causal, fused), two
+layers match numpy, mismatched models are refused."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,5 @@
-"""The paper's experiments at small sizes: in-context regression against one-step GD and ridge, associative memory (Figure 2b), Figure 1 and its table."""
+"""The paper's experiments at small sizes: in-context regression against one-step GD and ridge, associative memory
+(Figure 2b), Figure 1 and its table."""
 import json
 
 import numpy as np

@@ -220,7 +220,8 @@ CASES = [
     Case("tokens-4d", store(tokens=_tok()[..., None], targets=_y()), r"tokens: expected 3 dimensions"),
     Case("targets-1d", store(tokens=_tok(), targets=_y()[:, 0]), r"targets: expected \(sample, output\)"),
     Case("targets-4d", store(tokens=_tok(), targets=_y(True)[..., None]), r"targets: expected \(sample, output\)"),
-    Case("lengths-2d", store(tokens=_tok(), targets=_y(), lengths=np.full((N, 1), T)), r"lengths: expected shape \(6,\)"),
+    Case("lengths-2d", store(tokens=_tok(), targets=_y(), lengths=np.full((N, 1), T)),
+         r"lengths: expected shape \(6,\)"),
     # mismatched N, T, d_out
     Case("targets-N", store(tokens=_tok(), targets=np.zeros((N + 1, D_OUT))), r"targets: 7 samples but tokens has 6"),
     Case("lengths-N", store(tokens=_tok(), targets=_y(), lengths=np.full(N - 1, T)), r"lengths: expected shape \(6,\)"),
@@ -234,10 +235,14 @@ CASES = [
     Case("lengths-gt-T", store(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 5, T + 1)),
          r"lengths: sample 5 has length 5"),
     # dtypes
-    Case("tokens-bool", store(tokens=np.ones((N, T, D), bool), targets=_y()), r"tokens: expected a float \(or integer\) dtype, got bool"),
-    Case("tokens-complex", store(tokens=_tok() + 1j, targets=_y()), r"tokens: expected a float \(or integer\) dtype, got complex128"),
-    Case("tokens-object", store(tokens=_tok().astype(object), targets=_y()), r"tokens: expected a float \(or integer\) dtype"),
-    Case("targets-complex", store(tokens=_tok(), targets=_y() * 1j), r"targets: expected a float \(or integer\) dtype, got complex"),
+    Case("tokens-bool", store(tokens=np.ones((N, T, D), bool), targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype, got bool"),
+    Case("tokens-complex", store(tokens=_tok() + 1j, targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype, got complex128"),
+    Case("tokens-object", store(tokens=_tok().astype(object), targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype"),
+    Case("targets-complex", store(tokens=_tok(), targets=_y() * 1j),
+         r"targets: expected a float \(or integer\) dtype, got complex"),
     Case("lengths-float", store(tokens=_tok(), targets=_y(), lengths=np.full(N, float(T))),
          r"lengths: expected an integer dtype, got float64"),
     # empty / missing
@@ -276,8 +281,10 @@ CASES = [
     Case("import-nan", npz(tokens=_tok(), targets=with_(_y(), (4, 0), np.nan)), r"targets: sample 4 .*NaN or Inf"),
     Case("import-lengths", npz(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 2, T + 1)),
          r"lengths: sample 2 has length 5"),
-    Case("import-targets-complex", npz(tokens=_tok(), targets=_y() * 1j), r"targets: expected a float \(or integer\) dtype"),
-    Case("import-targets-T", npz(tokens=_tok(), targets=np.zeros((N, T - 1, 1))), r"targets: 3 positions but tokens has T = 4"),
+    Case("import-targets-complex", npz(tokens=_tok(), targets=_y() * 1j),
+         r"targets: expected a float \(or integer\) dtype"),
+    Case("import-targets-T", npz(tokens=_tok(), targets=np.zeros((N, T - 1, 1))),
+         r"targets: 3 positions but tokens has T = 4"),
     Case("import-missing-tokens", npz(targets=_y()), r"in\.npz: missing array 'tokens'"),
     Case("import-empty", npz(tokens=np.zeros((0, T, D))), r"tokens: empty dataset"),
 ]
@@ -322,6 +329,7 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.mark or ()) for c in CASES])
 def test_bad_input(case, results):
     r = results[case.id]

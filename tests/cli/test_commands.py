@@ -9,6 +9,7 @@ from scaleattn.dataset import open_dataset
 from scaleattn.features import phi, token_features
 
 
+@pytest.mark.slow
 def test_generate_fit_evaluate_round_trip(tmp_path, cli_process):
     data, fresh, out = tmp_path / "data.zarr", tmp_path / "fresh.zarr", tmp_path / "run1"
     cli_process("generate", "mhla", data, "--d", 2, "--heads", 1, "--length", 100, "--samples", 512, "--causal",
@@ -60,7 +61,7 @@ def test_import_digits_and_npz(cli, tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "a.npz", tokens=rng.standard_normal((20, 5, 2)), targets=rng.standard_normal((20, 2)))
     cli("import", tmp_path / "a.zarr", "--npz", tmp_path / "a.npz")
-    rep = json.loads(cli("fit", tmp_path / "a.zarr", "--out", tmp_path / "r", "--local", "--json").stdout)
+    rep = json.loads(cli("fit", tmp_path / "a.zarr", "--out", tmp_path / "r", "--local", "--json", "--no-plots").stdout)
     assert rep["n_rows"] == 20 and rep["train_mse"] > 0
     x = np.cumsum(rng.standard_normal((300, 3)), axis=0)
     (tmp_path / "s.csv").write_text("a,b,c\n" + "\n".join(",".join(f"{v:.6f}" for v in r) for r in x))
@@ -68,6 +69,7 @@ def test_import_digits_and_npz(cli, tmp_path):
     assert "N=290" in p.stdout and "d=3" in p.stdout
 
 
+@pytest.mark.slow
 def test_solver_paths_agree_at_d16(cli, tmp_path):
     """d = 16 (psi = 2,176) takes the Cholesky + Lanczos path by default; --solver eigh gives the whole spectrum.
     Both certificates must agree with a dense eigvalsh of G / N computed here from the features."""

@@ -97,6 +97,7 @@ def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     assert_same_stats(res.statistics, res2.statistics)
 
 
+@pytest.mark.slow
 def test_killed_fit_process_resumes_with_identical_statistics(causal_groups_ds, cli_process, tmp_path):
     ds = causal_groups_ds
     out = str(tmp_path / "run")
@@ -116,6 +117,7 @@ def test_killed_fit_process_resumes_with_identical_statistics(causal_groups_ds, 
     assert_same_stats(Statistics.load(os.path.join(out, "stats.zarr")), compute_statistics(ds))  # uninterrupted build
 
 
+@pytest.mark.slow
 def test_lost_worker_mid_fit_gives_the_same_statistics(data, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
