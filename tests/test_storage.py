@@ -1,6 +1,7 @@
-"""Object storage over the real S3 protocol (issue 7 item 1): a moto server on 127.0.0.1, a dataset uploaded
-to it, `scaleattn fit / evaluate / certify` run as real processes against s3:// (workers included), an
-interrupted fit resumed from its s3 checkpoint, and the results compared bit for bit with a local-disk fit."""
+"""Storage: transient store errors retried, bad data failing at once; and object storage over the real S3
+protocol: a moto server on 127.0.0.1, a dataset uploaded to it, `scaleattn fit / evaluate / certify` run as real
+processes against s3:// (workers included), an interrupted fit resumed from its s3 checkpoint, and the results
+compared bit for bit with a local-disk fit."""
 import json
 import os
 import socket

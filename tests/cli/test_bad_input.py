@@ -1,14 +1,14 @@
-"""Every kind of bad input through the real CLI (subprocesses): one clear line naming the array (and the first
-bad sample where it applies), exit code 2, no output or temporary left behind, and the input byte-identical.
+"""Every kind of bad input through the CLI: one clear line naming the array (and the first bad sample where it
+applies), exit code 2, no output or temporary left behind, and the input byte-identical.
 
-All cases run concurrently in one module fixture (each is a ~2 s Python start-up, mostly waiting), then one
-parametrised test per case checks its result.
+Each case runs twice: in this process (``scaleattn.cli.main``, fast, no cluster cases) and as a real process
+(slow). The real processes run concurrently in one module fixture (each is a ~2 s Python start-up, mostly
+waiting), then one parametrised test per case checks its result.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.helpers import run_cli_process
+from tests.helpers import run_cli, run_cli_process
 
 N, T, D, D_OUT = 6, 4, 2, 2
 
@@ -73,7 +73,6 @@ class Case:
     id: str
     build: object  # (case_dir) -> argv after "scaleattn"; input at case_dir/"in.zarr" (or another file)
     expect: str  # regex the error line must match
-    mark: object = None
     cluster: bool = False  # starts an embedded Dask cluster
 
 
@@ -205,8 +204,6 @@ def _generate_exists(d):
     return ["generate", "mhla", "out", "--samples", "4", "--length", "3"]
 
 
-_HAVE_ESTIMATE = importlib.util.find_spec("scaleattn.memory") is not None
-
 CASES = [
     # NaN / Inf, naming the array and the first bad (global) sample
     Case("nan-tokens", store(tokens=with_(_tok(), (3, 1, 0), np.nan), targets=_y()), r"tokens: sample 3 .*NaN or Inf"),
@@ -271,11 +268,8 @@ CASES = [
     # cluster options
     Case("tls-partial", _tls_partial, r"TLS needs all of .*missing --tls-ca-file, --tls-key"),
     Case("tls-missing-file", _tls_missing_file, r"--tls-ca-file: no such file 'ca\.pem'"),
-    # d too large for memory: refused from the size estimate before any work
-    # (without the estimate it tries to allocate a 32 TB compact Gram: not run then)
-    Case("d-too-large", _too_big, r"d = 200 .*needs .*GiB.* available", mark=pytest.mark.xfail(
-        not _HAVE_ESTIMATE, run=False,
-        reason="needs the memory size estimate (scaleattn/memory.py, another engineer's task)")),
+    # d too large for memory: refused from the size estimate before any work (a 32 TB compact Gram)
+    Case("d-too-large", _too_big, r"d = 200 .*needs .*GiB.* available"),
     # import: user files are never unpickled; the same validation as stores
     Case("import-pickle", _npz_pickle, r"in\.npz: cannot read without unpickling"),
     Case("import-nan", npz(tokens=_tok(), targets=with_(_y(), (4, 0), np.nan)), r"targets: sample 4 .*NaN or Inf"),
@@ -320,19 +314,14 @@ def results(tmp_path_factory):
     for c in CASES:
         dirs[c.id] = base / c.id
         dirs[c.id].mkdir()
-    run = [c for c in CASES  # leave out the cases xfailed with run=False
-           if not (c.mark and c.mark.name == "xfail" and c.mark.args[0] and not c.mark.kwargs.get("run", True))]
     with ThreadPoolExecutor(max_workers=6) as pool:  # in-process cases; those starting a cluster run alone after
-        futs = {c.id: pool.submit(_run, c, dirs[c.id]) for c in run if not c.cluster}
+        futs = {c.id: pool.submit(_run, c, dirs[c.id]) for c in CASES if not c.cluster}
         out = {k: f.result() for k, f in futs.items()}
-    out.update({c.id: _run(c, dirs[c.id]) for c in run if c.cluster})
+    out.update({c.id: _run(c, dirs[c.id]) for c in CASES if c.cluster})
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.mark or ()) for c in CASES])
-def test_bad_input(case, results):
-    r = results[case.id]
+def _check(case: Case, r: dict) -> None:
     err = r["stderr"]
     assert r["rc"] == 2, f"{r['argv']}: exit {r['rc']}\n{err}"
     assert "Traceback (most recent call last)" not in err, err  # (workers' own logs may quote theirs)
@@ -345,6 +334,23 @@ def test_bad_input(case, results):
     if "out/" not in r["before"]:
         assert "out/" not in r["after"]
     assert "pwned" not in r["after"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_bad_input(case, results):
+    _check(case, results[case.id])
+
+
+@pytest.mark.filterwarnings("ignore")  # as the processes run with PYTHONWARNINGS=ignore
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if not c.cluster])
+def test_bad_input_in_process(case, tmp_path, monkeypatch, capfd):
+    argv = case.build(tmp_path)
+    before = _tree_hash(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    p = run_cli(capfd, *argv, rc=None)
+    _check(case, {"argv": argv, "rc": p.returncode, "stderr": p.stderr, "stdout": p.stdout, "before": before,
+                  "after": _tree_hash(tmp_path)})
 
 
 def test_fixture_really_is_a_pickle(tmp_path):
