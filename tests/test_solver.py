@@ -1,8 +1,9 @@
-"""Numerical edge cases of the solve (DESIGN §4), each against an independent dense computation.
+"""The solve (DESIGN §4): numerical edge cases, each against an independent dense computation; the large-psi
+path (Cholesky + Lanczos) against the eigh path; ridge against its dense solution.
 
-The reference is always built here from the definition (phi = vech(Z^T Z) (x) x, DESIGN §2) and solved with
-numpy/scipy on the dense (rows, psi) matrix -- never through scaleattn.features or the Gram -- so the check
-does not share code (or the squared condition number of the normal equations) with the solver.
+For the edge cases the reference is always built here from the definition (phi = vech(Z^T Z) (x) x, DESIGN §2)
+and solved with numpy/scipy on the dense (rows, psi) matrix -- never through scaleattn.features or the Gram -- so
+the check does not share code (or the squared condition number of the normal equations) with the solver.
 """
 from __future__ import annotations
 
