@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from k8s_pods import ROOT, _quantity, container_env, expand, operator_pods  # noqa: E402
 
+
 def podman_argv(pod: dict, image: str, secrets: dict[str, dict[str, str]], hosts: dict[str, str],
                 label: str = "scaleattn-build-local") -> list[str]:
     """``podman run`` of a pod's container as a kubelet with a container runtime would start it: the image's

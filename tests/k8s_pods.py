@@ -344,8 +344,8 @@ class Sandbox:
         for anc, child in self._binds:
             a += ["--tmpfs", anc, "--ro-bind", child, child]
         # the image's /opt holds only the venv: a tmpfs (root-owned, 0755) with the stand-in bound into it
-        a += ["--tmpfs", str(Path(IMAGE_PREFIX).parent), "--ro-bind", str(self._image_dir), IMAGE_PREFIX, "--ro-bind", str(ROOT), f"{IMAGE_PREFIX}/src",
-              "--ro-bind", str(hosts), "/etc/hosts"]
+        a += ["--tmpfs", str(Path(IMAGE_PREFIX).parent), "--ro-bind", str(self._image_dir), IMAGE_PREFIX,
+              "--ro-bind", str(ROOT), f"{IMAGE_PREFIX}/src", "--ro-bind", str(hosts), "/etc/hosts"]
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for m in container.get("volumeMounts", []):
             vol = volumes[m["name"]]
@@ -361,8 +361,8 @@ class Sandbox:
         profile = {**spec.get("securityContext", {}), **container.get("securityContext", {})}.get("seccompProfile")
         if profile and profile.get("type") == "RuntimeDefault" and seccomp_fd is not None:
             a += ["--seccomp", str(seccomp_fd)]
-        a += ["--info-fd", str(info_fd), "--", "setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(groups)}",
-              "--inh-caps=-all", "--bounding-set=-all"]
+        a += ["--info-fd", str(info_fd), "--", "setpriv", f"--reuid={uid}", f"--regid={gid}",
+              f"--groups={','.join(groups)}", "--inh-caps=-all", "--bounding-set=-all"]
         if sec.get("allowPrivilegeEscalation") is False:
             a.append("--no-new-privs")
         return a + ["--"] + argv

@@ -15,8 +15,14 @@ from threadpoolctl import threadpool_limits
 
 from scaleattn.features import n_features, phi, predict_rows, row_targets, token_features
 from scaleattn.generate import make_mhla, mhla_forward
-from scaleattn.head_bounds import (KIND_EVERY_C, KIND_GENERIC, flattening_bound, generic_heads_bound, image_dimension,
-                                   naive_dimension)
+from scaleattn.head_bounds import (
+    KIND_EVERY_C,
+    KIND_GENERIC,
+    flattening_bound,
+    generic_heads_bound,
+    image_dimension,
+    naive_dimension,
+)
 from scaleattn.head_fit import fit_heads
 from scaleattn.head_search import loss_vs_heads, search_heads
 from scaleattn.heads import coef_from_heads, svd_heads
@@ -300,7 +306,8 @@ def test_fewest_found_line_and_svd_line():
     assert h.n_heads == 5 and "fewest found; bound 4 (flattening rank (every c))" in _line(r)
     s = search_heads(st, sol.coef, "svd")
     rs = {"n_heads": s.n_heads, "heads_method": "svd", "heads_residual": s.residual, **_report_keys(s, st)}
-    assert s.n_heads == 16 and s.lower_bound == 4 and "bound 4 (flattening rank (every c); --heads minimal for the fewest)" in _line(rs)
+    assert s.n_heads == 16 and s.lower_bound == 4
+    assert "bound 4 (flattening rank (every c); --heads minimal for the fewest)" in _line(rs)
 
 
 # ---- budget, determinism, loss_vs_heads, fit_heads ---------------------------------------------------------

@@ -25,8 +25,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML reads the manifests")
 pytest.importorskip("moto", reason="moto[server] is the S3 server of the pods (pip install 'moto[server]')")
 pytest.importorskip("boto3", reason="boto3 reads the S3 outputs")
 
-import k8s_pods  # noqa: E402  (tests/ is on sys.path)
-from test_deploy import EXAMPLE_DATASET, EXAMPLE_OUT, K8S, rendered_job  # noqa: E402
+from . import k8s_pods  # noqa: E402
+from .test_submit import EXAMPLE_DATASET, EXAMPLE_OUT, K8S, rendered_job  # noqa: E402
 
 SECRET = "scaleattn-s3"
 BUCKET = EXAMPLE_DATASET.split("/")[2]

@@ -46,6 +46,7 @@ def test_committed_notebook_is_executed_without_errors(name):
         assert pngs, f"{name}: figures were not rendered"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, tmp_path):
     nb = nbformat.read(os.path.join(NB_DIR, f"{name}.ipynb"), as_version=4)

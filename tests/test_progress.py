@@ -1,28 +1,18 @@
 """Progress of long steps: rich bars counted in rows on stderr in a captured CLI run with a real LocalCluster,
 driven by the job's own client and futures, never default_client(); phases named; --json/--quiet clean."""
 import json
-import time
 
 import pytest
 from distributed import Client, LocalCluster, default_client
 
 import scaleattn.distributed.cluster as cluster
-from scaleattn import generate
-from scaleattn.cli import main
 from scaleattn.distributed.build import compute_statistics
-from scaleattn.distributed.reduction import run_trees
-from scaleattn.progress import ConsoleReporter, Reporter
+from scaleattn.progress import ConsoleReporter
 
 
-@pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    return generate.generate_mhla(str(tmp_path_factory.mktemp("prog") / "d.zarr"), d=2, heads=1, length=10,
-                                  samples=96, causal=True, chunk_samples=16, seed=0)
-
-
-def test_cli_fit_shows_dashboard_and_bars(ds, tmp_path, capfd):
-    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--workers", "1", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
+def test_cli_fit_shows_dashboard_and_bars(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "run", "--workers", "1", "--no-plots")
+    out, err = r.stdout, r.stderr
     assert "dashboard http://127.0.0.1:" in err  # the link is printed when the cluster starts
     lines = err.splitlines()
     assert any(ln.startswith("statistics") and "960/960 rows" in ln and "rows/s" in ln for ln in lines), err
@@ -32,13 +22,11 @@ def test_cli_fit_shows_dashboard_and_bars(ds, tmp_path, capfd):
     assert "statistics" not in out and "certificate: IDENTIFIABLE" in out  # bars on stderr, summary on stdout
 
 
-def test_cli_json_and_quiet_are_clean(ds, tmp_path, capfd):
-    assert main(["fit", ds.url, "--out", str(tmp_path / "a"), "--local", "--json", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
-    assert json.loads(out)["n_rows"] == 960 and "statistics" not in err
-    assert main(["fit", ds.url, "--out", str(tmp_path / "b"), "--local", "--quiet", "--no-plots"]) == 0
-    out, err = capfd.readouterr()
-    assert out == "" and err == ""
+def test_cli_json_and_quiet_are_clean(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "a", "--local", "--json", "--no-plots")
+    assert json.loads(r.stdout)["n_rows"] == 960 and "statistics" not in r.stderr
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "b", "--local", "--quiet", "--no-plots")
+    assert r.stdout == "" and r.stderr == ""
 
 
 @pytest.fixture(scope="module")
@@ -55,46 +43,14 @@ def _n_prefixes(client):
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.task_prefixes))
 
 
-def test_progress_uses_the_job_client_not_the_default(ds, two_clients, capfd):
+def test_progress_uses_the_job_client_not_the_default(causal_ds, two_clients, capfd):
     job, other = two_clients
     before = _n_prefixes(other)
-    st = compute_statistics(ds, job, progress=True)
+    st = compute_statistics(causal_ds, job, progress=True)
     assert st.n_rows == 960
     err = capfd.readouterr().err
     assert "960/960 rows" in err and "statistics" in err
     assert _n_prefixes(job) > 0 and _n_prefixes(other) == before  # nothing ran on the default client
-
-
-class _Recorder(Reporter):
-    """A reporter that records what it is told (the reporter is injected; compute code never imports UI)."""
-
-    def __init__(self):
-        self.events = []
-
-    def bar(self, name, total, unit="rows", done=0, note=""):
-        import contextlib
-
-        self.events.append(("bar", name, total, unit, done))
-
-        @contextlib.contextmanager
-        def cm():
-            yield lambda n=1: self.events.append(("advance", n))
-
-        return cm()
-
-
-def test_reporter_counts_rows_weighted_by_task(two_clients):
-    job, _ = two_clients
-    futs = [job.submit(time.sleep, 0.01, key=f"nap-{i}", pure=False) for i in range(6)]
-    rec = _Recorder()
-    with rec.bar("statistics", 60) as advance:
-        run_trees(job, [futs], _first, advance=advance, weights={f.key: 10 for f in futs})
-    assert rec.events[0] == ("bar", "statistics", 60, "rows", 0)
-    assert sorted(e[1] for e in rec.events[1:]) == [10] * 6
-
-
-def _first(*parts):
-    return parts[0]
 
 
 def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
@@ -108,18 +64,3 @@ def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
         pass
     text = buf.getvalue()
     assert "1,000/1,000 rows" in text and "resumed from the checkpoint" in text and "solve: done in" in text
-
-
-def test_run_trees_reraises_task_error_and_cancels(two_clients):
-    job, _ = two_clients
-
-    def boom():
-        raise ValueError("tokens: sample 7 contains NaN or Inf")
-
-    slow = job.submit(time.sleep, 30, pure=False)
-    with pytest.raises(ValueError, match="sample 7"):
-        run_trees(job, [[job.submit(boom, pure=False), slow]], _first)
-    deadline = time.monotonic() + 10
-    while slow.status != "cancelled" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert slow.status == "cancelled"

@@ -427,13 +427,11 @@ def test_registry_of(image, registry):
     assert submit.registry_of(image) == registry
 
 
-def test_submit_through_the_cli(capsys):
-    cli = pytest.importorskip("scaleattn.cli")
-    rc = cli.main(["submit", "s3://data/ds.zarr", "--out", "s3://results/r", "--gpus", "1", "--workers", "3",
-                   "--name", "via-cli", "--dry-run"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    job = yaml.load(out, Loader=_Loader)
+def test_submit_through_the_cli(cli):
+    r = cli("submit", "s3://data/ds.zarr", "--out", "s3://results/r", "--gpus", "1", "--workers", "3",
+            "--name", "via-cli", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    job = yaml.load(r.stdout, Loader=_Loader)
     validate_daskjob(job)
     assert job["metadata"]["name"] == "via-cli" and job["spec"]["cluster"]["spec"]["worker"]["replicas"] == 3
 

@@ -3,8 +3,6 @@ dask config), and the embedded cluster (scheduler, workers, dashboard) listening
 from __future__ import annotations
 
 import datetime
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import pytest
 pytest.importorskip("cryptography")
 
 from scaleattn.distributed.cluster import connect, tls_security  # noqa: E402
-from scaleattn.generate import generate_mhla  # noqa: E402
 from scaleattn.pipeline import fit  # noqa: E402
 
 
@@ -42,10 +39,9 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "d.zarr"
-    generate_mhla(str(p), d=2, heads=1, length=20, samples=64, causal=True, chunk_samples=16)
-    return str(p), fit(str(p), client=None, exact_mse=False).solution.coef
+def data(causal_ds):
+    """The shared causal dataset and the coefficients of its in-process fit."""
+    return causal_ds.url, fit(causal_ds.url, client=None, exact_mse=False).solution.coef
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +86,17 @@ def test_tls_from_dask_config(tls_scheduler, certs, data):
 def test_plain_client_is_refused_by_tls_scheduler(tls_scheduler):
     from distributed import Client
 
-    with pytest.raises(Exception):
+    with pytest.raises(OSError):  # the scheduler resets the connection (CommClosedError) or it times out
         Client(tls_scheduler.replace("tls://", "tcp://"), timeout="3s")
 
 
-def test_cli_fit_with_tls_options(tls_scheduler, certs, data, tmp_path):
+@pytest.mark.slow
+def test_cli_fit_with_tls_options(tls_scheduler, certs, data, tmp_path, cli_process):
     import json
 
     path, coef = data
-    p = subprocess.run([sys.executable, "-m", "scaleattn.cli", "fit", path, "--out", str(tmp_path / "run"),
-                        "--scheduler", tls_scheduler, "--tls-ca-file", certs["ca"], "--tls-cert", certs["cert"],
-                        "--tls-key", certs["key"], "--json", "--no-exact-mse"],
-                       capture_output=True, text=True, timeout=300)
+    p = cli_process("fit", path, "--out", tmp_path / "run", "--scheduler", tls_scheduler, "--tls-ca-file", certs["ca"],
+                    "--tls-cert", certs["cert"], "--tls-key", certs["key"], "--json", "--no-exact-mse")
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["identifiable"] and rep["psi"] == 6
@@ -125,6 +120,7 @@ def _listening(pids):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tls", [True, False])
 def test_embedded_cluster_binds_localhost(certs, data, tls):
     """The embedded cluster (with TLS: tls://): scheduler, workers, nannies and dashboard listen on 127.0.0.1

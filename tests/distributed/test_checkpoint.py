@@ -2,8 +2,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,15 +15,10 @@ from scaleattn.dataset import write_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.distributed.partition import row_groups, tile_bounds
-from scaleattn.generate import generate_mhla, make_mhla
+from scaleattn.generate import make_mhla
 from scaleattn.pipeline import fit
 from scaleattn.statistics import Statistics
-
-
-def _same(a: Statistics, b: Statistics):
-    np.testing.assert_array_equal(a.gram_compact, b.gram_compact)
-    np.testing.assert_array_equal(a.moments, b.moments)
-    assert a.yy == b.yy and a.n_rows == b.n_rows
+from tests.helpers import assert_same_stats
 
 
 @pytest.fixture
@@ -40,19 +33,19 @@ def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
     ck = str(tmp_path / "ck.zarr")
     ref = compute_statistics(data, group_samples=8, tile_rows=8)  # 8 groups x 3 tiles, no checkpoint
     first, again, info = {}, {}, {}
-    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=first), ref)
+    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=first), ref)
     assert (first["groups_computed"], first["groups_resumed"], first["tiles"]) == (8, 0, 3)
     # the all-zero partial has no chunk key, yet it is done: the done-mask, not the keys, is the authority
     assert not os.path.exists(os.path.join(ck, "gram_compact", "c", "0", "0", "0"))
     assert os.path.exists(os.path.join(ck, "gram_compact", "c", "1", "0", "0"))
-    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=again), ref)
+    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=again), ref)
     assert (again["groups_computed"], again["groups_resumed"], again["tasks_computed"]) == (0, 8, 0)
     # forget two groups' tiles (as if the job died before their done flags were written): only they are redone
     g = zarr.open_group(ck, mode="r+")
     g["done"][2, 1] = False
     g["done"][5, :] = False
     g["gram_compact"][5] = np.nan  # a half-written partial is never read: it is recomputed and overwritten
-    _same(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=info), ref)
+    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=info), ref)
     assert (info["groups_computed"], info["groups_resumed"], info["tasks_computed"]) == (2, 6, 4)
     assert Checkpoint.open(resolve(ck), data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
 
@@ -60,10 +53,10 @@ def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
 def test_resume_on_a_cluster_reads_partials_on_the_workers(data, tmp_path, client):
     ck = str(tmp_path / "ck.zarr")
     ref = compute_statistics(data, group_samples=16, tile_rows=8)  # in-process, same tree
-    _same(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck), ref)
+    assert_same_stats(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck), ref)
     zarr.open_group(ck, mode="r+")["done"][1:3, 0] = False
     info = {}
-    _same(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck, info=info), ref)
+    assert_same_stats(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck, info=info), ref)
     assert (info["groups"], info["tiles"], info["groups_computed"], info["tasks_computed"]) == (4, 3, 2, 2)
 
 
@@ -101,33 +94,30 @@ def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     res2 = fit(data, out, exact_mse=False, plots=False, overwrite=True)  # starts over, then cleans up
     assert res2.report["groups_computed"] == 8 and res2.report["groups_resumed"] == 0
     assert not os.path.exists(ck)
-    _same(res.statistics, res2.statistics)
+    assert_same_stats(res.statistics, res2.statistics)
 
 
-def _cli(args, env=None):
-    return subprocess.run([sys.executable, "-m", "scaleattn.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
-
-
-def test_killed_fit_process_resumes_with_identical_statistics(tmp_path):
-    ds = generate_mhla(tmp_path / "d.zarr", d=3, heads=2, length=10, samples=64, causal=True, chunk_samples=8, seed=1)
+@pytest.mark.slow
+def test_killed_fit_process_resumes_with_identical_statistics(causal_groups_ds, cli_process, tmp_path):
+    ds = causal_groups_ds
     out = str(tmp_path / "run")
     ck = out + ".checkpoint.zarr"
     args = ["fit", ds.url, "--out", out, "--local", "--no-exact-mse", "--no-plots", "--quiet"]
-    r = _cli(args, {"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # the process dies after 3 of 8 groups
+    r = cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 8 groups
     assert r.returncode == 75, r.stderr
     assert not os.path.exists(out) and os.path.exists(ck)
     assert zarr.open_group(ck, mode="r")["done"][...].all(axis=1).sum() == 3
-    r = _cli(args)
+    r = cli_process(*args, rc=2)
     assert r.returncode == 2 and "--resume" in r.stderr
-    r = _cli(args + ["--resume", "--json"])
+    r = cli_process(*args, "--resume", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert (report["groups"], report["groups_computed"], report["groups_resumed"]) == (8, 5, 3)
     assert not os.path.exists(ck)  # removed after success
-    _same(Statistics.load(os.path.join(out, "stats.zarr")), compute_statistics(ds))  # uninterrupted build
+    assert_same_stats(Statistics.load(os.path.join(out, "stats.zarr")), compute_statistics(ds))  # uninterrupted build
 
 
+@pytest.mark.slow
 def test_lost_worker_mid_fit_gives_the_same_statistics(data, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
@@ -155,5 +145,5 @@ def test_lost_worker_mid_fit_gives_the_same_statistics(data, tmp_path, monkeypat
         th.join(180)
         assert not th.is_alive()
         assert 2 <= done < 8  # killed while groups were still running
-    _same(out["st"], ref)
+    assert_same_stats(out["st"], ref)
     assert zarr.open_group(ck, mode="r")["done"][...].all()

@@ -1,24 +1,24 @@
-"""Every kind of bad input through the real CLI (subprocesses): one clear line naming the array (and the first
-bad sample where it applies), exit code 2, no output or temporary left behind, and the input byte-identical.
+"""Every kind of bad input through the CLI: one clear line naming the array (and the first bad sample where it
+applies), exit code 2, no output or temporary left behind, and the input byte-identical.
 
-All cases run concurrently in one module fixture (each is a ~2 s Python start-up, mostly waiting), then one
-parametrised test per case checks its result.
+Each case runs twice: in this process (``scaleattn.cli.main``, fast, no cluster cases) and as a real process
+(slow). The real processes run concurrently in one module fixture (each is a ~2 s Python start-up, mostly
+waiting), then one parametrised test per case checks its result.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
+
+from tests.helpers import run_cli, run_cli_process
 
 N, T, D, D_OUT = 6, 4, 2, 2
 
@@ -73,7 +73,6 @@ class Case:
     id: str
     build: object  # (case_dir) -> argv after "scaleattn"; input at case_dir/"in.zarr" (or another file)
     expect: str  # regex the error line must match
-    mark: object = None
     cluster: bool = False  # starts an embedded Dask cluster
 
 
@@ -205,8 +204,6 @@ def _generate_exists(d):
     return ["generate", "mhla", "out", "--samples", "4", "--length", "3"]
 
 
-_HAVE_ESTIMATE = importlib.util.find_spec("scaleattn.memory") is not None
-
 CASES = [
     # NaN / Inf, naming the array and the first bad (global) sample
     Case("nan-tokens", store(tokens=with_(_tok(), (3, 1, 0), np.nan), targets=_y()), r"tokens: sample 3 .*NaN or Inf"),
@@ -220,7 +217,8 @@ CASES = [
     Case("tokens-4d", store(tokens=_tok()[..., None], targets=_y()), r"tokens: expected 3 dimensions"),
     Case("targets-1d", store(tokens=_tok(), targets=_y()[:, 0]), r"targets: expected \(sample, output\)"),
     Case("targets-4d", store(tokens=_tok(), targets=_y(True)[..., None]), r"targets: expected \(sample, output\)"),
-    Case("lengths-2d", store(tokens=_tok(), targets=_y(), lengths=np.full((N, 1), T)), r"lengths: expected shape \(6,\)"),
+    Case("lengths-2d", store(tokens=_tok(), targets=_y(), lengths=np.full((N, 1), T)),
+         r"lengths: expected shape \(6,\)"),
     # mismatched N, T, d_out
     Case("targets-N", store(tokens=_tok(), targets=np.zeros((N + 1, D_OUT))), r"targets: 7 samples but tokens has 6"),
     Case("lengths-N", store(tokens=_tok(), targets=_y(), lengths=np.full(N - 1, T)), r"lengths: expected shape \(6,\)"),
@@ -234,10 +232,14 @@ CASES = [
     Case("lengths-gt-T", store(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 5, T + 1)),
          r"lengths: sample 5 has length 5"),
     # dtypes
-    Case("tokens-bool", store(tokens=np.ones((N, T, D), bool), targets=_y()), r"tokens: expected a float \(or integer\) dtype, got bool"),
-    Case("tokens-complex", store(tokens=_tok() + 1j, targets=_y()), r"tokens: expected a float \(or integer\) dtype, got complex128"),
-    Case("tokens-object", store(tokens=_tok().astype(object), targets=_y()), r"tokens: expected a float \(or integer\) dtype"),
-    Case("targets-complex", store(tokens=_tok(), targets=_y() * 1j), r"targets: expected a float \(or integer\) dtype, got complex"),
+    Case("tokens-bool", store(tokens=np.ones((N, T, D), bool), targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype, got bool"),
+    Case("tokens-complex", store(tokens=_tok() + 1j, targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype, got complex128"),
+    Case("tokens-object", store(tokens=_tok().astype(object), targets=_y()),
+         r"tokens: expected a float \(or integer\) dtype"),
+    Case("targets-complex", store(tokens=_tok(), targets=_y() * 1j),
+         r"targets: expected a float \(or integer\) dtype, got complex"),
     Case("lengths-float", store(tokens=_tok(), targets=_y(), lengths=np.full(N, float(T))),
          r"lengths: expected an integer dtype, got float64"),
     # empty / missing
@@ -266,18 +268,17 @@ CASES = [
     # cluster options
     Case("tls-partial", _tls_partial, r"TLS needs all of .*missing --tls-ca-file, --tls-key"),
     Case("tls-missing-file", _tls_missing_file, r"--tls-ca-file: no such file 'ca\.pem'"),
-    # d too large for memory: refused from the size estimate before any work
-    # (without the estimate it tries to allocate a 32 TB compact Gram: not run then)
-    Case("d-too-large", _too_big, r"d = 200 .*needs .*GiB.* available", mark=pytest.mark.xfail(
-        not _HAVE_ESTIMATE, run=False,
-        reason="needs the memory size estimate (scaleattn/memory.py, another engineer's task)")),
+    # d too large for memory: refused from the size estimate before any work (a 32 TB compact Gram)
+    Case("d-too-large", _too_big, r"d = 200 .*needs .*GiB.* available"),
     # import: user files are never unpickled; the same validation as stores
     Case("import-pickle", _npz_pickle, r"in\.npz: cannot read without unpickling"),
     Case("import-nan", npz(tokens=_tok(), targets=with_(_y(), (4, 0), np.nan)), r"targets: sample 4 .*NaN or Inf"),
     Case("import-lengths", npz(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 2, T + 1)),
          r"lengths: sample 2 has length 5"),
-    Case("import-targets-complex", npz(tokens=_tok(), targets=_y() * 1j), r"targets: expected a float \(or integer\) dtype"),
-    Case("import-targets-T", npz(tokens=_tok(), targets=np.zeros((N, T - 1, 1))), r"targets: 3 positions but tokens has T = 4"),
+    Case("import-targets-complex", npz(tokens=_tok(), targets=_y() * 1j),
+         r"targets: expected a float \(or integer\) dtype"),
+    Case("import-targets-T", npz(tokens=_tok(), targets=np.zeros((N, T - 1, 1))),
+         r"targets: 3 positions but tokens has T = 4"),
     Case("import-missing-tokens", npz(targets=_y()), r"in\.npz: missing array 'tokens'"),
     Case("import-empty", npz(tokens=np.zeros((0, T, D))), r"tokens: empty dataset"),
 ]
@@ -301,8 +302,7 @@ def _tree_hash(root: Path) -> dict:
 def _run(case: Case, d: Path) -> dict:
     argv = case.build(d)
     before = _tree_hash(d)
-    p = subprocess.run([sys.executable, "-m", "scaleattn.cli", *argv], cwd=d, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = run_cli_process(*argv, rc=None, cwd=d, extra_env={"PYTHONWARNINGS": "ignore"}, timeout=120)
     return {"argv": argv, "rc": p.returncode, "stderr": p.stderr, "stdout": p.stdout, "before": before,
             "after": _tree_hash(d)}
 
@@ -314,18 +314,14 @@ def results(tmp_path_factory):
     for c in CASES:
         dirs[c.id] = base / c.id
         dirs[c.id].mkdir()
-    run = [c for c in CASES  # leave out the cases xfailed with run=False
-           if not (c.mark and c.mark.name == "xfail" and c.mark.args[0] and not c.mark.kwargs.get("run", True))]
     with ThreadPoolExecutor(max_workers=6) as pool:  # in-process cases; those starting a cluster run alone after
-        futs = {c.id: pool.submit(_run, c, dirs[c.id]) for c in run if not c.cluster}
+        futs = {c.id: pool.submit(_run, c, dirs[c.id]) for c in CASES if not c.cluster}
         out = {k: f.result() for k, f in futs.items()}
-    out.update({c.id: _run(c, dirs[c.id]) for c in run if c.cluster})
+    out.update({c.id: _run(c, dirs[c.id]) for c in CASES if c.cluster})
     return out
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.mark or ()) for c in CASES])
-def test_bad_input(case, results):
-    r = results[case.id]
+def _check(case: Case, r: dict) -> None:
     err = r["stderr"]
     assert r["rc"] == 2, f"{r['argv']}: exit {r['rc']}\n{err}"
     assert "Traceback (most recent call last)" not in err, err  # (workers' own logs may quote theirs)
@@ -340,6 +336,23 @@ def test_bad_input(case, results):
     assert "pwned" not in r["after"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_bad_input(case, results):
+    _check(case, results[case.id])
+
+
+@pytest.mark.filterwarnings("ignore")  # as the processes run with PYTHONWARNINGS=ignore
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if not c.cluster])
+def test_bad_input_in_process(case, tmp_path, monkeypatch, capfd):
+    argv = case.build(tmp_path)
+    before = _tree_hash(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    p = run_cli(capfd, *argv, rc=None)
+    _check(case, {"argv": argv, "rc": p.returncode, "stderr": p.stderr, "stdout": p.stdout, "before": before,
+                  "after": _tree_hash(tmp_path)})
+
+
 def test_fixture_really_is_a_pickle(tmp_path):
     """The import-pickle case is meaningful: loading it with allow_pickle=True does run the payload."""
     _npz_pickle(tmp_path)
@@ -350,37 +363,10 @@ def test_fixture_really_is_a_pickle(tmp_path):
 
 def test_no_code_path_unpickles_user_files():
     """No module loads pickles, and every np.load refuses them (stores never hold object data)."""
-    src = Path(__file__).resolve().parents[1] / "scaleattn"
+    src = Path(__file__).resolve().parents[2] / "scaleattn"
     for py in src.rglob("*.py"):
         text = py.read_text()
         assert not re.search(r"\bpickle\.loads?\(|cloudpickle\.loads?\(|allow_pickle\s*=\s*True|pd\.read_pickle",
                              text), py
         for call in re.findall(r"np\.load\([^)]*\)", text):
             assert "allow_pickle=False" in call, (py, call)
-
-
-def test_store_hiccups_are_retried_bad_data_fails_once():
-    """Tasks retry transient store errors themselves (Dask retries are off), so bad data fails at once."""
-    from scaleattn._storage import StorageError, transient, with_retries
-    from scaleattn.dataset import DatasetError
-
-    calls = []
-
-    def flaky(fail_times, exc):
-        calls.append(1)
-        if len(calls) <= fail_times:
-            raise exc
-        return "ok"
-
-    assert with_retries(flaky, 2, ConnectionError("reset"), delay=0) == "ok" and len(calls) == 3
-    for exc in (DatasetError("tokens: sample 3 contains NaN"), FileNotFoundError("x"), PermissionError("no"),
-                StorageError("refused"), ValueError("bad")):
-        calls.clear()
-        with pytest.raises(type(exc)):
-            with_retries(flaky, 5, exc, delay=0)
-        assert len(calls) == 1, exc
-        assert not transient(exc)
-    calls.clear()
-    with pytest.raises(TimeoutError):
-        with_retries(flaky, 5, TimeoutError("slow"), attempts=3, delay=0)
-    assert len(calls) == 3

@@ -1,8 +1,9 @@
-"""Numerical edge cases of the solve (DESIGN §4), each against an independent dense computation.
+"""The solve (DESIGN §4): numerical edge cases, each against an independent dense computation; the large-psi
+path (Cholesky + Lanczos) against the eigh path; ridge against its dense solution.
 
-The reference is always built here from the definition (phi = vech(Z^T Z) (x) x, DESIGN §2) and solved with
-numpy/scipy on the dense (rows, psi) matrix -- never through scaleattn.features or the Gram -- so the check
-does not share code (or the squared condition number of the normal equations) with the solver.
+For the edge cases the reference is always built here from the definition (phi = vech(Z^T Z) (x) x, DESIGN §2)
+and solved with numpy/scipy on the dense (rows, psi) matrix -- never through scaleattn.features or the Gram -- so
+the check does not share code (or the squared condition number of the normal equations) with the solver.
 """
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import numpy as np
 import pytest
 import scipy.linalg
 
+from scaleattn import solver
+from scaleattn.certificate import certify
+from scaleattn.features import phi, token_features
+from scaleattn.generate import make_mhla
 from scaleattn.solver import solve
 from scaleattn.spectrum import default_rtol
 from scaleattn.statistics import statistics_from_arrays
@@ -37,16 +42,8 @@ def col_scaled_lstsq(P, y, drop=0):
     return s_[:, None] * (Vt[:k].T @ ((U[:, :k].T @ y) / s[:k, None]))
 
 
-def rel(a, b):
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def rel_mse(P, c, y):
-    return np.mean((P @ c - y) ** 2) / np.mean(y**2)
-
-
 @pytest.mark.parametrize("kind", ["plane", "zero-coordinate", "line"])
-def test_rank_deficient_min_norm(kind):
+def test_rank_deficient_min_norm(rel_err, kind):
     """Exactly rank-deficient features: the min-norm least-squares answer (pinv), the true rank, no blow-up."""
     rng = np.random.default_rng(0)
     tok = rng.standard_normal((400, 5, 3))
@@ -65,7 +62,7 @@ def test_rank_deficient_min_norm(kind):
     assert sol.rank == rank_ref and sol.certificate.ambiguous_dim == 18 - rank_ref
     assert not sol.certificate.identifiable
     assert np.all(np.isfinite(sol.coef))
-    assert rel(sol.coef, c_ref) < 1e-10
+    assert rel_err(sol.coef, c_ref) < 1e-10
     # min-norm: no component in null(Phi) (basis from the dense SVD), and the same residual as lstsq
     _, _, Vt = np.linalg.svd(P)
     null = Vt[rank_ref:].T
@@ -88,7 +85,7 @@ def test_all_zero_tokens():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_constant_coordinate(causal):
+def test_constant_coordinate(rel_err, causal):
     """A constant token coordinate (a 'bias' feature): full rank here; matches lstsq on the dense features."""
     rng = np.random.default_rng(1)
     tok = rng.standard_normal((300, 5, 3))
@@ -98,7 +95,7 @@ def test_constant_coordinate(causal):
     c_ref = scipy.linalg.lstsq(P, Y)[0]
     sol = solve(statistics_from_arrays(tok, y))
     assert sol.rank == np.linalg.matrix_rank(P) == 18
-    assert rel(sol.coef, c_ref) < 1e-10
+    assert rel_err(sol.coef, c_ref) < 1e-10
 
 
 def test_badly_scaled_coordinates():
@@ -145,7 +142,7 @@ def _near_collinear(n, eps, seed):
     return tok, rng
 
 
-def test_cutoff_does_not_grow_with_n():
+def test_cutoff_does_not_grow_with_n(rel_mse):
     """10^6 rows with a real direction whose Jacobi-scaled eigenvalue is ~6e-12 x lambda_max: far above the
     round-off cutoff 16 psi eps, below an N-growing cutoff like N * eps (2e-10). It must be kept: the fit is
     exact, while dropping it (the reference SVD truncated by one) leaves an error 8 orders of magnitude larger."""
@@ -159,14 +156,14 @@ def test_cutoff_does_not_grow_with_n():
     assert sol.certificate.rtol == default_rtol(6)  # the same cutoff at any N
     assert default_rtol(6) < w[0] / w[-1] < n * np.finfo(float).eps
     assert sol.rank == 6 and sol.certificate.identifiable
-    mse, mse_dropped = rel_mse(P, sol.coef, y), rel_mse(P, col_scaled_lstsq(P, y, drop=1), y)
+    mse, mse_dropped = rel_mse(P @ sol.coef, y), rel_mse(P @ col_scaled_lstsq(P, y, drop=1), y)
     assert mse < 1e-17 and mse_dropped > 1e-13 and mse < 1e-4 * mse_dropped
     # the smallest scaled eigenvalue is the reference's smallest squared singular value
     s = np.linalg.svd(P / np.linalg.norm(P, axis=0), compute_uv=False)
     assert w[0] == pytest.approx(s[-1] ** 2, rel=1e-3)
 
 
-def test_near_singular_full_rank():
+def test_near_singular_full_rank(rel_err):
     """Near-singular (condition ~1e8 after scaling) but full rank, noisy targets: the lstsq answer."""
     tok, rng = _near_collinear(20000, 0.2, 3)
     y = dense_phi(tok) @ rng.standard_normal((6, 2)) + 1e-3 * rng.standard_normal((20000, 2))
@@ -175,6 +172,58 @@ def test_near_singular_full_rank():
     sol = solve(statistics_from_arrays(tok, y))
     cond = sol.certificate.condition_number
     assert 1e5 < cond < 1e12 and sol.rank == 6
-    assert rel(sol.coef, c_ref) < cond * 1e-14
+    assert rel_err(sol.coef, c_ref) < cond * 1e-14
     # the statistics' SSE formula has a round-off floor ~ eps * sum(y^2) (Statistics.sse)
     assert sol.sse == pytest.approx(np.sum((P @ c_ref - y) ** 2), abs=1e-12 * np.sum(y**2))
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-3])
+def test_large_psi_path_agrees_with_eigh_path(noisy_causal_arrays, ridge):
+    D = noisy_causal_arrays
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    a = solver.solve(st, ridge=ridge)  # psi = 40: eigh
+    b = solver.solve(st, ridge=ridge, large_psi=10)  # forced: Cholesky + Lanczos
+    assert a.certificate.eigenvalues is not None and b.certificate.eigenvalues is None
+    assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    ca, cb = a.certificate, b.certificate
+    assert cb.identifiable and cb.rank == ca.rank == st.psi
+    for k in ("lambda_min", "lambda_max", "lambda_min_scaled", "condition_number"):
+        assert getattr(cb, k) == pytest.approx(getattr(ca, k), rel=1e-8), k
+    assert b.sse == pytest.approx(a.sse, rel=1e-9)
+    assert b.effective_dof == pytest.approx(a.effective_dof, rel=1e-10)
+    cc = certify(st, solver="cholesky")
+    assert cc.lambda_min == pytest.approx(ca.lambda_min, rel=1e-8)
+
+
+def test_large_psi_path_falls_back_to_eigh_when_not_identifiable():
+    D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    a, b = solver.solve(st), solver.solve(st, solver="cholesky")
+    assert b.rank == a.rank < st.psi and b.null_basis.shape[1] == st.psi - a.rank
+    assert np.allclose(b.coef, a.coef, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        solver.solve(st, solver="qr")
+    with pytest.warns(DeprecationWarning, match="method= is deprecated"):  # the old keyword still works
+        c = solver.solve(st, method="cholesky")
+    assert np.array_equal(c.coef, b.coef)
+
+
+def test_ridge_against_dense_solution(rel_err):
+    D = make_mhla(d=3, heads=1, length=10, samples=80, noise=0.3, seed=2)
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    s, x = token_features(D["tokens"])
+    F = phi(s, x)
+    A = F.T @ F
+    for lam in (1e-3, 0.1):
+        sol = solve(st, ridge=lam)
+        M = A + lam * np.diag(np.diag(A))
+        c = np.linalg.solve(M, F.T @ D["targets"])
+        assert rel_err(sol.coef, c) <= 1e-8
+        hat = F @ np.linalg.solve(M, F.T)  # effective dof = trace of the hat matrix
+        assert sol.effective_dof == pytest.approx(np.trace(hat), rel=1e-8)
+        assert sol.ridge == lam
+    base = solve(st)
+    assert base.effective_dof == base.rank and base.ridge == 0.0
+    assert solve(st, ridge=0.1).sse > base.sse  # ridge trades training loss for a smaller model
+    with pytest.raises(ValueError, match="ridge"):
+        solve(st, ridge=-1.0)

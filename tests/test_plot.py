@@ -12,16 +12,14 @@ import pytest
 
 import scaleattn as sa
 from scaleattn import generate, plot
-from scaleattn.cli import main
 from scaleattn.heads import coef_to_W
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, causal_ds):
     """A small realizable causal fit written to a run directory (in-process, no cluster)."""
     tmp = tmp_path_factory.mktemp("plots")
-    ds = generate.generate_mhla(str(tmp / "d.zarr"), d=2, heads=1, length=12, samples=96, causal=True,
-                                chunk_samples=32, seed=3)
+    ds = causal_ds
     res = sa.fit(ds, str(tmp / "run"))
     return ds, res, str(tmp / "run")
 
@@ -102,7 +100,7 @@ def test_predictions_against_targets(run):
     V, Q = ds.teacher()
     want = generate.mhla_forward(V, Q, tok, causal=True)
     pts = np.concatenate([c.get_offsets() for c in ax.collections])
-    assert pts.shape[0] == want.size  # 96 sequences x 12 prefixes x 2 outputs <= PREDICTION_POINTS rows
+    assert pts.shape[0] == want.size  # 96 sequences x 10 prefixes x 2 outputs <= PREDICTION_POINTS rows
     np.testing.assert_allclose(np.sort(pts[:, 0]), np.sort(y.ravel()), rtol=0, atol=1e-12)
     np.testing.assert_allclose(np.sort(pts[:, 1]), np.sort(want.ravel()), rtol=0, atol=1e-10)
 
@@ -122,7 +120,7 @@ def test_loss_vs_heads_panel_when_present():
     assert _by_gid(ax, "mean_square")
 
 
-def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, capsys):
+def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, cli):
     ds, res, out = run
     copy = str(tmp_path / "run")
     shutil.copytree(out, copy)
@@ -132,16 +130,15 @@ def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, capsys):
     with open(os.path.join(copy, "report.json"), "w") as f:
         json.dump(report, f)
     shutil.rmtree(os.path.join(copy, "spectrum.zarr"))  # older runs: recomputed from stats.zarr
-    assert main(["plot", copy, "--out", str(tmp_path / "png")]) == 0
+    cli("plot", copy, "--out", tmp_path / "png")
     assert sorted(os.listdir(tmp_path / "png")) == ["heads.png", "loss_vs_heads.png", "predictions.png", "spectrum.png"]
     view = plot.load_run(copy)
     np.testing.assert_allclose(view["eigenvalues"], res.certificate.eigenvalues, rtol=1e-10, atol=1e-18)
-    assert main(["plot", str(tmp_path / "nope")]) == 2
-    assert "no report.json" in capsys.readouterr().err
+    assert "no report.json" in cli("plot", tmp_path / "nope", rc=2).stderr
 
 
-def test_cli_fit_no_plots(run, tmp_path):
+def test_cli_fit_no_plots(run, tmp_path, cli):
     ds, _, _ = run
-    assert main(["fit", ds.url, "--out", str(tmp_path / "r"), "--local", "--no-plots", "--quiet"]) == 0
+    cli("fit", ds.url, "--out", tmp_path / "r", "--local", "--no-plots", "--quiet")
     files = sorted(os.listdir(tmp_path / "r"))
     assert not [f for f in files if f.endswith(".png")] and "spectrum.zarr" in files

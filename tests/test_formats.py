@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import zarr
 
-xr = pytest.importorskip("xarray")
-
 import scaleattn as sa
 from scaleattn import generate
+
+xr = pytest.importorskip("xarray")
 
 
 def _open_both(url, group=None):
@@ -33,10 +33,10 @@ def _check_store(url, fmt, group=None):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, causal_varlen_ds):
+    """The shared variable-length causal dataset (d = 3, d_out = 2) and its fit written to a run directory."""
     tmp = tmp_path_factory.mktemp("xr")
-    ds = generate.generate_mhla(str(tmp / "d.zarr"), d=3, heads=2, length=8, samples=40, d_out=2, causal=True,
-                                variable_lengths=True, chunk_samples=16, seed=1)
+    ds = causal_varlen_ds
     res = sa.fit(ds, str(tmp / "run"), plots=False)
     return tmp, ds, res
 

@@ -1,0 +1,113 @@
+"""The commands end to end: generate -> fit -> evaluate -> certify (as real processes on a real LocalCluster, and
+in this process), import, compare, --version and --help, both solver paths at d = 16."""
+import json
+
+import numpy as np
+import pytest
+
+from scaleattn.dataset import open_dataset
+from scaleattn.features import phi, token_features
+
+
+@pytest.mark.slow
+def test_generate_fit_evaluate_round_trip(tmp_path, cli_process):
+    data, fresh, out = tmp_path / "data.zarr", tmp_path / "fresh.zarr", tmp_path / "run1"
+    cli_process("generate", "mhla", data, "--d", 2, "--heads", 1, "--length", 100, "--samples", 512, "--causal",
+                "--seed", 0)
+    cli_process("generate", "mhla", fresh, "--d", 2, "--heads", 1, "--length", 50, "--samples", 64, "--causal",
+                "--seed", 0)
+    p = cli_process("fit", data, "--out", out, "--workers", 2)
+    assert "certificate: IDENTIFIABLE" in p.stdout and "dashboard http://127.0.0.1" in p.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["n_rows"] == 51200 and rep["psi"] == 6 and rep["identifiable"] is True
+    assert rep["train_mse"] / rep["target_mean_square"] <= 1e-20
+    # same seed -> same teacher: the model is exact on a fresh dataset from it
+    ev = json.loads(cli_process("evaluate", out / "model.zarr", fresh, "--json", "--workers", 2).stdout)
+    assert ev["relative_mse"] <= 1e-20 and ev["n_rows"] == 64 * 50
+    cert = json.loads(cli_process("certify", data, "--json", "--local").stdout)
+    assert cert["identifiable"] and cert["lambda_min"] == pytest.approx(rep["lambda_min"], rel=1e-10)
+    again = cli_process("fit", data, "--out", out, "--local", rc=2)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_fit_evaluate_certify_in_process(cli, last_token_ds, tmp_path):
+    """The same round trip in this process on realizable last-token data: an exact fit, evaluate agreeing with
+    it, and the certificate's spectrum equal to a dense eigvalsh of G / N computed here from the features."""
+    url, out = last_token_ds.url, tmp_path / "run"
+    rep = json.loads(cli("fit", url, "--out", out, "--local", "--json", "--no-plots").stdout)
+    assert rep["n_rows"] == 64 and rep["psi"] == 6 and rep["identifiable"] is True
+    assert rep["train_mse"] / rep["target_mean_square"] <= 1e-20
+    ev = json.loads(cli("evaluate", out / "model.zarr", url, "--local", "--json").stdout)
+    assert ev["relative_mse"] <= 1e-20 and ev["n_rows"] == 64
+    cert = json.loads(cli("certify", url, "--local", "--json").stdout)
+    tok, _, _ = last_token_ds.read(0, 64)
+    P = phi(*token_features(tok))
+    lam = np.linalg.eigvalsh(P.T @ P / len(P))
+    assert cert["identifiable"] and cert["lambda_min"] == pytest.approx(rep["lambda_min"], rel=1e-10)
+    assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
+    assert cert["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
+    assert "already exists" in cli("fit", url, "--out", out, "--local", rc=2).stderr
+
+
+def test_version_and_help(cli):
+    assert cli("--version").stdout.startswith("scaleattn ")
+    for cmd in ("fit", "generate", "import", "certify", "evaluate", "bench"):
+        assert "usage" in cli(cmd, "--help").stdout
+
+
+def test_import_digits_and_npz(cli, tmp_path):
+    p = cli("import", tmp_path / "digits.zarr", "--builtin", "digits")
+    assert "N=1797" in p.stdout
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "a.npz", tokens=rng.standard_normal((20, 5, 2)), targets=rng.standard_normal((20, 2)))
+    cli("import", tmp_path / "a.zarr", "--npz", tmp_path / "a.npz")
+    rep = json.loads(cli("fit", tmp_path / "a.zarr", "--out", tmp_path / "r", "--local", "--json", "--no-plots").stdout)
+    assert rep["n_rows"] == 20 and rep["train_mse"] > 0
+    x = np.cumsum(rng.standard_normal((300, 3)), axis=0)
+    (tmp_path / "s.csv").write_text("a,b,c\n" + "\n".join(",".join(f"{v:.6f}" for v in r) for r in x))
+    p = cli("import", tmp_path / "s.zarr", "--csv", tmp_path / "s.csv", "--length", 10)
+    assert "N=290" in p.stdout and "d=3" in p.stdout
+
+
+@pytest.mark.slow
+def test_solver_paths_agree_at_d16(cli, tmp_path):
+    """d = 16 (psi = 2,176) takes the Cholesky + Lanczos path by default; --solver eigh gives the whole spectrum.
+    Both certificates must agree with a dense eigvalsh of G / N computed here from the features."""
+    data = tmp_path / "d16.zarr"
+    cli("generate", "mhla", data, "--d", 16, "--heads", 1, "--length", 4, "--samples", 3000, "--seed", 1)
+    chol = json.loads(cli("certify", data, "--json", "--local").stdout)
+    eigh = json.loads(cli("certify", data, "--json", "--local", "--solver", "eigh").stdout)
+    tok, _, _ = open_dataset(data).read(0, 3000)
+    P = phi(*token_features(tok))
+    lam = np.linalg.eigvalsh(P.T @ P / len(P))
+    for cert in (chol, eigh):
+        assert cert["psi"] == 2176 and cert["identifiable"]
+        assert cert["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
+        assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
+
+
+def test_cli_fit_minimal_witness_and_compare(cli, tmp_path):
+    data, assoc = tmp_path / "d.zarr", tmp_path / "a.zarr"
+    cli("generate", "mhla", data, "--d", "3", "--heads", "2", "--length", "20", "--samples", "60", "--causal")
+    cli("generate", "assoc", assoc, "--pairs", "2", "--samples", "1024", "--orthogonal")
+    r1, r2, r3 = (tmp_path / n for n in ("r1", "r2", "r3"))
+    cli("fit", data, "--out", r1, "--heads", "minimal", "--local", "--quiet", "--no-plots")
+    cli("fit", data, "--out", r2, "--heads", "svd", "--local", "--quiet", "--no-plots")
+    cli("fit", assoc, "--out", r3, "--local", "--quiet", "--no-plots", "--ridge", "1e-9")
+    rep1 = json.loads((r1 / "report.json").read_text())
+    assert rep1["n_heads"] == 2 and [e["heads"] for e in rep1["loss_vs_heads"]] == [1, 2]
+    assert rep1["loss_vs_heads"][-1]["train_mse_stats"] <= 1e-12 * rep1["target_mean_square"]
+    assert "witness" not in rep1 and rep1["ridge"] == 0 and rep1["effective_dof"] == rep1["psi"]
+    rep3 = json.loads((r3 / "report.json").read_text())
+    assert not rep3["identifiable"] and rep3["ambiguous_dim"] > 0 and rep3["ridge"] == 1e-9
+    assert rep3["effective_dof"] == pytest.approx(rep3["rank"], rel=1e-3)
+    wit = rep3["witness"]
+    assert np.asarray(wit["tokens"]).shape[1] == rep3["d"] and wit["prediction_difference"] > 0.1
+    assert abs(wit["loss_a"] - wit["loss_b"]) <= 1e-10 * rep3["target_mean_square"]
+    # minimal (2 heads) and svd (9 heads) fits compute the same function; the assoc model is another one
+    out = json.loads(cli("compare", r1 / "model.zarr", r2 / "model.zarr", "--json").stdout)
+    assert out["equivalent"] and (out["n_heads_a"], out["n_heads_b"]) == (2, 9)
+    cli("compare", r1 / "model.zarr", r3 / "model.zarr", "--quiet", rc=2)  # d 3 vs 4: bad input
+    cli("fit", data, "--out", tmp_path / "r4", "--heads", "1", "--local", "--quiet", "--no-plots")
+    cli("compare", r1 / "model.zarr", tmp_path / "r4" / "model.zarr", "--quiet", rc=1)
+    cli("compare", r1 / "model.zarr", tmp_path / "nothing.zarr", "--quiet", rc=2)
