@@ -8,8 +8,11 @@ Layout of a dataset group::
              float (N, T, d_out)    causal (prefix) data, dims ("sample", "position", "output")
     teacher/V (H, d_out, d), teacher/Q (H, d, d)   optional ground truth of generated data
 
-Group attributes: ``format = "scaleattn-dataset"``, ``format_version``, ``causal`` and free-form metadata.
-Input stores are only ever opened read-only. Layer L1.
+Group attributes: ``format = "scaleattn-dataset"``, ``format_version``, ``causal``, ``uid``, the
+``manifest`` (shape and per-chunk crc32c of every array, :mod:`scaleattn._integrity`) and free-form metadata.
+Arrays are written with the crc32c codec and every chunk stored. Reads check values, and the manifest where
+there is one; opening checks that every chunk is stored (:mod:`scaleattn.datacheck`). Input stores are only
+ever opened read-only. Layer L1.
 """
 from __future__ import annotations
 
@@ -21,12 +24,25 @@ import uuid
 
 import numpy as np
 
-from . import _formats
-from ._storage import Location, access_error, atomic_output, resolve
+from . import _formats, _integrity, _testing
+from ._outputs import atomic_output
+from ._storage import Location, access_error, resolve
+from .datacheck import (
+    ARRAYS,
+    check_arrays,
+    check_attrs,
+    check_chunks,
+    check_lengths,
+    check_values,
+    chunk_absent,
+    fingerprint,
+    here,
+    verify_identity,
+)
 from .errors import DatasetError, IntegrityError, ParameterError
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "create_dataset", "write_dataset", "write_block",
-           "write_unit", "write_teacher", "check_arrays", "default_chunk_samples", "DIMS"]
+           "write_unit", "write_teacher", "finish_dataset", "check_arrays", "default_chunk_samples", "DIMS"]
 
 FORMAT, FORMAT_VERSION = _formats.DATASET
 DIMS = {
@@ -51,7 +67,12 @@ class Dataset:
     chunk_samples : int
         Samples per Zarr chunk of ``tokens``.
     fingerprint : str
-        Shapes, chunking and the store's uid (identifies the content the checkpoints and task keys refer to).
+        Shapes, chunking, the store's uid and a digest of its content (its manifest, or for stores written by
+        other tools its metadata, chunk listing and sample bytes): every process that opens the store checks
+        it sees this same content (:func:`scaleattn.datacheck.verify_identity`).
+    fill_absent : bool
+        Absent chunks of a store without manifest read as the fill value (the user said so); otherwise they
+        are refused when the dataset is opened.
     """
 
     store: Location
@@ -63,6 +84,7 @@ class Dataset:
     has_lengths: bool
     chunk_samples: int
     fingerprint: str = ""
+    fill_absent: bool = False
 
     @property
     def url(self) -> str:
@@ -81,40 +103,72 @@ class Dataset:
         return self.d_out > 0
 
     def group(self):
-        """The Zarr group, opened read-only (cached per process)."""
+        """The Zarr group, opened read-only (cached per process), after checking once per process that it is
+        the store the handle was made from (:func:`scaleattn.datacheck.verify_identity`: a worker that sees
+        another file at this path, or a store changed since, is refused naming the worker).
+
+        Raises
+        ------
+        IntegrityError
+            The store here is not the one checked, or cannot be opened here (naming the worker).
+        """
         frozen = _freeze(self.storage_options)
-        if frozen is None:  # options that are not plain data (objects): open without the cache
-            return self.store.open_group("r")
-        return _open_cached(self.url, frozen, self.fingerprint)  # a store overwritten in place gets a new uid
+        try:
+            g = self.store.open_group("r") if frozen is None else _open_cached(self.url, frozen, self.fingerprint)
+        except Exception as e:
+            access = access_error(self.url, e)
+            if access is not None:
+                raise access from None
+            raise IntegrityError(f"{here()}: cannot open the dataset {self.url} ({type(e).__name__}: {e}): the"
+                                 " workers must see the same store as the client (a shared file system or an"
+                                 " object store URL)") from None
+        if self.fingerprint:
+            _verified(self.url, frozen, self.fingerprint, g if frozen is None else None)
+        return g
+
+    def manifest(self) -> dict | None:
+        """The manifest of a store scaleattn wrote (shapes and per-chunk checksums), None for other stores."""
+        return self.group().attrs.get(_integrity.MANIFEST)
 
     def read(self, start: int, stop: int, targets: bool = True, check: bool = True):
         """Read samples ``[start, stop)``: ``(tokens, lengths, targets)`` as numpy arrays.
 
         ``lengths`` / ``targets`` are None when absent (or not requested). With ``check``, values are
-        validated and a :class:`DatasetError` names the array and the first bad (global) sample index.
+        validated and a :class:`DatasetError` names the array and the first bad (global) sample index; chunks
+        read whole are checked against the manifest (an :class:`IntegrityError` names the array and the sample
+        range of a chunk that is missing, changed or damaged).
         """
         g = self.group()
+        manifest = self.manifest()
 
         def get(name):
             try:
-                return np.asarray(g[name][start:stop])
+                _testing.before_read(self.url)
+                values = np.asarray(g[name][start:stop])
             except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
                 access = access_error(self.url, e)
                 if access is not None:  # the store is unreachable, not the data bad: keep it resumable
                     raise access from None
+                if _integrity.checksum_failure(e):
+                    raise IntegrityError(f"{name}: samples [{start}, {stop}) of {self.url} are damaged: a stored"
+                                         " chunk fails its crc32c checksum") from None
                 raise IntegrityError(
                     f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
                 ) from None
+            if check and manifest is not None:
+                _integrity.verify_rows(manifest["arrays"][name], name, values, start, self.url,
+                                       missing=functools.partial(chunk_absent, self.store, g[name]))
+            return values
 
         tok = get("tokens")
         lens = get("lengths") if self.has_lengths else None
         y = get("targets") if (targets and self.has_targets) else None
         if check:
-            _check_values("tokens", tok, start)
+            check_values("tokens", tok, start)
             if lens is not None:
-                _check_lengths(lens, start, self.length)
+                check_lengths(lens, start, self.length)
             if y is not None:
-                _check_values("targets", y, start)
+                check_values("targets", y, start)
         return tok, lens, y
 
     def teacher(self):
@@ -122,9 +176,14 @@ class Dataset:
         g = self.group()
         try:
             t = g["teacher"]
-            return np.asarray(t["V"][...]), np.asarray(t["Q"][...])
         except KeyError:
             return None
+        V, Q = np.asarray(t["V"][...]), np.asarray(t["Q"][...])
+        arrays = (self.manifest() or {}).get("arrays", {})
+        for name, a in (("teacher/V", V), ("teacher/Q", Q)):
+            if name in arrays:
+                _integrity.verify_whole(arrays[name], name, a, self.url)
+        return V, Q
 
     @property
     def attrs(self) -> dict:
@@ -144,80 +203,23 @@ def _open_cached(url, frozen_opts, fingerprint):
     return Location(url, json.loads(frozen_opts) or None).open_group("r")
 
 
-def _check_values(name, a, start):
-    if a.ndim == 0 or a.shape[0] == 0:
-        return
-    ok = np.isfinite(a).reshape(a.shape[0], -1).all(axis=1)
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
-        raise DatasetError(f"{name}: sample {start + i} contains NaN or Inf")
+@functools.lru_cache(maxsize=64)
+def _verified_cached(url, frozen_opts, fp) -> None:
+    loc = Location(url, json.loads(frozen_opts) or None)
+    verify_identity(fp, fingerprint(loc, _open_cached(url, frozen_opts, fp)), url)
 
 
-def _check_lengths(lens, start, T):
-    bad = np.flatnonzero((lens < 1) | (lens > T))
-    if bad.size:
-        i = int(bad[0])
-        raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
+def _verified(url, frozen, fp, group) -> None:
+    """Check, once per process (cached on success), that the store at ``url`` has fingerprint ``fp``."""
+    if frozen is not None:
+        _verified_cached(url, frozen, fp)
+    else:
+        verify_identity(fp, fingerprint(Location(url), group), url)
 
 
-def _is_real(dtype) -> bool:
-    """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
-    try:
-        return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
-    except TypeError:  # dtypes numpy cannot classify (zarr string / bytes types)
-        return False
-
-
-def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int, bool]:
-    """Check shapes and dtypes of dataset arrays (anything with ``shape``/``ndim``/``dtype``: zarr, numpy,
-    dask) against the layout of DESIGN §7; values are not read. Returns ``(N, T, d, d_out, causal)``.
-
-    Raises
-    ------
-    DatasetError
-        Wrong number of dimensions, a ``tokens``/``targets`` dtype that is not real numbers (bool, complex,
-        string, object; integers are read as float64), a non-integer ``lengths``, mismatched sample counts, a
-        ``targets`` T or d_out of 0 / mismatch,
-        an empty dataset.
-    """
-    if tokens.ndim != 3:
-        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
-    if not _is_real(tokens.dtype):
-        raise DatasetError(f"tokens: expected a float (or integer) dtype, got {tokens.dtype}")
-    N, T, d = (int(n) for n in tokens.shape)
-    if N == 0 or T == 0 or d == 0:
-        raise DatasetError(f"tokens: empty dataset (shape {tokens.shape})")
-    if lengths is not None:
-        if lengths.ndim != 1 or lengths.shape[0] != N:
-            raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lengths.shape}")
-        try:
-            is_int = np.issubdtype(lengths.dtype, np.integer)
-        except TypeError:
-            is_int = False
-        if not is_int:
-            raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
-    d_out, causal = 0, False
-    if targets is not None:
-        if not _is_real(targets.dtype):
-            raise DatasetError(f"targets: expected a float (or integer) dtype, got {targets.dtype}")
-        if targets.ndim not in (2, 3):
-            raise DatasetError(
-                f"targets: expected (sample, output) or (sample, position, output), got shape {targets.shape}"
-            )
-        if targets.shape[0] != N:
-            raise DatasetError(f"targets: {targets.shape[0]} samples but tokens has {N}")
-        causal = targets.ndim == 3
-        if causal and targets.shape[1] != T:
-            raise DatasetError(f"targets: {targets.shape[1]} positions but tokens has T = {T}")
-        d_out = int(targets.shape[-1])
-        if d_out == 0:
-            raise DatasetError(f"targets: d_out = 0 (shape {targets.shape})")
-    return N, T, d, d_out, causal
-
-
-def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
-    """Open and validate the structure of a dataset group (shapes, dtypes, metadata; values are checked
-    when rows are read).
+def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_chunks: bool = False) -> Dataset:
+    """Open and validate the structure of a dataset group (shapes, dtypes, metadata, attributes, that every
+    chunk is stored; values are checked when rows are read).
 
     Parameters
     ----------
@@ -225,6 +227,9 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
         Local path or fsspec URL (``s3://bucket/data.zarr``) of a Zarr v3 group; local paths are made absolute.
     storage_options : dict or list of "KEY=VALUE", optional
         fsspec options (endpoint, credentials) for URLs (:func:`scaleattn._storage.parse_storage_options`).
+    fill_absent_chunks : bool
+        For stores written by other tools (no manifest): absent chunks mean the fill value (for writers that
+        skip empty chunks). By default they are refused. Stores scaleattn wrote are always complete.
 
     Returns
     -------
@@ -234,7 +239,9 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
     ------
     DatasetError
         Not a Zarr group, corrupt metadata, missing ``tokens``, wrong number of dimensions, non-float dtype,
-        mismatched sample counts, T or d_out mismatch, an empty dataset.
+        mismatched sample counts, T or d_out mismatch, an empty dataset, an attribute of the wrong type.
+    IntegrityError
+        Absent chunks (naming the array and the sample range), a shape that differs from the manifest.
     StorageError
         The store cannot be reached.
 
@@ -271,11 +278,12 @@ def open_dataset(url: str, storage_options: dict | None = None) -> Dataset:
     tok = get("tokens")
     N, T, d, d_out, causal = check_arrays(tok, get("targets"), get("lengths"))
     has_lengths = "lengths" in names
-    if d_out == 0:
-        causal = bool(g.attrs.get("causal", False))
+    attrs = dict(g.attrs)
+    causal = check_attrs(attrs, url, d_out > 0, causal)
+    present = [n for n in ARRAYS if n in names]
+    check_chunks(loc, g, present, attrs.get(_integrity.MANIFEST), bool(fill_absent_chunks))
     chunk = int(tok.chunks[0])
-    fp = f"{N}x{T}x{d}:{d_out}:{int(causal)}:{int(has_lengths)}:{chunk}:{g.attrs.get('uid', '')}"
-    return Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fp)
+    return Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks))
 
 
 def default_chunk_samples(T: int, d: int, target_bytes: float = 4e6) -> int:
@@ -310,8 +318,8 @@ def create_dataset(
     if shard_samples is not None and (shard_samples < chunk or shard_samples % chunk):
         raise ParameterError(f"shard_samples = {shard_samples} must be a multiple of chunk_samples = {chunk}")
 
-    def layout(shape):  # chunks (and shards) along the sample axis only
-        kw = {"chunks": (chunk,) + tuple(shape[1:])}
+    def layout(shape):  # chunks (and shards) along the sample axis only; crc32c on every chunk
+        kw = {"chunks": (chunk,) + tuple(shape[1:]), "compressors": _integrity.compressors()}
         if shard_samples is not None:
             kw["shards"] = (int(shard_samples),) + tuple(shape[1:])
         return kw
@@ -345,19 +353,50 @@ def write_unit(group) -> int:
     return math.lcm(*(int((a.shards or a.chunks)[0]) for a in arrays))
 
 
-def write_block(group, start: int, tokens, targets=None, lengths=None) -> None:
+def write_block(group, start: int, tokens, targets=None, lengths=None, sums: dict | None = None) -> dict:
     """Write samples ``[start, start + len(tokens))``; ``start`` and ``len(tokens)`` must be multiples of
     :func:`write_unit` (the last block may end at N), so every write covers whole chunks and shards and no two
-    writers share one: misaligned writes lose data. Raises ``ValueError`` otherwise."""
+    writers share one: misaligned writes lose data. Raises ``ValueError`` otherwise.
+
+    Every chunk is stored (even all-zero ones). Returns ``sums`` (a new dict when None), updated with the
+    crc32c of each chunk of rows written (``{array: {chunk index: crc}}``), for :func:`finish_dataset`."""
     chunk = write_unit(group)
     n = len(tokens)
     if start % chunk or (n % chunk and start + n != group["tokens"].shape[0]):
         raise ValueError(f"write_block: rows [{start}, {start + n}) are not aligned to chunks/shards of {chunk}")
-    group["tokens"][start : start + n] = np.asarray(tokens, dtype=np.float64)
-    if lengths is not None:
-        group["lengths"][start : start + n] = np.asarray(lengths, dtype=np.int64)
-    if targets is not None:
-        group["targets"][start : start + n] = np.asarray(targets, dtype=np.float64)
+    sums = {} if sums is None else sums
+    rows = int(group["tokens"].chunks[0])
+    for name, values, dtype in (("tokens", tokens, np.float64), ("lengths", lengths, np.int64),
+                                ("targets", targets, np.float64)):
+        if values is None:
+            continue
+        values = np.asarray(values, dtype=dtype)
+        _integrity.writable(group[name])[start : start + n] = values
+        mine = sums.setdefault(name, {})
+        for a in range(0, n, rows):
+            mine[(start + a) // rows] = _integrity.crc32c(values[a : a + rows])
+    return sums
+
+
+def finish_dataset(group, sums: dict) -> None:
+    """Record the manifest of a dataset written with :func:`write_block` (and :func:`write_teacher`): the
+    shape of each array and the crc32c of each chunk of rows. Call last: a dataset is complete once it has one.
+
+    Raises ``ValueError`` when a chunk of an array was never written."""
+    rows = int(group["tokens"].chunks[0])
+    arrays = {}
+    for name in ("tokens", "lengths", "targets"):
+        if name not in group:
+            continue
+        shape = group[name].shape
+        n_chunks = math.ceil(shape[0] / rows)
+        got = sums.get(name, {})
+        if sorted(got) != list(range(n_chunks)):
+            gone = sorted(set(range(n_chunks)) - set(got))
+            raise ValueError(f"{name}: chunk(s) {gone[:5]} of {n_chunks} were never written")
+        arrays[name] = _integrity.manifest_entry(shape, rows, (got[k] for k in range(n_chunks)))
+    arrays.update({k: v for k, v in sums.items() if k.startswith("teacher/")})
+    group.attrs[_integrity.MANIFEST] = {"arrays": arrays}
 
 
 def write_dataset(
@@ -423,26 +462,33 @@ def write_dataset(
         )
         chunk = write_unit(g)
         step = chunk * max(1, int(64e6 // (8 * T * d * chunk)))  # whole chunks and shards, ~64 MB per slab
+        sums = {}
         for a in range(0, N, step):
             b = min(N, a + step)
             tok = np.asarray(tokens[a:b], dtype=np.float64)
             y = None if targets is None else np.asarray(targets[a:b], dtype=np.float64)
             lens = None if lengths is None else np.asarray(lengths[a:b])
-            _check_values("tokens", tok, a)
+            check_values("tokens", tok, a)
             if y is not None:
-                _check_values("targets", y, a)
+                check_values("targets", y, a)
             if lens is not None:
-                _check_lengths(lens, a, T)
-            write_block(g, a, tok, y, lens)
+                check_lengths(lens, a, T)
+            write_block(g, a, tok, y, lens, sums)
         if teacher is not None:
-            write_teacher(g, *teacher)
+            write_teacher(g, *teacher, sums=sums)
+        finish_dataset(g, sums)
     return open_dataset(loc)
 
 
-def write_teacher(group, V, Q) -> None:
-    """Store ground-truth heads ``V`` (H, d_out, d) and ``Q`` (H, d, d) under ``teacher/``."""
+def write_teacher(group, V, Q, sums: dict | None = None) -> None:
+    """Store ground-truth heads ``V`` (H, d_out, d) and ``Q`` (H, d, d) under ``teacher/`` (their checksums
+    into ``sums`` for the manifest, :func:`finish_dataset`)."""
     t = group.create_group("teacher", attributes={"description": "ground-truth MHLA heads of the generator"})
-    t.create_array("V", data=np.asarray(V, np.float64), dimension_names=("head", "output", "embed"),
+    V, Q = np.asarray(V, np.float64), np.asarray(Q, np.float64)
+    t.create_array("V", data=V, dimension_names=("head", "output", "embed"), compressors=_integrity.compressors(),
                    attributes={"description": "teacher value/output matrices V_h"})
-    t.create_array("Q", data=np.asarray(Q, np.float64), dimension_names=("head", "embed", "embed_2"),
+    t.create_array("Q", data=Q, dimension_names=("head", "embed", "embed_2"), compressors=_integrity.compressors(),
                    attributes={"description": "teacher fused key-query matrices Q_h"})
+    if sums is not None:
+        for name, a in (("teacher/V", V), ("teacher/Q", Q)):
+            sums[name] = _integrity.manifest_entry(a.shape, max(1, a.shape[0]), [_integrity.crc32c(a)])

@@ -11,7 +11,9 @@ import os
 
 import numpy as np
 
+from ._outputs import check_disjoint
 from ._params import integer
+from ._storage import resolve
 from .dataset import write_dataset
 from .errors import DatasetError, InputNotFoundError, MissingDependencyError
 
@@ -75,6 +77,7 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
     """
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
+    check_disjoint([("output", resolve(url, storage_options))], [("file", resolve(path))])
     try:
         loaded = np.load(path, allow_pickle=False)
     except ValueError as e:  # object arrays need pickle, or not a NumPy file at all
@@ -117,6 +120,7 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
+    check_disjoint([("output", resolve(url, storage_options))], [("file", resolve(path))])
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     if not rows:

@@ -10,12 +10,14 @@ store once, check the memory, and only then start work.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
 
 from . import report as _text
 from ._backend import check_device
+from ._outputs import check_disjoint, check_replaceable, clean_leftovers, hold
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
 from ._storage import Location, resolve
 from ._version import __version__
@@ -23,8 +25,8 @@ from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .dataset import Dataset, open_dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
-from .distributed.memory import check_fit_memory, release_large_buffers
-from .errors import DatasetError, OutputExistsError, ScaleattnError
+from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
+from .errors import CheckpointError, DatasetError, OutputExistsError, ScaleattnError, with_hint
 from .features import coef_distance
 from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
@@ -35,7 +37,7 @@ from .solver import Solution
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
-__all__ = ["fit", "certify_dataset", "preflight", "FitResult"]
+__all__ = ["fit", "certify_dataset", "preflight", "holding", "FitResult"]
 
 
 @dataclasses.dataclass
@@ -67,35 +69,72 @@ class FitResult:
         return _text.fit_summary(self.report)
 
 
-def _open(dataset, storage_options) -> Dataset:
-    return dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
+def _open(dataset, storage_options, fill_absent_chunks: bool = False) -> Dataset:
+    if isinstance(dataset, Dataset):
+        return dataset
+    return open_dataset(dataset, storage_options, fill_absent_chunks=fill_absent_chunks)
 
 
-def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) -> Dataset:
+def _locations(ds: Dataset, out, checkpoint, storage_options) -> tuple[Location | None, Location | None]:
+    """The run directory and the checkpoint store of a fit, resolved with the fit's options."""
+    opts = ds.storage_options if storage_options is None else storage_options
+    out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
+    return out, _checkpoint_location(out, checkpoint, opts)
+
+
+def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, *, checkpoint=None,
+              resume: bool = False, fill_absent_chunks: bool = False) -> Dataset:
     """The checks :func:`fit` makes before any work (callers run them before starting a cluster too): the
-    dataset opens and has targets, and ``out`` does not exist unless ``overwrite``. Returns the dataset.
+    dataset opens, is complete and has targets; ``out`` and the checkpoint are neither, nor contain, nor lie
+    inside the dataset (or each other); ``out`` does not exist unless ``overwrite``, and what ``overwrite``
+    would replace was written by scaleattn. Returns the dataset.
 
     Raises
     ------
     DatasetError
-        The dataset is malformed or has no targets.
+        The dataset is malformed, has absent chunks (:class:`~scaleattn.errors.IntegrityError`) or no targets.
+    UnsafeOutputError
+        An output overlaps the input, or ``overwrite`` would replace something scaleattn did not write.
     OutputExistsError
-        ``out`` exists and not ``overwrite``.
+        ``out`` exists and not ``overwrite``, or a checkpoint exists without ``resume`` or ``overwrite``.
     """
-    ds = _open(dataset, storage_options)
+    ds = _open(dataset, storage_options, fill_absent_chunks)
     if not ds.has_targets:
         raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
-    if out is not None:
-        loc = resolve(out, None if isinstance(out, Location) else storage_options)
-        if loc.exists() and not overwrite:
-            raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
+    out, ckpt = _locations(ds, out, checkpoint, storage_options)
+    check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
+    check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
+    if out is not None and out.exists():
+        if not overwrite:
+            raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")
+        check_replaceable(out, "--out")
+    if ckpt is not None and ckpt.exists() and not resume:
+        if not overwrite:
+            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
+                                    " it, or --overwrite to start over")
+        check_replaceable(ckpt, "--checkpoint")
     return ds
+
+
+@contextlib.contextmanager
+def holding(dataset, out=None, checkpoint=None, storage_options=None):
+    """Hold the locks of a fit's run directory and checkpoint for the block (:func:`scaleattn._outputs.hold`):
+    a second run to the same output is refused naming the first. Temporaries a killed run left are removed."""
+    ds = _open(dataset, storage_options)
+    out, ckpt = _locations(ds, out, checkpoint, storage_options)
+    with contextlib.ExitStack() as stack:
+        for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+            if loc is not None:
+                stack.enter_context(hold(loc, role))
+                clean_leftovers(loc)
+        yield
 
 
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
-        keep_checkpoint: bool = False, solver: str = "auto", **deprecated) -> FitResult:
+        keep_checkpoint: bool = False, solver: str = "auto", fill_absent_chunks: bool = False,
+        **deprecated) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -138,6 +177,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Solver path (:func:`scaleattn.spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI``.
+    fill_absent_chunks : bool
+        For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
+        naming the array and the samples).
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -153,6 +195,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Malformed input (names the array and sample), or a dataset without targets.
     OutputExistsError
         ``out``, or a checkpoint of an unfinished fit, exists without ``overwrite``/``resume``.
+    UnsafeOutputError
+        ``out`` or the checkpoint is, contains or lies inside the dataset, or ``overwrite`` would replace
+        something scaleattn did not write.
+    OutputInUseError
+        Another run holds ``out`` or the checkpoint.
+    IntegrityError
+        Absent, changed or damaged chunks (naming the array and the samples), or a store a worker sees differently.
     CheckpointError
         The checkpoint was made from another dataset, chunking or version.
     InsufficientMemoryError
@@ -180,27 +229,43 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     choice("solver", solver, SOLVERS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
-    ds = preflight(dataset, out, overwrite, storage_options)
-    opts = ds.storage_options if storage_options is None else storage_options
-    out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
-    ckpt = _checkpoint_location(out, checkpoint, opts)
-    check_fit_memory(ds.d, ds.d_out, client=client, solver=solver)  # refuse before the build
+    ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
+                   fill_absent_chunks=fill_absent_chunks)
+    out, ckpt = _locations(ds, out, checkpoint, storage_options)
+    check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))  # before the build
     release_large_buffers()  # peak memory must not creep up with the number of row groups
-    if ckpt is not None and not resume and ckpt.exists():
-        if not overwrite:
-            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
-                                    " it, or --overwrite to start over")
-        ckpt.remove()
-    times, build = {}, {}
-    new_ckpt = ckpt is not None and not ckpt.exists()
-    t = time.perf_counter()
-    try:
-        stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
-    except DatasetError:  # bad data: nothing worth resuming; a crash, interrupt or StorageError keeps it
-        if new_ckpt:
+    with holding(ds, out, ckpt):
+        preflight(ds, out, overwrite, checkpoint=ckpt, resume=resume)  # again, now that no other run can interfere
+        if ckpt is not None and not resume and ckpt.exists():
+            ckpt.remove()  # --overwrite: start over (preflight checked that it is a scaleattn checkpoint)
+        build = {}
+        new_ckpt = ckpt is not None and not ckpt.exists()
+        t = time.perf_counter()
+        try:
+            stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
+        except BaseException as e:
+            _after_failed_build(e, ckpt, new_ckpt)
+            raise
+        times = {"statistics": time.perf_counter() - t}
+        try:
+            result = _finish(ds, stats, client, reporter, times, build, heads, cutoff_rtol, ridge, solver, exact_mse,
+                             ckpt if keep_checkpoint else None)
+            result.report["seconds"] = time.perf_counter() - t0
+            if out is not None:
+                with reporter.phase(f"write {out.url}"):
+                    write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
+        except BaseException as e:
+            if ckpt is not None:
+                with_hint(e, _kept(ckpt, "all row groups"))
+            raise
+        if ckpt is not None and not keep_checkpoint:
             ckpt.remove()
-        raise
-    times["statistics"] = time.perf_counter() - t
+    return result
+
+
+def _finish(ds, stats, client, reporter, times, build, heads, cutoff_rtol, ridge, solver, exact_mse,
+            kept_ckpt) -> FitResult:
+    """Solve, certify, recover heads and assemble the report of a fit from its statistics."""
     t = time.perf_counter()
     with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
         model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver)
@@ -216,18 +281,43 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     ms = report["target_mean_square"]
     report["relative_train_mse"] = report["train_mse"] / ms if ms > 0 else float("nan")
     report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
-    report["checkpoint"] = ckpt.url if (ckpt is not None and keep_checkpoint) else None
+    report["checkpoint"] = None if kept_ckpt is None else kept_ckpt.url
     report["timings"] = times
     report["scaleattn_version"] = __version__
     report["dataset"] = ds.url
-    report["seconds"] = time.perf_counter() - t0
-    result = FitResult(model, stats, sol, h, report)
-    if out is not None:
-        with reporter.phase(f"write {out.url}"):
-            write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
-    if ckpt is not None and not keep_checkpoint:
-        ckpt.remove()
-    return result
+    return FitResult(model, stats, sol, h, report)
+
+
+def _done_groups(ckpt: Location) -> tuple[int, int] | None:
+    """(finished row groups, row groups) of the checkpoint at ``ckpt``, None when there is none readable."""
+    try:
+        done = ckpt.open_group("r")["done"][...]
+    except Exception:  # absent, or never got its arrays
+        return None
+    return int(done.all(axis=1).sum()), int(done.shape[0])
+
+
+def _kept(ckpt: Location, what: str | None = None) -> str:
+    """The resume hint for a kept checkpoint."""
+    n = _done_groups(ckpt)
+    held = what or ("nothing" if n is None else f"{n[0]} of {n[1]} row groups")
+    return f"the checkpoint {ckpt.url} keeps {held}: run the same command with --resume to continue"
+
+
+def _after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) -> None:
+    """After a build failed or was interrupted: remove a checkpoint this fit created when it holds nothing
+    worth resuming (bad data, or not one finished group), otherwise attach the resume hint to ``e``."""
+    if ckpt is None:
+        return
+    if isinstance(e, CheckpointError):  # someone else's store: never touched
+        return
+    n = _done_groups(ckpt)
+    if new_ckpt and (isinstance(e, DatasetError) or not n or n[0] == 0) and ckpt.exists():
+        ckpt.remove()  # nothing worth resuming
+        with_hint(e, "no checkpoint was kept")
+        return
+    if ckpt.exists():
+        with_hint(e, _kept(ckpt))
 
 
 def _checkpoint_location(out: Location | None, checkpoint, storage_options) -> Location | None:
@@ -275,7 +365,8 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
-                    solver: str = "auto", device: str = "auto", **deprecated) -> Certificate:
+                    solver: str = "auto", device: str = "auto", fill_absent_chunks: bool = False,
+                    **deprecated) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
     Parameters
@@ -291,6 +382,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` the extreme
         eigenvalues only.
     device : "auto" | "cpu" | "gpu"
+    fill_absent_chunks : bool
+        As :func:`fit`.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -314,8 +407,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     choice("solver", solver, SOLVERS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
-    ds = _open(dataset, storage_options)
-    check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate")
+    ds = _open(dataset, storage_options, fill_absent_chunks)
+    check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate", chunk_bytes=chunk_bytes(ds, False))
     stats = compute_statistics(ds, client, targets=False, progress=reporter, device=device)
     with reporter.phase(f"certificate (psi {stats.psi:,})"):
         return certify(stats, cutoff_rtol, solver=solver)
