@@ -27,8 +27,8 @@ from . import _formats
 from ._storage import Location, remove
 from .errors import OutputExistsError, OutputInUseError, UnsafeOutputError
 
-__all__ = ["check_disjoint", "relation", "owner_of", "check_replaceable", "hold", "atomic_output",
-           "clean_leftovers", "lock_location"]
+__all__ = ["check_disjoint", "check_outside_stores", "relation", "owner_of", "check_replaceable", "hold",
+           "atomic_output", "clean_leftovers", "lock_location"]
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -103,6 +103,30 @@ def check_disjoint(outputs, inputs, *, kind: str = "input", contains_ok: bool = 
                          "each output of a run needs its own place")
                 raise UnsafeOutputError(f"{role} {out.url} {rel} the {kind} {what} {inp.url}: {never}; choose a"
                                         " path outside it")
+
+
+def check_outside_stores(loc: Location, role: str = "output") -> None:
+    """Refuse an output inside an existing Zarr store (any: a dataset, a model, another tool's), whether or not
+    that store is an input of this command: nothing is ever written into a store from outside it.
+
+    Raises
+    ------
+    UnsafeOutputError
+        Naming the output and the store it lies inside.
+    """
+    if loc.is_remote:
+        scheme, _, rest = loc.url.partition("://")
+        parts = rest.rstrip("/").split("/")
+        parents = [Location(f"{scheme}://{'/'.join(parts[:k])}", loc.storage_options) for k in range(1, len(parts))]
+    else:
+        p, parents = os.path.realpath(loc.url), []
+        while os.path.dirname(p) != p:
+            p = os.path.dirname(p)
+            parents.append(Location(p))
+    for parent in parents:
+        if any(parent.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray")):
+            raise UnsafeOutputError(f"{role} {loc.url} lies inside the Zarr store {parent.url}: nothing is written"
+                                    " into a store from outside it; choose a path outside it")
 
 
 # ---- --overwrite replaces only scaleattn's own outputs ------------------------------------------------
@@ -313,8 +337,8 @@ def clean_leftovers(loc: Location) -> list[str]:
         names = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
     except FileNotFoundError:
         return []
-    asides = [n for n in names if n.endswith(".old")]
-    if asides and not os.path.exists(loc.url):
+    asides = [n for n in names if n.endswith(".old") and owner_of(Location(os.path.join(parent, n)))[0]]
+    if asides and not os.path.exists(loc.url):  # the previous output, moved aside by a run killed just then
         os.replace(os.path.join(parent, asides[-1]), loc.url)
         names.remove(asides[-1])
     for n in names:
@@ -328,11 +352,13 @@ def atomic_output(loc: Location, overwrite: bool = False):
 
     A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``loc`` is
     refused (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``, and even then when scaleattn
-    did not write it (:class:`~scaleattn.errors.UnsafeOutputError`); locally it is replaced only after the
+    did not write it (:class:`~scaleattn.errors.UnsafeOutputError`), as is one inside a Zarr store
+    (:func:`check_outside_stores`); locally it is replaced only after the
     new output is complete. The lock of ``loc`` is held throughout (:func:`hold`), and temporaries of a
     killed run are removed first. Object stores cannot rename: there ``overwrite`` deletes the old output
     first, and the new one is written in place and removed on failure.
     """
+    check_outside_stores(loc)
     with hold(loc):
         clean_leftovers(loc)
         if loc.exists():

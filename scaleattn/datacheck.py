@@ -171,8 +171,8 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
                                  " which scaleattn wrote complete: the store was damaged or partly copied")
         raise IntegrityError(
             f"{name}: no chunk stored for samples {shown} ({n} of {arr.shape[0]} samples) of {loc.url}: zarr"
-            f" would read them as the fill value {arr.fill_value!r}; if the writer skipped such chunks on purpose,"
-            " pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
+            f" would read them as the fill value {_plain(arr.fill_value)}; if the writer skipped such chunks on"
+            " purpose, pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
 
 
 def content_id(loc, names, manifest: dict | None) -> str:
@@ -285,3 +285,8 @@ def expected_rows(ds, start: int, stop: int) -> int:
     if entry is not None:
         _integrity.verify_rows(entry, "lengths", lens, start, ds.url)
     return int(lens.sum())
+
+
+def _plain(value) -> str:
+    """A fill value as a user reads it (``0.0``, not ``np.float64(0.0)``)."""
+    return repr(value.item()) if hasattr(value, "item") else repr(value)

@@ -283,7 +283,9 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     present = [n for n in ARRAYS if n in names]
     check_chunks(loc, g, present, attrs.get(_integrity.MANIFEST), bool(fill_absent_chunks))
     chunk = int(tok.chunks[0])
-    return Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks))
+    ds = Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks))
+    ds.teacher()  # small: checked now rather than after the build
+    return ds
 
 
 def default_chunk_samples(T: int, d: int, target_bytes: float = 4e6) -> int:

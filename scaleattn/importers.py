@@ -78,6 +78,10 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
     check_disjoint([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if not (magic.startswith(b"PK\x03\x04") or magic == b"\x93NUMPY"):  # the kind comes from the content
+        raise DatasetError(f"{path}: not a NumPy .npz or .npy file (it starts with {magic!r})")
     try:
         loaded = np.load(path, allow_pickle=False)
     except ValueError as e:  # object arrays need pickle, or not a NumPy file at all

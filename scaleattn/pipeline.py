@@ -17,7 +17,7 @@ import warnings
 
 from . import report as _text
 from ._backend import check_device
-from ._outputs import check_disjoint, check_replaceable, clean_leftovers, hold
+from ._outputs import check_disjoint, check_outside_stores, check_replaceable, clean_leftovers, hold
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
 from ._storage import Location, resolve
 from ._version import __version__
@@ -104,6 +104,9 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     out, ckpt = _locations(ds, out, checkpoint, storage_options)
     check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
+    for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+        if loc is not None:
+            check_outside_stores(loc, role)
     if out is not None and out.exists():
         if not overwrite:
             raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")

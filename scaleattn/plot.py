@@ -18,7 +18,7 @@ import warnings
 
 import numpy as np
 
-from ._outputs import check_disjoint
+from ._outputs import check_disjoint, check_outside_stores
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
@@ -264,3 +264,4 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
     if dataset:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
+    check_outside_stores(out, "--out")

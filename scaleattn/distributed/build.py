@@ -4,8 +4,10 @@ finished partial checkpointed (:mod:`.checkpoint`). Without a client the same ta
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import secrets
 
 import numpy as np
 
@@ -74,12 +76,15 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
     worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`); bad data fails the task
     once."""
+    dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
-        part = ckpt.read(gi, ti, source, expected_rows(dataset, start, stop))
+        part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
         if part is not None:
             return part
-        log.warning("checkpoint %s: partial of group %d tile %d (samples [%d, %d)) is stale or damaged: recomputed",
-                    ckpt.url, gi, ti, start, stop)
+        if "damaged" in why:  # (stale ones the client has reported)
+            log.warning("checkpoint %s: the partial of samples [%d, %d) (tile %d) %s: recomputed", ckpt.url, start,
+                        stop, ti, why)
+        ckpt.forget(gi, ti)
     _testing.before_task()
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols)
     if ckpt is not None:
@@ -161,7 +166,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     done = np.zeros((len(groups), len(tiles)), dtype=bool)
     sources = row_bindings(dataset, groups, targets)  # the input rows as they are now
     if checkpoint is not None:
-        ckpt = Checkpoint.open(checkpoint, dataset, groups, tiles, targets)
+        ckpt = dataclasses.replace(Checkpoint.open(checkpoint, dataset, groups, tiles, targets),
+                                   run=secrets.randbits(62) + 1)
         done = ckpt.reusable(sources)
         stale = np.flatnonzero((ckpt.done_mask() & ~done).any(axis=1))
         if stale.size:
@@ -201,6 +207,10 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                               on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
             result = _assemble(roots, dataset.d)
     _check_unchanged(dataset, groups, targets, sources)
+    if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
+        fresh = ckpt.written_by(ckpt.run)
+        info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
+                     "tasks_computed": int(fresh.sum()), "tasks_resumed": int((~fresh).sum())})
     return result
 
 

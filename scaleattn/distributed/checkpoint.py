@@ -8,6 +8,7 @@ Layout of a checkpoint group (Zarr v3, format v2, every array with the crc32c co
     n_rows        int64   (groups, tiles)               chunks (1, 1)
     source        int64   (groups, tiles)               chunks (1, 1)   digest of the input rows the partial read
     checksum      int64   (groups, tiles)               chunks (1, 1)   digest of the partial itself (and source)
+    run           int64   (groups, tiles)               chunks (1, 1)   token of the build that wrote it
     done          bool    (groups, tiles)               chunks (1, 1)   set AFTER the partial is written
 
 A missing chunk key is not proof of "not done" (zarr skips chunks equal to the fill value, so an all-zero
@@ -63,7 +64,8 @@ class Checkpoint:
     """Handle on a checkpoint store (cheap to pickle to Dask workers).
 
     Attributes: ``store`` (:class:`~scaleattn._storage.Location`), ``groups`` (sample ranges), ``tiles`` (row
-    ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build), ``uid`` (of the store, checked by workers).
+    ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build), ``uid`` (of the store, checked by workers),
+    ``run`` (token of the build using the handle, recorded with each partial it writes).
     """
 
     store: Location
@@ -72,6 +74,7 @@ class Checkpoint:
     d: int
     d_out: int
     uid: str = ""
+    run: int = 0
 
     @property
     def url(self) -> str:
@@ -141,7 +144,7 @@ class Checkpoint:
         g.create_array("yy", shape=(ng,), chunks=(1,), dtype="float64", fill_value=0.0, dimension_names=("group",),
                        **kw)
         for name, dtype, fill in (("n_rows", "int64", 0), ("source", "int64", 0), ("checksum", "int64", 0),
-                                  ("done", "bool", False)):
+                                  ("run", "int64", 0), ("done", "bool", False)):
             g.create_array(name, shape=(ng, nt), chunks=(1, 1), dtype=dtype, fill_value=fill,
                            dimension_names=("group", "tile"), **kw)
         g.attrs.update({**attrs, "uid": self.uid,
@@ -186,18 +189,33 @@ class Checkpoint:
         g["n_rows"][one] = np.array([[part.n_rows]], dtype=np.int64)
         g["source"][one] = np.array([[source]], dtype=np.int64)
         g["checksum"][one] = np.array([[partial_checksum(part, source, ti == 0 and self.d_out > 0)]], dtype=np.int64)
+        g["run"][one] = np.array([[self.run]], dtype=np.int64)
         g["done"][one] = np.ones((1, 1), dtype=bool)
 
-    def read(self, gi: int, ti: int, source: int | None = None, rows: int | None = None):
-        """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got).
+    def written_by(self, run: int) -> np.ndarray:
+        """(groups, tiles) bool: the partials build ``run`` wrote (computed, not reused)."""
+        return np.asarray(self._group()["run"][...]) == run
 
-        With ``source`` (and ``rows``), a partial that is not bound to that digest, fails its checksum or its
-        row count, or cannot be read back (a damaged or deleted chunk) gives None: the caller recomputes it.
+    def forget(self, gi: int, ti: int) -> None:
+        """Mark the partial of group ``gi``, tile ``ti`` not done (before it is recomputed)."""
+        self._group("r+")["done"][gi : gi + 1, ti : ti + 1] = np.zeros((1, 1), dtype=bool)
+
+    def read(self, gi: int, ti: int):
+        """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got), unchecked.
 
         Raises :class:`~scaleattn.errors.CheckpointError` if it is not marked done."""
+        part, why = self.verified(gi, ti)
+        if part is None:
+            raise CheckpointError(f"checkpoint {self.url!r}: group {gi} tile {ti} {why}")
+        return part
+
+    def verified(self, gi: int, ti: int, source: int | None = None, rows: int | None = None):
+        """``(partial, "")`` when group ``gi``, tile ``ti`` is done and, with ``source`` (and ``rows``), bound to
+        that digest of its input rows, with its row count and checksum intact; else ``(None, why)``: ``why`` is
+        ``"is not done"``, ``"is stale (its input rows changed)"`` or ``"is damaged (...)"``."""
         g = self._group()
         if not bool(g["done"][gi, ti]):
-            raise CheckpointError(f"checkpoint {self.url!r}: group {gi} tile {ti} is not done")
+            return None, "is not done"
         c0, c1 = self.tiles[ti]
         try:
             gram = np.asarray(g["gram_compact"][gi, c0:c1, :])
@@ -207,13 +225,16 @@ class Checkpoint:
             yy = float(g["yy"][gi]) if ti == 0 else 0.0
             part = Statistics(gram, moments, yy, int(g["n_rows"][gi, ti]), self.d)
             stored_source, stored_sum = int(g["source"][gi, ti]), int(g["checksum"][gi, ti])
-        except ValueError as e:  # a chunk failing its crc32c: damaged, recompute
-            if source is None or not _integrity.checksum_failure(e):
+        except ValueError as e:  # a chunk failing its crc32c
+            if not _integrity.checksum_failure(e):
                 raise
-            return None
+            return None, "is damaged (a chunk fails its crc32c checksum)"
         if source is None:
-            return part
-        if (stored_source != source or (rows is not None and part.n_rows != rows)
-                or stored_sum != partial_checksum(part, stored_source, ti == 0 and self.d_out > 0)):
-            return None
-        return part
+            return part, ""
+        if stored_source != source:
+            return None, "is stale (its input rows changed)"
+        if rows is not None and part.n_rows != rows:
+            return None, f"is damaged ({part.n_rows} rows stored, {rows} expected)"
+        if stored_sum != partial_checksum(part, stored_source, ti == 0 and self.d_out > 0):
+            return None, "is damaged (its values do not match its checksum)"
+        return part, ""

@@ -102,7 +102,7 @@ def chunk_bytes(dataset, targets: bool = True) -> float:
     per = 8.0 * T * d + 8.0 * dataset.has_lengths
     if targets and dataset.has_targets:
         per += 8.0 * dataset.d_out * (T if dataset.causal else 1)
-    return 2 * per * dataset.chunk_samples
+    return 2 * per * min(dataset.chunk_samples, dataset.n_samples)
 
 
 def available_memory(memory_limit=None) -> float:
@@ -135,12 +135,17 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
     est["worker_bytes"] += chunk_bytes
     have = available_memory(memory_limit)
     need = est["solver_bytes"]
-    if chunk_bytes > have or (client is None and need + est["worker_bytes"] > have >= need):
+    task = est["worker_bytes"] + (need if client is None else 0)  # without a cluster this process does both
+    if chunk_bytes > est["worker_bytes"] / 2 and (chunk_bytes > have or (client is None and task > have >= need)):
         raise InsufficientMemoryError(
-            f"one chunk of the dataset takes {chunk_bytes / GIB:.2f} GiB to read (with the features, a task needs"
-            f" {est['worker_bytes'] / GIB:.2f} GiB); this machine has {have / GIB:.2f} GiB available. Rewrite the"
-            " dataset with smaller chunks (scaleattn import ... / write_dataset(chunk_samples=...)) or use a"
-            " machine with more memory.")
+            f"one chunk of the dataset takes {chunk_bytes / GIB:.2f} GiB to read (a task needs"
+            f" {est['worker_bytes'] / GIB:.2f} GiB with its features); this machine has {have / GIB:.2f} GiB"
+            " available. Rewrite the dataset with smaller chunks (write_dataset(chunk_samples=...), or scaleattn"
+            " import) or use a machine with more memory.")
+    if client is None and task > have >= need:
+        raise InsufficientMemoryError(
+            f"a {what} with d = {d} needs {task / GIB:.2f} GiB in this process (statistics, one block of features"
+            f" and the solver); this machine has {have / GIB:.2f} GiB available. Use a machine with more memory.")
     if need > have:
         raise InsufficientMemoryError(
             f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
