@@ -27,8 +27,9 @@ from . import _formats
 from ._storage import Location, remove
 from .errors import OutputExistsError, OutputInUseError, UnsafeOutputError
 
-__all__ = ["check_disjoint", "check_outside_stores", "relation", "owner_of", "check_replaceable", "hold",
-           "atomic_output", "clean_leftovers", "lock_location"]
+__all__ = ["check_disjoint", "check_companions", "check_outside_stores", "relation", "owner_of",
+           "check_replaceable", "hold", "atomic_output", "clean_leftovers", "lock_location", "companions",
+           "is_temporary_of"]
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -103,6 +104,39 @@ def check_disjoint(outputs, inputs, *, kind: str = "input", contains_ok: bool = 
                          "each output of a run needs its own place")
                 raise UnsafeOutputError(f"{role} {out.url} {rel} the {kind} {what} {inp.url}: {never}; choose a"
                                         " path outside it")
+
+
+def companions(loc: Location) -> list[Location]:
+    """What a run writes next to output ``loc`` besides it: its lock (temporaries are matched by name,
+    :func:`is_temporary_of`)."""
+    return [lock_location(loc)]
+
+
+def is_temporary_of(path: Location, loc: Location) -> bool:
+    """Whether ``path`` is named like a temporary of output ``loc`` (``.NAME.partial-*`` next to it)."""
+    if path.is_remote != loc.is_remote:
+        return False
+    mod = posixpath if loc.is_remote else os.path
+    (p1, n1), (p2, n2) = mod.split(path.url.rstrip("/")), mod.split(loc.url.rstrip("/"))
+    return _key(Location(p1)) == _key(Location(p2)) and n1.startswith(f".{n2}.partial-")
+
+
+def check_companions(outputs, inputs) -> None:
+    """Refuse outputs whose lock or temporaries would be, or be removed as, an input (an input named
+    ``.NAME.lock`` or ``.NAME.partial-...`` next to output NAME).
+
+    Raises
+    ------
+    UnsafeOutputError
+    """
+    ins = [(r, loc) for r, loc in inputs if loc is not None]
+    for role, out in outputs:
+        if out is None:
+            continue
+        for what, inp in ins:
+            if is_temporary_of(inp, out) or any(relation(c, inp) for c in companions(out)):
+                raise UnsafeOutputError(f"{role} {out.url}: the input {what} {inp.url} is named like the lock or a"
+                                        " temporary scaleattn keeps next to that output; choose another output path")
 
 
 def check_outside_stores(loc: Location, role: str = "output") -> None:
@@ -253,6 +287,14 @@ def _acquire_local(lock: Location, role: str, loc: Location):
         except FileNotFoundError:
             os.close(fd)
             continue
+        old = os.pread(fd, 4096, 0)
+        try:
+            foreign = bool(old) and not isinstance(json.loads(old).get("pid"), int)
+        except (ValueError, AttributeError):
+            foreign = True
+        if foreign:  # a file of the user's with our lock's name: never overwritten
+            os.close(fd)
+            raise UnsafeOutputError(f"{role} {loc.url}: {path} exists and is not a scaleattn lock; move it away")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_owner()).encode(), 0)
 
@@ -326,15 +368,17 @@ def _temporaries(loc: Location) -> tuple[str, str]:
     return parent, f".{name}.partial-"
 
 
-def clean_leftovers(loc: Location) -> list[str]:
+def clean_leftovers(loc: Location, protect=()) -> list[str]:
     """Remove the temporaries a killed run left next to local output ``loc`` (``.NAME.partial-*``), restoring
-    the previous output when a run died between moving it aside and putting the new one in place. Call only
-    while holding the lock of ``loc`` (:func:`hold`). Returns the paths removed."""
+    the previous output when a run died between moving it aside and putting the new one in place; never
+    anything in ``protect`` (input Locations). Call only while holding the lock of ``loc`` (:func:`hold`).
+    Returns the paths removed."""
     if loc.is_remote:
         return []
     parent, prefix = _temporaries(loc)
     try:
-        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
+        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and not any(
+            relation(Location(os.path.join(parent, n)), p) for p in protect))
     except FileNotFoundError:
         return []
     asides = [n for n in names if n.endswith(".old") and owner_of(Location(os.path.join(parent, n)))[0]]

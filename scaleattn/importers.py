@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from ._outputs import check_disjoint
+from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import resolve
 from .dataset import write_dataset
@@ -60,6 +60,13 @@ def _real(name: str, a, path):
     return a.astype(np.float64, copy=False)
 
 
+def _check_output(url, path, storage_options) -> None:
+    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be."""
+    pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    check_disjoint(*pairs)
+    check_companions(*pairs)
+
+
 def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="lengths", overwrite=False,
                   storage_options=None):
     """Import a ``.npz`` (arrays named ``tokens``, ``targets``, optional ``lengths``) or a ``.npy`` of tokens.
@@ -77,7 +84,7 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
     """
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
-    check_disjoint([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    _check_output(url, path, storage_options)
     with open(path, "rb") as f:
         magic = f.read(6)
     if not (magic.startswith(b"PK\x03\x04") or magic == b"\x93NUMPY"):  # the kind comes from the content
@@ -124,7 +131,7 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
-    check_disjoint([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    _check_output(url, path, storage_options)
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     if not rows:

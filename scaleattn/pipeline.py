@@ -17,7 +17,14 @@ import warnings
 
 from . import report as _text
 from ._backend import check_device
-from ._outputs import check_disjoint, check_outside_stores, check_replaceable, clean_leftovers, hold
+from ._outputs import (
+    check_companions,
+    check_disjoint,
+    check_outside_stores,
+    check_replaceable,
+    clean_leftovers,
+    hold,
+)
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
 from ._storage import Location, resolve
 from ._version import __version__
@@ -104,6 +111,7 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     out, ckpt = _locations(ds, out, checkpoint, storage_options)
     check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
+    check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     for role, loc in (("--out", out), ("--checkpoint", ckpt)):
         if loc is not None:
             check_outside_stores(loc, role)
@@ -129,7 +137,7 @@ def holding(dataset, out=None, checkpoint=None, storage_options=None):
         for role, loc in (("--out", out), ("--checkpoint", ckpt)):
             if loc is not None:
                 stack.enter_context(hold(loc, role))
-                clean_leftovers(loc)
+                clean_leftovers(loc, protect=[ds.store])
         yield
 
 

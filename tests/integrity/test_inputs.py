@@ -51,6 +51,14 @@ def _setup(w, case):
         (w / "run" / "notes.txt").write_text("my notes about this run")
     if case == "dotdot":
         (w / "sub").mkdir()
+    if case == "dataset-named-like-a-temporary":
+        shutil.copytree(w / "d.zarr", w / ".new.partial-0badc0de")
+    if case == "npz-named-like-the-lock":
+        shutil.copy(w / "in.npz", w / ".o.zarr.lock")
+    if case == "user-file-where-the-lock-goes":
+        (w / ".new.lock").write_text("my shopping list")
+    if case == "dataset-named-like-the-lock":
+        shutil.copytree(w / "d.zarr", w / ".new.lock")
 
 
 FIT_D = ["fit", "d.zarr"]
@@ -74,6 +82,12 @@ CASES = [
      r"--checkpoint \S+ contains the input dataset"),
     ("ckpt-is-out", FIT_D + ["--out", "new", "--checkpoint", "new"], r"--checkpoint \S*new is the output --out"),
     ("ckpt-inside-out", FIT_D + ["--out", "new", "--checkpoint", "new/ck.zarr"], r"lies inside the output --out"),
+    ("dataset-named-like-a-temporary", ["fit", ".new.partial-0badc0de", "--out", "new"],
+     r"--out \S*new: the input dataset \S*\.new\.partial-0badc0de is named like the lock or a temporary"),
+    ("dataset-named-like-the-lock", ["fit", ".new.lock", "--out", "new"], r"is named like the lock or a temporary"),
+    ("npz-named-like-the-lock", ["import", "o.zarr", "--npz", ".o.zarr.lock"], r"is named like the lock"),
+    ("user-file-where-the-lock-goes", FIT_D + ["--out", "new"],
+     r"--out \S*new: \S*\.new\.lock exists and is not a scaleattn lock; move it away"),
     ("out-foreign-dir", FIT_D + ["--out", "foreign", "--overwrite"],
      r"--out \S*foreign exists and was not written by scaleattn \(it holds 'notes\.txt'"),
     ("out-foreign-file", FIT_D + ["--out", "foreign", "--overwrite"], r"not written by scaleattn \(it is a file\)"),
