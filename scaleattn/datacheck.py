@@ -126,6 +126,11 @@ def check_attrs(attrs: dict, url: str, has_targets: bool, causal: bool) -> bool:
             raise DatasetError(f"{url}: scaleattn dataset format v{v!r}, this scaleattn reads v1 and v2 (a newer"
                                " scaleattn wrote it?)")
     m = attrs.get(_integrity.MANIFEST)
+    if attrs.get("format") == _formats.DATASET[0] and attrs.get("format_version") == 2:
+        if m is None:
+            raise IntegrityError(f"{url}: a scaleattn v2 dataset without its manifest (its attributes were edited)")
+        if isinstance(m, dict) and m.get("pending"):
+            raise IntegrityError(f"{url}: an unfinished dataset (its writer stopped before it was complete)")
     if m is not None:
         ok = isinstance(m, dict) and isinstance(m.get("arrays"), dict) and all(
             isinstance(e, dict) and isinstance(e.get("crc32c"), str) and isinstance(e.get("rows"), int)

@@ -309,9 +309,9 @@ def create_dataset(
     """Create an empty dataset group (mode ``w``) at ``loc`` and return the writable Zarr group.
 
     ``shard_samples`` (a multiple of the chunk size) stores the chunks in Zarr v3 shards of that many samples.
-    Write it with :func:`write_block` in slabs aligned to chunks and shards. Use through :func:`write_dataset`
-    or the generators, which wrap it in an atomic output. Raises :class:`ParameterError` for a bad chunk or
-    shard size.
+    Write it with :func:`write_block` in slabs aligned to chunks and shards, then :func:`finish_dataset` (until
+    then the dataset is refused as unfinished). Use through :func:`write_dataset` or the generators, which wrap
+    it in an atomic output. Raises :class:`ParameterError` for a bad chunk or shard size.
     """
     loc = resolve(loc)
     chunk = int(chunk_samples or default_chunk_samples(length, d))
@@ -327,7 +327,8 @@ def create_dataset(
         return kw
 
     g = loc.open_group("w")
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "causal": bool(causal), "uid": uuid.uuid4().hex}
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "causal": bool(causal), "uid": uuid.uuid4().hex,
+            _integrity.MANIFEST: {"pending": True}}  # until finish_dataset: an unfinished write is refused
     g.attrs.update({**(attrs or {}), **meta})
     g.create_array(
         "tokens", shape=(n_samples, length, d), **layout((n_samples, length, d)), dtype="float64",

@@ -76,6 +76,10 @@ CASES = [
      r"tokens: shape \(24, 6, 2\) .* differs from the shape \(32, 6, 2\) written"),
     ("own-manifest-damaged", lambda w: _attr(w / "own.zarr/zarr.json", "manifest", {"arrays": 3}), ["fit", "own.zarr"],
      r"attribute 'manifest' is damaged"),
+    ("own-manifest-removed", lambda w: _attr(w / "own.zarr/zarr.json", "manifest", None), ["fit", "own.zarr"],
+     r"own\.zarr: a scaleattn v2 dataset without its manifest"),
+    ("unfinished-write", lambda w: _unfinished(w / "own.zarr"), ["fit", "own.zarr"],
+     r"own\.zarr: an unfinished dataset \(its writer stopped before it was complete\)"),
     ("own-chunk-replaced-by-another",
      lambda w: shutil.copy(w / "own.zarr/tokens/c/0/0/0", w / "own.zarr/tokens/c/1/0/0"),
      ["fit", "own.zarr"], r"tokens: samples \[8, 16\) of \S*own\.zarr: the values do not match the checksum"),
@@ -125,8 +129,23 @@ CASES = [
 
 def _attr(path, key, value):
     meta = json.loads(path.read_text())
-    meta["attributes"][key] = value
+    if value is None:
+        del meta["attributes"][key]
+    else:
+        meta["attributes"][key] = value
     path.write_text(json.dumps(meta))
+
+
+def _unfinished(path):
+    """A dataset whose writer (create_dataset + write_block) stopped before finish_dataset, as a killed
+    in-place write to an object store leaves it."""
+    from scaleattn._storage import resolve
+    from scaleattn.dataset import create_dataset, write_block
+
+    shutil.rmtree(path)
+    g = create_dataset(resolve(path), 32, 6, 2, 2, causal=True, chunk_samples=8)
+    tok, y = rows()
+    write_block(g, 0, tok[:16], y[:16])
 
 
 @pytest.mark.parametrize("case, damage, argv, pattern", CASES, ids=[c[0] for c in CASES])
