@@ -198,7 +198,8 @@ def owner_of(loc: Location) -> tuple[bool, str]:
         return False, "it is a file"
     if not names:
         return True, "an empty directory"
-    foreign = [n for n in names if n not in _formats.RUN_ENTRIES and not fnmatch.fnmatch(n, "*.png")]
+    foreign = [n for n in names if n not in _formats.RUN_ENTRIES and not fnmatch.fnmatch(n, "*.png")
+               and not fnmatch.fnmatch(n, ".*.lock") and ".partial-" not in n]  # (our own companions)
     if foreign:
         return False, f"it holds {foreign[0]!r}, which scaleattn did not write"
     report = _read_json(loc.join("report.json")) if "report.json" in names else None
@@ -321,7 +322,7 @@ def _acquire_remote(lock: Location, role: str, loc: Location):
                 continue
             raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(owner)}: two runs never share an"
                                    f" output; if that run is gone, remove {lock.url}") from None
-        except (ValueError, NotImplementedError):  # no exclusive mode here: create, then check we own it
+        except Exception:  # no exclusive mode on this store: create, then check that we own it
             if fs.exists(p):
                 owner = _read_json(lock)
                 if owner is None or _alive_here(owner):

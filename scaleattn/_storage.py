@@ -200,11 +200,14 @@ def transient(e: BaseException) -> bool:
     return not any(word in text for word in _REFUSALS)
 
 
-def with_retries(fn, *args, attempts: int = RETRY_ATTEMPTS, delay: float = RETRY_DELAY, **kwargs):
+def with_retries(fn, *args, attempts: int | None = None, delay: float | None = None, **kwargs):
     """``fn(*args, **kwargs)``, retried up to ``attempts`` times in all when it raises a :func:`transient` error
     (waiting about ``delay``, then twice as long, ..., each wait with up to 50% random jitter so that many
     workers do not retry in step). Dask tasks call their work through this and are submitted without Dask
-    retries, so bad data fails once, with one log line, while a flaky store is retried."""
+    retries, so bad data fails once, with one log line, while a flaky store is retried. ``attempts`` and
+    ``delay`` default to :data:`RETRY_ATTEMPTS` and :data:`RETRY_DELAY`."""
+    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    delay = RETRY_DELAY if delay is None else delay
     for k in range(max(1, int(attempts))):
         try:
             return fn(*args, **kwargs)

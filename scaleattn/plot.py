@@ -244,10 +244,9 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
         if hasattr(run, "certificate"):
             raise ParameterError("save_run_plots: give `out` when plotting a FitResult")
         out = run
-    pngs = figure_pngs(run_figures(run, dataset, storage_options), dpi)
     out = resolve(out, storage_options)
-    _check_plot_output(run, out, dataset, storage_options)
-    return write_files(out, pngs)
+    _check_plot_output(run, out, dataset, storage_options)  # before any work
+    return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
 
 
 def _check_plot_output(run, out, dataset, storage_options) -> None:

@@ -102,8 +102,8 @@ class Checkpoint:
             try:
                 have = dict(store.open_group("r").attrs)
             except Exception as e:  # not a zarr group
-                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it or start over"
-                                      " with --overwrite") from None
+                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
+                                      " choose another --checkpoint path") from None
             if have.get("format") == FORMAT and have.get("format_version") != FORMAT_VERSION:
                 raise CheckpointError(
                     f"checkpoint {url!r} was written by an older scaleattn (format v{have.get('format_version')},"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn import _testing
+from scaleattn import _storage, _testing
 
 from .conftest import (
     FIT,
@@ -146,6 +146,7 @@ def test_transient_read_errors_are_retried_with_the_same_bits(tmp_path, capsys, 
     assert rc == 0, err
     monkeypatch.setenv("SCALEATTN_TEST_READ_FAILURES", "2")
     monkeypatch.setattr(_testing, "_reads", [0])
+    monkeypatch.setattr(_storage, "RETRY_DELAY", 0.05)  # the same policy, shorter waits
     rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
     assert rc == 0, err
     assert _testing._reads[0] == 2  # two failures, retried with backoff
@@ -156,6 +157,7 @@ def test_a_store_that_keeps_failing_is_a_local_file_error_and_leaves_no_checkpoi
     dataset(tmp_path / "d.zarr")
     monkeypatch.setenv("SCALEATTN_TEST_READ_FAILURES", "1000")
     monkeypatch.setattr(_testing, "_reads", [0])
+    monkeypatch.setattr(_storage, "RETRY_DELAY", 0.05)
     rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
     assert rc == 2
     line = error_line(err)
