@@ -14,7 +14,8 @@ L0 only.
 """
 from ._version import __version__
 from .certificate import Certificate, certify
-from .dataset import Dataset, open_dataset, write_dataset
+from .dataset import Dataset, open_dataset
+from .dataset_writer import write_dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
 from .errors import DatasetError, ScaleattnError

@@ -2,6 +2,12 @@
 
 Each store records ``format`` and ``format_version`` in its attributes; readers refuse anything else with a
 :class:`~scaleattn.errors.FormatError`. Changing a layout means bumping its version here.
+
+Version 2 of every store (scaleattn 0.1 after the integrity work): arrays use the crc32c codec, every chunk
+is stored (even all-zero ones), and the attributes carry a ``manifest`` of array shapes and value checksums
+(:mod:`scaleattn._integrity`); checkpoints bind each partial to its input rows and carry its checksum.
+Version 1 datasets, statistics, models and spectra are still read (without the checks they do not carry);
+version 1 checkpoints are refused (their partials cannot be verified).
 """
 from __future__ import annotations
 
@@ -12,14 +18,21 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "check_format", "json_default", "dumps"]
+__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
+           "check_format", "check_types", "json_default", "dumps"]
 
-#: ``(format, format_version)`` of each store kind
-DATASET = ("scaleattn-dataset", 1)
-STATISTICS = ("scaleattn-statistics", 1)
-MODEL = ("scaleattn-model", 1)
-CHECKPOINT = ("scaleattn-checkpoint", 1)
-SPECTRUM = ("scaleattn-spectrum", 1)
+#: ``(format, format_version)`` of each store kind (what is written)
+DATASET = ("scaleattn-dataset", 2)
+STATISTICS = ("scaleattn-statistics", 2)
+MODEL = ("scaleattn-model", 2)
+CHECKPOINT = ("scaleattn-checkpoint", 2)
+SPECTRUM = ("scaleattn-spectrum", 2)
+#: versions each kind's reader accepts
+READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2), MODEL[0]: (1, 2), CHECKPOINT[0]: (2,), SPECTRUM[0]: (1, 2)}
+#: the ``format`` of every scaleattn store starts with this (how ``--overwrite`` recognises its own outputs)
+PREFIX = "scaleattn-"
+#: what a run directory holds (besides ``*.png`` plots): report.json and the stores of :mod:`scaleattn.run`
+RUN_ENTRIES = ("report.json", "model.zarr", "stats.zarr", "spectrum.zarr")
 
 
 def stamp(kind: tuple[str, int]) -> dict:
@@ -28,10 +41,33 @@ def stamp(kind: tuple[str, int]) -> dict:
 
 
 def check_format(attrs: dict, kind: tuple[str, int], where: str, what: str) -> None:
-    """Raise :class:`FormatError` unless ``attrs`` mark a store of ``kind`` (``what``: "statistics", ...)."""
-    if attrs.get("format") != kind[0] or attrs.get("format_version") != kind[1]:
+    """Raise :class:`FormatError` unless ``attrs`` mark a store of ``kind`` in a version its reader accepts
+    (:data:`READABLE`; ``what``: "statistics", ...). Returns the store's version."""
+    ok = READABLE.get(kind[0], (kind[1],))
+    version = attrs.get("format_version")
+    if attrs.get("format") != kind[0] or isinstance(version, bool) or version not in ok:
         raise FormatError(f"{where}: not a scaleattn {what} store (format {attrs.get('format')!r}"
-                          f" v{attrs.get('format_version')}, expected {kind[0]!r} v{kind[1]})")
+                          f" v{version}, expected {kind[0]!r} v{' or v'.join(map(str, ok))})")
+    return version
+
+
+def check_types(attrs: dict, types: dict, where: str, optional=()) -> None:
+    """Raise :class:`FormatError` when an attribute a reader relies on is missing or of the wrong JSON type
+    (``causal: "false"`` is a string, not false; ``d: 2.5`` is not an integer)."""
+    for k, t in types.items():
+        if k not in attrs:
+            if k in optional:
+                continue
+            raise FormatError(f"{where}: attribute {k!r} is missing")
+        v = attrs[k]
+        if t is bool:
+            ok, want = isinstance(v, bool), "true or false"
+        elif t is int:
+            ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        else:
+            ok, want = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        if not ok:
+            raise FormatError(f"{where}: attribute {k!r} must be {want}, got {v!r} ({type(v).__name__})")
 
 
 def json_default(o):

@@ -16,17 +16,21 @@ import os
 import random
 import shutil
 import time
-import uuid
 
 import zarr
 
-from .errors import OutputExistsError, ParameterError, StorageError
+from .errors import ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
-           "transient", "with_retries", "atomic_output", "is_url"]
+           "transient", "with_retries", "is_url", "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
+#: names of remote errors that fail the same way every time (credentials, permissions): never retried
+_REFUSALS = ("credential", "accessdenied", "forbidden", "invalidaccesskey", "signaturedoesnotmatch", "permission",
+             "nosuchbucket", "unauthorized")
+#: the retry policy of store reads (:func:`with_retries`): attempts in all, and the first wait in seconds
+RETRY_ATTEMPTS, RETRY_DELAY = 3, 1.0
 
 
 def parse_storage_options(options) -> dict | None:
@@ -159,32 +163,51 @@ def resolve(url, storage_options=None) -> Location:
 
 
 def access_error(url: str, e: BaseException) -> StorageError | None:
-    """``e`` as a :class:`StorageError`, or None when it is not an access problem (e.g. a missing key)."""
+    """``e`` as a :class:`StorageError`, or None when it is not an access problem (e.g. a missing key).
+
+    The error keeps whether it is worth retrying (:attr:`StorageError.transient`, from :func:`transient`).
+    Local paths are called local files, never an object store."""
     if isinstance(e, (FileNotFoundError, StorageError)) or not isinstance(e, Exception):
         return None
     remote = type(e).__module__.split(".")[0] in _REMOTE_ERROR_MODULES
     if not (remote or isinstance(e, (PermissionError, ConnectionError, TimeoutError))):
         return None
+    flaky = transient(e)
+    if not is_url(url):
+        what = "permission denied" if isinstance(e, PermissionError) else "cannot read or write it"
+        return StorageError(f"{url}: {what} on the local file system ({type(e).__name__}: {e}); check the path's"
+                            " owner and permissions", transient=flaky)
     hint = ("check the endpoint (--storage-option endpoint_url=http://HOST:PORT or AWS_ENDPOINT_URL) and the"
             " credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or --storage-option key=..."
             " --storage-option secret=...)") if str(url).startswith(("s3://", "s3a://")) else (
             "check the URL, the --storage-option values and the credentials")
-    return StorageError(f"{url}: cannot access the object store ({type(e).__name__}: {e}); {hint}")
+    return StorageError(f"{url}: cannot access the object store ({type(e).__name__}: {e}); {hint}", transient=flaky)
 
 
 def transient(e: BaseException) -> bool:
-    """Whether ``e`` is worth retrying: a connection or timeout error, or an error of a remote store's client
-    library; not a missing key, a refused permission or bad data (those fail the same way every time)."""
-    if isinstance(e, (FileNotFoundError, PermissionError, StorageError)) or not isinstance(e, Exception):
+    """Whether ``e`` is worth retrying: a connection or timeout error, an error of a remote store's client
+    library other than a refusal of credentials or permissions, or a :class:`StorageError` made from one; not a
+    missing key, a refused permission or bad data (those fail the same way every time)."""
+    if isinstance(e, StorageError):
+        return e.transient
+    if isinstance(e, (FileNotFoundError, PermissionError)) or not isinstance(e, Exception):
         return False
-    return isinstance(e, (ConnectionError, TimeoutError)) or type(e).__module__.split(".")[0] in _REMOTE_ERROR_MODULES
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if type(e).__module__.split(".")[0] not in _REMOTE_ERROR_MODULES:
+        return False
+    text = f"{type(e).__name__} {e}".lower().replace(" ", "")
+    return not any(word in text for word in _REFUSALS)
 
 
-def with_retries(fn, *args, attempts: int = 3, delay: float = 1.0, **kwargs):
+def with_retries(fn, *args, attempts: int | None = None, delay: float | None = None, **kwargs):
     """``fn(*args, **kwargs)``, retried up to ``attempts`` times in all when it raises a :func:`transient` error
     (waiting about ``delay``, then twice as long, ..., each wait with up to 50% random jitter so that many
     workers do not retry in step). Dask tasks call their work through this and are submitted without Dask
-    retries, so bad data fails once, with one log line, while a flaky store is retried."""
+    retries, so bad data fails once, with one log line, while a flaky store is retried. ``attempts`` and
+    ``delay`` default to :data:`RETRY_ATTEMPTS` and :data:`RETRY_DELAY`."""
+    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    delay = RETRY_DELAY if delay is None else delay
     for k in range(max(1, int(attempts))):
         try:
             return fn(*args, **kwargs)
@@ -262,37 +285,3 @@ def open_group(url: str, mode: str = "r", storage_options: dict | None = None) -
     with _remote_access(url):
         return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None,
                                storage_options=storage_options or {})
-
-
-@contextlib.contextmanager
-def atomic_output(loc: Location, overwrite: bool = False):
-    """Yield a temporary :class:`Location` next to ``loc`` that becomes ``loc`` only if the block succeeds.
-
-    A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``loc`` is
-    refused (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``; locally it is replaced only
-    after the new output is complete. Object stores cannot rename: there ``overwrite`` deletes the old output
-    first, and the new one is written in place and removed on failure.
-    """
-    if loc.exists() and not overwrite:
-        raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
-    if loc.is_remote:
-        loc.remove()
-        try:
-            yield loc
-        except BaseException:
-            loc.remove()
-            raise
-        return
-    url = loc.url
-    parent = os.path.dirname(url)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(url)}.partial-{uuid.uuid4().hex[:8]}")
-    aside = f"{tmp}.old"
-    try:
-        yield Location(tmp, loc.storage_options)
-        if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
-            os.replace(url, aside)
-        os.replace(tmp, url)
-    finally:
-        remove(tmp)
-        remove(aside)

@@ -3,17 +3,20 @@ submit``.
 
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2; anything else is a bug: one line saying so and exit
-code 1 (``--debug`` shows the traceback); Ctrl-C exits 130.
+code 1 (``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+(a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
+terminal unless ``--debug``.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ._backend import DEVICES
 from ._storage import parse_storage_options
 from ._version import __version__
-from .errors import ScaleattnError
+from .errors import ScaleattnError, hint_of
 from .qr import CERTIFICATE_METHODS, QR_MAX_PSI
 from .spectrum import SOLVERS
 
@@ -76,9 +79,16 @@ def _add_cluster_args(p):
     g.add_argument("--tls-key", metavar="PEM", default=None, help="TLS: private key of --tls-cert")
 
 
+def _add_absent_arg(p):
+    p.add_argument("--absent-chunks-are-fill", dest="fill_absent_chunks", action="store_true",
+                   help="for a dataset written by another tool: chunks absent from the store mean the fill value"
+                        " (by default they are refused, naming the array and the samples)")
+
+
 def _add_io_args(p, out=True):
     if out:
-        p.add_argument("--overwrite", action="store_true", help="replace the output if it exists")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace the output if it exists (only what scaleattn wrote; never an input)")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", default=None,
                    help="fsspec option for s3:// and other URLs (repeatable), e.g. endpoint_url=http://...")
 
@@ -169,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint store of the statistics build (default OUT.checkpoint.zarr next to --out)")
     f.add_argument("--keep-checkpoint", action="store_true", help="keep the checkpoint after a successful fit")
     f.add_argument("--no-plots", action="store_true", help="do not write the PNG plots next to report.json")
+    _add_absent_arg(f)
     _add_cluster_args(f)
     _add_io_args(f)
     _add_output_args(f)
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
                         " eigh: the whole spectrum of Lambda_D at any psi (slower)")
     _add_certificate_arg(c)
+    _add_absent_arg(c)
     _add_cluster_args(c)
     _add_io_args(c, out=False)
     _add_output_args(c)
@@ -197,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evaluate", help="mean squared error of a model on a dataset")
     e.add_argument("model", help="model store (RUN/model.zarr)")
     e.add_argument("dataset")
+    _add_absent_arg(e)
     _add_cluster_args(e)
     _add_io_args(e, out=False)
     _add_output_args(e)
@@ -237,7 +250,15 @@ def _cluster(args, reporter=None):
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
     return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
                    quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
-                   worker_timeout=args.worker_timeout)
+                   worker_timeout=args.worker_timeout, debug=args.debug)
+
+
+def _check_cluster_args(args) -> None:
+    """Cluster options that cannot work, refused before anything starts."""
+    if not (getattr(args, "local", False) or args.scheduler or args.gpus):
+        from .distributed.cluster import check_workers
+
+        check_workers(args.workers, args.threads_per_worker)
 
 
 def _reporter(args):
@@ -298,7 +319,8 @@ def _cmd_fit(args) -> int:
     from ._backend import check_device
     from ._params import heads_spec, real
     from .certificate import check_cutoff
-    from .pipeline import fit, preflight
+    from .pipeline import fit
+    from .preflight import holding, preflight
     from .report import fit_summary
 
     reporter = _reporter(args)
@@ -307,8 +329,10 @@ def _cmd_fit(args) -> int:
     check_cutoff(args.cutoff_rtol)
     real("--ridge", args.ridge, 0.0)
     check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
-    ds = preflight(args.dataset, args.out, args.overwrite, opts)
-    with _cluster(args, reporter) as client:
+    _check_cluster_args(args)
+    ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
+                   fill_absent_chunks=args.fill_absent_chunks)
+    with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
         res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
                   solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=reporter,
@@ -329,7 +353,8 @@ def _cmd_certify(args) -> int:
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     check_cutoff(args.cutoff_rtol)
-    ds = open_dataset(args.dataset, opts)
+    _check_cluster_args(args)
+    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
                                certificate=args.certificate)
@@ -346,7 +371,8 @@ def _cmd_evaluate(args) -> int:
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     model = MHLAModel.load(args.model, opts)
-    ds = open_dataset(args.dataset, opts)
+    _check_cluster_args(args)
+    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)
     _emit(args, r, evaluation_summary(r))
@@ -415,6 +441,15 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+#: commands that write an output (all or nothing: an interrupted one leaves none)
+WRITERS = ("generate", "import", "fit", "plot")
+
+
+def _hint(e: BaseException) -> str:
+    h = hint_of(e)
+    return f"; {h}" if h else ""
+
+
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
     an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
@@ -422,6 +457,8 @@ def main(argv=None) -> int:
     import threading
 
     args = build_parser().parse_args(argv)
+    if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
         return _run(args)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -439,21 +476,23 @@ def _run(args) -> int:
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
         if args.debug:
             raise
-        print(f"scaleattn {args.command}: error: {e}", file=sys.stderr)
+        print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated:
         resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
         print(f"scaleattn {args.command}: stopped by SIGTERM" + (resume if args.command == "fit" else ""),
               file=sys.stderr)
         return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
-        print(f"scaleattn {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        kept = _hint(e) or ("; nothing was written (outputs are written all or nothing)"
+                            if args.command in WRITERS else "")
+        print(f"scaleattn {args.command}: interrupted{kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
         if args.debug:
             raise
         print(f"scaleattn {args.command}: internal error (this is a bug; please report it with the output of"
-              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}", file=sys.stderr)
+              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BUG
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 __all__ = [
     "ScaleattnError", "ParameterError", "DatasetError", "StorageError", "FormatError", "OutputExistsError",
     "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
-    "SubmitError",
-    "IntegrityError",
+    "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "with_hint", "hint_of",
 ]
 
 
@@ -55,13 +54,28 @@ class IntegrityError(DatasetError):
 
 
 class StorageError(ScaleattnError, OSError):
-    """An object store cannot be reached or refuses access (endpoint, credentials, permissions).
+    """A store cannot be reached or refuses access (endpoint, credentials, permissions).
 
-    The message names the URL, the underlying error and where the endpoint and credentials come from."""
+    The message names the URL, the underlying error and where the endpoint and credentials come from.
+    ``transient`` is True when the cause was a dropped connection or a timeout, which the retry policy
+    (:func:`scaleattn._storage.with_retries`) retries; refused credentials or permissions are not."""
+
+    def __init__(self, *args, transient: bool = False):
+        super().__init__(*args)
+        self.transient = bool(transient)
 
 
 class FormatError(ScaleattnError):
     """A store is not a scaleattn store of the expected kind or format version."""
+
+
+class UnsafeOutputError(ScaleattnError):
+    """An output, checkpoint or ``--overwrite`` target would write into or remove an input store, or a
+    directory scaleattn did not write (refused before anything is written or removed)."""
+
+
+class OutputInUseError(ScaleattnError):
+    """Another scaleattn run holds the lock of an output or checkpoint; the message names it (host, pid, start)."""
 
 
 class OutputExistsError(ScaleattnError, FileExistsError):
@@ -124,3 +138,16 @@ class ClusterError(ScaleattnError, RuntimeError):
 
 class SubmitError(ScaleattnError, RuntimeError):
     """A Kubernetes job could not be sent or followed (no cluster reachable, operator missing, ...)."""
+
+
+def with_hint(exc: BaseException, hint: str) -> BaseException:
+    """Attach a one-line ``hint`` (what was kept and how to continue) to ``exc``; the CLI prints it after the
+    message. Returns ``exc``."""
+    old = getattr(exc, "scaleattn_hint", None)
+    exc.scaleattn_hint = f"{old}; {hint}" if old else hint
+    return exc
+
+
+def hint_of(exc: BaseException) -> str | None:
+    """The hint attached by :func:`with_hint`, or None."""
+    return getattr(exc, "scaleattn_hint", None)

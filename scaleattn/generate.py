@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._outputs import atomic_output
 from ._params import integer, real
-from ._storage import atomic_output, resolve
-from .dataset import (
-    create_dataset,
-    open_dataset,
-    write_block,
-    write_dataset,
-    write_teacher,
-)
+from ._storage import resolve
+from .dataset import open_dataset
+from .dataset_writer import create_dataset, finish_dataset, write_block, write_dataset, write_teacher
 from .errors import ParameterError
 from .importers import (  # noqa: F401 (moved)
     import_arrays,
@@ -143,12 +139,14 @@ def generate_mhla(
         g = create_dataset(tmp, samples, length, d, V.shape[1], causal=causal, lengths=variable_lengths,
                            chunk_samples=chunk_samples, attrs=attrs)
         chunk = g["tokens"].chunks[0]
+        sums = {}
         for i, a in enumerate(range(0, samples, chunk)):
             b = min(samples, a + chunk)
             part = make_mhla(d, heads, length, b - a, noise=noise, causal=causal,
                              variable_lengths=variable_lengths, teacher=(V, Q), seed=[seed, i])
-            write_block(g, a, part["tokens"], part["targets"], part["lengths"])
-        write_teacher(g, V, Q)
+            write_block(g, a, part["tokens"], part["targets"], part["lengths"], sums)
+        write_teacher(g, V, Q, sums)
+        finish_dataset(g, sums)
     return open_dataset(loc)
 
 

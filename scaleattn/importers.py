@@ -11,8 +11,10 @@ import os
 
 import numpy as np
 
+from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from .dataset import write_dataset
+from ._storage import resolve
+from .dataset_writer import write_dataset
 from .errors import DatasetError, InputNotFoundError, MissingDependencyError
 
 __all__ = ["windows", "standardize", "import_arrays", "import_csv", "load_digits_dataset"]
@@ -58,6 +60,13 @@ def _real(name: str, a, path):
     return a.astype(np.float64, copy=False)
 
 
+def _check_output(url, path, storage_options) -> None:
+    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be."""
+    pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    check_disjoint(*pairs)
+    check_companions(*pairs)
+
+
 def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="lengths", overwrite=False,
                   storage_options=None):
     """Import a ``.npz`` (arrays named ``tokens``, ``targets``, optional ``lengths``) or a ``.npy`` of tokens.
@@ -75,6 +84,11 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
     """
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
+    _check_output(url, path, storage_options)
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if not (magic.startswith(b"PK\x03\x04") or magic == b"\x93NUMPY"):  # the kind comes from the content
+        raise DatasetError(f"{path}: not a NumPy .npz or .npy file (it starts with {magic!r})")
     try:
         loaded = np.load(path, allow_pickle=False)
     except ValueError as e:  # object arrays need pickle, or not a NumPy file at all
@@ -117,6 +131,7 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
+    _check_output(url, path, storage_options)
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     if not rows:

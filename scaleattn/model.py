@@ -6,10 +6,11 @@ import dataclasses
 
 import numpy as np
 
-from . import _formats
+from . import _formats, _integrity
 from ._backend import get_xp
+from ._outputs import atomic_output
 from ._params import heads_spec
-from ._storage import atomic_output, resolve
+from ._storage import resolve
 from .errors import FormatError, InputNotFoundError, ParameterError
 from .features import predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
@@ -119,15 +120,17 @@ class MHLAModel:
         """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location."""
         with atomic_output(resolve(url, storage_options), overwrite) as tmp:
             g = tmp.open_group("w")
+            sums = {}
+            _integrity.create_checked(g, "coef", self.coef, sums, dimension_names=("feature", "output"),
+                                      attributes={"description": "coefficients of phi = vech(Z^T Z) kron x, P-major"})
+            _integrity.create_checked(g, "V", self.V, sums, dimension_names=("head", "output", "embed"),
+                                      attributes={"description": "value/output matrices V_h"})
+            _integrity.create_checked(g, "Q", self.Q, sums, dimension_names=("head", "embed", "embed_2"),
+                                      attributes={"description": "fused key-query matrices Q_h"})
             g.attrs.update({**self.attrs, "format": FORMAT, "format_version": FORMAT_VERSION, "d": self.d,
-                            "d_out": self.d_out, "n_heads": self.n_heads, "causal": self.causal,
-                            "description": "one-layer multi-head linear attention y = sum_h V_h Z^T Z Q_h x"})
-            g.create_array("coef", data=np.asarray(self.coef), dimension_names=("feature", "output"),
-                           attributes={"description": "coefficients of phi = vech(Z^T Z) kron x, P-major"})
-            g.create_array("V", data=np.asarray(self.V), dimension_names=("head", "output", "embed"),
-                           attributes={"description": "value/output matrices V_h"})
-            g.create_array("Q", data=np.asarray(self.Q), dimension_names=("head", "embed", "embed_2"),
-                           attributes={"description": "fused key-query matrices Q_h"})
+                            "d_out": self.d_out, "n_heads": self.n_heads, "causal": bool(self.causal),
+                            "description": "one-layer multi-head linear attention y = sum_h V_h Z^T Z Q_h x",
+                            _integrity.MANIFEST: {"arrays": sums}})
 
     @classmethod
     def load(cls, url, storage_options=None) -> MHLAModel:
@@ -142,9 +145,11 @@ class MHLAModel:
         except Exception as e:
             raise FormatError(f"{loc.url}: not a readable model store ({type(e).__name__}: {e})") from None
         _formats.check_format(a, _formats.MODEL, loc.url, "model")
-        keep = {k: v for k, v in a.items() if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal")}
-        return cls(np.asarray(g["coef"][...]), np.asarray(g["V"][...]), np.asarray(g["Q"][...]), int(a["d"]),
-                   bool(a.get("causal", False)), keep)
+        _formats.check_types(a, {"d": int, "causal": bool}, loc.url, optional=("causal",))
+        keep = {k: v for k, v in a.items()
+                if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal", _integrity.MANIFEST)}
+        coef, V, Q = (_integrity.read_checked(g, n, loc.url) for n in ("coef", "V", "Q"))
+        return cls(coef, V, Q, int(a["d"]), bool(a.get("causal", False)), keep)
 
 
 #: heads reproducing the fitted coefficients to this relative residual define the same model

@@ -19,20 +19,20 @@ import warnings
 from . import report as _text
 from ._backend import check_device
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
-from ._storage import Location, resolve
 from ._version import __version__
 from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
-from .dataset import Dataset, open_dataset
+from .dataset import Dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
-from .distributed.memory import check_fit_memory, release_large_buffers
+from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import DatasetError, OutputExistsError, ScaleattnError
+from .errors import ScaleattnError, with_hint
 from .features import coef_distance
 from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
+from .preflight import after_failed_build, holding, kept_hint, open_input, preflight, run_locations
 from .progress import as_reporter
 from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
@@ -40,7 +40,7 @@ from .solver import Solution, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
-__all__ = ["fit", "certify_dataset", "preflight", "FitResult"]
+__all__ = ["fit", "certify_dataset", "FitResult"]
 
 
 @dataclasses.dataclass
@@ -88,36 +88,11 @@ class FitResult:
         return _text.fit_summary(self.report)
 
 
-def _open(dataset, storage_options) -> Dataset:
-    return dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
-
-
-def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) -> Dataset:
-    """The checks :func:`fit` makes before any work (callers run them before starting a cluster too): the
-    dataset opens and has targets, and ``out`` does not exist unless ``overwrite``. Returns the dataset.
-
-    Raises
-    ------
-    DatasetError
-        The dataset is malformed or has no targets.
-    OutputExistsError
-        ``out`` exists and not ``overwrite``.
-    """
-    ds = _open(dataset, storage_options)
-    if not ds.has_targets:
-        raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
-    if out is not None:
-        loc = resolve(out, None if isinstance(out, Location) else storage_options)
-        if loc.exists() and not overwrite:
-            raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
-    return ds
-
-
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
         keep_checkpoint: bool = False, solver: str = "auto", certificate: str = "auto",
-        heads_budget: float | None = DEFAULT_BUDGET, **deprecated) -> FitResult:
+        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False, **deprecated) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -169,6 +144,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     heads_budget : float or None
         Seconds for the head search of ``"minimal"`` / H (None: no limit); the report's
         ``heads_budget_exhausted`` says when it ran out.
+    fill_absent_chunks : bool
+        For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
+        naming the array and the samples).
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -184,6 +162,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Malformed input (names the array and sample), or a dataset without targets.
     OutputExistsError
         ``out``, or a checkpoint of an unfinished fit, exists without ``overwrite``/``resume``.
+    UnsafeOutputError
+        ``out`` or the checkpoint is, contains or lies inside the dataset, or ``overwrite`` would replace
+        something scaleattn did not write.
+    OutputInUseError
+        Another run holds ``out`` or the checkpoint.
+    IntegrityError
+        Absent, changed or damaged chunks (naming the array and the samples), or a store a worker sees differently.
     CheckpointError
         The checkpoint was made from another dataset, chunking or version.
     InsufficientMemoryError
@@ -213,41 +198,70 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
-    ds = preflight(dataset, out, overwrite, storage_options)
-    opts = ds.storage_options if storage_options is None else storage_options
-    out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
-    ckpt = _checkpoint_location(out, checkpoint, opts)
-    check_fit_memory(ds.d, ds.d_out, client=client, solver=solver)  # refuse before the build
+    ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
+                   fill_absent_chunks=fill_absent_chunks)
+    out, ckpt = run_locations(ds, out, checkpoint, storage_options)
+    check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))  # before the build
     if certificate == "qr":
         check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups
-    if ckpt is not None and not resume and ckpt.exists():
-        if not overwrite:
-            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
-                                    " it, or --overwrite to start over")
-        ckpt.remove()
-    times, build = {}, {}
-    new_ckpt = ckpt is not None and not ckpt.exists()
-    t = time.perf_counter()
-    try:
-        stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
-    except DatasetError:  # bad data: nothing worth resuming; a crash, interrupt or StorageError keeps it
-        if new_ckpt:
+    with holding(ds, out, ckpt):
+        preflight(ds, out, overwrite, checkpoint=ckpt, resume=resume)  # again, now that no other run can interfere
+        if ckpt is not None and not resume and ckpt.exists():
+            ckpt.remove()  # --overwrite: start over (preflight checked that it is a scaleattn checkpoint)
+        build = {}
+        new_ckpt = ckpt is not None and not ckpt.exists()
+        t = time.perf_counter()
+        try:
+            stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
+        except BaseException as e:
+            after_failed_build(e, ckpt, new_ckpt)
+            raise
+        times = {"statistics": time.perf_counter() - t}
+        try:
+            opts = _SolveOptions(heads, cutoff_rtol, ridge, solver, certificate, heads_budget)
+            result = _finish(ds, stats, client, reporter, times, build, opts, exact_mse,
+                             ckpt if keep_checkpoint else None)
+            result.report["seconds"] = time.perf_counter() - t0
+            if out is not None:
+                with reporter.phase(f"write {out.url}"):
+                    write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
+        except BaseException as e:
+            if ckpt is not None:
+                with_hint(e, kept_hint(ckpt, "all row groups"))
+            raise
+        if ckpt is not None and not keep_checkpoint:
             ckpt.remove()
-        raise
-    times["statistics"] = time.perf_counter() - t
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _SolveOptions:
+    """The validated options of the solve, certificate and head steps of :func:`fit`."""
+
+    heads: str | int
+    cutoff_rtol: float | None
+    ridge: float
+    solver: str
+    certificate: str
+    heads_budget: float | None
+
+
+def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_mse, kept_ckpt) -> FitResult:
+    """Solve, certify, recover heads and assemble the report of a fit from its statistics."""
+    heads, cutoff_rtol, ridge, solver = o.heads, o.cutoff_rtol, o.ridge, o.solver
     t = time.perf_counter()
     stats = stats.to_numpy()
     G = stats.gram()  # expanded once: the solve, the heads and the witness share it
 
     def heads_and_report(sol, gram):
         model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=gram,
-                                              solution=sol, heads_budget=heads_budget)
+                                              solution=sol, heads_budget=o.heads_budget)
         return model, sol, h, _report(ds, stats, sol, h, model, gram)
 
     with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
         sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
-        qr = needs_qr(certificate, sol.certificate, stats.psi)
+        qr = needs_qr(o.certificate, sol.certificate, stats.psi)
         if not qr:
             model, sol, h, report = heads_and_report(sol, G)
     times["solve_and_heads"] = time.perf_counter() - t
@@ -272,25 +286,11 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     ms = report["target_mean_square"]
     report["relative_train_mse"] = report["train_mse"] / ms if ms > 0 else float("nan")
     report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
-    report["checkpoint"] = ckpt.url if (ckpt is not None and keep_checkpoint) else None
+    report["checkpoint"] = None if kept_ckpt is None else kept_ckpt.url
     report["timings"] = times
     report["scaleattn_version"] = __version__
     report["dataset"] = ds.url
-    report["seconds"] = time.perf_counter() - t0
-    result = FitResult(model, stats, sol, h, report)
-    if out is not None:
-        with reporter.phase(f"write {out.url}"):
-            write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
-    if ckpt is not None and not keep_checkpoint:
-        ckpt.remove()
-    return result
-
-
-def _checkpoint_location(out: Location | None, checkpoint, storage_options) -> Location | None:
-    """The checkpoint store: ``checkpoint`` resolved with the fit's options, else ``OUT.checkpoint.zarr``."""
-    if checkpoint is not None:
-        return resolve(checkpoint, None if isinstance(checkpoint, Location) else storage_options)
-    return None if out is None else Location(out.url + ".checkpoint.zarr", out.storage_options)
+    return FitResult(model, stats, sol, h, report)
 
 
 def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLAModel, gram) -> dict:
@@ -350,6 +350,7 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
                     solver: str = "auto", device: str = "auto", certificate: str = "auto",
+                    fill_absent_chunks: bool = False,
                     **deprecated) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
@@ -369,6 +370,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     certificate : "auto" | "gram" | "qr"
         As :func:`fit`: ``"auto"`` takes a second pass (a QR of the features, no targets) only when the Gram
         does not certify identifiability and psi <= ``QR_MAX_PSI``; ``"qr"`` always, ``"gram"`` never.
+    fill_absent_chunks : bool
+        As :func:`fit`.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -400,8 +403,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
-    ds = _open(dataset, storage_options)
-    check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate")
+    ds = open_input(dataset, storage_options, fill_absent_chunks)
+    check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate", chunk_bytes=chunk_bytes(ds, False))
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
     stats = compute_statistics(ds, client, targets=False, progress=reporter, device=device)

@@ -18,10 +18,11 @@ import warnings
 
 import numpy as np
 
+from ._outputs import check_disjoint, check_outside_stores
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
-from .run import read_run, write_files
+from .run import MODEL, SPECTRUM, STATS, read_run, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
@@ -250,5 +251,23 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
         if hasattr(run, "certificate"):
             raise ParameterError("save_run_plots: give `out` when plotting a FitResult")
         out = run
-    pngs = figure_pngs(run_figures(run, dataset, storage_options), dpi)
-    return write_files(resolve(out, storage_options), pngs)
+    out = resolve(out, storage_options)
+    _check_plot_output(run, out, dataset, storage_options)  # before any work
+    return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
+
+
+def _check_plot_output(run, out, dataset, storage_options) -> None:
+    """Plots only add files, but never into an input store: refuse an ``out`` that is or lies inside the
+    dataset or one of the run's stores (:func:`scaleattn._outputs.check_disjoint`)."""
+    inputs = []
+    if not hasattr(run, "certificate"):
+        run_loc = resolve(run, storage_options)
+        inputs += [(name, run_loc.join(name)) for name in (MODEL, STATS, SPECTRUM)]
+        if dataset is None:
+            dataset = read_run(run_loc)["report"].get("dataset")
+    elif dataset is None:
+        dataset = run.report.get("dataset")
+    if dataset:
+        inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
+    check_disjoint([("--out", out)], inputs, contains_ok=True)
+    check_outside_stores(out, "--out")

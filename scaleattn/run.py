@@ -16,8 +16,9 @@ import os
 
 import numpy as np
 
-from . import _formats
-from ._storage import Location, atomic_output, resolve
+from . import _formats, _integrity
+from ._outputs import atomic_output
+from ._storage import Location, resolve
 from .certificate import certify
 from .errors import InputNotFoundError, ParameterError
 from .model import MHLAModel
@@ -39,23 +40,25 @@ def save_spectrum(certificate, loc: Location) -> None:
     if certificate.eigenvalues is None:
         raise ParameterError("certificate has no eigenvalues of Lambda_D")
     g = loc.open_group("w")
-    g.attrs.update({**certificate.summary(), **_formats.stamp(_formats.SPECTRUM),
+    sums = {}
+    _integrity.create_checked(g, "eigenvalues", np.asarray(certificate.eigenvalues, np.float64), sums,
+                              dimension_names=("eigenvalue",),
+                              attributes={"description": "eigenvalues of Lambda_D = G/N, ascending",
+                                          "units": "(units of features)^2"})
+    _integrity.create_checked(g, "eigenvalues_scaled", np.asarray(certificate.spectrum_scaled, np.float64), sums,
+                              dimension_names=("eigenvalue",),
+                              attributes={"description": "eigenvalues of the Jacobi-scaled Gram D^-1/2 G D^-1/2,"
+                                                         " ascending; the rank counts those above cutoff_rtol * max",
+                                          "units": "1"})
+    g.attrs.update({**certificate.summary(), **_formats.stamp(_formats.SPECTRUM), _integrity.MANIFEST: {"arrays": sums},
                     "description": "eigenvalues of the certificate's matrices [Yau et al. 2025, Lemma 2.3]"})
-    g.create_array("eigenvalues", data=np.asarray(certificate.eigenvalues, np.float64),
-                   dimension_names=("eigenvalue",),
-                   attributes={"description": "eigenvalues of Lambda_D = G/N, ascending",
-                               "units": "(units of features)^2"})
-    g.create_array("eigenvalues_scaled", data=np.asarray(certificate.spectrum_scaled, np.float64),
-                   dimension_names=("eigenvalue",),
-                   attributes={"description": "eigenvalues of the Jacobi-scaled Gram D^-1/2 G D^-1/2, ascending; "
-                                              "the rank counts those above cutoff_rtol * max", "units": "1"})
 
 
 def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
     """``(eigenvalues, eigenvalues_scaled)`` of a ``spectrum.zarr`` written by :func:`save_spectrum`."""
     g = loc.open_group("r")
     _formats.check_format(dict(g.attrs), _formats.SPECTRUM, loc.url, "spectrum")
-    return np.asarray(g["eigenvalues"][...]), np.asarray(g["eigenvalues_scaled"][...])
+    return _integrity.read_checked(g, "eigenvalues", loc.url), _integrity.read_checked(g, "eigenvalues_scaled", loc.url)
 
 
 def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> None:

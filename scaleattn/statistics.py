@@ -14,9 +14,10 @@ import functools
 
 import numpy as np
 
-from . import _formats
+from . import _formats, _integrity
 from ._backend import get_xp, to_numpy
-from ._storage import atomic_output, resolve
+from ._outputs import atomic_output
+from ._storage import resolve
 from .dataset import check_arrays
 from .errors import ParameterError
 from .features import (
@@ -167,26 +168,32 @@ class Statistics:
         s = self.to_numpy()
         with atomic_output(resolve(url, storage_options), overwrite) as tmp:
             g = tmp.open_group("w")
+            sums = {}
+            _integrity.create_checked(g, "gram_compact", s.gram_compact, sums,
+                                      dimension_names=("vech_pair", "vech_token"),
+                                      attributes={"description": "compact Gram sum_i vech(s s^T) vech(x x^T)^T",
+                                                  "units": "1"})
+            _integrity.create_checked(g, "moments", s.moments, sums, dimension_names=("feature", "output"),
+                                      attributes={"description": "B = sum_i phi_i y_i^T"})
             g.attrs.update({**(attrs or {}), "format": FORMAT, "format_version": FORMAT_VERSION,
-                            "yy": float(s.yy), "n_rows": int(s.n_rows), "d": int(s.d), "d_out": s.d_out})
-            g.create_array("gram_compact", data=s.gram_compact, dimension_names=("vech_pair", "vech_token"),
-                           attributes={"description": "compact Gram sum_i vech(s s^T) vech(x x^T)^T", "units": "1"})
-            g.create_array("moments", data=s.moments, dimension_names=("feature", "output"),
-                           attributes={"description": "B = sum_i phi_i y_i^T"})
+                            "yy": float(s.yy), "n_rows": int(s.n_rows), "d": int(s.d), "d_out": s.d_out,
+                            _integrity.MANIFEST: {"arrays": sums}})
 
     @classmethod
     def load(cls, url, storage_options=None) -> Statistics:
         """Read statistics written by :meth:`save`.
 
         Raises :class:`~scaleattn.errors.FormatError` if the store is not a statistics group of a supported
-        version.
+        version or its attributes have the wrong types, :class:`~scaleattn.errors.IntegrityError` if an array
+        is missing, damaged or not the one written (manifest).
         """
         loc = resolve(url, storage_options)
         g = loc.open_group("r")
         a = dict(g.attrs)
         _formats.check_format(a, _formats.STATISTICS, loc.url, "statistics")
-        return cls(np.asarray(g["gram_compact"][...]), np.asarray(g["moments"][...]), float(a["yy"]),
-                   int(a["n_rows"]), int(a["d"]))
+        _formats.check_types(a, {"yy": float, "n_rows": int, "d": int}, loc.url)
+        gram = _integrity.read_checked(g, "gram_compact", loc.url)
+        return cls(gram, _integrity.read_checked(g, "moments", loc.url), float(a["yy"]), int(a["n_rows"]), int(a["d"]))
 
 
 def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:

@@ -12,11 +12,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "scaleattn"
 #: the total order of the package: a module may import only modules listed before it
 CONTRACT = [
     # L0: no scaleattn imports above L0
-    "_version", "errors", "_params", "_backend", "_storage", "_formats", "report", "progress", "_testing",
+    "_version", "errors", "_params", "_backend", "_storage", "_formats", "_integrity", "_outputs", "report",
+    "progress", "_testing",
     # tensor attention: L0 only
     "tensor._common", "tensor.exact", "tensor.bounds", "tensor.poly", "tensor.weights", "tensor",
     # L1: features and datasets
-    "features", "dataset",
+    "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
     "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
@@ -25,7 +26,7 @@ CONTRACT = [
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
     "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.tsqr", "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
-    "run", "plot", "pipeline", "estimator", "importers", "generate",
+    "run", "plot", "preflight", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn.dataset import create_dataset, open_dataset, write_block, write_dataset, write_unit
+from scaleattn.dataset import open_dataset
+from scaleattn.dataset_writer import create_dataset, write_block, write_dataset, write_unit
 
 
 def _data(N=53, T=5, d=3, d_out=2, seed=0):

@@ -28,15 +28,20 @@ def small(tmp_path_factory):
                          causal=True, seed=1, chunk_samples=16)
 
 
-def _between(d):
-    """A memory limit between the Cholesky and the eigh estimates at ``d``."""
-    lo, hi = (fit_memory(d, 1, solver=s)["solver_bytes"] for s in ("cholesky", "eigh"))
-    assert 2 * lo < hi
-    return str(int((lo + hi) / 2))
+def _between(ds):
+    """A memory limit between what an in-process fit needs on the Cholesky path (solver, a task's features and
+    one chunk) and what the eigh path's solver alone needs."""
+    from scaleattn.distributed.memory import chunk_bytes
+
+    chol, eigh = (fit_memory(ds.d, ds.d_out, solver=s) for s in ("cholesky", "eigh"))
+    lo = chol["solver_bytes"] + chol["worker_bytes"] + chunk_bytes(ds)
+    assert lo < eigh["solver_bytes"]
+    return str(int((lo + eigh["solver_bytes"]) / 2))
 
 
+@pytest.mark.slow
 def test_memory_check_follows_the_solver_for_fit_and_certify(d16, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", _between(16))
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", _between(d16))
     assert main(["fit", d16.url, "--out", str(tmp_path / "e"), "--local", "--solver", "eigh", "--no-plots"]) == 2
     assert "eigh solver" in capsys.readouterr().err and not (tmp_path / "e").exists()
     assert main(["certify", d16.url, "--local", "--solver", "eigh"]) == 2

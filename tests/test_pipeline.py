@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import scaleattn
-from scaleattn.dataset import write_dataset
+from scaleattn.dataset_writer import write_dataset
 from scaleattn.distributed.evaluate import evaluate
 from scaleattn.generate import generate_mhla, make_assoc, make_mhla
 from scaleattn.heads import coef_from_heads

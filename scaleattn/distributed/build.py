@@ -4,14 +4,18 @@ finished partial checkpointed (:mod:`.checkpoint`). Without a client the same ta
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
+import secrets
 
 import numpy as np
 
 from .. import _testing
 from .._backend import array_module, check_device
 from .._storage import Location, resolve, with_retries
-from ..errors import ParameterError
+from ..datacheck import expected_rows, row_bindings
+from ..errors import IntegrityError, ParameterError
 from ..features import n_features
 from ..progress import as_reporter
 from ..statistics import Statistics, accumulate
@@ -20,6 +24,8 @@ from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, run_trees
 
 __all__ = ["compute_statistics", "group_statistics"]
+
+log = logging.getLogger("scaleattn")
 
 
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
@@ -63,17 +69,26 @@ def _add_all(*parts: Statistics, inplace: bool = False) -> Statistics:
     return out
 
 
-def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt):
+def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt, source=0):
     """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
-    is read back (a retry after a lost worker or a resume recomputes nothing); a new one is written there, then
-    marked done, by this worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`);
-    bad data fails the task once."""
+    is read back when it is bound to the input rows as they are now (``source``, from
+    :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
+    or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
+    worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`); bad data fails the task
+    once."""
+    dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
-        return ckpt.read(gi, ti)
+        part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
+        if part is not None:
+            return part
+        if "damaged" in why:  # (stale ones the client has reported)
+            log.warning("checkpoint %s: the partial of samples [%d, %d) (tile %d) %s: recomputed", ckpt.url, start,
+                        stop, ti, why)
+        ckpt.forget(gi, ti)
     _testing.before_task()
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols)
     if ckpt is not None:
-        with_retries(ckpt.write, gi, ti, part)
+        with_retries(ckpt.write, gi, ti, part, source)
     return part
 
 
@@ -163,9 +178,16 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if len(tiles) > 1 else None)
     ckpt = None
     done = np.zeros((len(groups), len(tiles)), dtype=bool)
+    sources = row_bindings(dataset, groups, targets)  # the input rows as they are now
     if checkpoint is not None:
-        ckpt = Checkpoint.open(checkpoint, dataset, groups, tiles, targets)
-        done = ckpt.done_mask()
+        ckpt = dataclasses.replace(Checkpoint.open(checkpoint, dataset, groups, tiles, targets),
+                                   run=secrets.randbits(62) + 1)
+        done = ckpt.reusable(sources)
+        stale = np.flatnonzero((ckpt.done_mask() & ~done).any(axis=1))
+        if stale.size:
+            a, b = groups[stale[0]]
+            reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
+                          f" checkpointed (first: samples [{a}, {b}))")
     if info is not None:
         info.update({"groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
                      "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
@@ -181,21 +203,40 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             reducers = [TreeReducer(_add_inplace, split_every) for _ in tiles]  # same tree (and bits) as on a cluster
             for gi, (a, b) in enumerate(groups):
                 for ti, cols in enumerate(tiles):
-                    reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt))
+                    reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi]))
                 if gi in todo:
                     advance(rows[gi])
                     if stop_after is not None and todo.index(gi) + 1 >= stop_after:
                         _testing.crash()
-            return _assemble([r.result() for r in reducers], dataset.d)
-        tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
-        futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt,  # retries: in the task
-                               key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}") for ti, cols in enumerate(tiles)]
-                for gi, (a, b) in enumerate(groups)]
-        weights = {f.key: (rows[gi] / len(tiles) if gi in todo else 0) for gi in range(len(groups)) for f in futs[gi]}
-        roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
-                          advance=advance, weights=weights,
-                          on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
-        return _assemble(roots, dataset.d)
+            result = _assemble([r.result() for r in reducers], dataset.d)
+        else:
+            tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
+            futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi],
+                                   key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}-{sources[gi]:x}")
+                     for ti, cols in enumerate(tiles)] for gi, (a, b) in enumerate(groups)]  # retries: in the task
+            weights = {f.key: (rows[gi] / len(tiles) if gi in todo else 0) for gi in range(len(groups))
+                       for f in futs[gi]}
+            roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
+                              advance=advance, weights=weights,
+                              on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
+            result = _assemble(roots, dataset.d)
+    _check_unchanged(dataset, groups, targets, sources)
+    if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
+        fresh = ckpt.written_by(ckpt.run)
+        info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
+                     "tasks_computed": int(fresh.sum()), "tasks_resumed": int((~fresh).sum())})
+    return result
+
+
+def _check_unchanged(dataset, groups, targets: bool, sources: list[int]) -> None:
+    """Refuse statistics of a dataset that changed while they were built (the chunks' signatures now differ
+    from those at the start): they may mix old and new rows. A kept checkpoint recomputes the changed groups."""
+    now = row_bindings(dataset, groups, targets)
+    changed = [g for g, s, t in zip(groups, sources, now) if s != t]
+    if changed:
+        raise IntegrityError(f"{dataset.url} changed while its statistics were built ({len(changed)} row group(s),"
+                             f" first samples [{changed[0][0]}, {changed[0][1]})): the result could mix old and new"
+                             " rows; run again once nothing writes to it")
 
 
 def _row_unit(dataset) -> tuple[int, str]:

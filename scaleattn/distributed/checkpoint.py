@@ -1,34 +1,43 @@
 """Checkpoints of a statistics build: every finished (row group, tile) partial in one Zarr store (DESIGN §6).
 
-Layout of a checkpoint group (Zarr v3)::
+Layout of a checkpoint group (Zarr v3, format v2, every array with the crc32c codec)::
 
     gram_compact  float64 (groups, m(m+1)/2, d(d+1)/2)  chunks (1, tile rows, d(d+1)/2): one chunk per partial
     moments       float64 (groups, psi, d_out)          chunks (1, psi, d_out)    written by tile 0 (if d_out > 0)
     yy            float64 (groups,)                     chunks (1,)               written by tile 0
     n_rows        int64   (groups, tiles)               chunks (1, 1)
-    done          bool    (groups, tiles)               chunks (1, 1)             set AFTER the partial is written
+    source        int64   (groups, tiles)               chunks (1, 1)   digest of the input rows the partial read
+    checksum      int64   (groups, tiles)               chunks (1, 1)   digest of the partial itself (and source)
+    run           int64   (groups, tiles)               chunks (1, 1)   token of the build that wrote it
+    done          bool    (groups, tiles)               chunks (1, 1)   set AFTER the partial is written
 
 A missing chunk key is not proof of "not done" (zarr skips chunks equal to the fill value, so an all-zero
-partial has no key); only ``done`` says what is finished. The attributes fix the dataset fingerprint (N, T, d,
-d_out, chunking, dataset uid), the row-group and tile boundaries, the scaleattn version and the format version;
-a store that disagrees on any of them is refused with a :class:`~scaleattn.errors.CheckpointError`, never mixed
-in. Workers write their own partials (the client never holds them all); every write covers exactly one chunk of
-each array. Layer L3.
+partial has no key); only ``done`` says what is finished, and a done partial is reused only when its
+``source`` is the digest of the input rows as they are now (the storage signatures of the dataset chunks it
+read, and their manifest checksums: :func:`scaleattn.distributed.build.row_bindings`) and it passes its own
+``checksum`` and expected row count. Anything else is recomputed. The attributes fix the dataset fingerprint,
+the row-group and tile boundaries, the scaleattn version and the format version; a store that disagrees on any
+of them (or a v1 checkpoint, whose partials cannot be verified) is refused with a
+:class:`~scaleattn.errors.CheckpointError`, never mixed in. Workers write their own partials (the client never
+holds them all), after checking that the store they opened is the one the client created (its ``uid``);
+every write covers exactly one chunk of each array. Layer L3.
 """
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import numpy as np
 
-from .. import _formats
+from .. import _formats, _integrity
 from .._storage import Location
 from .._version import __version__
+from ..datacheck import here
 from ..errors import CheckpointError
 from ..features import n_features, n_pairs
 from ..statistics import Statistics
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "partial_checksum"]
 
 FORMAT, FORMAT_VERSION = _formats.CHECKPOINT
 
@@ -41,12 +50,22 @@ def _layout(dataset, groups, tiles, targets: bool) -> dict:
             "groups": [[int(a), int(b)] for a, b in groups], "tiles": [[int(a), int(b)] for a, b in tiles]}
 
 
+def partial_checksum(part, source: int, with_moments: bool) -> int:
+    """Digest of a partial's values (tile of ``Tc``; ``B`` and ``yy`` for tile 0), its row count and ``source``."""
+    parts = [np.ascontiguousarray(part.gram_compact, dtype="<f8").tobytes()]
+    if with_moments:
+        parts += [np.ascontiguousarray(part.moments, dtype="<f8").tobytes(), np.float64(part.yy).tobytes()]
+    parts += [np.int64(part.n_rows).tobytes(), np.int64(source).tobytes()]
+    return _integrity.digest64(b"".join(parts))
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """Handle on a checkpoint store (cheap to pickle to Dask workers).
 
     Attributes: ``store`` (:class:`~scaleattn._storage.Location`), ``groups`` (sample ranges), ``tiles`` (row
-    ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build).
+    ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build), ``uid`` (of the store, checked by workers),
+    ``run`` (token of the build using the handle, recorded with each partial it writes).
     """
 
     store: Location
@@ -54,6 +73,8 @@ class Checkpoint:
     tiles: tuple
     d: int
     d_out: int
+    uid: str = ""
+    run: int = 0
 
     @property
     def url(self) -> str:
@@ -70,26 +91,35 @@ class Checkpoint:
         Raises
         ------
         CheckpointError
-            The store exists but was made from another dataset, chunking, grouping, tiling or version, or is
-            not a checkpoint at all (the message names the first field that differs).
+            The store exists but was made from another dataset, chunking, grouping, tiling or version, by an
+            older scaleattn (format v1), its creation was cut short, or it is not a checkpoint at all (the
+            message names the first field that differs).
         """
         url = store.url
         want = _layout(dataset, groups, tiles, targets)
-        ck = cls(store, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"],
-                 want["d_out"])
+        args = (store, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"], want["d_out"])
         if store.exists():
             try:
                 have = dict(store.open_group("r").attrs)
             except Exception as e:  # not a zarr group
-                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it or start over"
-                                 " with --overwrite") from None
+                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
+                                      " choose another --checkpoint path") from None
+            if have.get("format") == FORMAT and have.get("format_version") != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"checkpoint {url!r} was written by an older scaleattn (format v{have.get('format_version')},"
+                    f" this one writes v{FORMAT_VERSION}): its partials are not bound to the rows they came from and"
+                    " cannot be verified, so it is never reused; start over with --overwrite")
+            if have.get("format") == FORMAT and "groups" not in have:
+                raise CheckpointError(f"checkpoint {url!r} is incomplete (its creation was cut short); start over"
+                                      " with --overwrite")
             for k, v in want.items():
                 if have.get(k) != v:
                     shown = (lambda x: x if len(repr(x)) < 80 else repr(x)[:77] + "...")
                     raise CheckpointError(
                         f"checkpoint {url!r} was made by a different build ({k}: stored {shown(have.get(k))!r}, this "
                         f"job {shown(v)!r}); it is never mixed in: remove it, or start over with --overwrite")
-            return ck
+            return cls(*args, uid=str(have.get("uid", "")))
+        ck = cls(*args, uid=uuid.uuid4().hex)
         ck._create(want)
         return ck
 
@@ -101,33 +131,53 @@ class Checkpoint:
         if any(b - a != tile_rows for a, b in self.tiles[:-1]):
             raise CheckpointError("checkpoint tiles must have equal widths (except the last) to align with chunks")
         g = self.store.open_group("w")
+        # the format first (so that --overwrite recognises a creation cut short as ours), the layout last (so
+        # that such a store is refused, never resumed)
+        g.attrs.update({**_formats.stamp(_formats.CHECKPOINT), "uid": self.uid})
+        kw = {"compressors": _integrity.compressors()}
         g.create_array("gram_compact", shape=(ng, mm, nv), chunks=(1, tile_rows, nv), dtype="float64",
-                       fill_value=0.0, dimension_names=("group", "vech_pair", "vech_token"))
+                       fill_value=0.0, dimension_names=("group", "vech_pair", "vech_token"), **kw)
         if self.d_out:
             g.create_array("moments", shape=(ng, n_features(self.d), self.d_out),
                            chunks=(1, n_features(self.d), self.d_out),
-                           dtype="float64", fill_value=0.0, dimension_names=("group", "feature", "output"))
-        g.create_array("yy", shape=(ng,), chunks=(1,), dtype="float64", fill_value=0.0, dimension_names=("group",))
-        g.create_array("n_rows", shape=(ng, nt), chunks=(1, 1), dtype="int64", fill_value=0,
-                       dimension_names=("group", "tile"))
-        g.create_array("done", shape=(ng, nt), chunks=(1, 1), dtype="bool", fill_value=False,
-                       dimension_names=("group", "tile"))
-        # the layout attributes last: a creation cut short has none and is refused, never resumed
-        g.attrs.update({**attrs, "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
+                           dtype="float64", fill_value=0.0, dimension_names=("group", "feature", "output"), **kw)
+        g.create_array("yy", shape=(ng,), chunks=(1,), dtype="float64", fill_value=0.0, dimension_names=("group",),
+                       **kw)
+        for name, dtype, fill in (("n_rows", "int64", 0), ("source", "int64", 0), ("checksum", "int64", 0),
+                                  ("run", "int64", 0), ("done", "bool", False)):
+            g.create_array(name, shape=(ng, nt), chunks=(1, 1), dtype=dtype, fill_value=fill,
+                           dimension_names=("group", "tile"), **kw)
+        g.attrs.update({**attrs, "uid": self.uid,
+                        "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
 
     def _group(self, mode: str = "r"):
-        return self.store.open_group(mode)
+        """The store's group, after checking that it is the one the client created (its ``uid``)."""
+        g = self.store.open_group(mode) if self.store.exists() else None
+        if self.uid:
+            uid = None if g is None else g.attrs.get("uid")
+            if uid != self.uid:
+                raise CheckpointError(f"{here()}: the checkpoint {self.url} here is not the one the client created"
+                                      f" ({'absent' if g is None else f'uid {uid!r}'}): the workers must see the same"
+                                      " store as the client (a shared file system or an object store URL)")
+        return g
 
     def done_mask(self) -> np.ndarray:
         """(groups, tiles) bool: True where the partial is complete in the store."""
         return np.asarray(self._group()["done"][...], dtype=bool)
 
+    def reusable(self, sources) -> np.ndarray:
+        """(groups, tiles) bool: done, and bound to the input rows ``sources[gi]`` (as they are now)."""
+        g = self._group()
+        done = np.asarray(g["done"][...], dtype=bool)
+        return done & (np.asarray(g["source"][...]) == np.asarray(sources, dtype=np.int64)[:, None])
+
     def is_done(self, gi: int, ti: int) -> bool:
         return bool(self._group()["done"][gi, ti])
 
-    def write(self, gi: int, ti: int, part) -> None:
+    def write(self, gi: int, ti: int, part, source: int = 0) -> None:
         """Store the partial :class:`~scaleattn.statistics.Statistics` of group ``gi``, tile ``ti`` (host arrays),
-        then mark it done. Each array write covers exactly one chunk."""
+        bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
+        covers exactly one chunk."""
         g = self._group("r+")
         c0, c1 = self.tiles[ti]
         g["gram_compact"][gi : gi + 1, c0:c1, :] = np.asarray(part.gram_compact)[None]
@@ -135,19 +185,56 @@ class Checkpoint:
             if self.d_out:
                 g["moments"][gi : gi + 1] = np.asarray(part.moments)[None]
             g["yy"][gi : gi + 1] = np.array([part.yy], dtype=np.float64)
-        g["n_rows"][gi : gi + 1, ti : ti + 1] = np.array([[part.n_rows]], dtype=np.int64)
-        g["done"][gi : gi + 1, ti : ti + 1] = np.ones((1, 1), dtype=bool)
+        one = (slice(gi, gi + 1), slice(ti, ti + 1))
+        g["n_rows"][one] = np.array([[part.n_rows]], dtype=np.int64)
+        g["source"][one] = np.array([[source]], dtype=np.int64)
+        g["checksum"][one] = np.array([[partial_checksum(part, source, ti == 0 and self.d_out > 0)]], dtype=np.int64)
+        g["run"][one] = np.array([[self.run]], dtype=np.int64)
+        g["done"][one] = np.ones((1, 1), dtype=bool)
+
+    def written_by(self, run: int) -> np.ndarray:
+        """(groups, tiles) bool: the partials build ``run`` wrote (computed, not reused)."""
+        return np.asarray(self._group()["run"][...]) == run
+
+    def forget(self, gi: int, ti: int) -> None:
+        """Mark the partial of group ``gi``, tile ``ti`` not done (before it is recomputed)."""
+        self._group("r+")["done"][gi : gi + 1, ti : ti + 1] = np.zeros((1, 1), dtype=bool)
 
     def read(self, gi: int, ti: int):
-        """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got).
+        """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got), unchecked.
 
         Raises :class:`~scaleattn.errors.CheckpointError` if it is not marked done."""
+        part, why = self.verified(gi, ti)
+        if part is None:
+            raise CheckpointError(f"checkpoint {self.url!r}: group {gi} tile {ti} {why}")
+        return part
+
+    def verified(self, gi: int, ti: int, source: int | None = None, rows: int | None = None):
+        """``(partial, "")`` when group ``gi``, tile ``ti`` is done and, with ``source`` (and ``rows``), bound to
+        that digest of its input rows, with its row count and checksum intact; else ``(None, why)``: ``why`` is
+        ``"is not done"``, ``"is stale (its input rows changed)"`` or ``"is damaged (...)"``."""
         g = self._group()
         if not bool(g["done"][gi, ti]):
-            raise CheckpointError(f"checkpoint {self.url!r}: group {gi} tile {ti} is not done")
+            return None, "is not done"
         c0, c1 = self.tiles[ti]
-        gram = np.asarray(g["gram_compact"][gi, c0:c1, :])
-        d_out = self.d_out if ti == 0 else 0
-        moments = np.asarray(g["moments"][gi]) if (ti == 0 and self.d_out) else np.zeros((n_features(self.d), d_out))
-        yy = float(g["yy"][gi]) if ti == 0 else 0.0
-        return Statistics(gram, moments, yy, int(g["n_rows"][gi, ti]), self.d)
+        try:
+            gram = np.asarray(g["gram_compact"][gi, c0:c1, :])
+            d_out = self.d_out if ti == 0 else 0
+            moments = (np.asarray(g["moments"][gi]) if (ti == 0 and self.d_out)
+                       else np.zeros((n_features(self.d), d_out)))
+            yy = float(g["yy"][gi]) if ti == 0 else 0.0
+            part = Statistics(gram, moments, yy, int(g["n_rows"][gi, ti]), self.d)
+            stored_source, stored_sum = int(g["source"][gi, ti]), int(g["checksum"][gi, ti])
+        except ValueError as e:  # a chunk failing its crc32c
+            if not _integrity.checksum_failure(e):
+                raise
+            return None, "is damaged (a chunk fails its crc32c checksum)"
+        if source is None:
+            return part, ""
+        if stored_source != source:
+            return None, "is stale (its input rows changed)"
+        if rows is not None and part.n_rows != rows:
+            return None, f"is damaged ({part.n_rows} rows stored, {rows} expected)"
+        if stored_sum != partial_checksum(part, stored_source, ti == 0 and self.d_out > 0):
+            return None, "is damaged (its values do not match its checksum)"
+        return part, ""

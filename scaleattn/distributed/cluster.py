@@ -1,18 +1,29 @@
 """Dask clusters for scaleattn jobs (layer L3): an embedded LocalCluster, a remote scheduler, or GPU workers.
 
-The embedded cluster binds to localhost only. ``scheduler="tcp://host:8786"`` (or ``DASK_SCHEDULER_ADDRESS``)
-joins an existing cluster; ``gpus=N`` starts a dask-cuda LocalCUDACluster with one worker per GPU.
+The embedded cluster binds to localhost only and, by default, speaks TLS with ephemeral credentials made for
+this job (``distributed.Security.temporary()``: a fresh key and certificate held only in the memory of this
+process and its workers), so another local account can neither submit work to it nor read its traffic; its
+dashboard listens on 127.0.0.1. Worker logs (task tracebacks) stay out of the terminal unless ``debug``.
+``scheduler="tcp://host:8786"`` (or ``DASK_SCHEDULER_ADDRESS``) joins an existing cluster, whose security is
+its own (docs/security.md); ``gpus=N`` starts a dask-cuda LocalCUDACluster with one worker per GPU.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
-from .memory import worker_config
+from .memory import available_memory, worker_config
 
-__all__ = ["connect", "tls_security", "default_workers"]
+__all__ = ["connect", "tls_security", "default_workers", "check_workers", "embedded_security",
+           "MAX_THREADS_PER_CORE"]
+
+#: the embedded cluster runs at most this many worker threads per core (more only thrashes, or hangs starting)
+MAX_THREADS_PER_CORE = 4
+#: memory a worker process needs before it holds any data (interpreter, numpy, distributed)
+WORKER_BASE_BYTES = 150e6
 
 
 def default_workers() -> int:
@@ -20,6 +31,50 @@ def default_workers() -> int:
     from dask.system import CPU_COUNT
 
     return max(1, CPU_COUNT)
+
+
+def check_workers(workers: int | None, threads_per_worker: int = 1) -> None:
+    """Refuse an embedded cluster this machine cannot run: more than :data:`MAX_THREADS_PER_CORE` worker
+    threads per core, or more worker processes than its memory can start.
+
+    Raises
+    ------
+    ParameterError
+        Naming the option, the limit and the machine's cores and memory.
+    """
+    cores = default_workers()
+    n = default_workers() if workers is None else int(workers)
+    limit = MAX_THREADS_PER_CORE * cores
+    if n * int(threads_per_worker) > limit:
+        raise ParameterError(f"--workers {n} x --threads-per-worker {threads_per_worker}: at most {limit} worker"
+                             f" threads on this machine ({MAX_THREADS_PER_CORE} per core, {cores} cores); to use more,"
+                             " join a cluster with --scheduler")
+    have = available_memory()
+    if n * WORKER_BASE_BYTES > have:
+        most = max(1, int(have // WORKER_BASE_BYTES))
+        raise ParameterError(f"--workers {n}: this machine has memory for at most {most} worker processes"
+                             f" ({have / 2**30:.1f} GiB available, about"
+                             f" {WORKER_BASE_BYTES / 1e6:.0f} MB each before any data)")
+
+
+def embedded_security(security=None):
+    """The security of an embedded cluster: ``security`` when given (``False``: plain TCP), the dask config's
+    TLS settings when it has them, else ephemeral TLS credentials (``Security.temporary()``)."""
+    import dask
+    from distributed import Security
+
+    if security is False:
+        return None
+    if security is not None:
+        return security
+    if dask.config.get("distributed.comm.tls.ca-file", None) or dask.config.get(
+            "distributed.comm.require-encryption", False):
+        return Security()  # from the dask config
+    try:
+        return Security.temporary()
+    except ImportError:
+        raise MissingDependencyError("the embedded cluster's TLS needs cryptography (a dependency of scaleattn):"
+                                     " pip install cryptography") from None
 
 
 def tls_security(ca_file: str | None = None, cert: str | None = None, key: str | None = None):
@@ -54,7 +109,7 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
 @contextlib.contextmanager
 def connect(scheduler: str | None = None, workers: int | None = None, threads_per_worker: int = 1,
             gpus: int | None = None, security=None, quiet: bool = False, progress=None,
-            scheduler_timeout: float | None = None, worker_timeout: float | None = None):
+            scheduler_timeout: float | None = None, worker_timeout: float | None = None, debug: bool = False):
     """Yield a ``distributed.Client`` for one job and close what this call started.
 
     Parameters
@@ -68,9 +123,10 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Threads per worker (BLAS threads too); the default 1 keeps one core per worker.
     gpus : int, optional
         Start a dask-cuda LocalCUDACluster with this many GPUs (needs the ``gpu`` extra).
-    security : distributed.Security, optional
+    security : distributed.Security or False, optional
         TLS settings (:func:`tls_security`; otherwise taken from the dask config, ``distributed.comm.tls.*``).
-        With ``require_encryption`` the embedded cluster speaks ``tls://`` too.
+        The embedded cluster defaults to ephemeral TLS credentials (:func:`embedded_security`); ``False``
+        starts it on plain TCP.
     quiet : bool
         Do not print the cluster line (workers, dashboard link).
     progress : Reporter, optional
@@ -81,6 +137,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         job's pods start in any order) is waited for.
     worker_timeout : float, optional
         With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here).
+    debug : bool
+        Let the embedded workers' logs (task tracebacks) through to the terminal.
 
     Yields
     ------
@@ -89,15 +147,17 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     Raises
     ------
     ParameterError
-        ``workers``/``gpus`` together with a scheduler address.
+        ``workers``/``gpus`` together with a scheduler address, or more workers than the machine can run
+        (:func:`check_workers`).
     MissingDependencyError
         ``gpus`` without dask-cuda.
     ClusterError
         The scheduler was not reached within ``scheduler_timeout``, or no worker joined within
         ``worker_timeout``.
 
-    The embedded cluster's scheduler, workers and dashboard listen on 127.0.0.1 only; its workers start with
-    :func:`~scaleattn.distributed.memory.worker_config` (large freed buffers go back to the OS).
+    The embedded cluster's scheduler, workers and dashboard listen on 127.0.0.1 only, over TLS with ephemeral
+    credentials by default; its workers start with :func:`~scaleattn.distributed.memory.worker_config` (large
+    freed buffers go back to the OS).
 
     Examples
     --------
@@ -112,7 +172,11 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         raise ParameterError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own"
                              " workers")
     reporter = progress if isinstance(progress, Reporter) else as_reporter(not quiet)
-    kwargs = {} if security is None else {"security": security}
+    if not scheduler and not gpus:
+        check_workers(workers, threads_per_worker)
+    if not scheduler:
+        security = embedded_security(security)
+    kwargs = {} if security in (None, False) else {"security": security}
     with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
         if scheduler:
             timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
@@ -131,7 +195,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                                        " node with the requested CPUs, memory or GPUs) or failing?") from None
         else:
             # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
-            common = dict(dashboard_address="127.0.0.1:0", **kwargs)
+            common = dict(dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING if debug else logging.CRITICAL,
+                          **kwargs)
             stack.enter_context(dask.config.set(worker_config()))
             if gpus:
                 try:

@@ -22,7 +22,7 @@ from ..statistics import BLOCK_BYTES, block_bytes_per_sample
 from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
-           "worker_config", "InsufficientMemoryError", "SOLVER_ARRAYS"]
+           "worker_config", "chunk_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS"]
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
@@ -95,6 +95,16 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
             "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
 
 
+def chunk_bytes(dataset, targets: bool = True) -> float:
+    """Peak bytes a task holds for one chunk of ``dataset``'s rows as read (tokens, lengths, targets as stored,
+    and their float64 copies), besides the features of :func:`fit_memory`."""
+    T, d = dataset.length, dataset.d
+    per = 8.0 * T * d + 8.0 * dataset.has_lengths
+    if targets and dataset.has_targets:
+        per += 8.0 * dataset.d_out * (T if dataset.causal else 1)
+    return 2 * per * min(dataset.chunk_samples, dataset.n_samples)
+
+
 def available_memory(memory_limit=None) -> float:
     """Bytes available to the solver node: ``memory_limit``, else ``$SCALEATTN_MEMORY_LIMIT``, else psutil's
     ``virtual_memory().available``."""
@@ -106,12 +116,14 @@ def available_memory(memory_limit=None) -> float:
     return float(psutil.virtual_memory().available)
 
 
-def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what: str = "fit", **kwargs) -> dict:
+def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what: str = "fit",
+                     chunk_bytes: float = 0.0, **kwargs) -> dict:
     """Refuse a fit (``what="fit"``) or certificate (``what="certificate"``, ``d_out = 0``) that cannot fit
     before it starts; return :func:`fit_memory`'s estimate (``kwargs``: its solver path and layout) when it can.
 
     The solver node (this process) must have ``solver_bytes`` available; with a Dask ``client``, every worker
-    with a memory limit must allow ``worker_bytes``.
+    with a memory limit must allow ``worker_bytes`` plus ``chunk_bytes`` (one chunk of the dataset as read,
+    :func:`chunk_bytes`); without one, this process must hold that chunk too.
 
     Raises
     ------
@@ -120,8 +132,20 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
         machine or worker it takes.
     """
     est = fit_memory(d, d_out, **kwargs)
+    est["worker_bytes"] += chunk_bytes
     have = available_memory(memory_limit)
     need = est["solver_bytes"]
+    task = est["worker_bytes"] + (need if client is None else 0)  # without a cluster this process does both
+    if chunk_bytes > est["worker_bytes"] / 2 and (chunk_bytes > have or (client is None and task > have >= need)):
+        raise InsufficientMemoryError(
+            f"one chunk of the dataset takes {chunk_bytes / GIB:.2f} GiB to read (a task needs"
+            f" {est['worker_bytes'] / GIB:.2f} GiB with its features); this machine has {have / GIB:.2f} GiB"
+            " available. Rewrite the dataset with smaller chunks (write_dataset(chunk_samples=...), or scaleattn"
+            " import) or use a machine with more memory.")
+    if client is None and task > have >= need:
+        raise InsufficientMemoryError(
+            f"a {what} with d = {d} needs {task / GIB:.2f} GiB in this process (statistics, one block of features"
+            f" and the solver); this machine has {have / GIB:.2f} GiB available. Use a machine with more memory.")
     if need > have:
         raise InsufficientMemoryError(
             f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
@@ -132,10 +156,14 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
         limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
         small = [lim for lim in limits if 0 < lim < est["worker_bytes"]]
         if small:
+            big_chunk = chunk_bytes > est["worker_bytes"] / 2
+            why = (f"one chunk of the dataset takes {chunk_bytes / GIB:.2f} GiB to read" if big_chunk else
+                   "compact Gram tile partials while combining")
+            fix = ("; or rewrite the dataset with smaller chunks (write_dataset(chunk_samples=...))" if big_chunk
+                   else ", or smaller tiles")
             raise InsufficientMemoryError(
-                f"a {what} with d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker (compact Gram tile"
-                f" partials while combining); {len(small)} of {len(limits)} workers have only"
-                f" {min(small) / GIB:.2f} GiB. Use workers with at least {1.25 * est['worker_bytes'] / GIB:.1f} GiB"
-                " (fewer workers per machine), or smaller tiles.")
+                f"a {what} with d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker ({why}); {len(small)} of"
+                f" {len(limits)} workers have only {min(small) / GIB:.2f} GiB. Use workers with at least"
+                f" {1.25 * est['worker_bytes'] / GIB:.1f} GiB (fewer workers per machine){fix}.")
     est["available_bytes"] = have
     return est

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from scaleattn.dataset import write_dataset  # noqa: E402
+from scaleattn.dataset_writer import write_dataset  # noqa: E402
 from scaleattn.generate import make_mhla  # noqa: E402
 
 

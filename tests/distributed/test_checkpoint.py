@@ -11,7 +11,7 @@ import zarr
 
 from scaleattn import __version__
 from scaleattn._storage import resolve
-from scaleattn.dataset import write_dataset
+from scaleattn.dataset_writer import write_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.distributed.partition import row_groups, tile_bounds

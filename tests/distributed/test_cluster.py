@@ -130,7 +130,7 @@ def test_embedded_cluster_binds_localhost(certs, data, tls):
     import psutil
 
     path, coef = data
-    proto = "tls" if tls else "tcp"
+    proto = "tls"  # without TLS files the embedded cluster uses ephemeral TLS credentials (issue 14)
     before = set(_listening([os.getpid()]))
     sec = tls_security(certs["ca"], certs["cert"], certs["key"]) if tls else None
     with connect(workers=1, security=sec, quiet=True) as c:

@@ -1,0 +1,227 @@
+"""What is stored is what was written (layer L0): the checksumming codec of every array scaleattn writes,
+value checksums and the manifests built from them, and listings of the chunks a store really holds.
+
+Zarr returns the fill value for a chunk it cannot find, so a deleted chunk or an array shape enlarged in
+``zarr.json`` reads as zeros without an error. Three defences, from the cheapest:
+
+- **Chunk listings** (:func:`list_chunks`, :func:`absent_chunks`): the storage keys an array should have
+  (its chunk grid, or shard grid when sharded) against the keys the store lists. Used for every store,
+  including those written by other tools (where absent chunks are refused unless the user says they mean
+  the fill value).
+- **Manifests** (:func:`manifest_entry`, :func:`verify_rows`): stores scaleattn writes record, in their
+  attributes, the shape of each array and a crc32c of its values per chunk of rows; every read of whole
+  chunks is checked against it, so a missing, stale or edited chunk fails with the array and sample range.
+- **The crc32c codec** (:func:`compressors`, zarr v3's own ``crc32c``): a flipped bit fails the read.
+
+The listing also gives each stored object a cheap *signature* (size and modification time, or the object
+store's ETag), which binds checkpointed partials to the chunks they came from (:func:`signature_digest`).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+
+from .errors import IntegrityError
+
+__all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
+           "expected_keys", "absent_chunks", "storage_grid", "signature_digest", "digest64", "manifest_digest",
+           "checksum_failure", "create_checked", "read_checked", "MANIFEST"]
+
+#: the group attribute holding a store's manifest
+MANIFEST = "manifest"
+
+
+def compressors():
+    """Bytes-to-bytes codecs of every array scaleattn writes: zarr's default zstd, then crc32c (so that any
+    changed bit of a stored chunk fails its read)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return (ZstdCodec(level=0, checksum=False), Crc32cCodec())
+
+
+def writable(array):
+    """``array`` with ``write_empty_chunks`` on: every chunk is stored, even one equal to the fill value, so
+    that an absent key always means a missing chunk."""
+    return array.with_config({"write_empty_chunks": True})
+
+
+def crc32c(values) -> str:
+    """crc32c (zarr's ``google_crc32c``) of an array's values as little-endian bytes, 8 hex digits."""
+    import google_crc32c
+
+    a = np.ascontiguousarray(values)
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return f"{google_crc32c.value(a.tobytes()):08x}"
+
+
+def manifest_entry(shape, rows: int, checksums) -> dict:
+    """The manifest entry of one array: its ``shape``, ``rows`` per checksum along axis 0 and the crc32c of
+    each block of rows, concatenated (8 hex digits each)."""
+    return {"shape": [int(n) for n in shape], "rows": int(rows), "crc32c": "".join(checksums)}
+
+
+def manifest_digest(manifest) -> str:
+    """A short digest of a whole manifest (part of a dataset's fingerprint)."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def verify_rows(entry: dict, name: str, values, start: int, where: str, *, missing=None) -> None:
+    """Check the rows ``[start, start + len(values))`` of array ``name`` against its manifest ``entry``: every
+    block of rows the slice covers whole is compared with its recorded crc32c (partial blocks at the ends are
+    skipped). ``missing(block_index)`` says whether the block's chunk is absent from the store (for the message).
+
+    Raises
+    ------
+    IntegrityError
+        ``"{name}: samples [a, b) of {where} ..."``: a block whose values are not the ones written.
+    """
+    rows, sums = int(entry["rows"]), entry["crc32c"]
+    n_total = int(entry["shape"][0])
+    stop = start + len(values)
+    first = -(-start // rows)
+    for k in range(first, math.ceil(n_total / rows)):
+        a, b = k * rows, min(n_total, (k + 1) * rows)
+        if b > stop:
+            break
+        if crc32c(values[a - start : b - start]) != sums[8 * k : 8 * k + 8]:
+            gone = missing is not None and missing(k)
+            why = ("its chunk is missing from the store (zarr would have read the fill value)" if gone else
+                   "the values do not match the checksum recorded when it was written (changed or damaged since)")
+            raise IntegrityError(f"{name}: samples [{a}, {b}) of {where}: {why}")
+
+
+def verify_whole(entry: dict, name: str, values, where: str) -> None:
+    """:func:`verify_rows` for a whole small array (statistics, models, spectra, teachers)."""
+    if [int(n) for n in np.shape(values)] != entry["shape"]:
+        raise IntegrityError(f"{name}: shape {list(np.shape(values))} in {where} differs from the shape"
+                             f" {entry['shape']} recorded when it was written")
+    if crc32c(values) != entry["crc32c"]:
+        raise IntegrityError(f"{name} in {where}: the values do not match the checksum recorded when it was"
+                             " written (a chunk is missing, changed or damaged)")
+
+
+def checksum_failure(e: BaseException) -> bool:
+    """Whether ``e`` is zarr's crc32c codec refusing a damaged chunk."""
+    return "checksum" in str(e).lower() and isinstance(e, ValueError)
+
+
+def storage_grid(array) -> tuple[int, ...]:
+    """Shape of the objects an array is stored in: its shards when sharded, else its chunks (zarr v2 or v3)."""
+    meta = array.metadata
+    grid = getattr(meta, "chunk_grid", None)
+    shape = getattr(grid, "chunk_shape", None) if grid is not None else getattr(meta, "chunks", None)
+    return tuple(int(n) for n in shape)
+
+
+def expected_keys(array) -> dict[str, tuple[int, ...]]:
+    """Storage key (relative to the array) -> grid coordinates, of every object the array's shape implies."""
+    grid = storage_grid(array)
+    counts = [math.ceil(int(n) / g) for n, g in zip(array.shape, grid)]
+    enc = array.metadata.encode_chunk_key
+    return {enc(c): c for c in itertools.product(*(range(n) for n in counts))}
+
+
+def list_chunks(loc, name: str) -> dict[str, str]:
+    """Storage key (relative to array ``name`` of the group at ``loc``) -> signature (size and modification
+    time, or the object store's ETag) of every object stored under the array, metadata documents excluded."""
+    meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
+    out = {}
+    if not loc.is_remote:
+        root = os.path.join(loc.url, name)
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                p = os.path.join(dirpath, f)
+                rel = os.path.relpath(p, root).replace(os.sep, "/")
+                if rel in meta:
+                    continue
+                try:
+                    st = os.stat(p)
+                except FileNotFoundError:  # removed while listing
+                    continue
+                out[rel] = f"{st.st_size}:{st.st_mtime_ns}"
+        return out
+    fs, p = loc.fs()
+    base = f"{p.rstrip('/')}/{name}"
+    try:
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        return out
+    for path, info in found.items():
+        rel = path[len(base):].lstrip("/")
+        if rel in meta or info.get("type") == "directory":
+            continue
+        tag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified",
+                                          "last_modified", "created") if info.get(k) is not None), "")
+        out[rel] = f"{info.get('size', '')}:{tag}"
+    return out
+
+
+def absent_chunks(array, listed: dict[str, str]) -> tuple[list[tuple[int, int]], list[str]]:
+    """``(sample ranges, stray keys)``: the ranges ``[a, b)`` along axis 0 whose objects are absent from
+    ``listed`` (merged where adjacent), and keys beyond the shape (a shape edited down in ``zarr.json``)."""
+    want = expected_keys(array)
+    rows = storage_grid(array)[0]
+    n = int(array.shape[0])
+    gone = sorted({c[0] for k, c in want.items() if k not in listed})
+    ranges = []
+    for k in gone:
+        a, b = k * rows, min(n, (k + 1) * rows)
+        if ranges and ranges[-1][1] == a:
+            ranges[-1] = (ranges[-1][0], b)
+        else:
+            ranges.append((a, b))
+    stray = sorted(k for k in listed if k not in want and _is_chunk_key(k))
+    return ranges, stray
+
+
+def _is_chunk_key(key: str) -> bool:
+    """A v3 ``c/...`` key or a v2 ``0.1.2`` key (other files under an array are not chunks)."""
+    parts = key.split("/")
+    if parts[0] == "c":
+        return all(p.isdigit() for p in parts[1:])
+    return all(p.isdigit() for p in key.replace("/", ".").split("."))
+
+
+def signature_digest(*parts) -> int:
+    """A 63-bit digest of the given texts (never 0, the fill value of 'no binding')."""
+    return digest64("\x00".join(map(str, parts)).encode())
+
+
+def digest64(data: bytes) -> int:
+    """63-bit blake2b of ``data`` as an int (fits int64 and uint64; 0 is reserved for 'none')."""
+    v = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return v or 1
+
+
+def create_checked(group, name: str, data, sums: dict, **kwargs):
+    """``group.create_array(name, data=data, ...)`` with the crc32c codec; the array's manifest entry (one
+    checksum for the whole array) goes into ``sums[name]``. For the small stores: statistics, models, spectra."""
+    data = np.asarray(data)
+    arr = group.create_array(name, data=data, compressors=compressors(), **kwargs)
+    sums[name] = manifest_entry(data.shape, max(1, data.shape[0]) if data.ndim else 1, [crc32c(data)])
+    return arr
+
+
+def read_checked(group, name: str, where: str):
+    """The values of array ``name`` of a small store, checked against the store's manifest when it has one
+    (stores of format v1 have none). Raises :class:`IntegrityError` naming the array and the store."""
+    try:
+        values = np.asarray(group[name][...])
+    except KeyError:
+        raise IntegrityError(f"{where}: array {name!r} is missing") from None
+    except ValueError as e:
+        if checksum_failure(e):
+            raise IntegrityError(f"{name} in {where}: a stored chunk fails its crc32c checksum (damaged)") from None
+        raise
+    manifest = group.attrs.get(MANIFEST)
+    if manifest is not None:
+        entry = (manifest.get("arrays") or {}).get(name) if isinstance(manifest, dict) else None
+        if entry is None:
+            raise IntegrityError(f"{where}: array {name!r} is not in the store's manifest (damaged attributes)")
+        verify_whole(entry, name, values, where)
+    return values

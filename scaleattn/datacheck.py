@@ -1,0 +1,297 @@
+"""Checks of a dataset (layer L1): shapes and dtypes of its arrays, their values (NaN/Inf, magnitudes whose
+cubic features overflow float64, lengths), its attributes, and that the chunks it stores are the ones that
+were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
+:class:`~scaleattn.errors.DatasetError` (or :class:`~scaleattn.errors.IntegrityError`) naming the array and
+the sample (range) and the store. :mod:`scaleattn.dataset` calls these; DESIGN §7.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import socket
+import sys
+
+import numpy as np
+
+from . import _formats, _integrity
+from .errors import DatasetError, IntegrityError
+
+__all__ = ["check_arrays", "check_values", "check_lengths", "check_attrs", "check_chunks", "content_id",
+           "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings",
+           "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
+
+#: the arrays of a dataset whose rows are samples (DESIGN §7)
+ARRAYS = ("tokens", "lengths", "targets")
+#: the largest |token| accepted: beyond it the compact Gram (degree 6 in the tokens) can overflow float64
+MAX_TOKEN = 1e38
+#: the largest |target| accepted: beyond it y^2 and the moments (degree 3 in tokens times y) can overflow
+MAX_TARGET = 1e100
+
+
+def check_values(name: str, a, start: int) -> None:
+    """NaN/Inf, and values so large that the cubic features overflow float64, naming the first bad sample."""
+    if a.ndim == 0 or a.shape[0] == 0:
+        return
+    flat = a.reshape(a.shape[0], -1)
+    ok = np.isfinite(flat).all(axis=1)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise DatasetError(f"{name}: sample {start + i} contains NaN or Inf")
+    limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
+    big = np.abs(flat).max(axis=1) > limit if flat.shape[1] else np.zeros(flat.shape[0], bool)
+    if big.any():
+        i = int(np.flatnonzero(big)[0])
+        raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(np.abs(flat[i]).max()):.1e}:"
+                           f" its cubic features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale"
+                           " the data")
+
+
+def check_lengths(lens, start: int, T: int) -> None:
+    bad = np.flatnonzero((lens < 1) | (lens > T))
+    if bad.size:
+        i = int(bad[0])
+        raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
+
+
+def _is_real(dtype) -> bool:
+    """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
+    try:
+        return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
+    except TypeError:  # dtypes numpy cannot classify (zarr string / bytes types)
+        return False
+
+
+def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int, bool]:
+    """Check shapes and dtypes of dataset arrays (anything with ``shape``/``ndim``/``dtype``: zarr, numpy,
+    dask) against the layout of DESIGN §7; values are not read. Returns ``(N, T, d, d_out, causal)``.
+
+    Raises
+    ------
+    DatasetError
+        Wrong number of dimensions, a ``tokens``/``targets`` dtype that is not real numbers (bool, complex,
+        string, object; integers are read as float64), a non-integer ``lengths``, mismatched sample counts, a
+        ``targets`` T or d_out of 0 / mismatch, an empty dataset.
+    """
+    if tokens.ndim != 3:
+        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
+    if not _is_real(tokens.dtype):
+        raise DatasetError(f"tokens: expected a float (or integer) dtype, got {tokens.dtype}")
+    N, T, d = (int(n) for n in tokens.shape)
+    if N == 0 or T == 0 or d == 0:
+        raise DatasetError(f"tokens: empty dataset (shape {tokens.shape})")
+    if lengths is not None:
+        if lengths.ndim != 1 or lengths.shape[0] != N:
+            raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lengths.shape}")
+        try:
+            is_int = np.issubdtype(lengths.dtype, np.integer)
+        except TypeError:
+            is_int = False
+        if not is_int:
+            raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
+    d_out, causal = 0, False
+    if targets is not None:
+        if not _is_real(targets.dtype):
+            raise DatasetError(f"targets: expected a float (or integer) dtype, got {targets.dtype}")
+        if targets.ndim not in (2, 3):
+            raise DatasetError(
+                f"targets: expected (sample, output) or (sample, position, output), got shape {targets.shape}"
+            )
+        if targets.shape[0] != N:
+            raise DatasetError(f"targets: {targets.shape[0]} samples but tokens has {N}")
+        causal = targets.ndim == 3
+        if causal and targets.shape[1] != T:
+            raise DatasetError(f"targets: {targets.shape[1]} positions but tokens has T = {T}")
+        d_out = int(targets.shape[-1])
+        if d_out == 0:
+            raise DatasetError(f"targets: d_out = 0 (shape {targets.shape})")
+    return N, T, d, d_out, causal
+
+
+def check_attrs(attrs: dict, url: str, has_targets: bool, causal: bool) -> bool:
+    """The attributes a reader relies on have their types (``causal`` a JSON boolean, ``uid`` a string, a
+    scaleattn ``format_version`` this reader knows, a well-formed ``manifest``) and agree with the arrays.
+    Returns ``causal`` (from the targets' shape, else from the attribute)."""
+    c = attrs.get("causal")
+    if c is not None and not isinstance(c, bool):
+        raise DatasetError(f"{url}: attribute 'causal' must be true or false, got {c!r} ({type(c).__name__})")
+    if has_targets and c is not None and c != causal:
+        shape = "(sample, position, output)" if causal else "(sample, output)"
+        raise DatasetError(f"{url}: attribute 'causal' is {str(c).lower()} but the targets are {shape}")
+    uid = attrs.get("uid")
+    if uid is not None and not isinstance(uid, str):
+        raise DatasetError(f"{url}: attribute 'uid' must be a string, got {uid!r}")
+    if attrs.get("format") == _formats.DATASET[0]:
+        v = attrs.get("format_version")
+        if isinstance(v, bool) or v not in _formats.READABLE[_formats.DATASET[0]]:
+            raise DatasetError(f"{url}: scaleattn dataset format v{v!r}, this scaleattn reads v1 and v2 (a newer"
+                               " scaleattn wrote it?)")
+    m = attrs.get(_integrity.MANIFEST)
+    if attrs.get("format") == _formats.DATASET[0] and attrs.get("format_version") == 2:
+        if m is None:
+            raise IntegrityError(f"{url}: a scaleattn v2 dataset without its manifest (its attributes were edited)")
+        if isinstance(m, dict) and m.get("pending"):
+            raise IntegrityError(f"{url}: an unfinished dataset (its writer stopped before it was complete)")
+    if m is not None:
+        ok = isinstance(m, dict) and isinstance(m.get("arrays"), dict) and all(
+            isinstance(e, dict) and isinstance(e.get("crc32c"), str) and isinstance(e.get("rows"), int)
+            and isinstance(e.get("shape"), list) and e["rows"] > 0 and len(e["crc32c"]) % 8 == 0
+            for e in m["arrays"].values())
+        if not ok:
+            raise IntegrityError(f"{url}: the attribute 'manifest' is damaged (not the manifest scaleattn wrote)")
+    return causal if has_targets else bool(c)
+
+
+def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) -> None:
+    """Every chunk the arrays ``names`` of ``group`` imply is stored (and, with a ``manifest``, their shapes
+    are the ones written); keys beyond a shape are refused too (a shape edited down).
+
+    Raises
+    ------
+    IntegrityError
+        ``"tokens: no chunk stored for samples [a, b) of URL ..."`` (unless ``fill_absent`` for a store
+        without manifest), an enlarged or shrunk shape, or stray chunk keys.
+    """
+    for name in names:
+        arr = group[name]
+        if manifest is not None:
+            entry = manifest["arrays"].get(name)
+            if entry is None:
+                raise IntegrityError(f"{name}: not in the manifest of {loc.url} (an array added after it was written)")
+            if list(arr.shape) != entry["shape"]:
+                extra = (f"; samples [{entry['shape'][0]}, {arr.shape[0]}) were never written"
+                         if arr.shape[0] > entry["shape"][0] else "")
+                raise IntegrityError(f"{name}: shape {tuple(arr.shape)} in the metadata of {loc.url} differs from"
+                                     f" the shape {tuple(entry['shape'])} written (manifest): the zarr.json was"
+                                     f" edited{extra}")
+        ranges, stray = _integrity.absent_chunks(arr, _integrity.list_chunks(loc, name))
+        if stray:
+            raise IntegrityError(f"{name}: {len(stray)} stored chunk(s) lie beyond the shape {tuple(arr.shape)} in"
+                                 f" the metadata of {loc.url} (first {stray[0]!r}): was the shape edited?")
+        if not ranges or (fill_absent and manifest is None):
+            continue
+        shown = ", ".join(f"[{a}, {b})" for a, b in ranges[:3]) + (" ..." if len(ranges) > 3 else "")
+        n = sum(b - a for a, b in ranges)
+        if manifest is not None:
+            raise IntegrityError(f"{name}: chunks of samples {shown} ({n} samples) are missing from {loc.url},"
+                                 " which scaleattn wrote complete: the store was damaged or partly copied")
+        raise IntegrityError(
+            f"{name}: no chunk stored for samples {shown} ({n} of {arr.shape[0]} samples) of {loc.url}: zarr"
+            f" would read them as the fill value {_plain(arr.fill_value)}; if the writer skipped such chunks on"
+            " purpose, pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
+
+
+def content_id(loc, names, manifest: dict | None) -> str:
+    """What identifies a store's content cheaply: the manifest's digest for stores scaleattn wrote; else a
+    digest of the arrays' metadata, the stored keys and sizes, and the bytes of each array's first and last
+    stored object (a same-shaped store elsewhere differs in these)."""
+    if manifest is not None:
+        return "m" + _integrity.manifest_digest(manifest)
+    h = hashlib.sha256()
+    for name in names:
+        for doc in ("zarr.json", ".zarray"):  # the array's metadata document, as stored
+            meta = loc.join(f"{name}/{doc}")
+            if meta.exists():
+                fs, p = meta.fs()
+                with fs.open(p, "rb") as f:
+                    h.update(f.read())
+        listed = _integrity.list_chunks(loc, name)
+        keys = sorted(listed)
+        h.update(repr([(k, listed[k].split(":")[0]) for k in keys]).encode())
+        for k in sorted({keys[0], keys[-1]}) if keys else ():
+            fs, p = loc.join(f"{name}/{k}").fs()
+            with fs.open(p, "rb") as f:
+                h.update(f.read())
+    return "l" + h.hexdigest()[:16]
+
+
+def here() -> str:
+    """This process as an error names it: the Dask worker's address and host, or the host."""
+    dist = sys.modules.get("distributed")
+    try:
+        return f"worker {dist.get_worker().address} (host {socket.gethostname()})"
+    except (AttributeError, ValueError):  # not inside a worker (or distributed not loaded)
+        return f"host {socket.gethostname()}"
+
+
+def verify_identity(expected: str, actual: str, url: str) -> None:
+    """Refuse a store whose fingerprint here differs from the client's (another file at the same path on a
+    worker's machine, or a store changed since it was checked)."""
+    if expected != actual:
+        raise IntegrityError(f"{here()}: {url} is not the dataset the client checked (fingerprint {actual} here,"
+                             f" {expected} on the client): the workers must read the same store (a shared file"
+                             " system or an object store URL), unchanged while the job runs")
+
+
+def chunk_absent(loc, array, k: int) -> bool:
+    """Whether the stored object holding chunk ``k`` (along samples) of ``array`` is absent from ``loc``."""
+    rows = int(array.chunks[0])
+    grid = _integrity.storage_grid(array)
+    key = array.metadata.encode_chunk_key((k * rows // grid[0],) + (0,) * (array.ndim - 1))
+    return not loc.join(f"{array.basename}/{key}").exists()
+
+
+def fingerprint(loc, g) -> str:
+    """The fingerprint of an open dataset group (:class:`scaleattn.dataset.Dataset`): shapes, chunking, uid and
+    :func:`content_id`."""
+    names = [n for n in ARRAYS if n in set(g.array_keys())]
+    tok = g["tokens"]
+    N, T, d = tok.shape
+    y = g["targets"] if "targets" in names else None
+    d_out = int(y.shape[-1]) if y is not None else 0
+    causal = y.ndim == 3 if y is not None else bool(g.attrs.get("causal", False))
+    content = content_id(loc, names, g.attrs.get(_integrity.MANIFEST))
+    return (f"{N}x{T}x{d}:{d_out}:{int(causal)}:{int('lengths' in names)}:{int(tok.chunks[0])}:"
+            f"{g.attrs.get('uid', '')}:{content}")
+
+
+def read_arrays(ds, targets: bool = True) -> list[str]:
+    """The arrays a statistics build reads from dataset ``ds``."""
+    return ["tokens"] + (["lengths"] if ds.has_lengths else []) + (["targets"] if targets and ds.has_targets else [])
+
+
+def row_bindings(ds, groups, targets: bool = True) -> list[int]:
+    """One digest per row group ``[a, b)`` of dataset ``ds``: of the storage signature (size and modification
+    time, or ETag) of every stored object holding its rows, of their manifest checksums, and of the dataset's
+    fingerprint. A checkpointed partial is reused only while its group's digest is unchanged: any rewrite of
+    the chunks it read (an edit in place, a copy, a restored backup) makes it be recomputed."""
+    g, manifest = ds.group(), ds.manifest()
+    parts = {}
+    for name in read_arrays(ds, targets):
+        arr = g[name]
+        listed = _integrity.list_chunks(ds.store, name)
+        by_row: dict[int, list[str]] = {}
+        for key, coords in _integrity.expected_keys(arr).items():
+            by_row.setdefault(coords[0], []).append(f"{name}/{key}={listed.get(key, 'absent')}")
+        entry = (manifest or {}).get("arrays", {}).get(name)
+        parts[name] = (_integrity.storage_grid(arr)[0], by_row, entry)
+    out = []
+    for a, b in groups:
+        text = [ds.fingerprint, str(int(targets)), f"{a}:{b}"]
+        for rows, by_row, entry in parts.values():
+            for k in range(a // rows, (b - 1) // rows + 1):
+                text += sorted(by_row.get(k, []))
+            if entry is not None:
+                r = entry["rows"]
+                text.append(entry["crc32c"][8 * (a // r) : 8 * math.ceil(b / r)])
+        out.append(_integrity.signature_digest(*text))
+    return out
+
+
+def expected_rows(ds, start: int, stop: int) -> int:
+    """Feature rows of samples ``[start, stop)``: one per sample, T per causal sample, or the sum of the
+    lengths of causal samples with lengths (read, and checked)."""
+    if not ds.causal:
+        return stop - start
+    if not ds.has_lengths:
+        return (stop - start) * ds.length
+    g = ds.group()
+    lens = np.asarray(g["lengths"][start:stop])
+    entry = (ds.manifest() or {}).get("arrays", {}).get("lengths")
+    if entry is not None:
+        _integrity.verify_rows(entry, "lengths", lens, start, ds.url)
+    return int(lens.sum())
+
+
+def _plain(value) -> str:
+    """A fill value as a user reads it (``0.0``, not ``np.float64(0.0)``)."""
+    return repr(value.item()) if hasattr(value, "item") else repr(value)

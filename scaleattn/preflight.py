@@ -1,0 +1,127 @@
+"""The checks a fit makes before and around its work (layer L4, before :mod:`scaleattn.pipeline`): the input is
+complete and has targets; outputs and checkpoint neither are, contain, nor lie inside an input (or each other);
+``--overwrite`` replaces only what scaleattn wrote; one run per output (locks); and what a failed or
+interrupted build leaves behind (a checkpoint worth resuming, with its hint, or nothing).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ._outputs import (
+    check_companions,
+    check_disjoint,
+    check_outside_stores,
+    check_replaceable,
+    clean_leftovers,
+    hold,
+)
+from ._storage import Location, resolve
+from .dataset import Dataset, open_dataset
+from .errors import CheckpointError, DatasetError, OutputExistsError, with_hint
+
+__all__ = ["preflight", "holding", "open_input", "run_locations", "after_failed_build", "kept_hint"]
+
+
+def open_input(dataset, storage_options, fill_absent_chunks: bool = False) -> Dataset:
+    """The dataset of a run: a :class:`~scaleattn.dataset.Dataset` as is, else opened (and checked)."""
+    if isinstance(dataset, Dataset):
+        return dataset
+    return open_dataset(dataset, storage_options, fill_absent_chunks=fill_absent_chunks)
+
+
+def run_locations(ds: Dataset, out, checkpoint, storage_options) -> tuple[Location | None, Location | None]:
+    """The run directory and the checkpoint store of a fit, resolved with the fit's options."""
+    opts = ds.storage_options if storage_options is None else storage_options
+    out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
+    return out, _checkpoint_location(out, checkpoint, opts)
+
+
+def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, *, checkpoint=None,
+              resume: bool = False, fill_absent_chunks: bool = False) -> Dataset:
+    """The checks :func:`fit` makes before any work (callers run them before starting a cluster too): the
+    dataset opens, is complete and has targets; ``out`` and the checkpoint are neither, nor contain, nor lie
+    inside the dataset (or each other); ``out`` does not exist unless ``overwrite``, and what ``overwrite``
+    would replace was written by scaleattn. Returns the dataset.
+
+    Raises
+    ------
+    DatasetError
+        The dataset is malformed, has absent chunks (:class:`~scaleattn.errors.IntegrityError`) or no targets.
+    UnsafeOutputError
+        An output overlaps the input, or ``overwrite`` would replace something scaleattn did not write.
+    OutputExistsError
+        ``out`` exists and not ``overwrite``, or a checkpoint exists without ``resume`` or ``overwrite``.
+    """
+    ds = open_input(dataset, storage_options, fill_absent_chunks)
+    if not ds.has_targets:
+        raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
+    out, ckpt = run_locations(ds, out, checkpoint, storage_options)
+    check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
+    check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
+    check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
+    for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+        if loc is not None:
+            check_outside_stores(loc, role)
+    if out is not None and out.exists():
+        if not overwrite:
+            raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")
+        check_replaceable(out, "--out")
+    if ckpt is not None and ckpt.exists() and not resume:
+        if not overwrite:
+            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
+                                    " it, or --overwrite to start over")
+        check_replaceable(ckpt, "--checkpoint")
+    return ds
+
+
+@contextlib.contextmanager
+def holding(dataset, out=None, checkpoint=None, storage_options=None):
+    """Hold the locks of a fit's run directory and checkpoint for the block (:func:`scaleattn._outputs.hold`):
+    a second run to the same output is refused naming the first. Temporaries a killed run left are removed."""
+    ds = open_input(dataset, storage_options)
+    out, ckpt = run_locations(ds, out, checkpoint, storage_options)
+    with contextlib.ExitStack() as stack:
+        for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+            if loc is not None:
+                stack.enter_context(hold(loc, role))
+                clean_leftovers(loc, protect=[ds.store])
+        yield
+
+
+def _done_groups(ckpt: Location) -> tuple[int, int] | None:
+    """(finished row groups, row groups) of the checkpoint at ``ckpt``, None when there is none readable."""
+    try:
+        done = ckpt.open_group("r")["done"][...]
+    except Exception:  # absent, or never got its arrays
+        return None
+    return int(done.all(axis=1).sum()), int(done.shape[0])
+
+
+def kept_hint(ckpt: Location, what: str | None = None) -> str:
+    """The resume hint for a kept checkpoint."""
+    n = _done_groups(ckpt)
+    held = what or ("nothing" if n is None else f"{n[0]} of {n[1]} row groups")
+    return f"the checkpoint {ckpt.url} keeps {held}: run the same command with --resume to continue"
+
+
+def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) -> None:
+    """After a build failed or was interrupted: remove a checkpoint this fit created when it holds nothing
+    worth resuming (bad data, or not one finished group), otherwise attach the resume hint to ``e``."""
+    if ckpt is None:
+        return
+    if isinstance(e, CheckpointError):  # someone else's store: never touched
+        return
+    n = _done_groups(ckpt)
+    if new_ckpt and (isinstance(e, DatasetError) or not n or n[0] == 0) and ckpt.exists():
+        ckpt.remove()  # nothing worth resuming
+        with_hint(e, "no checkpoint was kept")
+        return
+    if ckpt.exists():
+        with_hint(e, kept_hint(ckpt))
+
+
+def _checkpoint_location(out: Location | None, checkpoint, storage_options) -> Location | None:
+    """The checkpoint store: ``checkpoint`` resolved with the fit's options, else ``OUT.checkpoint.zarr``."""
+    if checkpoint is not None:
+        return resolve(checkpoint, None if isinstance(checkpoint, Location) else storage_options)
+    return None if out is None else Location(out.url + ".checkpoint.zarr", out.storage_options)

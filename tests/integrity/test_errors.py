@@ -1,0 +1,250 @@
+"""Class 8 of issue 14: errors are one clear line, before work, leaving nothing behind; Ctrl-C says what was
+kept and how to continue; store reads are retried on transient errors; temporaries of killed runs are
+cleaned. Through the real CLI."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from scaleattn import _storage, _testing
+
+from .conftest import (
+    FIT,
+    Inputs,
+    dataset,
+    error_line,
+    expect,
+    foreign,
+    popen_cli,
+    rows,
+    run_cli,
+    run_main,
+    same_stats,
+    stats_of,
+)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    b = tmp_path_factory.mktemp("errors")
+    dataset(b / "d.zarr")
+    tok, y = rows()
+    big = tok.copy()
+    big[3, 1, 0] = 1e60
+    foreign(b / "big-tokens.zarr", big, y)
+    yb = y.copy()
+    yb[30, 2, 1] = -1e200
+    foreign(b / "big-targets.zarr", tok, yb)
+    (b / "empty.csv").write_text("")
+    (b / "header.csv").write_text("a,b\n")
+    (b / "series.csv").write_text("a,b\n" + "".join(f"{i % 5},{i % 3}\n" for i in range(30)))
+    with open(b / "arrays.npy", "wb") as f:  # an .npz under an .npy name
+        np.savez(f, tokens=tok[:, :, :], targets=y[:, -1])
+    np.savez(b / "arrays.npz", tokens=tok, targets=y[:, -1])
+    return b
+
+
+FIT_D = ["fit", "d.zarr", "--out", "run"]
+CASES = [
+    # refused before any work: (id, argv, pattern)
+    ("ridge-negative", FIT_D + ["--ridge", "-1", *FIT], r"--ridge must be >= 0, got -1"),
+    ("ridge-nan", FIT_D + ["--ridge", "nan", *FIT], r"--ridge must be finite, got nan"),
+    ("rtol-above-1", FIT_D + ["--rtol", "2", *FIT], r"cutoff_rtol must be in \(0, 1\), got 2"),
+    ("rtol-zero", FIT_D + ["--cutoff-rtol", "0", *FIT], r"cutoff_rtol must be in \(0, 1\), got 0"),
+    ("rtol-negative-certify", ["certify", "d.zarr", "--rtol=-1e-3", "--local"], r"cutoff_rtol must be in \(0, 1\)"),
+    ("device-gpu-without-cupy", FIT_D + ["--device", "gpu", *FIT],
+     r"device='gpu' needs CuPy and a CUDA GPU: pip install .*\[gpu\]"),
+    ("workers-absurd", FIT_D + ["--workers", "100000", "--quiet", "--no-plots"],
+     r"--workers 100000 x --threads-per-worker 1: at most \d+ worker threads on this machine \(4 per core"),
+    ("threads-absurd", FIT_D + ["--workers", "1", "--threads-per-worker", "5000", "--quiet"],
+     r"--threads-per-worker 5000: at most \d+ worker threads"),
+    ("workers-absurd-certify", ["certify", "d.zarr", "--workers", "100000", "--quiet"], r"--workers 100000 x"),
+    ("workers-absurd-evaluate", ["evaluate", "nomodel.zarr", "d.zarr", "--workers", "100000", "--quiet"],
+     r"nomodel\.zarr: no such model store"),
+    ("overflow-tokens", ["fit", "big-tokens.zarr", "--out", "run", *FIT],
+     r"tokens: sample 3 has a value of magnitude 1\.0e\+60: its cubic features overflow float64"),
+    ("overflow-targets", ["fit", "big-targets.zarr", "--out", "run", *FIT],
+     r"targets: sample 30 has a value of magnitude 1\.0e\+200: its cubic features overflow"),
+    ("overflow-certify", ["certify", "big-tokens.zarr", "--local", "--quiet"], r"tokens: sample 3 .*overflow"),
+    # import and generate name every bad argument
+    ("csv-empty", ["import", "o.zarr", "--csv", "empty.csv"], r"empty\.csv: empty file"),
+    ("csv-header-only", ["import", "o.zarr", "--csv", "header.csv"], r"header\.csv: only a header row, no data"),
+    ("csv-step-0", ["import", "o.zarr", "--csv", "series.csv", "--step", "0"], r"step must be >= 1, got 0"),
+    ("csv-length-negative", ["import", "o.zarr", "--csv", "series.csv", "--length", "-3"],
+     r"length must be >= 1, got -3"),
+    ("csv-horizon-0", ["import", "o.zarr", "--csv", "series.csv", "--horizon", "0"], r"horizon must be >= 1, got 0"),
+    ("csv-too-short", ["import", "o.zarr", "--csv", "series.csv", "--length", "40"],
+     r"series of 30 steps is too short"),
+    ("csv-unknown-column", ["import", "o.zarr", "--csv", "series.csv", "--columns", "zz"], r"no column 'zz'"),
+    ("npz-missing", ["import", "o.zarr", "--npz", "nope.npz"], r"nope\.npz: no such file"),
+    ("npz-not-numpy", ["import", "o.zarr", "--npz", "series.csv"], r"series\.csv: not a NumPy \.npz or \.npy file"),
+    ("noise-nan", ["generate", "mhla", "o.zarr", "--noise", "nan"], r"noise must be finite, got nan"),
+    ("noise-negative", ["generate", "mhla", "o.zarr", "--noise", "-1"], r"noise must be >= 0, got -1"),
+    ("d-out-0", ["generate", "mhla", "o.zarr", "--d-out", "0"], r"d_out must be >= 1, got 0"),
+    ("samples-0", ["generate", "mhla", "o.zarr", "--samples", "0"], r"samples must be >= 1, got 0"),
+    ("length-negative", ["generate", "mhla", "o.zarr", "--length", "-5"], r"length must be >= 1, got -5"),
+    ("heads-0", ["generate", "mhla", "o.zarr", "--heads", "0"], r"heads must be >= 1, got 0"),
+    ("chunk-0", ["generate", "mhla", "o.zarr", "--chunk-samples", "0"], r"chunk_samples must be >= 1, got 0"),
+    ("assoc-pairs-0", ["generate", "assoc", "o.zarr", "--pairs", "0"], r"pairs must be >= 1, got 0"),
+    ("assoc-orthogonal", ["generate", "assoc", "o.zarr", "--pairs", "3", "--dim", "2", "--orthogonal"],
+     r"orthogonal keys need pairs <= dim"),
+]
+
+
+@pytest.mark.parametrize("case, argv, pattern", CASES, ids=[c[0] for c in CASES])
+def test_refused_before_any_work(case, argv, pattern, base, tmp_path, capsys):
+    w = tmp_path / "w"
+    import shutil
+
+    shutil.copytree(base, w)
+    names = sorted(os.listdir(w))
+    inputs = Inputs(*(w / n for n in names))
+    t0 = time.monotonic()
+    rc, err = run_main(argv, capsys, cwd=w)
+    assert rc == 2, err
+    expect(error_line(err), pattern)
+    assert time.monotonic() - t0 < 30  # no cluster was started, nothing was built
+    inputs.unchanged()
+    assert sorted(os.listdir(w)) == names
+
+
+def test_an_npz_named_npy_is_read_by_its_content(base, tmp_path, capsys):
+    """Not an error: import reads the file's kind from its content, so the two imports hold the same data."""
+    for src, out in (("arrays.npy", "a.zarr"), ("arrays.npz", "b.zarr")):
+        rc, err = run_main(["import", str(tmp_path / out), "--npz", str(base / src)], capsys)
+        assert rc == 0, err
+    a, b = (zarr.open_group(str(tmp_path / n), mode="r") for n in ("a.zarr", "b.zarr"))
+    np.testing.assert_array_equal(a["tokens"][...], b["tokens"][...])
+
+
+def test_report_json_is_strict(tmp_path, capsys):
+    """A fit whose relative MSE is undefined (all targets zero) writes null, never NaN, in report.json."""
+    tok, y = rows()
+    foreign(tmp_path / "z.zarr", tok, np.zeros_like(y))
+    rc, err = run_main(["fit", "z.zarr", "--out", "run", "--absent-chunks-are-fill", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    text = (tmp_path / "run" / "report.json").read_text()
+
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    rep = json.loads(text, parse_constant=refuse)
+    assert rep["relative_train_mse"] is None and not any(
+        isinstance(v, float) and not math.isfinite(v) for v in rep.values())
+
+
+def test_transient_read_errors_are_retried_with_the_same_bits(tmp_path, capsys, monkeypatch):
+    dataset(tmp_path / "d.zarr")
+    rc, err = run_main(["fit", "d.zarr", "--out", "ref", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    monkeypatch.setenv("SCALEATTN_TEST_READ_FAILURES", "2")
+    monkeypatch.setattr(_testing, "_reads", [0])
+    monkeypatch.setattr(_storage, "RETRY_DELAY", 0.05)  # the same policy, shorter waits
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert _testing._reads[0] == 2  # two failures, retried with backoff
+    same_stats(stats_of(tmp_path / "run"), stats_of(tmp_path / "ref"))
+
+
+def test_a_store_that_keeps_failing_is_a_local_file_error_and_leaves_no_checkpoint(tmp_path, capsys, monkeypatch):
+    dataset(tmp_path / "d.zarr")
+    monkeypatch.setenv("SCALEATTN_TEST_READ_FAILURES", "1000")
+    monkeypatch.setattr(_testing, "_reads", [0])
+    monkeypatch.setattr(_storage, "RETRY_DELAY", 0.05)
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 2
+    line = error_line(err)
+    expect(line, r"\S*d\.zarr: cannot read or write it on the local file system \(ConnectionError: injected")
+    assert "object store" not in line
+    expect(line, r"; no checkpoint was kept$")
+    assert _testing._reads[0] == 3  # the retry policy: three attempts in all
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr"]
+
+
+def test_a_chunk_larger_than_memory_is_refused_before_the_build(tmp_path, capsys, monkeypatch):
+    g = zarr.open_group(str(tmp_path / "huge.zarr"), mode="w", zarr_format=3)
+    n, T = 2560, 1000
+    g.create_array("tokens", shape=(n, T, 2), chunks=(n, T, 2), dtype="f8", fill_value=0.0)[...] = 0.5
+    g.create_array("targets", shape=(n, 2), chunks=(n, 2), dtype="f8")[...] = 1.0
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", "70MB")
+    rc, err = run_main(["fit", "huge.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 2
+    expect(error_line(err), r"one chunk of the dataset takes 0\.\d\d GiB to read .* Rewrite the dataset with smaller"
+                            r" chunks")
+    assert sorted(os.listdir(tmp_path)) == ["huge.zarr"]
+
+
+def test_leftover_temporaries_of_a_killed_run_are_cleaned(tmp_path, capsys):
+    dataset(tmp_path / "d.zarr")
+    for name in (".run.partial-0badc0de", ".run.partial-0badc0de.old", ".g.zarr.partial-12345678"):
+        (tmp_path / name).mkdir()  # half-written temporaries (not whole outputs: never restored)
+        (tmp_path / name / "zarr.json").write_text("{}")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    rc, err = run_main(["generate", "mhla", "g.zarr", "--samples", "4", "--length", "3"], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", "g.zarr", "run"]
+
+
+def test_a_lost_output_moved_aside_by_a_killed_run_is_restored(tmp_path, capsys):
+    """Killed between moving the old output aside and putting the new one in place: the next run puts the
+    old one back before anything else, so neither copy is lost."""
+    dataset(tmp_path / "d.zarr")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    os.rename(tmp_path / "run", tmp_path / ".run.partial-0badc0de.old")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 2 and "already exists" in error_line(err)  # the old output is back, and kept
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
+
+
+def _wait_done(ck, k, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if int(zarr.open_group(str(ck), mode="r")["done"][...].all(axis=1).sum()) >= k:
+                return
+        except Exception:  # not created yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the fit did not get that far")
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_what_was_kept_and_resume_is_bit_identical(tmp_path):
+    dataset(tmp_path / "d.zarr")
+    assert run_cli(["fit", "d.zarr", "--out", "ref", *FIT], cwd=tmp_path).returncode == 0
+    args = ["fit", "d.zarr", "--out", "run", *FIT]
+    p = popen_cli(args, cwd=tmp_path, env={"SCALEATTN_TEST_TASK_DELAY": "1"})
+    _wait_done(tmp_path / "run.checkpoint.zarr", 1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130
+    expect(error_line(err), r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps [123] of 4 row groups:"
+                            r" run the same command with --resume to continue$")
+    r = run_cli(args + ["--resume"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    same_stats(stats_of(tmp_path / "run"), stats_of(tmp_path / "ref"))
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", "ref", "run"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_the_first_group_leaves_nothing(tmp_path):
+    dataset(tmp_path / "d.zarr")
+    p = popen_cli(["fit", "d.zarr", "--out", "run", *FIT], cwd=tmp_path, env={"SCALEATTN_TEST_TASK_DELAY": "30"})
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run.checkpoint.zarr").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130
+    expect(error_line(err), r"fit: interrupted; no checkpoint was kept$")
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr"]

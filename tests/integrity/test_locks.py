@@ -1,0 +1,111 @@
+"""Class 5 of issue 14: two runs never share an output. A fit holds an exclusive lock on its run directory and
+its checkpoint (owner host, pid, start time) from before its cluster starts to its end; a second run is
+refused naming the first; the lock of a dead process is taken over."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+from scaleattn._outputs import hold, lock_location
+from scaleattn._storage import Location
+from scaleattn.errors import OutputInUseError
+
+from .conftest import FIT, ROOT, Inputs, dataset, error_line, expect, popen_cli, run_cli, run_main, same_stats, stats_of
+
+HOLDER = ("import sys, time; from scaleattn._outputs import hold; from scaleattn._storage import resolve\n"
+          "with hold(resolve(sys.argv[1]), '--out'):\n    print('held', flush=True); time.sleep(60)\n")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Start a process holding the lock of a path; yields a function path -> its pid."""
+    import subprocess
+
+    procs = []
+
+    def start(path):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+        assert p.stdout.readline().strip() == "held"
+        procs.append(p)
+        return p.pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("target", ["out", "checkpoint"])
+def test_a_second_run_is_refused_naming_the_first(tmp_path, holder, capsys, target):
+    dataset(tmp_path / "d.zarr")
+    inputs = Inputs(tmp_path / "d.zarr")
+    pid = holder(tmp_path / ("run" if target == "out" else "shared.ckpt"))
+    extra = ["--checkpoint", "shared.ckpt"] if target == "checkpoint" else []
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--overwrite", *extra, *FIT], capsys, cwd=tmp_path)
+    assert rc == 2
+    role = "--out" if target == "out" else "--checkpoint"
+    expect(error_line(err), rf"{role} \S+ is in use by the scaleattn run of pid {pid} on host {socket.gethostname()}"
+                            r" \(since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\): two runs never share an output")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "shared.ckpt").exists()
+    inputs.unchanged()
+
+
+def test_generate_and_import_take_the_lock_too(tmp_path, holder, capsys):
+    holder(tmp_path / "d.zarr")
+    rc, err = run_main(["generate", "mhla", "d.zarr", "--samples", "4", "--length", "3"], capsys, cwd=tmp_path)
+    assert rc == 2 and "is in use by the scaleattn run of pid" in error_line(err)
+
+
+def test_a_dead_run_s_lock_is_taken_over(tmp_path, capsys):
+    dataset(tmp_path / "d.zarr")
+    lock = tmp_path / ".run.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 17, "started": 1.0, "locked_at": 1.0}))
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert not lock.exists()  # released at the end
+
+
+@pytest.mark.slow
+def test_two_overwriting_fits_to_one_output_never_mix(tmp_path):
+    """The abuse case of the issue: two --overwrite fits of different datasets to one --out at once. The second
+    is refused while the first runs; the first's statistics are its own dataset's, bit for bit."""
+    dataset(tmp_path / "a.zarr", seed=1)
+    dataset(tmp_path / "b.zarr", seed=2)
+    assert run_cli(["fit", "a.zarr", "--out", "ref", *FIT], cwd=tmp_path).returncode == 0
+    first = popen_cli(["fit", "a.zarr", "--out", "run", "--overwrite", *FIT], cwd=tmp_path,
+                      env={"SCALEATTN_TEST_TASK_DELAY": "1"})
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run.checkpoint.zarr").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = run_cli(["fit", "b.zarr", "--out", "run", "--overwrite", *FIT], cwd=tmp_path)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert second.returncode == 2
+    expect(error_line(second.stderr), rf"--out \S*run is in use by the scaleattn run of pid {first.pid} on host")
+    same_stats(stats_of(tmp_path / "run"), stats_of(tmp_path / "ref"))
+
+
+def test_object_store_locks_are_exclusive_and_stale_ones_taken_over():
+    """The same rules on an fsspec store without flock (exclusive create; a dead pid of this host is stale)."""
+    import fsspec
+
+    loc = Location("memory://locks/run")
+    with hold(loc):
+        fs = fsspec.filesystem("memory")
+        owner = json.loads(fs.cat(lock_location(loc).url.replace("memory://", "/")))
+        assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+    assert not fs.exists("/locks/.run.lock")
+    fs.pipe("/locks/.run.lock", json.dumps({"host": "elsewhere", "pid": 1, "started": 0, "locked_at": 0}).encode())
+    with pytest.raises(OutputInUseError, match="pid 1 on host elsewhere.*if that run is gone, remove"):
+        with hold(loc):
+            pass
+    fs.pipe("/locks/.run.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 17, "started": 0,
+                                            "locked_at": 0}).encode())
+    with hold(loc):  # a process of this host that is gone: its lock is stale
+        pass

@@ -1,0 +1,211 @@
+"""Classes 2 and 3 of issue 14: absent chunks are never read as zeros, and corruption is detected.
+
+Stores scaleattn writes carry a manifest (shape and crc32c of every chunk of rows) and the crc32c codec;
+stores of other tools are checked for absent chunks, with ``--absent-chunks-are-fill`` as the explicit opt-in.
+Every case through the real CLI, input hashes unchanged, nothing written."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import zarr
+
+from .conftest import FIT, Inputs, dataset, error_line, expect, foreign, rows, run_main, same_stats, stats_of
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    b = tmp_path_factory.mktemp("stored")
+    dataset(b / "own.zarr")  # 32 samples, chunks of 8, causal
+    dataset(b / "lens.zarr", variable_lengths=True, causal=True)
+    tok, y = rows()
+    foreign(b / "foreign.zarr", tok, y)
+    dataset(b / "sharded.zarr")  # replaced below by a sharded copy
+    from scaleattn.dataset_writer import write_dataset
+
+    shutil.rmtree(b / "sharded.zarr")
+    write_dataset(b / "sharded.zarr", tok, y, chunk_samples=4, shard_samples=8)
+    from scaleattn.cli import main
+
+    assert main(["fit", str(b / "own.zarr"), "--out", str(b / "run"), *FIT]) == 0
+    return b
+
+
+def _flip(path, byte=None):
+    b = bytearray(path.read_bytes())
+    i = len(b) // 2 if byte is None else byte
+    b[i] ^= 0x10
+    path.write_bytes(bytes(b))
+
+
+def _shape(path, n):
+    meta = json.loads(path.read_text())
+    meta["shape"][0] = n
+    path.write_text(json.dumps(meta))
+
+
+def _delete(rel):
+    return lambda w: os.remove(w / rel)
+
+
+def _edit(rel, fn):
+    return lambda w: fn(w / rel)
+
+
+CASES = [
+    # (id, damage(w), argv, expected message)
+    ("own-tokens-chunk-deleted", _delete("own.zarr/tokens/c/2/0/0"), ["fit", "own.zarr"],
+     r"tokens: chunks of samples \[16, 24\) \(8 samples\) are missing from \S*own\.zarr"),
+    ("own-targets-chunk-deleted", _delete("own.zarr/targets/c/3/0/0"), ["fit", "own.zarr"],
+     r"targets: chunks of samples \[24, 32\) .* are missing"),
+    ("own-lengths-chunk-deleted", _delete("lens.zarr/lengths/c/1"), ["fit", "lens.zarr"],
+     r"lengths: chunks of samples \[8, 16\) .* are missing"),
+    ("own-chunk-deleted-certify", _delete("own.zarr/tokens/c/0/0/0"), ["certify", "own.zarr", "--local", "--quiet"],
+     r"tokens: chunks of samples \[0, 8\)"),
+    ("own-chunk-deleted-evaluate", _delete("own.zarr/targets/c/1/0/0"),
+     ["evaluate", "run/model.zarr", "own.zarr", "--local", "--quiet"], r"targets: chunks of samples \[8, 16\)"),
+    ("own-chunk-deleted-despite-fill-flag", _delete("own.zarr/tokens/c/2/0/0"),
+     ["fit", "own.zarr", "--absent-chunks-are-fill"], r"tokens: chunks of samples \[16, 24\) .* scaleattn wrote"),
+    ("own-shape-enlarged", lambda w: (_shape(w / "own.zarr/tokens/zarr.json", 40),
+                                      _shape(w / "own.zarr/targets/zarr.json", 40)), ["fit", "own.zarr"],
+     r"tokens: shape \(40, 6, 2\) .* differs from the shape \(32, 6, 2\) written .*samples \[32, 40\) were never"),
+    ("own-shape-shrunk", lambda w: (_shape(w / "own.zarr/tokens/zarr.json", 24),
+                                    _shape(w / "own.zarr/targets/zarr.json", 24)), ["fit", "own.zarr"],
+     r"tokens: shape \(24, 6, 2\) .* differs from the shape \(32, 6, 2\) written"),
+    ("own-manifest-damaged", lambda w: _attr(w / "own.zarr/zarr.json", "manifest", {"arrays": 3}), ["fit", "own.zarr"],
+     r"attribute 'manifest' is damaged"),
+    ("own-manifest-removed", lambda w: _attr(w / "own.zarr/zarr.json", "manifest", None), ["fit", "own.zarr"],
+     r"own\.zarr: a scaleattn v2 dataset without its manifest"),
+    ("unfinished-write", lambda w: _unfinished(w / "own.zarr"), ["fit", "own.zarr"],
+     r"own\.zarr: an unfinished dataset \(its writer stopped before it was complete\)"),
+    ("own-chunk-replaced-by-another",
+     lambda w: shutil.copy(w / "own.zarr/tokens/c/0/0/0", w / "own.zarr/tokens/c/1/0/0"),
+     ["fit", "own.zarr"], r"tokens: samples \[8, 16\) of \S*own\.zarr: the values do not match the checksum"),
+    ("foreign-tokens-chunk-deleted", _delete("foreign.zarr/tokens/c/1/0/0"), ["fit", "foreign.zarr"],
+     r"tokens: no chunk stored for samples \[8, 16\) \(8 of 32 samples\) .*fill value 0\.0.*--absent-chunks-are-fill"),
+    ("foreign-targets-chunk-deleted", _delete("foreign.zarr/targets/c/3/0/0"), ["fit", "foreign.zarr"],
+     r"targets: no chunk stored for samples \[24, 32\)"),
+    ("foreign-shape-enlarged", lambda w: (_shape(w / "foreign.zarr/tokens/zarr.json", 48),
+                                          _shape(w / "foreign.zarr/targets/zarr.json", 48)), ["fit", "foreign.zarr"],
+     r"tokens: no chunk stored for samples \[32, 48\)"),
+    ("foreign-shape-shrunk", lambda w: (_shape(w / "foreign.zarr/tokens/zarr.json", 16),
+                                        _shape(w / "foreign.zarr/targets/zarr.json", 16)), ["fit", "foreign.zarr"],
+     r"tokens: 2 stored chunk\(s\) lie beyond the shape \(16, 6, 2\)"),
+    ("foreign-absent-certify", _delete("foreign.zarr/tokens/c/0/0/0"), ["certify", "foreign.zarr", "--local"],
+     r"tokens: no chunk stored for samples \[0, 8\)"),
+    # class 3: a flipped bit in any stored chunk fails the read
+    ("bitflip-tokens", _edit("own.zarr/tokens/c/2/0/0", _flip), ["fit", "own.zarr"],
+     r"tokens: samples \[16, 24\) of \S*own\.zarr are damaged: a stored chunk fails its crc32c checksum"),
+    ("bitflip-targets", _edit("own.zarr/targets/c/0/0/0", _flip), ["fit", "own.zarr"],
+     r"targets: samples \[0, 8\) of \S*own\.zarr are damaged"),
+    ("bitflip-lengths", _edit("lens.zarr/lengths/c/3", _flip), ["fit", "lens.zarr"],
+     r"lengths: samples \[24, 32\) .*damaged"),
+    ("bitflip-shard", _edit("sharded.zarr/tokens/c/1/0/0", _flip), ["fit", "sharded.zarr"],
+     r"tokens: samples \[\d+, \d+\) of \S*sharded\.zarr are damaged"),
+    ("bitflip-shard-index", _edit("sharded.zarr/tokens/c/2/0/0", lambda p: _flip(p, -3)), ["fit", "sharded.zarr"],
+     r"tokens: .*sharded\.zarr"),
+    ("bitflip-model", _edit("run/model.zarr/coef/c/0/0", _flip), ["evaluate", "run/model.zarr", "own.zarr", "--local"],
+     r"coef in \S*model\.zarr: a stored chunk fails its crc32c checksum"),
+    ("model-chunk-deleted", _delete("run/model.zarr/coef/c/0/0"), ["evaluate", "run/model.zarr", "own.zarr", "--local"],
+     r"coef in \S*model\.zarr: the values do not match the checksum"),
+    ("teacher-chunk-deleted", _delete("own.zarr/teacher/V/c/0/0/0"), ["fit", "own.zarr"],
+     r"teacher/V in \S*own\.zarr: the values do not match"),
+    # class 8: attribute types
+    ("causal-as-string", lambda w: _attr(w / "foreign.zarr/zarr.json", "causal", "false"), ["fit", "foreign.zarr"],
+     r"attribute 'causal' must be true or false, got 'false' \(str\)"),
+    ("causal-contradicts-targets", lambda w: _attr(w / "foreign.zarr/zarr.json", "causal", False),
+     ["fit", "foreign.zarr"],
+     r"attribute 'causal' is false but the targets are \(sample, position, output\)"),
+    ("model-d-as-string", lambda w: _attr(w / "run/model.zarr/zarr.json", "d", "2"),
+     ["evaluate", "run/model.zarr", "own.zarr", "--local"], r"attribute 'd' must be an integer, got '2'"),
+    ("model-causal-as-string", lambda w: _attr(w / "run/model.zarr/zarr.json", "causal", "true"),
+     ["evaluate", "run/model.zarr", "own.zarr", "--local"], r"attribute 'causal' must be true or false"),
+    ("dataset-from-the-future", lambda w: _attr(w / "own.zarr/zarr.json", "format_version", 9), ["fit", "own.zarr"],
+     r"scaleattn dataset format v9"),
+]
+
+
+def _attr(path, key, value):
+    meta = json.loads(path.read_text())
+    if value is None:
+        del meta["attributes"][key]
+    else:
+        meta["attributes"][key] = value
+    path.write_text(json.dumps(meta))
+
+
+def _unfinished(path):
+    """A dataset whose writer (create_dataset + write_block) stopped before finish_dataset, as a killed
+    in-place write to an object store leaves it."""
+    from scaleattn._storage import resolve
+    from scaleattn.dataset_writer import create_dataset, write_block
+
+    shutil.rmtree(path)
+    g = create_dataset(resolve(path), 32, 6, 2, 2, causal=True, chunk_samples=8)
+    tok, y = rows()
+    write_block(g, 0, tok[:16], y[:16])
+
+
+@pytest.mark.parametrize("case, damage, argv, pattern", CASES, ids=[c[0] for c in CASES])
+def test_damaged_stores_are_refused(case, damage, argv, pattern, base, tmp_path, capsys):
+    w = tmp_path / "w"
+    shutil.copytree(base, w)
+    damage(w)
+    names = sorted(os.listdir(w))
+    inputs = Inputs(*(w / n for n in names))
+    args = argv + (["--out", "new", *FIT] if argv[0] == "fit" else ["--quiet"] if "--quiet" not in argv else [])
+    rc, err = run_main(args, capsys, cwd=w)
+    assert rc == 2, err
+    expect(error_line(err), pattern)
+    inputs.unchanged()
+    assert sorted(os.listdir(w)) == names  # no output, no checkpoint, no lock left
+
+
+def test_absent_chunks_are_the_fill_value_only_when_asked(base, tmp_path, capsys):
+    """A foreign store whose writer skipped a chunk: with the opt-in the fit is bit-identical to the fit of the
+    same data with that chunk stored as zeros."""
+    w = tmp_path / "w"
+    w.mkdir()
+    tok, y = rows()
+    tok[8:16] = 0.0
+    y[8:16] = 0.0
+    foreign(w / "skipped.zarr", tok, y)  # zarr skips all-zero chunks itself
+    assert not (w / "skipped.zarr/tokens/c/1/0/0").exists()
+    g = zarr.open_group(str(w / "full.zarr"), mode="w", zarr_format=3)
+    for name, a in (("tokens", tok), ("targets", y)):
+        arr = g.create_array(name, shape=a.shape, chunks=(8,) + a.shape[1:], dtype="f8",
+                             config={"write_empty_chunks": True})
+        arr[...] = a
+    assert (w / "full.zarr/tokens/c/1/0/0").exists()
+    inputs = Inputs(w / "skipped.zarr", w / "full.zarr")
+    rc, err = run_main(["fit", "skipped.zarr", "--out", "a", *FIT], capsys, cwd=w)
+    assert rc == 2 and "no chunk stored for samples [8, 16)" in error_line(err)
+    rc, err = run_main(["fit", "skipped.zarr", "--out", "a", "--absent-chunks-are-fill", *FIT], capsys, cwd=w)
+    assert rc == 0, err
+    rc, err = run_main(["fit", "full.zarr", "--out", "b", *FIT], capsys, cwd=w)
+    assert rc == 0, err
+    same_stats(stats_of(w / "a"), stats_of(w / "b"))
+    inputs.unchanged()
+
+
+def test_stores_we_write_use_crc32c_and_keep_every_chunk(base):
+    for store in ("own.zarr", "run/model.zarr", "run/stats.zarr", "run/spectrum.zarr"):
+        g = zarr.open_group(str(base / store), mode="r")
+        assert g.attrs["format_version"] == 2 and "manifest" in g.attrs
+        for _, a in g.arrays():
+            assert "crc32c" in json.dumps(a.metadata.to_dict()["codecs"]), (store, a.name)
+    g = zarr.open_group(str(base / "sharded.zarr"), mode="r")
+    assert "crc32c" in json.dumps(g["tokens"].metadata.to_dict()["codecs"])
+
+
+def test_all_zero_chunks_of_our_datasets_are_stored(tmp_path):
+    from scaleattn.dataset import open_dataset
+    from scaleattn.dataset_writer import write_dataset
+
+    tok, y = rows()
+    tok[:8], y[:8] = 0.0, 0.0
+    ds = write_dataset(tmp_path / "z.zarr", tok, y, chunk_samples=8)
+    assert (tmp_path / "z.zarr/tokens/c/0/0/0").exists()
+    assert open_dataset(ds.url).read(0, 8)[0].sum() == 0
