@@ -20,7 +20,7 @@ import uuid
 
 import zarr
 
-from .errors import OutputExistsError, ParameterError, StorageError
+from .errors import MissingDependencyError, OutputExistsError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
            "transient", "with_retries", "atomic_output", "is_url"]
@@ -226,7 +226,12 @@ def fs_for(url: str, storage_options: dict | None = None):
     """The fsspec filesystem and path for ``url`` (local paths use the local filesystem)."""
     import fsspec
 
-    return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    try:
+        return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    except ImportError as e:  # the filesystem of this protocol is an optional package (s3fs for s3://)
+        if str(url).split("://", 1)[0] in ("s3", "s3a"):
+            raise MissingDependencyError.for_extra(str(url), "s3", "s3fs") from None
+        raise MissingDependencyError(f"{url}: {e}") from None
 
 
 def exists(url: str, storage_options: dict | None = None) -> bool:

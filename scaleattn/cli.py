@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from ._backend import DEVICES
 from ._storage import parse_storage_options
@@ -90,8 +91,11 @@ def _add_certificate_arg(p):
 
 
 def _add_output_args(p):
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or summaries on stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout instead of the summary (nothing else on stderr but errors)")
+    p.add_argument("--quiet", action="store_true",
+                   help="nothing on stderr but errors and warnings: no cluster lines, progress bars or phase times;"
+                        " the result (summary, or JSON with --json) is still printed on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,17 +252,19 @@ def _reporter(args):
 
 
 def _emit(args, payload: dict, text: str) -> None:
-    """The result on stdout: JSON with ``--json``, else the summary text (nothing with ``--quiet``)."""
+    """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
     from ._formats import dumps
 
-    if args.json:
-        print(dumps(payload))
-    elif not args.quiet:
-        print(text)
+    print(dumps(payload) if args.json else text, flush=True)
 
 
-def _wrote(ds) -> str:
-    return f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}"
+def _wrote(path, ds) -> str:
+    """``wrote PATH: N=... T=... d=... d_out=... causal=...`` with the path as the user gave it."""
+    return f"wrote {path}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}"
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
 
 
 def _cmd_generate(args) -> int:
@@ -274,7 +280,7 @@ def _cmd_generate(args) -> int:
         ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
                                      seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
                                      storage_options=opts)
-    print(_wrote(ds))
+    print(_wrote(args.path, ds))
     return 0
 
 
@@ -290,7 +296,7 @@ def _cmd_import(args) -> int:
                                   causal=args.causal, columns=args.columns, **kw)
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
-    print(_wrote(ds))
+    print(_wrote(args.path, ds))
     return 0
 
 
@@ -307,16 +313,23 @@ def _cmd_fit(args) -> int:
     check_cutoff(args.cutoff_rtol)
     real("--ridge", args.ridge, 0.0)
     check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
-    ds = preflight(args.dataset, args.out, args.overwrite, opts)
+    ds = preflight(args.dataset, args.out, args.overwrite, opts, resume=args.resume, checkpoint=args.checkpoint)
+    t = time.perf_counter()
     with _cluster(args, reporter) as client:
+        cluster_s = None if client is None else _since(t)
+        t = time.perf_counter()
         res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
                   solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=reporter,
                   storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
                   checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
                   **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
-    _emit(args, res.report, fit_summary(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
-          + ("" if args.no_plots else ", *.png"))
+        # the fit's own time ends with its report; writing the run (and rendering the plots) comes after
+        command = {"seconds": _since(args.started), "cluster": cluster_s, "write": _since(t) - res.report["seconds"]}
+        written = ", ".join(n for n in res.files if not n.endswith(".png"))
+        pngs = ", *.png" if any(n.endswith(".png") for n in res.files) else ""
+        _emit(args, {**res.report, "command": command},  # before the cluster closes: no silence after the fit
+              fit_summary(res.report, command) + f"\nwrote {args.out}/{written}{pngs}")
     return 0
 
 
@@ -333,7 +346,7 @@ def _cmd_certify(args) -> int:
     with _cluster(args, reporter) as client:
         cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
                                certificate=args.certificate)
-    _emit(args, cert.summary(), certificate_summary(cert.summary()))
+        _emit(args, cert.summary(), certificate_summary(cert.summary()))
     return 0
 
 
@@ -349,16 +362,19 @@ def _cmd_evaluate(args) -> int:
     ds = open_dataset(args.dataset, opts)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)
-    _emit(args, r, evaluation_summary(r))
+        _emit(args, r, evaluation_summary(r))
     return 0
 
 
 def _cmd_plot(args) -> int:
+    import posixpath
+
     from .plot import save_run_plots
 
     opts = _storage_options(args.storage_option)
+    where = (args.out or args.run).rstrip("/")
     for p in save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts):
-        print(f"wrote {p}")
+        print(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it
     return 0
 
 
@@ -399,6 +415,20 @@ def _cmd_submit(args) -> int:
     return submit.run(args)
 
 
+def _command_start(argv) -> float:
+    """When this command started, on the ``time.perf_counter`` clock: the process start when run as the
+    ``scaleattn`` program (``argv`` None: Python's start-up and imports count, as for a stopwatch), else now."""
+    now = time.perf_counter()
+    if argv is None:
+        try:
+            import psutil
+
+            return now - max(time.time() - psutil.Process().create_time(), 0.0)
+        except Exception:  # no process table (a sandbox): from here
+            return now
+    return now
+
+
 COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
             "compare": _cmd_compare, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench,
             "submit": _cmd_submit}
@@ -421,7 +451,9 @@ def main(argv=None) -> int:
     import signal
     import threading
 
+    started = _command_start(argv)
     args = build_parser().parse_args(argv)
+    args.started = started
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
         return _run(args)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -55,6 +55,10 @@ class FitResult:
     heads : Heads
     report : dict
         Every number of the fit (the keys of report.json, docs/report.md).
+    out : str or None
+        The run directory as given to :func:`fit` (None without one).
+    files : list of str
+        The names written into ``out`` (``report.json``, ``model.zarr``, ..., the PNG plots).
 
     See Also
     --------
@@ -78,6 +82,8 @@ class FitResult:
     solution: Solution
     heads: Heads
     report: dict
+    out: str | None = None
+    files: list = dataclasses.field(default_factory=list)
 
     @property
     def certificate(self) -> Certificate:
@@ -87,12 +93,26 @@ class FitResult:
         """The same summary ``scaleattn fit`` prints (:func:`scaleattn.report.fit_summary`)."""
         return _text.fit_summary(self.report)
 
+    def _repr_html_(self) -> str:
+        """The fit at a glance in Jupyter (:func:`scaleattn.report.fit_html`): the verdict with lambda_min, rank
+        and margin, the spectrum thumbnail, errors, heads, timings and the files written."""
+        return _text.safe_html(lambda: _text.fit_html(self.report, self.certificate.spectrum_scaled, self.out,
+                                                      self.files), self.summary, self.__repr__)
+
+    def __repr__(self) -> str:
+        r = self.report
+        verdict = _text.verdict(r) if "identifiable" in r and "ambiguous_dim" in r else "no certificate in the report"
+        mse = r.get("relative_train_mse")
+        return (f"FitResult({r.get('dataset', '')!r}: {verdict}; {self.model.n_heads} heads; relative train MSE"
+                f" {'n/a' if mse is None else format(mse, '.3g')})")
+
 
 def _open(dataset, storage_options) -> Dataset:
     return dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
 
 
-def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) -> Dataset:
+def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, *, resume: bool = False,
+              checkpoint=None) -> Dataset:
     """The checks :func:`fit` makes before any work (callers run them before starting a cluster too): the
     dataset opens and has targets, and ``out`` does not exist unless ``overwrite``. Returns the dataset.
 
@@ -101,14 +121,22 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None) 
     DatasetError
         The dataset is malformed or has no targets.
     OutputExistsError
-        ``out`` exists and not ``overwrite``.
+        ``out`` exists and not ``overwrite`` (with ``resume``, the message says that ``out`` is a finished
+        run and that there is no checkpoint left to resume).
     """
     ds = _open(dataset, storage_options)
     if not ds.has_targets:
         raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
     if out is not None:
-        loc = resolve(out, None if isinstance(out, Location) else storage_options)
+        opts = None if isinstance(out, Location) else storage_options
+        loc = resolve(out, opts)
         if loc.exists() and not overwrite:
+            if resume:
+                ckpt = _checkpoint_location(loc, checkpoint, storage_options)
+                if not ckpt.exists():
+                    raise OutputExistsError(f"nothing to resume: {loc.url!r} is a finished run and no checkpoint"
+                                            f" {ckpt.url!r} is left (--resume continues a fit that was interrupted;"
+                                            " pass --overwrite to fit again)")
             raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
     return ds
 
@@ -213,8 +241,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
-    ds = preflight(dataset, out, overwrite, storage_options)
+    ds = preflight(dataset, out, overwrite, storage_options, resume=resume, checkpoint=checkpoint)
     opts = ds.storage_options if storage_options is None else storage_options
+    out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out = None if out is None else resolve(out, None if isinstance(out, Location) else opts)
     ckpt = _checkpoint_location(out, checkpoint, opts)
     check_fit_memory(ds.d, ds.d_out, client=client, solver=solver)  # refuse before the build
@@ -238,29 +267,26 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     times["statistics"] = time.perf_counter() - t
     t = time.perf_counter()
     stats = stats.to_numpy()
-    G = stats.gram()  # expanded once: the solve, the heads and the witness share it
-
-    def heads_and_report(sol, gram):
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=gram,
-                                              solution=sol, heads_budget=heads_budget)
-        return model, sol, h, _report(ds, stats, sol, h, model, gram)
-
-    with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
+    with reporter.phase("solve", f"psi {stats.psi:,}"):
+        G = stats.gram()  # expanded once: the solve, the heads and the witness share it
         sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
-        qr = needs_qr(certificate, sol.certificate, stats.psi)
-        if not qr:
-            model, sol, h, report = heads_and_report(sol, G)
-    times["solve_and_heads"] = time.perf_counter() - t
-    if qr:  # the Gram cannot settle the certificate (or certificate="qr"): a QR of the features, a second pass
+    times["solve"] = time.perf_counter() - t
+    if needs_qr(certificate, sol.certificate, stats.psi):  # the Gram cannot settle it: a QR, a second pass
         t = time.perf_counter()
         check_qr_memory(ds.d, ds.d_out, client)
         factor = compute_r(ds, client, progress=reporter)
         times["qr"] = time.perf_counter() - t
         t = time.perf_counter()
-        with reporter.phase(f"solve from R (psi {stats.psi:,}) and heads ({heads})"):
+        with reporter.phase("solve from R", f"psi {stats.psi:,}"):
             sol = solve_from_r(factor, cutoff_rtol, ridge, gram=sol.certificate)
-            model, sol, h, report = heads_and_report(sol, G)
-        times["solve_and_heads"] += time.perf_counter() - t
+        times["solve"] += time.perf_counter() - t
+    t = time.perf_counter()
+    with reporter.phase("heads", str(heads)):
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G,
+                                              solution=sol, heads_budget=heads_budget)
+        report = _report(ds, stats, sol, h, model, G)
+    times["heads"] = time.perf_counter() - t
+    times["solve_and_heads"] = times["solve"] + times["heads"]
     del G
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     if exact_mse:
@@ -279,8 +305,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     report["seconds"] = time.perf_counter() - t0
     result = FitResult(model, stats, sol, h, report)
     if out is not None:
-        with reporter.phase(f"write {out.url}"):
-            write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
+        with reporter.phase("write", out_label + (" with plots" if plots else "")):
+            t = time.perf_counter()
+            files = _plots(result, ds) if plots else None
+            if plots:
+                times["plots"] = time.perf_counter() - t
+            result.files = write_run(result, out, overwrite=overwrite, files=files)
+            result.out = out_label
     if ckpt is not None and not keep_checkpoint:
         ckpt.remove()
     return result
