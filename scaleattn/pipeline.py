@@ -169,7 +169,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     overwrite : bool
         Replace an existing ``out`` (and start over instead of resuming a checkpoint).
     progress : bool or Reporter
-        Bars and phases on stderr (:mod:`scaleattn.progress`).
+        Bars in rows (rate, row groups done, time left) and the phases statistics, solve, heads, evaluate,
+        write: on stderr, or live in the cell in a notebook (:mod:`scaleattn.progress`).
     storage_options : dict or list of "KEY=VALUE", optional
         fsspec options for the dataset, ``out`` and the checkpoint.
     device : "auto" | "cpu" | "gpu"

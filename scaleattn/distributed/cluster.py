@@ -76,7 +76,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Do not print the cluster lines (``starting a local Dask cluster (N workers) ...`` before it starts, then
         the workers, the start-up time and the dashboard link, which lives as long as this cluster).
     progress : Reporter, optional
-        Where the cluster line goes (default: stderr through :class:`~scaleattn.progress.ConsoleReporter`).
+        Where the cluster lines go (default :func:`~scaleattn.progress.as_reporter` of ``not quiet``: stderr, or
+        the cell in a notebook); a transient spinner shows while the embedded cluster stops.
     scheduler_timeout : float, optional
         Seconds to keep trying to reach ``scheduler`` (default: the dask config
         ``distributed.comm.timeouts.connect``, 30 s): a scheduler that starts after this process (a Kubernetes
