@@ -1,5 +1,6 @@
 """Progress of long steps: rich bars counted in rows on stderr in a captured CLI run with a real LocalCluster,
-driven by the job's own client and futures, never default_client(); phases named; --json and --quiet keep stderr clean."""
+driven by the job's own client and futures, never default_client(); phases named; --json and --quiet keep stderr
+clean."""
 import json
 
 import pytest

@@ -14,39 +14,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scaleattn.generate import generate_mhla
 from scaleattn.progress import ConsoleReporter, NotebookReporter, as_reporter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(*args, cwd=None, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "scaleattn.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("first")
-    generate_mhla(str(d / "data.zarr"), d=2, heads=1, length=10, samples=64, causal=True, chunk_samples=8, seed=0)
-    return d
-
-
-def test_quiet_hides_stderr_and_keeps_the_result(data):
-    p = cli("fit", "data.zarr", "--out", "q", "--local", "--quiet", "--no-plots", cwd=data)
-    assert p.returncode == 0 and p.stderr == ""
-    assert "certificate: IDENTIFIABLE" in p.stdout and "wrote q/report.json" in p.stdout
-    p = cli("fit", "data.zarr", "--out", "qj", "--local", "--quiet", "--json", "--no-plots", cwd=data)
-    assert p.stderr == "" and json.loads(p.stdout)["identifiable"] is True
+def test_quiet_hides_stderr_and_keeps_the_result(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "q", "--local", "--quiet", "--no-plots")
+    assert r.stderr == "" and "certificate: IDENTIFIABLE" in r.stdout
+    assert f"wrote {tmp_path / 'q'}/report.json" in r.stdout
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "qj", "--local", "--quiet", "--json", "--no-plots")
+    assert r.stderr == "" and json.loads(r.stdout)["identifiable"] is True
     help_text = re.sub(r"\s+", " ", cli("fit", "--help").stdout)
     assert "--quiet nothing on stderr but errors and warnings" in help_text and "still printed on stdout" in help_text
 
 
 @pytest.mark.slow
-def test_a_line_before_the_cluster_starts_and_none_on_bad_input(data):
-    p = subprocess.Popen([sys.executable, "-m", "scaleattn.cli", "fit", "data.zarr", "--out", "c", "--workers", "1",
-                          "--no-plots"], cwd=data, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def test_a_line_before_the_cluster_starts_and_none_on_bad_input(causal_ds, tmp_path, cli):
+    p = subprocess.Popen([sys.executable, "-m", "scaleattn.cli", "fit", causal_ds.url, "--out", "c", "--workers",
+                          "1", "--no-plots"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stamped = [(time.perf_counter(), ln.rstrip("\n")) for ln in p.stdout]
     assert p.wait(timeout=300) == 0
     lines = [ln for _, ln in stamped]
@@ -59,29 +46,27 @@ def test_a_line_before_the_cluster_starts_and_none_on_bad_input(data):
     for phase in ("statistics", "solve", "heads", "evaluate", "write"):
         assert phase in names, lines
     assert any(ln.startswith("command ") and "cluster start" in ln for ln in lines), lines
-    bad = cli("fit", "data.zarr", "--out", "c2", "--heads", "zero", cwd=data)
-    assert bad.returncode == 2 and "starting" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = cli("fit", causal_ds.url, "--out", tmp_path / "c2", "--heads", "zero", rc=2)
+    assert "starting" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_integer_tokens_are_converted_and_csv_errors_name_the_column(tmp_path):
+def test_integer_tokens_are_converted_and_csv_errors_name_the_column(tmp_path, monkeypatch, cli):
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "ints.npz", tokens=rng.integers(-3, 4, (40, 5, 2)), targets=rng.integers(0, 5, (40, 2)))
-    p = cli("import", "ints.zarr", "--npz", "ints.npz", cwd=tmp_path)
-    assert p.returncode == 0 and p.stdout.startswith("wrote ints.zarr: N=40 T=5 d=2"), p.stderr
+    np.savez("ints.npz", tokens=rng.integers(-3, 4, (40, 5, 2)), targets=rng.integers(0, 5, (40, 2)))
+    assert cli("import", "ints.zarr", "--npz", "ints.npz").stdout.startswith("wrote ints.zarr: N=40 T=5 d=2")
     from scaleattn import open_dataset
 
-    tok, _, y = open_dataset(tmp_path / "ints.zarr").read(0, 40)
+    tok, _, y = open_dataset("ints.zarr").read(0, 40)
     assert tok.dtype == np.float64 and y.dtype == np.float64
-    assert np.array_equal(tok, np.load(tmp_path / "ints.npz")["tokens"])
-    rep = json.loads(cli("fit", "ints.zarr", "--out", "r", "--local", "--json", "--no-plots", cwd=tmp_path).stdout)
-    assert rep["n_rows"] == 40
-    (tmp_path / "s.csv").write_text("a,b,c\n" + "\n".join(f"{i},{i * 2},{i % 3}" for i in range(40)))
-    p = cli("import", "s.zarr", "--csv", "s.csv", "--columns", "a", "z", cwd=tmp_path)
-    assert p.returncode == 2
-    assert p.stderr.strip() == "scaleattn import: error: s.csv: no column 'z' in the header (columns: a, b, c)"
-    (tmp_path / "t.csv").write_text("a,b\n1,2\n3,x\n")
-    p = cli("import", "t.zarr", "--csv", "t.csv", "--length", "1", cwd=tmp_path)
-    assert p.returncode == 2 and "line 3, column 'b': 'x' is not a number" in p.stderr
+    assert np.array_equal(tok, np.load("ints.npz")["tokens"])
+    assert json.loads(cli("fit", "ints.zarr", "--out", "r", "--local", "--json", "--no-plots").stdout)["n_rows"] == 40
+    Path("s.csv").write_text("a,b,c\n" + "\n".join(f"{i},{i * 2},{i % 3}" for i in range(40)))
+    r = cli("import", "s.zarr", "--csv", "s.csv", "--columns", "a", "z", rc=2)
+    assert r.stderr.strip() == "scaleattn import: error: s.csv: no column 'z' in the header (columns: a, b, c)"
+    Path("t.csv").write_text("a,b\n1,2\n3,x\n")
+    r = cli("import", "t.zarr", "--csv", "t.csv", "--length", "1", rc=2)
+    assert "line 3, column 'b': 'x' is not a number" in r.stderr
 
 
 def test_install_hints_follow_the_installation(monkeypatch):
@@ -123,20 +108,19 @@ def test_install_hints_follow_the_installation(monkeypatch):
         fs_for("s3://b/x.zarr")
 
 
-def test_resume_of_a_finished_run_says_nothing_to_resume(data):
-    assert cli("fit", "data.zarr", "--out", "done", "--local", "--quiet", "--no-plots", cwd=data).returncode == 0
-    p = cli("fit", "data.zarr", "--out", "done", "--local", "--resume", cwd=data)
-    assert p.returncode == 2 and "nothing to resume" in p.stderr and "done.checkpoint.zarr" in p.stderr
+def test_resume_of_a_finished_run_says_nothing_to_resume(causal_ds, tmp_path, cli):
+    cli("fit", causal_ds.url, "--out", tmp_path / "done", "--local", "--quiet", "--no-plots")
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "done", "--local", "--resume", rc=2)
+    assert "nothing to resume" in r.stderr and "done.checkpoint.zarr" in r.stderr
 
 
 @pytest.mark.slow
-def test_resumed_groups_are_shown_as_such(data):
-    env = {"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"}
-    assert cli("fit", "data.zarr", "--out", "res", "--local", "--no-plots", cwd=data, env=env).returncode == 75
-    p = cli("fit", "data.zarr", "--out", "res", "--local", "--no-plots", "--resume", cwd=data)
-    assert p.returncode == 0, p.stderr
-    assert "statistics: 3 of 8 row groups resumed from the checkpoint" in p.stderr
-    assert re.search(r"statistics .* 640/640 rows [\d,]+ rows/s 8/8 groups", p.stderr), p.stderr
+def test_resumed_groups_are_shown_as_such(causal_groups_ds, tmp_path, cli_process):
+    args = ("fit", causal_groups_ds.url, "--out", tmp_path / "res", "--local", "--no-plots")
+    cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 8 groups
+    r = cli_process(*args, "--resume")
+    assert "statistics: 3 of 8 row groups resumed from the checkpoint" in r.stderr
+    assert re.search(r"statistics .* 640/640 rows [\d,]+ rows/s 8/8 groups", r.stderr), r.stderr
 
 
 def test_reporters_count_rows_rate_and_groups(monkeypatch):
