@@ -106,7 +106,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
                          f" {w['prediction_difference']:.3g}{gap} on a {len(w['tokens'])}-token input (round-off of"
                          " the training loss; the data do change it along that direction)")
     t = r.get("timings", {})
-    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "solve", "heads", "evaluate") if k in t]
+    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate") if k in t]
     lines.append(f"wall time {r['seconds']:.2f} s" + (f" ({', '.join(steps)})" if steps else ""))
     if command is not None:
         parts = [f"{label} {command[k]:.2f} s" for k, label in (("cluster", "cluster start"), ("write", "write"))

@@ -17,7 +17,10 @@ Comparison of a printed line with the README's (:func:`line_matches`), after nor
 - every other number is compared: integers exactly; other numbers within 1 % relative, except round-off
   values: when the README's number and the printed one are both below 1e-10 in magnitude (a relative MSE of
   8e-30, a distance to the teacher of 4e-15: float64 round-off, which moves with the BLAS build and the thread
-  count), they must lie within 3 decades of each other (``8.2e-30`` accepts ``9.2e-28``, not ``1e-20``).
+  count), they must lie within 3 decades of each other (``8.2e-30`` accepts ``9.2e-28``, not ``1e-20``); values
+  below 1e-40 on both sides are zero in all but name (a ``lambda_min`` of ``2.45e-98`` from a QR of exactly
+  rank-deficient data) and match each other; a certificate's ``margin 2.12e+03x`` within a decade (the margin
+  of a rank-deficient certificate is the cutoff over round-off values; the verdict needs it above 10).
 
 Lines written by Dask's own loggers (``2026-01-01 12:00:00,000 - distributed.... - WARNING - ...``, e.g. an
 event loop slowed by a loaded machine) are left out of the printed output before comparing.
@@ -53,6 +56,9 @@ NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 DASK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ - distributed\.")
 ROUNDOFF = 1e-10
 ROUNDOFF_DECADES = 3.0
+ZERO = 1e-40
+MARGIN = re.compile(r"margin $")
+MARGIN_DECADES = 1.0
 RTOL = 0.01
 
 
@@ -104,7 +110,7 @@ def _numbers_match(want: str, got: str) -> bool:
     except ValueError:
         return want == got
     if abs(a) < ROUNDOFF and abs(b) < ROUNDOFF:  # round-off: the same order of magnitude, give or take
-        if a == 0 or b == 0:
+        if a == 0 or b == 0 or (abs(a) < ZERO and abs(b) < ZERO):
             return True
         return abs(math.log10(abs(b)) - math.log10(abs(a))) <= ROUNDOFF_DECADES
     return abs(a - b) <= RTOL * max(abs(a), abs(b))
@@ -113,10 +119,17 @@ def _numbers_match(want: str, got: str) -> bool:
 def line_matches(want: str, got: str) -> bool:
     """Whether a printed line ``got`` reads as the README's ``want`` (module docstring: free values, bands)."""
     w, g = normalise(want), normalise(got)
-    wn, gn = NUMBER.findall(w), NUMBER.findall(g)
-    if NUMBER.sub("#", w) != NUMBER.sub("#", g) or len(wn) != len(gn):
+    wm, gm = list(NUMBER.finditer(w)), list(NUMBER.finditer(g))
+    if NUMBER.sub("#", w) != NUMBER.sub("#", g) or len(wm) != len(gm):
         return False
-    return all(_numbers_match(a, b) for a, b in zip(wn, gn))
+    for a, b in zip(wm, gm):
+        if MARGIN.search(w[: a.start()]):  # a certificate's margin: within a decade
+            x, y = float(a.group()), float(b.group())
+            if not (x > 0 and y > 0 and abs(math.log10(y / x)) <= MARGIN_DECADES):
+                return False
+        elif not _numbers_match(a.group(), b.group()):
+            return False
+    return True
 
 
 # ---- running ------------------------------------------------------------------------------------------------
@@ -182,6 +195,10 @@ def test_line_matching_bands():
                         "train MSE 1.1e-31  (relative 9.2e-28; mean y^2 0.0001051)")
     assert not line_matches("relative 8.18e-30", "relative 1e-20")  # 10 decades: not round-off alike
     assert not line_matches("relative 8.18e-30", "relative 0.05")
+    assert line_matches("[a QR of the features, margin 2.12e+03x]", "[a QR of the features, margin 900x]")
+    assert not line_matches("[the float64 Gram, margin 6.27e+11x]", "[the float64 Gram, margin 20x]")
+    assert line_matches("lambda_min 2.45e-98", "lambda_min 3.1e-90") and not line_matches("lambda_min 2.45e-98",
+                                                                                            "lambda_min 1e-30")
     assert not line_matches("mean y^2 0.0001051", "mean y^2 0.0001151")  # a real number, 10 % off
     assert not line_matches("rows 51,200", "rows 51,201")  # integers exactly
     assert not line_matches("rank 6", "rank 5") and not line_matches("heads 4 (svd)", "heads 4 (minimal)")
