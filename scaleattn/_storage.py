@@ -19,7 +19,7 @@ import time
 
 import zarr
 
-from .errors import ParameterError, StorageError
+from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
            "transient", "with_retries", "is_url", "RETRY_ATTEMPTS", "RETRY_DELAY"]
@@ -249,7 +249,12 @@ def fs_for(url: str, storage_options: dict | None = None):
     """The fsspec filesystem and path for ``url`` (local paths use the local filesystem)."""
     import fsspec
 
-    return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    try:
+        return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    except ImportError as e:  # the filesystem of this protocol is an optional package (s3fs for s3://)
+        if str(url).split("://", 1)[0] in ("s3", "s3a"):
+            raise MissingDependencyError.for_extra(str(url), "s3", "s3fs") from None
+        raise MissingDependencyError(f"{url}: {e}") from None
 
 
 def exists(url: str, storage_options: dict | None = None) -> bool:

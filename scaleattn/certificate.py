@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from . import report as _report
 from ._params import no_other_kwargs, real, renamed
 from .errors import ParameterError
 from .features import coef_distance, predict_rows, token_features
@@ -169,6 +170,16 @@ class Certificate:
     @property
     def ambiguous_dim(self) -> int:
         return self.psi - self.rank
+
+    def __repr__(self) -> str:
+        return (f"Certificate({self.verdict} ({self.method}, margin {self.margin:.3g}x): rank {self.rank} of psi"
+                f" {self.psi}, lambda_min {self.lambda_min:.4g}, lambda_max {self.lambda_max:.4g}, rows {self.n_rows})")
+
+    def _repr_html_(self) -> str:
+        """The verdict card in Jupyter (:func:`scaleattn.report.certificate_html`): the verdict, lambda_min,
+        the rank, the margin to the cutoff and the spectrum thumbnail."""
+        return _report.safe_html(lambda: _report.certificate_html(self.summary(), self.spectrum_scaled),
+                                 lambda: _report.certificate_summary(self.summary()))
 
     def summary(self) -> dict:
         """JSON-ready numbers: the keys of docs/report.md §2 (``verdict``, ``certificate_method``, ``margin``,

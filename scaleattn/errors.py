@@ -128,8 +128,8 @@ def install_hint(extra: str, packages: str) -> str:
     url = info.get("url", "")
     if url.startswith("file://") and "dir_info" in info:  # installed from a checkout
         editable = "-e " if info["dir_info"].get("editable") else ""
-        return f"pip install {editable}'{url[len('file://'):]}[{extra}]'"
-    return f"pip install 'scaleattn[{extra}]'"
+        return f"pip install {editable}'{url[len('file://'):]}{f'[{extra}]' if extra else ''}'"
+    return f"pip install 'scaleattn{f'[{extra}]' if extra else ''}'"
 
 
 class ClusterError(ScaleattnError, RuntimeError):

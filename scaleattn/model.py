@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from . import _formats, _integrity
+from . import report as _report
 from ._backend import get_xp
 from ._outputs import atomic_output
 from ._params import heads_spec
@@ -17,7 +18,8 @@ from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
 from .solver import Solution, solve
 
-__all__ = ["MHLAModel", "model_from_statistics", "recover_heads", "heads_are_exact", "EXACT_HEADS_RTOL"]
+__all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
+           "EXACT_HEADS_RTOL"]
 
 FORMAT, FORMAT_VERSION = _formats.MODEL
 
@@ -73,6 +75,22 @@ class MHLAModel:
     @property
     def n_heads(self) -> int:
         return int(self.V.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"MHLAModel(d={self.d}, d_out={self.d_out}, n_heads={self.n_heads}, causal={self.causal}"
+                + (f", heads_method={self.attrs['heads_method']!r}" if "heads_method" in self.attrs else "") + ")")
+
+    def _repr_html_(self) -> str:
+        """The model card in Jupyter (:func:`scaleattn.report.model_html`): heads, sizes, head norms."""
+        def render():
+            V, Q = np.asarray(self.V), np.asarray(self.Q)
+            norms = [(float(np.linalg.norm(V[h])), float(np.linalg.norm(Q[h]))) for h in range(self.n_heads)]
+            return _report.model_html({"d": self.d, "d_out": self.d_out, "psi": int(self.coef.shape[0]),
+                                       "n_heads": self.n_heads, "causal": self.causal, "attrs": self.attrs,
+                                       "coef_norm": float(np.linalg.norm(np.asarray(self.coef))),
+                                       "head_norms": norms})
+
+        return _report.safe_html(render, lambda: repr(self))
 
     def predict(self, tokens, lengths=None, causal: bool | None = None, use_heads: bool = False):
         """Predict targets of sequences.
@@ -194,5 +212,11 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     G = stats.gram() if gram is None else gram
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget)
-    coef = sol.coef if heads_are_exact(h) else coef_from_heads(h.V, h.Q)
-    return MHLAModel(coef, h.V, h.Q, stats.d, causal), sol, h
+    return model_from_heads(sol, h, stats.d, causal), sol, h
+
+
+def model_from_heads(solution: Solution, heads: Heads, d: int, causal: bool = False) -> MHLAModel:
+    """The model of a solution and its heads: the least-squares coefficients when the heads reproduce them
+    (:func:`heads_are_exact`), else the heads' own ``c(Theta)`` (the lossy H-head model)."""
+    coef = solution.coef if heads_are_exact(heads) else coef_from_heads(heads.V, heads.Q)
+    return MHLAModel(coef, heads.V, heads.Q, d, causal)

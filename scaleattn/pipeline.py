@@ -19,6 +19,7 @@ import warnings
 from . import report as _text
 from ._backend import check_device
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
+from ._storage import Location
 from ._version import __version__
 from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .dataset import Dataset
@@ -55,6 +56,10 @@ class FitResult:
     heads : Heads
     report : dict
         Every number of the fit (the keys of report.json, docs/report.md).
+    out : str or None
+        The run directory as given to :func:`fit` (None without one).
+    files : list of str
+        The names written into ``out`` (``report.json``, ``model.zarr``, ..., the PNG plots).
 
     See Also
     --------
@@ -78,6 +83,8 @@ class FitResult:
     solution: Solution
     heads: Heads
     report: dict
+    out: str | None = None
+    files: list = dataclasses.field(default_factory=list)
 
     @property
     def certificate(self) -> Certificate:
@@ -86,6 +93,19 @@ class FitResult:
     def summary(self) -> str:
         """The same summary ``scaleattn fit`` prints (:func:`scaleattn.report.fit_summary`)."""
         return _text.fit_summary(self.report)
+
+    def _repr_html_(self) -> str:
+        """The fit at a glance in Jupyter (:func:`scaleattn.report.fit_html`): the verdict with lambda_min, rank
+        and margin, the spectrum thumbnail, errors, heads, timings and the files written."""
+        return _text.safe_html(lambda: _text.fit_html(self.report, self.certificate.spectrum_scaled, self.out,
+                                                      self.files), self.summary, self.__repr__)
+
+    def __repr__(self) -> str:
+        r = self.report
+        verdict = _text.verdict(r) if "identifiable" in r and "ambiguous_dim" in r else "no certificate in the report"
+        mse = r.get("relative_train_mse")
+        return (f"FitResult({r.get('dataset', '')!r}: {verdict}; {self.model.n_heads} heads; relative train MSE"
+                f" {'n/a' if mse is None else format(mse, '.3g')})")
 
 
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
@@ -116,7 +136,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     overwrite : bool
         Replace an existing ``out`` (and start over instead of resuming a checkpoint).
     progress : bool or Reporter
-        Bars and phases on stderr (:mod:`scaleattn.progress`).
+        Bars in rows (rate, row groups done, time left) and the phases statistics, solve, heads, evaluate,
+        write: on stderr, or live in the cell in a notebook (:mod:`scaleattn.progress`).
     storage_options : dict or list of "KEY=VALUE", optional
         fsspec options for the dataset, ``out`` and the checkpoint.
     device : "auto" | "cpu" | "gpu"
@@ -200,6 +221,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     reporter = as_reporter(progress)
     ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
                    fill_absent_chunks=fill_absent_chunks)
+    out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))  # before the build
     if certificate == "qr":
@@ -224,8 +246,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                              ckpt if keep_checkpoint else None)
             result.report["seconds"] = time.perf_counter() - t0
             if out is not None:
-                with reporter.phase(f"write {out.url}"):
-                    write_run(result, out, overwrite=overwrite, files=_plots(result, ds) if plots else None)
+                with reporter.phase("write", out_label + (" with plots" if plots else "")):
+                    t = time.perf_counter()
+                    files = _plots(result, ds) if plots else None
+                    if plots:
+                        times["plots"] = time.perf_counter() - t
+                    result.files = write_run(result, out, overwrite=overwrite, files=files)
+                    result.out = out_label
         except BaseException as e:
             if ckpt is not None:
                 with_hint(e, kept_hint(ckpt, "all row groups"))
@@ -252,29 +279,26 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     heads, cutoff_rtol, ridge, solver = o.heads, o.cutoff_rtol, o.ridge, o.solver
     t = time.perf_counter()
     stats = stats.to_numpy()
-    G = stats.gram()  # expanded once: the solve, the heads and the witness share it
-
-    def heads_and_report(sol, gram):
-        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=gram,
-                                              solution=sol, heads_budget=o.heads_budget)
-        return model, sol, h, _report(ds, stats, sol, h, model, gram)
-
-    with reporter.phase(f"solve (psi {stats.psi:,}) and heads ({heads})"):
+    with reporter.phase("solve", f"psi {stats.psi:,}"):
+        G = stats.gram()  # expanded once: the solve, the heads and the witness share it
         sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
-        qr = needs_qr(o.certificate, sol.certificate, stats.psi)
-        if not qr:
-            model, sol, h, report = heads_and_report(sol, G)
-    times["solve_and_heads"] = time.perf_counter() - t
-    if qr:  # the Gram cannot settle the certificate (or certificate="qr"): a QR of the features, a second pass
+    times["solve"] = time.perf_counter() - t
+    if needs_qr(o.certificate, sol.certificate, stats.psi):  # the Gram cannot settle it: a QR, a second pass
         t = time.perf_counter()
         check_qr_memory(ds.d, ds.d_out, client)
         factor = compute_r(ds, client, progress=reporter)
         times["qr"] = time.perf_counter() - t
         t = time.perf_counter()
-        with reporter.phase(f"solve from R (psi {stats.psi:,}) and heads ({heads})"):
+        with reporter.phase("solve from R", f"psi {stats.psi:,}"):
             sol = solve_from_r(factor, cutoff_rtol, ridge, gram=sol.certificate)
-            model, sol, h, report = heads_and_report(sol, G)
-        times["solve_and_heads"] += time.perf_counter() - t
+        times["solve"] += time.perf_counter() - t
+    t = time.perf_counter()
+    with reporter.phase("heads", str(heads)):
+        model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G,
+                                              solution=sol, heads_budget=o.heads_budget)
+        report = _report(ds, stats, sol, h, model, G)
+    times["heads"] = time.perf_counter() - t
+    times["solve_and_heads"] = times["solve"] + times["heads"]
     del G
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
     if exact_mse:

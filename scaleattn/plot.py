@@ -2,8 +2,8 @@
 
 Every ``*_figure`` function returns a :class:`matplotlib.figure.Figure` built without pyplot (no global state,
 no GUI backend; Jupyter displays it inline, :meth:`Figure.savefig` writes PNG through Agg). Marked elements
-carry a ``gid`` (``"lambda_min"``, ``"lambda_max"``, ``"cutoff"``, ``"n_heads"``, ``"identity"``) so they can
-be found programmatically.
+carry a ``gid`` (``"lambda_min"``, ``"lambda_max"``, ``"cutoff"``, ``"n_heads"``, ``"minimal_heads"``,
+``"identity"``) so they can be found programmatically.
 
 :func:`save_run_plots` writes ``spectrum.png``, ``heads.png``, ``loss_vs_heads.png`` (when the report's
 ``loss_vs_heads`` has two or more points) and ``predictions.png`` (when the dataset is reachable) next to
@@ -22,6 +22,7 @@ from ._outputs import check_disjoint, check_outside_stores
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
+from .report import minimal_heads
 from .run import MODEL, SPECTRUM, STATS, read_run, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 
@@ -110,9 +111,14 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     return fig
 
 
-def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str | None = None):
+def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str | None = None, *,
+                         minimal: dict | None = None, method: str | None = None):
     """Singular values ``sigma_r`` of ``W`` (d_out*d, d*d), the head spectrum of [Y25] Alg. 1 (DESIGN §5), with
-    the number of heads kept marked (``gid="n_heads"``). Log y; zeros are drawn at a floor."""
+    the number of heads kept marked (``gid="n_heads"``). Log y; zeros are drawn at a floor.
+
+    ``minimal`` (:func:`scaleattn.report.minimal_heads` of the report: ``{"count", "exact", "source"}``) marks
+    the fewest heads known to compute the function (``gid="minimal_heads"``) when it is below ``n_heads``,
+    labelled "fewer heads suffice"; ``method`` (the report's ``heads_method``) names the heads kept."""
     s = np.sort(np.asarray(singular_values, np.float64))[::-1]
     if s.size == 0:
         raise ParameterError("singular_values: empty")
@@ -123,7 +129,12 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
     r = np.arange(1, s.size + 1)
     ax.semilogy(r, shown, "o-", color="C1", ms=4, lw=0.8, label=r"$\sigma_r(W)$")
     if n_heads is not None:
-        ax.axvline(n_heads + 0.5, color="k", ls="--", lw=1, gid="n_heads", label=f"heads kept: {n_heads}")
+        ax.axvline(n_heads + 0.5, color="k", ls="--", lw=1, gid="n_heads",
+                   label=f"heads kept: {n_heads}" + (f" ({method})" if method else ""))
+    if minimal is not None and (n_heads is None or minimal["count"] < n_heads):
+        who = "head search" if minimal["source"] == "head search" else "the teacher's"
+        ax.axvline(minimal["count"] + 0.5, color="C2", ls="-.", lw=1.4, gid="minimal_heads",
+                   label=f"fewer heads suffice: {minimal['count']} ({who})")
     ax.set_xlabel("index r")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("singular value of W")
@@ -216,7 +227,8 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
                                            rtol=r.get("cutoff_rtol"), lambda_min=r.get("lambda_min"),
                                            identifiable=r.get("identifiable"))
     if r.get("head_singular_values"):
-        figs["heads"] = head_spectrum_figure(r["head_singular_values"], r.get("n_heads"))
+        figs["heads"] = head_spectrum_figure(r["head_singular_values"], r.get("n_heads"), minimal=minimal_heads(r),
+                                             method=r.get("heads_method"))
     lvh = loss_vs_heads_figure(r.get("loss_vs_heads"), r.get("target_mean_square"))
     if lvh is not None:
         figs["loss_vs_heads"] = lvh

@@ -64,6 +64,10 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
             check_outside_stores(loc, role)
     if out is not None and out.exists():
         if not overwrite:
+            if resume and not (ckpt is not None and ckpt.exists()):
+                raise OutputExistsError(f"nothing to resume: {out.url!r} is a finished run and no checkpoint"
+                                        f" {ckpt.url!r} is left (--resume continues a fit that was interrupted;"
+                                        " pass --overwrite to fit again)")
             raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")
         check_replaceable(out, "--out")
     if ckpt is not None and ckpt.exists() and not resume:

@@ -2,16 +2,20 @@
 
 Computation never imports UI: the pipeline hands a :class:`Reporter` down, and the build, the solver step
 and the evaluation call ``phase``/``bar``/``line`` on it. :class:`Reporter` itself is silent;
-:class:`ConsoleReporter` draws with rich on stderr (so ``--json`` output on stdout stays clean) or, in a
-Jupyter notebook, live in the cell. :func:`as_reporter` turns the API's ``progress=True/False`` into one.
+:class:`ConsoleReporter` draws with rich on stderr (so ``--json`` output on stdout stays clean);
+:class:`NotebookReporter` updates one HTML line per bar in a Jupyter cell (rows, rows/s, groups done, time
+left), whose last state stays in the saved notebook. :func:`as_reporter` turns the API's
+``progress=True/False`` into the one that fits where it runs.
 """
 from __future__ import annotations
 
 import contextlib
+import html
 import sys
+import threading
 import time
 
-__all__ = ["Reporter", "ConsoleReporter", "as_reporter", "in_notebook"]
+__all__ = ["Reporter", "ConsoleReporter", "NotebookReporter", "as_reporter", "in_notebook", "clock"]
 
 
 def in_notebook() -> bool:
@@ -25,6 +29,20 @@ def in_notebook() -> bool:
         return False
 
 
+def clock(seconds: float | None) -> str:
+    """``H:MM:SS`` of a duration (``-:--:--`` when unknown), as rich's time columns print it.
+
+    Examples
+    --------
+    >>> clock(75.2), clock(None)
+    ('0:01:15', '-:--:--')
+    """
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class Reporter:
     """Silent progress reporter; the base of every reporter (also what ``progress=False`` gives).
 
@@ -33,17 +51,23 @@ class Reporter:
     phase(name, detail="")
         Context manager around one step (``"solve"``, ``"heads"``, ``"write"``): reporters show a spinner
         and ``name: done in X s``.
-    bar(name, total, unit="rows", done=0, note="")
-        Context manager yielding ``advance(n)``: a bar of ``total`` units of which ``done`` are already
-        finished (resumed); reporters show counts, the rate in units/s and the time left.
+    bar(name, total, unit="rows", done=0, note="", steps=0, step_unit="groups", steps_done=0)
+        Context manager yielding ``advance(n=1, steps=0)``: a bar of ``total`` units of which ``done`` are
+        already finished (resumed); ``steps`` counts the pieces of work (row groups, tasks) of which
+        ``steps_done`` are finished, ``advance(n, steps=1)`` marks one more. Reporters show the counts, the
+        rate of the units computed in this run (units/s), the steps done and the time left.
     line(text)
         One line of information (cluster started, checkpoint kept, ...).
+    status(text)
+        Context manager: a transient spinner (terminals only) for a short wait that leaves no line behind
+        (the local cluster stopping after the report).
 
     Examples
     --------
     >>> r = Reporter()
-    >>> with r.bar("statistics", 100) as advance:
-    ...     advance(100)
+    >>> with r.bar("statistics", 100, steps=2) as advance:
+    ...     advance(50, steps=1)
+    ...     advance(50, steps=1)
     """
 
     enabled = False
@@ -53,28 +77,86 @@ class Reporter:
         yield
 
     @contextlib.contextmanager
-    def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = ""):
-        yield lambda n=1: None
+    def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
+            step_unit: str = "groups", steps_done: int = 0):
+        yield lambda n=1, steps=0: None
 
     def line(self, text: str) -> None:
         return None
 
+    @contextlib.contextmanager
+    def status(self, text: str):
+        """Context manager: a transient spinner with ``text`` while it runs (terminals only; nothing stays)."""
+        yield
+
+
+class _BarState:
+    """Counts of one bar (thread-safe: Dask callbacks may advance it from the client's event loop)."""
+
+    def __init__(self, name, total, unit, done, steps, step_unit, steps_done):
+        self.name, self.unit, self.step_unit = name, unit, step_unit
+        self.total, self.done, self.fresh = max(int(total), 1), int(done), 0
+        self.steps, self.steps_done = int(steps), int(steps_done)
+        self.t0 = time.perf_counter()
+        self.lock = threading.Lock()
+
+    def advance(self, n: int = 1, steps: int = 0) -> None:
+        with self.lock:
+            self.done += n
+            self.fresh += n
+            self.steps_done += steps
+
+    def rate(self) -> float | None:
+        dt = time.perf_counter() - self.t0
+        return self.fresh / dt if dt > 0 and self.fresh else None
+
+    def rate_text(self) -> str:
+        r = self.rate()
+        return "" if r is None else f"{r:,.0f} {self.unit}/s"
+
+    def steps_text(self) -> str:
+        return f"{self.steps_done:,}/{self.steps:,} {self.step_unit}" if self.steps else ""
+
+    def left(self) -> float | None:
+        r = self.rate()
+        return 0.0 if self.done >= self.total else (None if r is None else (self.total - self.done) / r)
+
+    def text(self, final: bool = False) -> str:
+        """One plain line: ``statistics 2,150/5,120 rows  12,300 rows/s  3/8 groups  0:00:01 elapsed ...``."""
+        elapsed = time.perf_counter() - self.t0
+        parts = [self.name, f"{round(min(self.done, self.total)):,}/{self.total:,} {self.unit}", self.rate_text(),
+                 self.steps_text(), f"{clock(elapsed)} elapsed"]
+        if not final:
+            parts.append(f"{clock(self.left())} left")
+        return "  ".join(p for p in parts if p)
+
+    def html(self, final: bool = False) -> str:
+        frac = min(self.done / self.total, 1.0)
+        bar = ('<span style="display:inline-block;width:14em;height:0.75em;border:1px solid #888;'
+               'vertical-align:middle;margin:0 0.6em">'
+               f'<span style="display:block;height:100%;width:{100 * frac:.1f}%;background:#4c72b0"></span></span>')
+        rest = html.escape(self.text(final)[len(self.name):].strip())
+        return (f'<div class="scaleattn-progress" data-name="{html.escape(self.name)}" data-done="{round(self.done)}"'
+                f' data-total="{self.total}" style="font-family:monospace;font-size:0.9em;line-height:1.6">'
+                f"<b>{html.escape(self.name)}</b>{bar}{rest}</div>")
+
 
 class ConsoleReporter(Reporter):
-    """rich bars and spinners on stderr (live in a terminal or notebook; the final state once otherwise)."""
+    """rich bars and spinners on stderr (live in a terminal; the final state once otherwise)."""
 
     enabled = True
 
     def __init__(self, file=None):
         from rich.console import Console
 
-        self.console = Console(file=file or sys.stderr, stderr=file is None)
+        # soft_wrap: a long line (a dashboard link) stays one line in logs and pipes, never cut at 80 columns
+        self.console = Console(file=file or sys.stderr, stderr=file is None, soft_wrap=True)
 
     @contextlib.contextmanager
     def phase(self, name: str, detail: str = ""):
         t0 = time.perf_counter()
         label = f"[bold]{name}[/bold]" + (f" ({detail})" if detail else "")
-        if in_notebook() or not self.console.is_terminal:
+        if not self.console.is_terminal:
             yield
         else:
             with self.console.status(f"{label} ..."):
@@ -82,40 +164,99 @@ class ConsoleReporter(Reporter):
         self.console.print(f"{label}: done in {time.perf_counter() - t0:.2f} s", highlight=False)
 
     @contextlib.contextmanager
-    def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = ""):
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+    def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
+            step_unit: str = "groups", steps_done: int = 0):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+        st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
         columns = [TextColumn("[bold]{task.description}"), BarColumn(),
                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} " + unit),
-                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-        t0 = time.perf_counter()
+                   TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[steps]}"), TimeElapsedColumn(),
+                   TimeRemainingColumn()]
         with Progress(*columns, console=self.console, transient=False) as prog:
-            task = prog.add_task(name, total=max(int(total), 1), completed=int(done), rate="")
+            task = prog.add_task(name, total=st.total, completed=st.done, rate="", steps=st.steps_text())
             if note:
                 prog.console.print(f"{name}: {note}", highlight=False)
-            fresh = [0]
 
-            def advance(n: int = 1) -> None:
-                fresh[0] += n
-                dt = time.perf_counter() - t0
-                rate = f"{fresh[0] / dt:,.0f} {unit}/s" if dt > 0 else ""
-                prog.update(task, advance=n, rate=rate)
+            def advance(n: int = 1, steps: int = 0) -> None:
+                st.advance(n, steps)
+                prog.update(task, advance=n, rate=st.rate_text(), steps=st.steps_text())
 
             yield advance
 
     def line(self, text: str) -> None:
         self.console.print(text, highlight=False)
 
+    @contextlib.contextmanager
+    def status(self, text: str):
+        if not self.console.is_terminal:
+            yield
+            return
+        with self.console.status(f"{text} ..."):
+            yield
+
+
+class NotebookReporter(Reporter):
+    """Live progress in a Jupyter cell: one HTML line per bar and per phase, updated in place (at most every
+    ``interval`` seconds), with a plain-text twin; the last state is what a saved notebook shows.
+
+    Each bar shows the units done (rows, samples), the rate of this run, the steps done (row groups or
+    tasks), the time elapsed and left; each phase shows ``name ...`` while it runs, then ``name: done in X s``.
+    """
+
+    enabled = True
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = float(interval)
+
+    @staticmethod
+    def _show(text: str, html_text: str, handle=None):
+        from IPython.display import display
+
+        bundle = {"text/plain": text, "text/html": html_text}
+        if handle is None:
+            return display(bundle, raw=True, display_id=True)
+        handle.update(bundle, raw=True)
+        return handle
+
+    @contextlib.contextmanager
+    def phase(self, name: str, detail: str = ""):
+        label = name + (f" ({detail})" if detail else "")
+        style = 'class="scaleattn-phase" style="font-family:monospace;font-size:0.9em"'
+        handle = self._show(f"{label} ...", f"<div {style}><b>{html.escape(label)}</b> ...</div>")
+        t0 = time.perf_counter()
+        yield
+        done = f"done in {time.perf_counter() - t0:.2f} s"
+        self._show(f"{label}: {done}", f"<div {style}><b>{html.escape(label)}</b>: {done}</div>", handle)
+
+    @contextlib.contextmanager
+    def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
+            step_unit: str = "groups", steps_done: int = 0):
+        st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+        if note:
+            self.line(f"{name}: {note}")
+        handle = self._show(st.text(), st.html())
+        last = [time.perf_counter()]
+
+        def advance(n: int = 1, steps: int = 0) -> None:
+            st.advance(n, steps)
+            now = time.perf_counter()
+            if now - last[0] >= self.interval:
+                last[0] = now
+                self._show(st.text(), st.html(), handle)
+
+        yield advance
+        self._show(st.text(final=True), st.html(final=True), handle)
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+
 
 def as_reporter(progress) -> Reporter:
-    """A reporter for ``progress``: a :class:`Reporter` as is, ``True`` -> :class:`ConsoleReporter`,
-    ``False``/``None`` -> the silent :class:`Reporter`."""
+    """A reporter for ``progress``: a :class:`Reporter` as is; ``True`` -> :class:`NotebookReporter` in a
+    Jupyter kernel, else :class:`ConsoleReporter`; ``False``/``None`` -> the silent :class:`Reporter`."""
     if isinstance(progress, Reporter):
         return progress
-    return ConsoleReporter() if progress else Reporter()
+    if not progress:
+        return Reporter()
+    return NotebookReporter() if in_notebook() else ConsoleReporter()

@@ -61,15 +61,17 @@ def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
     return _integrity.read_checked(g, "eigenvalues", loc.url), _integrity.read_checked(g, "eigenvalues_scaled", loc.url)
 
 
-def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> None:
+def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> list[str]:
     """Write a fit's run directory at ``out`` (a path, URL or Location): ``report.json``, ``model.zarr``,
     ``stats.zarr``, ``spectrum.zarr`` when the certificate has the whole spectrum, and ``files`` (name ->
     bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn._storage.atomic_output`).
 
     ``result`` is a :class:`~scaleattn.pipeline.FitResult` (``model``, ``statistics``, ``certificate``,
-    ``report``). Raises :class:`~scaleattn.errors.OutputExistsError` when ``out`` exists and not ``overwrite``.
+    ``report``). Returns the names written, in that order. Raises :class:`~scaleattn.errors.OutputExistsError`
+    when ``out`` exists and not ``overwrite``.
     """
     out = resolve(out)
+    names = [REPORT, MODEL, STATS]
     with atomic_output(out, overwrite) as tmp:
         if not tmp.is_remote:
             os.makedirs(tmp.url, exist_ok=True)
@@ -77,8 +79,10 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
         result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", "")})
         if result.certificate.eigenvalues is not None:
             save_spectrum(result.certificate, tmp.join(SPECTRUM))
+            names.append(SPECTRUM)
         tmp.join(REPORT).write_bytes(_formats.dumps(result.report).encode())
         write_files(tmp, files or {})
+    return names + list(files or {})
 
 
 def write_files(out, files: dict) -> list[str]:

@@ -15,6 +15,7 @@ import functools
 import numpy as np
 
 from . import _formats, _integrity
+from . import report as _report
 from ._backend import get_xp, to_numpy
 from ._outputs import atomic_output
 from ._storage import resolve
@@ -154,6 +155,18 @@ class Statistics:
     def target_mean_square(self) -> float:
         """Mean of ``y^2`` over rows and outputs."""
         return self.yy / max(self.n_rows * self.d_out, 1)
+
+    def __repr__(self) -> str:
+        return (f"Statistics(n_rows={int(self.n_rows)}, d={self.d}, d_out={self.d_out}, psi={self.psi},"
+                f" yy={float(self.yy):.6g})")
+
+    def _repr_html_(self) -> str:
+        """The statistics card in Jupyter (:func:`scaleattn.report.statistics_html`)."""
+        return _report.safe_html(lambda: _report.statistics_html({
+            "n_rows": int(self.n_rows), "d": self.d, "d_out": self.d_out, "psi": self.psi,
+            "target_mean_square": float(self.target_mean_square),
+            "nbytes": int(self.gram_compact.nbytes + self.moments.nbytes),
+            "gram_shape": tuple(int(n) for n in self.gram_compact.shape)}), lambda: repr(self))
 
     def to_numpy(self) -> Statistics:
         return Statistics(to_numpy(self.gram_compact), to_numpy(self.moments), float(self.yy), int(self.n_rows), self.d)

@@ -157,7 +157,7 @@ def test_cli_maps_our_errors_to_2_and_bugs_to_1(small, monkeypatch, capsys):
     def broken(*a, **k):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(pipeline, "model_from_statistics", broken)
+    monkeypatch.setattr(pipeline, "solve", broken)  # a bug inside the fit (the solve step)
     assert main(["fit", small.url, "--out", str(small.url) + "-run", "--local", "--no-plots"]) == 1
     err = capsys.readouterr().err
     assert "internal error (this is a bug" in err and "ZeroDivisionError" in err and "Traceback" not in err

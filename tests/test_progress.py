@@ -1,5 +1,6 @@
 """Progress of long steps: rich bars counted in rows on stderr in a captured CLI run with a real LocalCluster,
-driven by the job's own client and futures, never default_client(); phases named; --json/--quiet clean."""
+driven by the job's own client and futures, never default_client(); phases named; --json and --quiet keep stderr
+clean."""
 import json
 
 import pytest
@@ -17,16 +18,17 @@ def test_cli_fit_shows_dashboard_and_bars(causal_ds, tmp_path, cli):
     lines = err.splitlines()
     assert any(ln.startswith("statistics") and "960/960 rows" in ln and "rows/s" in ln for ln in lines), err
     assert any(ln.startswith("evaluate") and "96/96 samples" in ln for ln in lines), err
-    assert any(ln.startswith("solve (psi 6) and heads (svd): done in") for ln in lines), err
+    assert any(ln.startswith("solve (psi 6): done in") for ln in lines), err
+    assert any(ln.startswith("heads (svd): done in") for ln in lines), err
     assert any(ln.startswith("write ") for ln in lines), err
-    assert "statistics" not in out and "certificate: IDENTIFIABLE" in out  # bars on stderr, summary on stdout
+    assert "rows/s" not in out and "certificate: IDENTIFIABLE" in out  # bars on stderr, summary on stdout
 
 
 def test_cli_json_and_quiet_are_clean(causal_ds, tmp_path, cli):
     r = cli("fit", causal_ds.url, "--out", tmp_path / "a", "--local", "--json", "--no-plots")
     assert json.loads(r.stdout)["n_rows"] == 960 and "statistics" not in r.stderr
     r = cli("fit", causal_ds.url, "--out", tmp_path / "b", "--local", "--quiet", "--no-plots")
-    assert r.stdout == "" and r.stderr == ""
+    assert r.stderr == "" and "certificate: IDENTIFIABLE" in r.stdout  # --quiet silences stderr; the result stays
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scaleattn._version import __version__
 from scaleattn.features import n_features, n_pairs, phi, row_targets, token_features
 
 __all__ = ["run"]
@@ -233,7 +234,23 @@ def _machine() -> dict:
             "numpy": np.__version__, "blas": [{k: i.get(k) for k in ("internal_api", "version", "num_threads",
                                                                        "architecture", "prefix")}
                                                for i in threadpool_info() if i.get("user_api") == "blas"],
-            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"), "load_avg": os.getloadavg()}
+            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"), "load_avg": os.getloadavg(),
+            "scaleattn": __version__, "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The git commit of the scaleattn checkout being measured (``-dirty`` with uncommitted changes; None
+    outside a git checkout), so that figures copied into docs/performance.md can say which code produced them."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def run(out_dir, quick: bool = False) -> dict:
@@ -299,7 +316,8 @@ def markdown(res) -> str:
          f"Machine: {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['processor'] or m['platform']}; BLAS "
          f"{blas};"
          f" load average at start {m['load_avg'][0]:.1f}. float64 GEMM {res['gemm_gflops']:.1f} GFLOP/s"
-         f" (at the end {res['gemm_gflops_end']:.1f}). Total {res['seconds']:.0f} s.", "",
+         f" (at the end {res['gemm_gflops_end']:.1f}). Total {res['seconds']:.0f} s; scaleattn {m['scaleattn']},"
+         f" commit {m['commit'] or 'unknown'}.", "",
          f"## Statistics build and solve, d = {c['d']}, {c['rows']:,} rows, psi = {c['psi']:,}", "",
          "| what | seconds | ratio | target | met |", "|---|---|---|---|---|",
          f"| floor 2 x {c['compact_macs']:.3g} MACs / GEMM rate | {c['floor_s']:.3f} | | | |",

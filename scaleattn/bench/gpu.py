@@ -116,9 +116,10 @@ def run(out_dir, quick: bool = False) -> dict:
     Raises ``RuntimeError`` when CuPy or a CUDA device is missing.
     """
     from scaleattn._backend import have_cupy
+    from scaleattn.errors import install_hint
 
     if not have_cupy():
-        raise RuntimeError("the GPU benchmark needs CuPy and a CUDA device (pip install 'scaleattn[gpu]')")
+        raise RuntimeError(f"the GPU benchmark needs CuPy and a CUDA device ({install_hint('gpu', 'cupy-cuda12x')})")
     import cupy
 
     out_dir = Path(out_dir)

@@ -197,15 +197,20 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     rows_per_sample, unit = _row_unit(dataset)
     rows = [(b - a) * rows_per_sample for a, b in groups]
     resumed = sum(r for gi, r in enumerate(rows) if gi not in todo)
-    note = f"{sum(done.all(axis=1))} of {len(groups)} row groups resumed from the checkpoint" if resumed else ""
-    with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note) as advance:
+    n_resumed = int(done.all(axis=1).sum())
+    note = f"{n_resumed} of {len(groups)} row groups resumed from the checkpoint" if resumed else ""
+    # the bar counts rows, and row groups done (tasks, groups x tiles, when the Gram is tiled)
+    steps, step_unit = (len(groups), "groups") if len(tiles) == 1 else (done.size, "tasks")
+    steps_done = n_resumed if len(tiles) == 1 else int(done.sum())
+    with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note, steps=steps, step_unit=step_unit,
+                      steps_done=steps_done) as advance:
         if client is None:
             reducers = [TreeReducer(_add_inplace, split_every) for _ in tiles]  # same tree (and bits) as on a cluster
             for gi, (a, b) in enumerate(groups):
                 for ti, cols in enumerate(tiles):
                     reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi]))
                 if gi in todo:
-                    advance(rows[gi])
+                    advance(rows[gi], steps=1 if len(tiles) == 1 else len(tiles) - int(done[gi].sum()))
                     if stop_after is not None and todo.index(gi) + 1 >= stop_after:
                         _testing.crash()
             result = _assemble([r.result() for r in reducers], dataset.d)
@@ -214,10 +219,11 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi],
                                    key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}-{sources[gi]:x}")
                      for ti, cols in enumerate(tiles)] for gi, (a, b) in enumerate(groups)]  # retries: in the task
-            weights = {f.key: (rows[gi] / len(tiles) if gi in todo else 0) for gi in range(len(groups))
-                       for f in futs[gi]}
+            # a leaf read back from the checkpoint weighs 0 rows and is no new step (the bar started with it done)
+            weights = {futs[gi][ti].key: (rows[gi] / len(tiles) if not done[gi, ti] else 0)
+                       for gi in range(len(groups)) for ti in range(len(tiles))}
             roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
-                              advance=advance, weights=weights,
+                              advance=lambda w: advance(w, steps=1 if w else 0), weights=weights,
                               on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
             result = _assemble(roots, dataset.d)
     _check_unchanged(dataset, groups, targets, sources)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
@@ -73,8 +74,8 @@ def embedded_security(security=None):
     try:
         return Security.temporary()
     except ImportError:
-        raise MissingDependencyError("the embedded cluster's TLS needs cryptography (a dependency of scaleattn):"
-                                     " pip install cryptography") from None
+        raise MissingDependencyError.for_extra("the embedded cluster's TLS", "",
+                                               "cryptography (a dependency of scaleattn)") from None
 
 
 def tls_security(ca_file: str | None = None, cert: str | None = None, key: str | None = None):
@@ -128,9 +129,11 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         The embedded cluster defaults to ephemeral TLS credentials (:func:`embedded_security`); ``False``
         starts it on plain TCP.
     quiet : bool
-        Do not print the cluster line (workers, dashboard link).
+        Do not print the cluster lines (``starting a local Dask cluster (N workers) ...`` before it starts, then
+        the workers, the start-up time and the dashboard link, which lives as long as this cluster).
     progress : Reporter, optional
-        Where the cluster line goes (default: stderr through :class:`~scaleattn.progress.ConsoleReporter`).
+        Where the cluster lines go (default :func:`~scaleattn.progress.as_reporter` of ``not quiet``: stderr, or
+        the cell in a notebook); a transient spinner shows while the embedded cluster stops.
     scheduler_timeout : float, optional
         Seconds to keep trying to reach ``scheduler`` (default: the dask config
         ``distributed.comm.timeouts.connect``, 30 s): a scheduler that starts after this process (a Kubernetes
@@ -177,8 +180,10 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     if not scheduler:
         security = embedded_security(security)
     kwargs = {} if security in (None, False) else {"security": security}
+    t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
         if scheduler:
+            reporter.line(f"connecting to the Dask scheduler {scheduler} ...")
             timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
             try:
                 client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
@@ -194,6 +199,9 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                                        f" {worker_timeout:g} s (--worker-timeout): are the worker pods Pending (no"
                                        " node with the requested CPUs, memory or GPUs) or failing?") from None
         else:
+            n = gpus or workers or default_workers()
+            kind = "dask-cuda cluster" if gpus else "Dask cluster"
+            reporter.line(f"starting a local {kind} ({n} {'GPU ' if gpus else ''}worker{'s' if n > 1 else ''}) ...")
             # port 0: a free port, so jobs side by side never collide on 8787 (None would still bind 8787)
             common = dict(dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING if debug else logging.CRITICAL,
                           **kwargs)
@@ -211,5 +219,12 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
             stack.enter_context(cluster)
             client = stack.enter_context(Client(cluster, **kwargs))
         link = getattr(client, "dashboard_link", None)
-        reporter.line(f"dask: {len(client.scheduler_info().get('workers', {}))} workers, dashboard {link}")
-        yield client
+        n = len(client.scheduler_info().get("workers", {}))
+        reporter.line(f"dask: {n} worker{'s' if n != 1 else ''} ready in {time.perf_counter() - t0:.1f} s, dashboard"
+                      f" {link} (open while this job runs)")
+        try:
+            yield client
+        finally:
+            if not scheduler:  # stopping the worker processes takes a few seconds: say so in a terminal
+                with reporter.status("stopping the local Dask cluster"):
+                    stack.close()

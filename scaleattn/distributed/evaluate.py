@@ -75,12 +75,12 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
                              f" {(dataset.d, dataset.d_out)}")
     groups = row_groups(dataset)
     coef = np.asarray(model.coef)
-    with as_reporter(progress).bar("evaluate", dataset.n_samples, "samples") as advance:
+    with as_reporter(progress).bar("evaluate", dataset.n_samples, "samples", steps=len(groups)) as advance:
         if client is None:
             parts = []
             for a, b in groups:
                 parts.append(group_errors(dataset, a, b, coef))
-                advance(b - a)
+                advance(b - a, steps=1)
             tot = tree_reduce(parts, _sum)
         else:
             cf = client.scatter(coef, broadcast=True)
@@ -88,7 +88,7 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
             futs = [client.submit(with_retries, group_errors, dataset, a, b, cf, key=f"evaluate-{a}-{b}-{tag}")
                     for a, b in groups]
             weights = {f.key: b - a for f, (a, b) in zip(futs, groups)}
-            (tot,) = run_trees(client, [futs], _sum, advance=advance, weights=weights)
+            (tot,) = run_trees(client, [futs], _sum, advance=lambda w: advance(w, steps=1), weights=weights)
     sse, yy, count = tot
     mse, ms = sse / max(count, 1), yy / max(count, 1)
     return {"mse": mse, "target_mean_square": ms, "relative_mse": mse / ms if ms > 0 else float("nan"),

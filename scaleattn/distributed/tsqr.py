@@ -133,15 +133,16 @@ def compute_r(dataset, client=None, *, targets: bool = True, group_samples: int 
     """
     tiled = len(tile_bounds(dataset.d)) > 1  # the statistics build's row groups, tiled or not
     groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if tiled else None)
-    with as_reporter(progress).bar("qr", dataset.n_samples, "samples") as advance:
+    with as_reporter(progress).bar("qr", dataset.n_samples, "samples", steps=len(groups)) as advance:
         if client is None:
             red = TreeReducer(merge_factors, split_every)
             for a, b in groups:
                 red.add(group_r(dataset, a, b, targets))
-                advance(b - a)
+                advance(b - a, steps=1)
             return red.result()
         futs = [client.submit(with_retries, group_r, dataset, a, b, targets,
                               key=f"qr-part-{dataset.fingerprint}-{int(targets)}-{a}-{b}") for a, b in groups]
         weights = {f.key: b - a for f, (a, b) in zip(futs, groups)}
-        (root,) = run_trees(client, [futs], merge_factors, split_every, advance=advance, weights=weights)
+        (root,) = run_trees(client, [futs], merge_factors, split_every, advance=lambda w: advance(w, steps=1),
+                            weights=weights)
         return root

@@ -1,35 +1,14 @@
-"""Command line (layer L5): ``scaleattn generate | import | fit | certify | compare | evaluate | plot | bench |
-submit``.
-
-Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
-line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2; anything else is a bug: one line saying so and exit
-code 1 (``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
-(a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
-terminal unless ``--debug``.
-"""
+"""The ``scaleattn`` argument parser: every command's options, with units and defaults (layer L5)."""
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 
-from ._backend import DEVICES
-from ._storage import parse_storage_options
-from ._version import __version__
-from .errors import ScaleattnError, hint_of
-from .qr import CERTIFICATE_METHODS, QR_MAX_PSI
-from .spectrum import SOLVERS
+from .._backend import DEVICES
+from .._version import __version__
+from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
+from ..spectrum import SOLVERS
 
-__all__ = ["main", "build_parser"]
-
-EXIT_BAD_INPUT = 2
-EXIT_BUG = 1
-EXIT_INTERRUPTED = 130
-
-
-def _storage_options(pairs) -> dict | None:
-    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._storage.parse_storage_options`)."""
-    return parse_storage_options(pairs)
+__all__ = ["build_parser"]
 
 
 def _positive_int(text: str) -> int:
@@ -100,8 +79,11 @@ def _add_certificate_arg(p):
 
 
 def _add_output_args(p):
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or summaries on stderr")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout instead of the summary (nothing else on stderr but errors)")
+    p.add_argument("--quiet", action="store_true",
+                   help="nothing on stderr but errors and warnings: no cluster lines, progress bars or phase times;"
+                        " the result (summary, or JSON with --json) is still printed on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,269 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vs", choices=["adamw"], default=None,
                    help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
 
-    from . import submit
+    from .. import submit
 
     s = sub.add_parser("submit", help="send a fit as a DaskJob to a Kubernetes cluster (dask-kubernetes operator)")
     submit.add_arguments(s)
     return parser
-
-
-def _cluster(args, reporter=None):
-    """The client of this command: None with ``--local``, else :func:`scaleattn.distributed.cluster.connect`."""
-    import contextlib
-
-    if getattr(args, "local", False):
-        return contextlib.nullcontext(None)
-    from .distributed.cluster import connect, tls_security
-
-    security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
-    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
-                   quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
-                   worker_timeout=args.worker_timeout, debug=args.debug)
-
-
-def _check_cluster_args(args) -> None:
-    """Cluster options that cannot work, refused before anything starts."""
-    if not (getattr(args, "local", False) or args.scheduler or args.gpus):
-        from .distributed.cluster import check_workers
-
-        check_workers(args.workers, args.threads_per_worker)
-
-
-def _reporter(args):
-    """Progress on stderr unless ``--quiet`` or ``--json``."""
-    from .progress import as_reporter
-
-    return as_reporter(not (args.quiet or getattr(args, "json", False)))
-
-
-def _emit(args, payload: dict, text: str) -> None:
-    """The result on stdout: JSON with ``--json``, else the summary text (nothing with ``--quiet``)."""
-    from ._formats import dumps
-
-    if args.json:
-        print(dumps(payload))
-    elif not args.quiet:
-        print(text)
-
-
-def _wrote(ds) -> str:
-    return f"wrote {ds.url}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}"
-
-
-def _cmd_generate(args) -> int:
-    from . import generate
-
-    opts = _storage_options(args.storage_option)
-    if args.task == "mhla":
-        ds = generate.generate_mhla(args.path, args.d, args.heads, args.length, args.samples, d_out=args.d_out,
-                                    noise=args.noise, causal=args.causal, variable_lengths=args.variable_lengths,
-                                    seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
-                                    storage_options=opts)
-    else:
-        ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
-                                     seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
-                                     storage_options=opts)
-    print(_wrote(ds))
-    return 0
-
-
-def _cmd_import(args) -> int:
-    from . import importers
-
-    opts = _storage_options(args.storage_option)
-    kw = dict(overwrite=args.overwrite, storage_options=opts)
-    if args.npz:
-        ds = importers.import_arrays(args.path, args.npz, **kw)
-    elif args.csv:
-        ds = importers.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
-                                  causal=args.causal, columns=args.columns, **kw)
-    else:
-        ds = importers.load_digits_dataset(args.path, **kw)
-    print(_wrote(ds))
-    return 0
-
-
-def _cmd_fit(args) -> int:
-    from ._backend import check_device
-    from ._params import heads_spec, real
-    from .certificate import check_cutoff
-    from .pipeline import fit
-    from .preflight import holding, preflight
-    from .report import fit_summary
-
-    reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
-    heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
-    check_cutoff(args.cutoff_rtol)
-    real("--ridge", args.ridge, 0.0)
-    check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
-    _check_cluster_args(args)
-    ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
-                   fill_absent_chunks=args.fill_absent_chunks)
-    with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
-        res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
-                  solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
-                  overwrite=args.overwrite, progress=reporter,
-                  storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
-                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
-                  **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
-    _emit(args, res.report, fit_summary(res.report) + f"\nwrote {args.out}/report.json, model.zarr, stats.zarr"
-          + ("" if args.no_plots else ", *.png"))
-    return 0
-
-
-def _cmd_certify(args) -> int:
-    from .certificate import check_cutoff
-    from .dataset import open_dataset
-    from .pipeline import certify_dataset
-    from .report import certificate_summary
-
-    reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
-    check_cutoff(args.cutoff_rtol)
-    _check_cluster_args(args)
-    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
-    with _cluster(args, reporter) as client:
-        cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
-                               certificate=args.certificate)
-    _emit(args, cert.summary(), certificate_summary(cert.summary()))
-    return 0
-
-
-def _cmd_evaluate(args) -> int:
-    from .dataset import open_dataset
-    from .distributed.evaluate import evaluate
-    from .model import MHLAModel
-    from .report import evaluation_summary
-
-    reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
-    model = MHLAModel.load(args.model, opts)
-    _check_cluster_args(args)
-    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
-    with _cluster(args, reporter) as client:
-        r = evaluate(model, ds, client, progress=reporter)
-    _emit(args, r, evaluation_summary(r))
-    return 0
-
-
-def _cmd_plot(args) -> int:
-    from .plot import save_run_plots
-
-    opts = _storage_options(args.storage_option)
-    for p in save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts):
-        print(f"wrote {p}")
-    return 0
-
-
-def _cmd_bench(args) -> int:
-    if args.vs == "adamw":
-        from .bench.adamw import run
-    elif args.suite == "tensor":
-        from .bench.tensor import run
-    elif args.suite == "gpu":
-        from .bench.gpu import run
-    else:
-        from .bench.core import run
-    run(args.out, quick=args.quick)
-    import glob
-    import os
-
-    for md in sorted(glob.glob(os.path.join(args.out, "*.md"))):  # the tables, also kept next to the JSON
-        with open(md) as f:
-            print(f.read())
-    print(f"results in {args.out}/", file=sys.stderr)
-    return 0
-
-
-def _cmd_compare(args) -> int:
-    from .heads import compare_models
-    from .model import MHLAModel
-    from .report import comparison_summary
-
-    opts = _storage_options(args.storage_option)
-    r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
-    _emit(args, r, comparison_summary(r))
-    return 0 if r["equivalent"] else 1
-
-
-def _cmd_submit(args) -> int:
-    from . import submit
-
-    return submit.run(args)
-
-
-COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
-            "compare": _cmd_compare, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench,
-            "submit": _cmd_submit}
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (Kubernetes deletes the pod, a node drains): unwinds like Ctrl-C, not caught by ``except Exception``."""
-
-
-def _on_sigterm(signum, frame):
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process
-    raise Terminated()
-
-
-#: commands that write an output (all or nothing: an interrupted one leaves none)
-WRITERS = ("generate", "import", "fit", "plot")
-
-
-def _hint(e: BaseException) -> str:
-    h = hint_of(e)
-    return f"; {h}" if h else ""
-
-
-def main(argv=None) -> int:
-    """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
-    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
-    import signal
-    import threading
-
-    args = build_parser().parse_args(argv)
-    if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        return _run(args)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _run(args) -> int:
-    import signal
-
-    try:
-        return COMMANDS[args.command](args)
-    except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
-        if args.debug:
-            raise
-        print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Terminated:
-        resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
-        print(f"scaleattn {args.command}: stopped by SIGTERM" + (resume if args.command == "fit" else ""),
-              file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt as e:
-        kept = _hint(e) or ("; nothing was written (outputs are written all or nothing)"
-                            if args.command in WRITERS else "")
-        print(f"scaleattn {args.command}: interrupted{kept}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
-        if args.debug:
-            raise
-        print(f"scaleattn {args.command}: internal error (this is a bug; please report it with the output of"
-              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
-        return EXIT_BUG
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Command line (layer L5): ``scaleattn generate | import | fit | certify | compare | evaluate | plot | bench |
+submit``.
+
+Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
+line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2; anything else is a bug: one line saying so and exit
+code 1 (``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+(a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
+terminal unless ``--debug``.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from ..errors import ScaleattnError, hint_of
+from .commands import COMMANDS
+from .parser import build_parser
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+EXIT_BAD_INPUT = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
+
+
+def _command_start(argv) -> float:
+    """When this command started, on the ``time.perf_counter`` clock: the process start when run as the
+    ``scaleattn`` program (``argv`` None: Python's start-up and imports count, as for a stopwatch), else now."""
+    now = time.perf_counter()
+    if argv is None:
+        try:
+            import psutil
+
+            return now - max(time.time() - psutil.Process().create_time(), 0.0)
+        except Exception:  # no process table (a sandbox): from here
+            return now
+    return now
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Kubernetes deletes the pod, a node drains): unwinds like Ctrl-C, not caught by ``except Exception``."""
+
+
+def _on_sigterm(signum, frame):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process
+    raise Terminated()
+
+
+#: commands that write an output (all or nothing: an interrupted one leaves none)
+WRITERS = ("generate", "import", "fit", "plot")
+
+
+def _hint(e: BaseException) -> str:
+    h = hint_of(e)
+    return f"; {h}" if h else ""
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
+    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
+    import signal
+    import threading
+
+    started = _command_start(argv)
+    args = build_parser().parse_args(argv)
+    if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    args.started = started
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
+    import signal
+
+    try:
+        return COMMANDS[args.command](args)
+    except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
+        if args.debug:
+            raise
+        print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Terminated:
+        resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
+        print(f"scaleattn {args.command}: stopped by SIGTERM" + (resume if args.command == "fit" else ""),
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except KeyboardInterrupt as e:
+        kept = _hint(e) or ("; nothing was written (outputs are written all or nothing)"
+                            if args.command in WRITERS else "")
+        print(f"scaleattn {args.command}: interrupted{kept}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(f"scaleattn {args.command}: internal error (this is a bug; please report it with the output of"
+              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
+        return EXIT_BUG
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

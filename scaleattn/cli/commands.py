@@ -1,0 +1,218 @@
+"""The ``scaleattn`` commands: each validates its options, opens its inputs, runs, and prints its result (layer L5).
+Errors propagate to :func:`scaleattn.cli.main`, which turns them into one line and an exit code."""
+from __future__ import annotations
+
+import sys
+import time
+
+from .._storage import parse_storage_options
+
+__all__ = ["COMMANDS"]
+
+
+def _storage_options(pairs) -> dict | None:
+    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._storage.parse_storage_options`)."""
+    return parse_storage_options(pairs)
+
+
+def _cluster(args, reporter=None):
+    """The client of this command: None with ``--local``, else :func:`scaleattn.distributed.cluster.connect`."""
+    import contextlib
+
+    if getattr(args, "local", False):
+        return contextlib.nullcontext(None)
+    from ..distributed.cluster import connect, tls_security
+
+    security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
+    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
+                   quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
+                   worker_timeout=args.worker_timeout, debug=args.debug)
+
+
+def _check_cluster_args(args) -> None:
+    """Cluster options that cannot work, refused before anything starts."""
+    if not (getattr(args, "local", False) or args.scheduler or args.gpus):
+        from ..distributed.cluster import check_workers
+
+        check_workers(args.workers, args.threads_per_worker)
+
+
+def _reporter(args):
+    """Progress on stderr unless ``--quiet`` or ``--json``."""
+    from ..progress import as_reporter
+
+    return as_reporter(not (args.quiet or getattr(args, "json", False)))
+
+
+def _emit(args, payload: dict, text: str) -> None:
+    """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
+    from .._formats import dumps
+
+    print(dumps(payload) if args.json else text, flush=True)
+
+
+def _wrote(path, ds) -> str:
+    """``wrote PATH: N=... T=... d=... d_out=... causal=...`` with the path as the user gave it."""
+    return f"wrote {path}: N={ds.n_samples} T={ds.length} d={ds.d} d_out={ds.d_out} causal={ds.causal}"
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
+
+
+def _cmd_generate(args) -> int:
+    from .. import generate
+
+    opts = _storage_options(args.storage_option)
+    if args.task == "mhla":
+        ds = generate.generate_mhla(args.path, args.d, args.heads, args.length, args.samples, d_out=args.d_out,
+                                    noise=args.noise, causal=args.causal, variable_lengths=args.variable_lengths,
+                                    seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
+                                    storage_options=opts)
+    else:
+        ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
+                                     seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
+                                     storage_options=opts)
+    print(_wrote(args.path, ds))
+    return 0
+
+
+def _cmd_import(args) -> int:
+    from .. import importers
+
+    opts = _storage_options(args.storage_option)
+    kw = dict(overwrite=args.overwrite, storage_options=opts)
+    if args.npz:
+        ds = importers.import_arrays(args.path, args.npz, **kw)
+    elif args.csv:
+        ds = importers.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
+                                  causal=args.causal, columns=args.columns, **kw)
+    else:
+        ds = importers.load_digits_dataset(args.path, **kw)
+    print(_wrote(args.path, ds))
+    return 0
+
+
+def _cmd_fit(args) -> int:
+    from .._backend import check_device
+    from .._params import heads_spec, real
+    from ..certificate import check_cutoff
+    from ..pipeline import fit
+    from ..preflight import holding, preflight
+    from ..report import fit_summary
+
+    reporter = _reporter(args)
+    opts = _storage_options(args.storage_option)
+    heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
+    check_cutoff(args.cutoff_rtol)
+    real("--ridge", args.ridge, 0.0)
+    check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
+    _check_cluster_args(args)
+    ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
+                   fill_absent_chunks=args.fill_absent_chunks)
+    t = time.perf_counter()
+    with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
+        cluster_s = None if client is None else _since(t)
+        t = time.perf_counter()
+        res = fit(ds, args.out, client=client, heads=heads, cutoff_rtol=args.cutoff_rtol, ridge=args.ridge,
+                  solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
+                  overwrite=args.overwrite, progress=reporter,
+                  storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
+                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
+                  **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
+        # the fit's own time ends with its report; writing the run (and rendering the plots) comes after
+        command = {"seconds": _since(args.started), "cluster": cluster_s, "write": _since(t) - res.report["seconds"]}
+        written = ", ".join(n for n in res.files if not n.endswith(".png"))
+        pngs = ", *.png" if any(n.endswith(".png") for n in res.files) else ""
+        _emit(args, {**res.report, "command": command},  # before the cluster closes: no silence after the fit
+              fit_summary(res.report, command) + f"\nwrote {args.out}/{written}{pngs}")
+    return 0
+
+
+def _cmd_certify(args) -> int:
+    from ..certificate import check_cutoff
+    from ..dataset import open_dataset
+    from ..pipeline import certify_dataset
+    from ..report import certificate_summary
+
+    reporter = _reporter(args)
+    opts = _storage_options(args.storage_option)
+    check_cutoff(args.cutoff_rtol)
+    _check_cluster_args(args)
+    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
+    with _cluster(args, reporter) as client:
+        cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
+                               certificate=args.certificate)
+        _emit(args, cert.summary(), certificate_summary(cert.summary()))
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    from ..dataset import open_dataset
+    from ..distributed.evaluate import evaluate
+    from ..model import MHLAModel
+    from ..report import evaluation_summary
+
+    reporter = _reporter(args)
+    opts = _storage_options(args.storage_option)
+    model = MHLAModel.load(args.model, opts)
+    _check_cluster_args(args)
+    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
+    with _cluster(args, reporter) as client:
+        r = evaluate(model, ds, client, progress=reporter)
+        _emit(args, r, evaluation_summary(r))
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    import posixpath
+
+    from ..plot import save_run_plots
+
+    opts = _storage_options(args.storage_option)
+    where = (args.out or args.run).rstrip("/")
+    for p in save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts):
+        print(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.vs == "adamw":
+        from ..bench.adamw import run
+    elif args.suite == "tensor":
+        from ..bench.tensor import run
+    elif args.suite == "gpu":
+        from ..bench.gpu import run
+    else:
+        from ..bench.core import run
+    run(args.out, quick=args.quick)
+    import glob
+    import os
+
+    for md in sorted(glob.glob(os.path.join(args.out, "*.md"))):  # the tables, also kept next to the JSON
+        with open(md) as f:
+            print(f.read())
+    print(f"results in {args.out}/", file=sys.stderr)
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from ..heads import compare_models
+    from ..model import MHLAModel
+    from ..report import comparison_summary
+
+    opts = _storage_options(args.storage_option)
+    r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
+    _emit(args, r, comparison_summary(r))
+    return 0 if r["equivalent"] else 1
+
+
+def _cmd_submit(args) -> int:
+    from .. import submit
+
+    return submit.run(args)
+
+
+COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,
+            "compare": _cmd_compare, "evaluate": _cmd_evaluate, "plot": _cmd_plot, "bench": _cmd_bench,
+            "submit": _cmd_submit}

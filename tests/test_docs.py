@@ -1,0 +1,334 @@
+"""Documentation that cannot drift: the README's command blocks run as written and print what the README shows;
+docs/notebooks.md's table matches the committed notebooks; docs/performance.md names the commit of its figures.
+
+Runnable blocks. A line ``<!-- docs-test: run -->`` right before a ```console or ```bash fence marks the block.
+All marked blocks run in README order in one fresh temporary directory (later blocks use the files of earlier
+ones), each command with ``bash -c``, ``scaleattn`` being this checkout (a shim on PATH), ``COLUMNS=100``.
+
+- ```console: each ``$ COMMAND`` line runs; the lines after it, up to the next ``$``, are what it prints
+  (stdout and stderr together, in the order a terminal shows them). Every command must exit 0.
+- ```bash: every line that is not a comment must exit 0 (what it prints is not checked).
+
+Comparison of a printed line with the README's (:func:`line_matches`), after normalising both:
+
+- runs of spaces are one space, a run of rich's bar glyphs is one glyph;
+- values that differ between any two runs are not compared: durations (``0.78 s``), clock times (``0:00:01``),
+  rates (``46,466 rows/s``), the dashboard's port and the number of workers (one per core by default);
+- every other number is compared: integers exactly; other numbers within 1 % relative, except round-off
+  values: when the README's number and the printed one are both below 1e-10 in magnitude (a relative MSE of
+  8e-30, a distance to the teacher of 4e-15: float64 round-off, which moves with the BLAS build and the thread
+  count), they must lie within 3 decades of each other (``8.2e-30`` accepts ``9.2e-28``, not ``1e-20``); values
+  below 1e-40 on both sides are zero in all but name (a ``lambda_min`` of ``2.45e-98`` from a QR of exactly
+  rank-deficient data) and match each other; a certificate's ``margin 2.12e+03x`` within a decade (the margin
+  of a rank-deficient certificate is the cutoff over round-off values; the verdict needs it above 10).
+
+Lines written by Dask's own loggers (``2026-01-01 12:00:00,000 - distributed.... - WARNING - ...``, e.g. an
+event loop slowed by a loaded machine) are left out of the printed output before comparing.
+
+``python tests/test_docs.py`` prints what the README's blocks print now, for updating the README.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MARK = "<!-- docs-test: run -->"
+#: (pattern, replacement): values that legitimately differ between two runs of the same command
+FREE = [
+    (re.compile(r"\d[\d,]*(\.\d+)? (\w+)/s\b"), r"<rate> \2/s"),
+    (re.compile(r"\b\d+(\.\d+)? s\b"), "<seconds> s"),
+    (re.compile(r"(\d+:\d\d:\d\d|-:--:--)"), "<clock>"),
+    (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:<port>"),
+    (re.compile(r"\b\d+ (GPU )?workers?\b"), r"<n> \1workers"),
+]
+NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+DASK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ - distributed\.")
+ROUNDOFF = 1e-10
+ROUNDOFF_DECADES = 3.0
+ZERO = 1e-40
+MARGIN = re.compile(r"margin $")
+MARGIN_DECADES = 1.0
+RTOL = 0.01
+
+
+# ---- the README's blocks ------------------------------------------------------------------------------------
+def runnable_blocks(text: str) -> list[tuple[str, list[str], int]]:
+    """``(kind, lines, line number)`` of every block marked runnable, in order (kind ``console`` or ``bash``)."""
+    lines = text.splitlines()
+    blocks = []
+    for i, ln in enumerate(lines):
+        if ln.strip() != MARK:
+            continue
+        fence = lines[i + 1].strip()
+        m = re.fullmatch(r"```(console|bash)", fence)
+        assert m, f"README line {i + 2}: {MARK} must be followed by a ```console or ```bash fence, not {fence!r}"
+        end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
+        blocks.append((m.group(1), lines[i + 2 : end], i + 3))
+    return blocks
+
+
+def console_steps(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """``(command, expected output lines)`` of a console block."""
+    steps = []
+    for ln in lines:
+        if ln.startswith("$ "):
+            steps.append((ln[2:], []))
+        else:
+            assert steps, f"console block starts with output, not a command: {ln!r}"
+            steps[-1][1].append(ln)
+    return steps
+
+
+# ---- comparing a line ---------------------------------------------------------------------------------------
+def normalise(line: str) -> str:
+    s = re.sub(r"━+", "━", line.rstrip())
+    for pat, rep in FREE:
+        s = pat.sub(rep, s)
+    return re.sub(r"\s+", " ", s).strip()
+
+
+def _is_integer(token: str) -> bool:
+    return re.fullmatch(r"[-+]?\d[\d,]*", token) is not None
+
+
+def _numbers_match(want: str, got: str) -> bool:
+    if _is_integer(want) and _is_integer(got):
+        return want.replace(",", "") == got.replace(",", "")  # integers: exactly
+    try:
+        a, b = float(want.replace(",", "")), float(got.replace(",", ""))
+    except ValueError:
+        return want == got
+    if abs(a) < ROUNDOFF and abs(b) < ROUNDOFF:  # round-off: the same order of magnitude, give or take
+        if a == 0 or b == 0 or (abs(a) < ZERO and abs(b) < ZERO):
+            return True
+        return abs(math.log10(abs(b)) - math.log10(abs(a))) <= ROUNDOFF_DECADES
+    return abs(a - b) <= RTOL * max(abs(a), abs(b))
+
+
+def line_matches(want: str, got: str) -> bool:
+    """Whether a printed line ``got`` reads as the README's ``want`` (module docstring: free values, bands)."""
+    w, g = normalise(want), normalise(got)
+    wm, gm = list(NUMBER.finditer(w)), list(NUMBER.finditer(g))
+    if NUMBER.sub("#", w) != NUMBER.sub("#", g) or len(wm) != len(gm):
+        return False
+    for a, b in zip(wm, gm):
+        if MARGIN.search(w[: a.start()]):  # a certificate's margin: within a decade
+            x, y = float(a.group()), float(b.group())
+            if not (x > 0 and y > 0 and abs(math.log10(y / x)) <= MARGIN_DECADES):
+                return False
+        elif not _numbers_match(a.group(), b.group()):
+            return False
+    return True
+
+
+# ---- running ------------------------------------------------------------------------------------------------
+def _env(bindir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "SCALEATTN_TEST"))}
+    env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", COLUMNS="100", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
+    env.pop("TERM", None)
+    return env
+
+
+def _shim(bindir: Path) -> None:
+    """``scaleattn`` on PATH running this checkout with this interpreter."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    p = bindir / "scaleattn"
+    p.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m scaleattn.cli "$@"\n')
+    p.chmod(0o755)
+
+
+def run_command(cmd: str, cwd: Path, env: dict, timeout: int = 600) -> tuple[int, list[str]]:
+    p = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=timeout)
+    return p.returncode, [ln for ln in p.stdout.splitlines() if not DASK_LOG.match(ln)]
+
+
+def _diff(want: list[str], got: list[str]) -> str:
+    out = []
+    for i in range(max(len(want), len(got))):
+        a = want[i] if i < len(want) else "(nothing)"
+        b = got[i] if i < len(got) else "(nothing)"
+        out.append(f"  {'ok' if line_matches(a, b) else '!!'} README:  {a}\n     printed: {b}")
+    return "\n".join(out)
+
+
+def run_readme(work: Path, on_step=None) -> list[str]:
+    """Run every marked block of the README in ``work``; returns the mismatches (empty when all match)."""
+    bindir = work / ".bin"
+    _shim(bindir)
+    env = _env(bindir)
+    problems = []
+    for kind, lines, lineno in runnable_blocks(README.read_text()):
+        if kind == "bash":
+            steps = [(ln.split(" #")[0].strip(), None) for ln in lines if ln.strip() and not ln.startswith("#")]
+        else:
+            steps = console_steps(lines)
+        for cmd, want in steps:
+            rc, got = run_command(cmd, work, env)
+            if on_step is not None:
+                on_step(cmd, rc, got)
+            if rc != 0:
+                problems.append(f"README block at line {lineno}: `{cmd}` exited {rc}:\n" + "\n".join(got))
+                continue
+            if want is None:
+                continue
+            if len(want) != len(got) or not all(line_matches(a, b) for a, b in zip(want, got)):
+                problems.append(f"README block at line {lineno}: `{cmd}` printed other lines:\n{_diff(want, got)}")
+    return problems
+
+
+# ---- tests --------------------------------------------------------------------------------------------------
+def test_line_matching_bands():
+    assert line_matches("train MSE 8.595e-34  (relative 8.18e-30; mean y^2 0.0001051)",
+                        "train MSE 1.1e-31  (relative 9.2e-28; mean y^2 0.0001051)")
+    assert not line_matches("relative 8.18e-30", "relative 1e-20")  # 10 decades: not round-off alike
+    assert not line_matches("relative 8.18e-30", "relative 0.05")
+    assert line_matches("[a QR of the features, margin 2.12e+03x]", "[a QR of the features, margin 900x]")
+    assert not line_matches("[the float64 Gram, margin 6.27e+11x]", "[the float64 Gram, margin 20x]")
+    assert line_matches("lambda_min 2.45e-98", "lambda_min 3.1e-90") and not line_matches("lambda_min 2.45e-98",
+                                                                                            "lambda_min 1e-30")
+    assert not line_matches("mean y^2 0.0001051", "mean y^2 0.0001151")  # a real number, 10 % off
+    assert not line_matches("rows 51,200", "rows 51,201")  # integers exactly
+    assert not line_matches("rank 6", "rank 5") and not line_matches("heads 4 (svd)", "heads 4 (minimal)")
+    assert line_matches("statistics ━━━━ 51,200/51,200 rows 41,100 rows/s 1/1 groups 0:00:01 0:00:00",
+                        "statistics ━━━━━━━━━━ 51,200/51,200 rows   7,000 rows/s 1/1 groups 0:00:12 -:--:--")
+    assert not line_matches("statistics ━━ 512/512 rows 1/1 groups", "statistics ━━ 512/512 rows 0/1 groups")
+    assert line_matches("dask: 2 workers ready in 4.1 s, dashboard http://127.0.0.1:39763/status",
+                        "dask: 16 workers ready in 12.0 s, dashboard http://127.0.0.1:8787/status")
+    assert not line_matches("wrote data.zarr: N=512", "wrote /tmp/x/data.zarr: N=512")
+
+
+def test_readme_marks_the_main_job_runnable():
+    blocks = runnable_blocks(README.read_text())
+    commands = [c for kind, lines, _ in blocks if kind == "console" for c, _ in console_steps(lines)]
+    assert any(c.startswith("scaleattn generate mhla data.zarr") for c in commands)
+    assert any(c.startswith("scaleattn fit data.zarr --out run1") for c in commands)
+    assert any(c.startswith("scaleattn import digits.zarr") for c in commands)
+
+
+@pytest.mark.slow
+def test_readme_commands_print_what_the_readme_shows(tmp_path):
+    problems = run_readme(tmp_path)
+    assert not problems, "\n\n".join(problems)
+
+
+def _notebook_seconds(path: Path) -> float:
+    """Wall time of a committed executed notebook, from the timing nbclient records in each cell's metadata."""
+    from datetime import datetime
+
+    nb = json.loads(path.read_text())
+    times = [c["metadata"]["execution"] for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all("iopub.execute_input" in t and "shell.execute_reply" in t for t in times), f"{path.name}: no timing"
+    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))  # noqa: E731
+    return (parse(times[-1]["shell.execute_reply"]) - parse(times[0]["iopub.execute_input"])).total_seconds()
+
+
+def test_notebooks_doc_lists_every_notebook_with_its_measured_runtime():
+    text = (ROOT / "docs" / "notebooks.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)\.ipynb` \|.*\| (\d+) s \|$", text, re.M))
+    names = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert sorted(rows) == names, "docs/notebooks.md's table must list each notebook with its runtime in seconds"
+    for name, doc_s in rows.items():
+        measured = _notebook_seconds(ROOT / "notebooks" / f"{name}.ipynb")
+        # the table gives the committed run's time, rounded: regenerate both together (docs/notebooks.md)
+        assert abs(measured - int(doc_s)) <= max(1.0, 0.15 * measured), (
+            f"{name}: docs/notebooks.md says {doc_s} s, the committed run took {measured:.0f} s")
+    n = len(names)
+    words = {1: "One", 2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six", 7: "Seven", 8: "Eight"}
+    assert text.startswith(f"# Notebooks\n\n{words.get(n, str(n))} notebooks"), "the count of notebooks is stale"
+
+
+def test_performance_figures_name_the_commit_that_produced_them():
+    text = (ROOT / "docs" / "performance.md").read_text()
+    commits = re.findall(r"measured at commit `([0-9a-f]{7,40})`", text)
+    assert commits, "docs/performance.md: state the commit of its figures as: measured at commit `abc1234`"
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the commit cannot be looked up")
+    for c in commits:
+        p = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{c}^{{commit}}"], capture_output=True)
+        if p.returncode != 0 and subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                                                capture_output=True, text=True).stdout.strip() == "true":
+            pytest.skip("shallow clone: the commit of the figures is not in it")
+        assert p.returncode == 0, f"docs/performance.md names commit {c}, which is not in this repository"
+
+
+def test_notebook_extra_installs_jupyterlab():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.match(r"jupyterlab\b", r) for r in extras["notebook"]), "`jupyter lab` needs the notebook extra"
+    doc = (ROOT / "docs" / "notebooks.md").read_text()
+    assert "pip install -e '.[notebook" in doc and "jupyter lab notebooks/" in doc
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+#: appended to the exported page: once loaded, the page describes its verdict card as the browser laid it out
+CARD_PROBE = """<script>
+window.addEventListener('load', function () {
+  var c = document.querySelector('.scaleattn-verdict'), out = document.createElement('pre'), r;
+  out.id = 'scaleattn-probe';
+  if (c) { r = c.getBoundingClientRect(); }
+  out.textContent = JSON.stringify(c ? {width: r.width, height: r.height, verdict: c.dataset.verdict,
+    text: c.innerText, border: getComputedStyle(c).borderLeftColor,
+    dots: c.querySelectorAll('svg.scaleattn-spectrum circle').length} : null);
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+@pytest.mark.slow
+def test_quickstart_html_export_shows_the_verdict_card_in_a_browser(tmp_path):
+    """The committed quickstart notebook exported by nbconvert, loaded in headless Chromium: the verdict card is
+    laid out (non-zero size), green-bordered, says IDENTIFIABLE with lambda_min, rank and margin, and draws the
+    spectrum thumbnail."""
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it where apt-get works)")
+    nbconvert = pytest.importorskip("nbconvert")
+    body, _ = nbconvert.HTMLExporter().from_filename(str(ROOT / "notebooks" / "quickstart.ipynb"))
+    page = tmp_path / "quickstart.html"
+    page.write_text(body.replace("</body>", CARD_PROBE + "</body>"))
+    p = subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+                        "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r'<pre id="scaleattn-probe">(.*?)</pre>', p.stdout, re.S)
+    assert m, "the page did not run its probe (no verdict card found, or scripts did not run)"
+    import html
+
+    card = json.loads(html.unescape(m.group(1)))
+    assert card is not None, "no element .scaleattn-verdict in the exported notebook"
+    assert card["width"] > 200 and card["height"] > 50, card
+    assert card["verdict"] == "identifiable" and "IDENTIFIABLE" in card["text"], card
+    for word in ("lambda_min", "rank", "margin"):
+        assert word in card["text"], card
+    assert card["border"] in ("rgb(46, 125, 50)",), card  # the green of an identifiable verdict
+    assert card["dots"] >= 40, card  # psi = 40 eigenvalues in the thumbnail
+
+
+if __name__ == "__main__":  # print what the README's blocks print now
+    with tempfile.TemporaryDirectory(prefix="scaleattn-readme-") as d:
+        def show(cmd, rc, got):
+            print(f"$ {cmd}" + ("" if rc == 0 else f"    # exit {rc}"))
+            print("\n".join(got))
+
+        bad = run_readme(Path(d), on_step=show)
+        print(f"\n{len(bad)} block(s) differ from the README", file=sys.stderr)
