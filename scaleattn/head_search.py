@@ -202,6 +202,17 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
         :func:`_reported_bound`: the dimension count unless an exact model with fewer heads proves ``coef``
         non-generic), ``bound_every_c``, ``bound_generic``, ``budget_exhausted``, ``seconds``.
 
+    Raises
+    ------
+    ParameterError
+        ``heads`` not ``"svd"``, ``"minimal"`` or a positive count; ``coef`` of the wrong shape.
+
+    See Also
+    --------
+    scaleattn.svd_heads : the paper's heads (Algorithm 1), no search.
+    scaleattn.head_fit.fit_heads : the best H-head model from given starts.
+    scaleattn.head_bounds.generic_heads_bound, scaleattn.head_bounds.flattening_bound : the lower bounds.
+
     Examples
     --------
     >>> import numpy as np

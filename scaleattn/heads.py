@@ -55,9 +55,37 @@ def coef_from_W(W, d: int, d_out: int) -> np.ndarray:
 
 
 def coef_from_heads(V, Q) -> np.ndarray:
-    """Coefficients ``c(Theta)`` (psi, d_out) of heads ``V`` (H, d_out, d), ``Q`` (H, d, d) (DESIGN §2).
+    """Coefficients ``c(Theta)`` of a model's heads, the paper's ``p(Theta)`` (DESIGN §2).
 
     Two models compute the same function iff their coefficients agree ([Y25] Cor. 2.4).
+
+    Parameters
+    ----------
+    V : array (H, d_out, d) float
+        Value/output matrices of the heads.
+    Q : array (H, d, d) float
+        Fused key-query matrices.
+
+    Returns
+    -------
+    ndarray (psi, d_out) float64
+        ``c[(j,k),l,a] = sum_h V_h[a,j] Q_h[k,l] + V_h[a,k] Q_h[j,l]`` (j < k), ``sum_h V_h[a,j] Q_h[j,l]`` (j = k).
+
+    Raises
+    ------
+    ValueError
+        ``V`` and ``Q`` of inconsistent shapes (numpy's error).
+
+    See Also
+    --------
+    svd_heads : heads from coefficients (the inverse direction).
+    scaleattn.coef_distance : the paper's distance between two coefficient vectors (eq. 15).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> coef_from_heads(np.ones((1, 1, 2)), np.eye(2)[None]).ravel()
+    array([1., 0., 1., 1., 0., 1.])
     """
     V, Q = np.asarray(V, np.float64), np.asarray(Q, np.float64)
     H, d_out, d = V.shape
@@ -77,7 +105,20 @@ def _fold(U, s, Vt, d, d_out):
 class Heads:
     """Attention heads ``V`` (H, d_out, d), ``Q`` (H, d, d) with the singular values of the symmetric-split W
     (``spectrum``, [Y25] Alg. 1) and the relative residual ``||c(V, Q) - c|| / ||c||`` of the coefficients
-    they reproduce; the search fields are set by :func:`scaleattn.head_search.search_heads` (DESIGN §5)."""
+    they reproduce; the search fields are set by :func:`scaleattn.head_search.search_heads` (DESIGN §5).
+
+    See Also
+    --------
+    svd_heads, scaleattn.search_heads : make them.
+    coef_from_heads : the coefficients they compute.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> h = svd_heads(coef_from_heads(np.ones((1, 1, 2)), np.eye(2)[None]), d=2)
+    >>> h.n_heads, h.residual < 1e-12
+    (2, True)
+    """
 
     V: np.ndarray
     Q: np.ndarray
@@ -117,7 +158,40 @@ class Heads:
 
 def svd_heads(coef, d: int, rtol: float = 1e-12) -> Heads:
     """Heads by SVD of the symmetric-split W ([Y25] Alg. 1; DESIGN §5): ``V_r = fold(sqrt(sigma_r) u_r)``,
-    ``Q_r = fold(sqrt(sigma_r) v_r)``, keeping ``sigma_r > rtol * sigma_1``. Up to ``min(d_out*d, d^2)`` heads."""
+    ``Q_r = fold(sqrt(sigma_r) v_r)``, keeping ``sigma_r > rtol * sigma_1``.
+
+    Parameters
+    ----------
+    coef : array (psi, d_out) float
+        Coefficients (e.g. ``solve(stats).coef``).
+    d : int
+        Token dimension.
+    rtol : float
+        Relative singular-value cutoff.
+
+    Returns
+    -------
+    Heads
+        Up to ``min(d_out*d, d^2)`` heads (often more than needed: the symmetric split raises the rank;
+        :func:`scaleattn.search_heads` finds the fewest), with ``spectrum`` the singular values of W.
+
+    Raises
+    ------
+    ParameterError
+        ``coef`` does not have psi = d^2(d+1)/2 rows.
+
+    See Also
+    --------
+    scaleattn.search_heads : the fewest heads, with a lower bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> V, Q = np.ones((1, 2, 2)), np.eye(2)[None]
+    >>> h = svd_heads(coef_from_heads(V, Q), d=2)
+    >>> h.n_heads, bool(np.allclose(coef_from_heads(h.V, h.Q), coef_from_heads(V, Q)))
+    (2, True)
+    """
     coef = np.asarray(coef, np.float64)
     d_out = coef.shape[1]
     W = coef_to_W(coef, d)
@@ -173,10 +247,41 @@ def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=
 
 
 def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
-    """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2) and the
-    verdict ``equivalent`` (distance <= ``rtol`` x the larger coefficient norm: the two compute the same
-    function on every input of every length, Cor. 2.4). Also the distance of the stored coefficients
-    (what ``predict`` uses). Raises :class:`~scaleattn.errors.ParameterError` when (d, d_out) differ."""
+    """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2) and whether
+    they compute the same function on every input of every length ([Y25] Cor. 2.4).
+
+    Parameters
+    ----------
+    model_a, model_b : MHLAModel
+        Models of the same ``(d, d_out)`` (any head counts).
+    rtol : float
+        ``equivalent`` when the distance is at most ``rtol`` x the larger coefficient norm.
+
+    Returns
+    -------
+    dict
+        ``d``, ``d_out``, ``n_heads_a``, ``n_heads_b``, ``distance``, ``relative_distance``,
+        ``coef_distance`` (of the stored coefficients, what ``predict`` uses), ``rtol``, ``equivalent``.
+
+    Raises
+    ------
+    ParameterError
+        The models have different ``(d, d_out)``.
+
+    See Also
+    --------
+    scaleattn.coef_distance : the same distance for coefficient arrays.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn import MHLAModel
+    >>> V, Q = np.ones((1, 1, 2)), np.eye(2)[None]
+    >>> a = MHLAModel(coef_from_heads(V, Q), V, Q, d=2)
+    >>> h = svd_heads(a.coef, d=2)  # other heads, same function
+    >>> compare_models(a, MHLAModel(a.coef, h.V, h.Q, d=2))["equivalent"]
+    True
+    """
     if (model_a.d, model_a.d_out) != (model_b.d, model_b.d_out):
         raise ParameterError(f"models have (d, d_out) = {(model_a.d, model_a.d_out)} and"
                              f" {(model_b.d, model_b.d_out)}: they do not map the same inputs to the same outputs")

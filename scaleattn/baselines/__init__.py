@@ -1,4 +1,4 @@
-"""Gradient-descent baselines against the closed-form fit (issue 9; needs the optional ``torch`` extra).
+"""Gradient-descent baselines against the closed-form fit (needs the optional ``torch`` extra).
 
 - :class:`MHLA`: multi-head linear attention with ``m`` heads and ``n`` layers in PyTorch. One layer computes
   exactly DESIGN §1 / [Y25] Def. 2.1, ``y_hat = sum_h V_h (Z^T Z) Q_h x`` (no 1/n; causal prefixes

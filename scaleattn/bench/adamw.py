@@ -1,4 +1,4 @@
-"""Benchmark ``scaleattn bench --vs adamw`` (issue 9): AdamW-trained one-layer MHLA vs our closed-form fit on the
+"""Benchmark ``scaleattn bench --vs adamw``: AdamW-trained one-layer MHLA vs our closed-form fit on the
 same data, side by side in one run.
 
 ``run(out_dir, quick=False, dataset=None)`` measures, per configuration,

@@ -1,4 +1,4 @@
-"""Benchmark of the statistics build and the solver (issue 3, DESIGN §3, §4), all measured in ONE run.
+"""Benchmark of the statistics build and the solver (DESIGN §3, §4), all measured in ONE run.
 
 ``run(out_dir, quick=False)`` writes ``bench.json`` and ``bench.md`` into ``out_dir`` and returns the dict:
 

@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 3): one script for a CUDA machine, under 10 minutes, ``scaleattn bench gpu``.
+"""GPU benchmark: one script for a CUDA machine, under 10 minutes, ``scaleattn bench gpu``.
 
 Measures on CuPy, in ONE run:
 

@@ -1,4 +1,4 @@
-"""Benchmark of tensor attention (issue 8, DESIGN §8): exact streamed O(n^3 d) vs Taylor fast path O(n r d).
+"""Benchmark of tensor attention (DESIGN §8): exact streamed O(n^3 d) vs Taylor fast path O(n r d).
 
 ``run(out_dir, quick=False)`` measures, for each attention width d and Taylor degree g,
 - wall time (best of a few runs) and peak traced memory (tracemalloc, a separate run) against n for the exact and

@@ -65,7 +65,7 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     >>> from scaleattn.generate import generate_mhla
     >>> ds = generate_mhla("_doc_eval.zarr", d=2, heads=1, length=20, samples=64, causal=True, overwrite=True)
     >>> res = scaleattn.fit(ds)
-    >>> scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20
+    >>> bool(scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20)
     True
     """
     if not dataset.has_targets:
