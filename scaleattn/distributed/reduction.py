@@ -7,7 +7,9 @@ floating-point results do not depend on which worker finished first, on the work
 """
 from __future__ import annotations
 
-__all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees"]
+import time
+
+__all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees", "wait_stopped"]
 
 #: partials combined per reduction task: a binary tree, so an in-process build holds about log2(groups)
 #: partials at once (its peak memory hardly grows with the number of rows)
@@ -84,7 +86,9 @@ def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, 
 
     ``advance(weight)`` is called as each leaf finishes (``weights[key]``, default 1: e.g. rows for a progress
     bar) and ``on_leaf(future)`` after it. A task's exception is re-raised here with its own type and message.
-    On any failure or interrupt every leaf and combine task is cancelled, so the cluster stops computing.
+    On any failure or interrupt every leaf and combine task is cancelled, and this returns (raises) only once
+    no worker still runs one of them (:func:`wait_stopped`): a cancelled task that was already running would
+    otherwise go on writing (into a checkpoint the caller is about to remove, say).
     """
     from distributed import as_completed
 
@@ -102,4 +106,30 @@ def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, 
         return client.gather([root for root, _ in trees])
     except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
         client.cancel(flat + combines)
+        wait_stopped(client, [f.key for f in flat + combines])
         raise
+
+
+#: states of a worker's task that still runs user code (distributed's worker state machine)
+_RUNNING = ("executing", "long-running", "cancelled", "resumed")
+
+
+def wait_stopped(client, keys, timeout: float = 120.0, poll: float = 0.1) -> bool:
+    """Wait until no worker runs any task of ``keys`` (cancelled tasks that were executing finish their
+    current call first: Dask cannot interrupt them). True when they stopped, False after ``timeout`` seconds
+    or when the workers cannot be asked (the cluster went away)."""
+    keys = set(keys)
+
+    def running(dask_worker):
+        return [k for k, ts in dask_worker.state.tasks.items() if k in keys and ts.state in _RUNNING]
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if not any(client.run(running).values()):
+                return True
+        except Exception:  # the cluster is gone (or refuses): nothing left to wait for here
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
