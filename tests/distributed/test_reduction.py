@@ -62,24 +62,35 @@ def _blocked(name):
 
 
 def test_run_trees_reraises_task_error_and_cancels(client):
-    """A task's error comes back at once while another task is still pending or running, and that task is
-    cancelled."""
+    """A task's error comes back with its own type while another task is pending or running; that task is
+    cancelled, and run_trees returns only once no worker still runs it (a running task finishes its current
+    call: here when the event is set a second later, not at the event's 60 s timeout)."""
+    import threading
+
     from distributed import Event
 
     def boom():
         raise ValueError("tokens: sample 7 contains NaN or Inf")
 
     release = Event("release-blocked-task", client=client)
+    timer = threading.Timer(1.0, release.set)
     try:
         failing = client.submit(boom, pure=False)  # first: it runs first even if both land on one worker
         slow = client.submit(_blocked, release.name, pure=False)
         t0 = time.monotonic()
+        timer.start()
         with pytest.raises(ValueError, match="sample 7"):
             run_trees(client, [[failing, slow]], _first)
-        assert time.monotonic() - t0 < 30, "the error waited for the other task"
+        assert time.monotonic() - t0 < 30, "the error waited for more than the running task"
+
+        def running(dask_worker):
+            return [k for k, ts in dask_worker.state.tasks.items()
+                    if k == slow.key and ts.state in ("executing", "cancelled", "resumed")]
+        assert not any(client.run(running).values()), "returned while a worker still ran the cancelled task"
         deadline = time.monotonic() + 10
         while slow.status != "cancelled" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert slow.status == "cancelled"
     finally:
+        timer.cancel()
         release.set()  # the cancelled task's thread returns: the shared cluster is free again
