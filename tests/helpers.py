@@ -5,6 +5,7 @@ Plain functions, so that module-level code (parametrisations, thread pools, modu
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -109,3 +110,39 @@ def write_small_dataset(name: str, path):
     from scaleattn.generate import generate_mhla
 
     return generate_mhla(str(path), **DATASETS[name])
+
+
+#: dummy credentials: moto accepts any key while its IAM auth is off
+S3_KEY, S3_SECRET = "testing-key", "testing-secret"
+
+
+def s3_env(**extra) -> dict:
+    """The environment of a CLI process against a moto server: dummy credentials, no AWS config of this machine,
+    no proxy; ``extra`` (``AWS_ENDPOINT_URL=...``, say) on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k.lower() not in (
+        "http_proxy", "https_proxy", "all_proxy")}
+    env.update(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET, AWS_DEFAULT_REGION="us-east-1",
+               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, NO_PROXY="127.0.0.1,localhost")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str):
+    """A real S3 server (moto) on 127.0.0.1 with one empty ``bucket``: yields ``(endpoint, storage_options, fs)``.
+    The options make fresh s3fs instances without a listing cache (other processes write the bucket)."""
+    import pytest
+
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+        opts = {"key": S3_KEY, "secret": S3_SECRET, "client_kwargs": {"endpoint_url": endpoint},
+                "skip_instance_cache": True, "use_listings_cache": False}
+        fs = s3fs.S3FileSystem(**opts)
+        fs.mkdir(bucket)
+        yield endpoint, opts, fs
+    finally:
+        server.stop()

@@ -3,7 +3,6 @@ protocol: a moto server on 127.0.0.1, a dataset uploaded to it, `scaleattn fit /
 processes against s3:// (workers included), an interrupted fit resumed from its s3 checkpoint, and the results
 compared bit for bit with a local-disk fit."""
 import json
-import os
 import socket
 import urllib.request
 
@@ -16,10 +15,9 @@ from scaleattn.distributed.evaluate import evaluate
 from scaleattn.model import MHLAModel
 from scaleattn.pipeline import fit
 from scaleattn.statistics import Statistics
-from tests.helpers import assert_same_stats, run_cli_process
+from tests.helpers import assert_same_stats, moto_s3, run_cli_process, s3_env
 
 BUCKET = "scaleattn-test"
-KEY, SECRET = "testing-key", "testing-secret"  # moto accepts any key while its IAM auth is off
 
 
 def _free_port() -> int:
@@ -28,41 +26,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _clean_env(**extra) -> dict:
-    """The environment of a CLI process: dummy credentials, no AWS config of this machine, no proxy."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k.lower() not in (
-        "http_proxy", "https_proxy", "all_proxy")}
-    env.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
-               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, NO_PROXY="127.0.0.1,localhost")
-    env.update(extra)
-    return env
-
-
 def _cli(args, **env):
-    return run_cli_process(*args, rc=None, env=_clean_env(**env))
+    return run_cli_process(*args, rc=None, env=s3_env(**env))
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory, causal_groups_ds):
     """A moto S3 server with one bucket holding a dataset uploaded from local disk, and the local-disk fit."""
-    s3fs = pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
-        # the test process reads with fresh instances and no listing cache: other processes write the bucket
-        opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint},
-                "skip_instance_cache": True, "use_listings_cache": False}
-        fs = s3fs.S3FileSystem(**opts)
-        fs.mkdir(BUCKET)
+    with moto_s3(BUCKET) as (endpoint, opts, fs):
         tmp = tmp_path_factory.mktemp("s3")
         ds = causal_groups_ds
         fs.put(ds.url, f"{BUCKET}/d.zarr", recursive=True)  # the same bytes on both sides
         local = fit(ds, str(tmp / "run"), plots=False)  # in-process, no Dask: same reduction tree, same bits
         yield {"endpoint": endpoint, "opts": opts, "fs": fs, "local": local, "local_ds": ds, "tmp": tmp}
-    finally:
-        server.stop()
 
 
 def _url(path: str) -> str:

@@ -116,6 +116,13 @@ def available_memory(memory_limit=None) -> float:
     return float(psutil.virtual_memory().available)
 
 
+def small_workers(client, need: float) -> tuple[list[float], int]:
+    """The memory limits (bytes) of the ``client``'s workers that are set but below ``need``, and the number of
+    workers: what a per-worker refusal reports."""
+    limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
+    return [lim for lim in limits if 0 < lim < need], len(limits)
+
+
 def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what: str = "fit",
                      chunk_bytes: float = 0.0, **kwargs) -> dict:
     """Refuse a fit (``what="fit"``) or certificate (``what="certificate"``, ``d_out = 0``) that cannot fit
@@ -153,8 +160,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
             f" + statistics); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at least"
             f" {1.25 * need / GIB:.0f} GiB of memory, or use a smaller d.")
     if client is not None:
-        limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
-        small = [lim for lim in limits if 0 < lim < est["worker_bytes"]]
+        small, n_workers = small_workers(client, est["worker_bytes"])
         if small:
             big_chunk = chunk_bytes > est["worker_bytes"] / 2
             why = (f"one chunk of the dataset takes {chunk_bytes / GIB:.2f} GiB to read" if big_chunk else
@@ -163,7 +169,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
                    else ", or smaller tiles")
             raise InsufficientMemoryError(
                 f"a {what} with d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker ({why}); {len(small)} of"
-                f" {len(limits)} workers have only {min(small) / GIB:.2f} GiB. Use workers with at least"
+                f" {n_workers} workers have only {min(small) / GIB:.2f} GiB. Use workers with at least"
                 f" {1.25 * est['worker_bytes'] / GIB:.1f} GiB (fewer workers per machine){fix}.")
     est["available_bytes"] = have
     return est

@@ -14,7 +14,7 @@ from ..errors import InsufficientMemoryError
 from ..features import n_features
 from ..progress import as_reporter
 from ..qr import QR_BLOCK_BYTES, QRFactor, accumulate_r, merge_factors
-from .memory import GIB, available_memory
+from .memory import GIB, available_memory, small_workers
 from .partition import TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, run_trees
 
@@ -80,12 +80,11 @@ def check_qr_memory(d: int, d_out: int, client=None, memory_limit=None) -> dict:
             f" solver node; this machine has {have / GIB:.1f} GiB available. Use --certificate gram or a machine"
             f" with at least {1.25 * est['solver_bytes'] / GIB:.0f} GiB.")
     if client is not None:
-        limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
-        small = [lim for lim in limits if 0 < lim < est["worker_bytes"]]
+        small, n_workers = small_workers(client, est["worker_bytes"])
         if small:
             raise InsufficientMemoryError(
                 f"the QR certificate at d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker; {len(small)} of"
-                f" {len(limits)} workers have only {min(small) / GIB:.2f} GiB. Use --certificate gram or larger"
+                f" {n_workers} workers have only {min(small) / GIB:.2f} GiB. Use --certificate gram or larger"
                 " workers.")
     return est
 

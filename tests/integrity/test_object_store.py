@@ -4,41 +4,27 @@ found by listing, locks are objects created exclusively."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
+
+from tests.helpers import moto_s3, s3_env  # noqa: E402
 
 from .conftest import FIT, dataset, error_line, expect, run_cli, same_stats  # noqa: E402
 
 pytestmark = pytest.mark.slow
-BUCKET, KEY, SECRET = "integrity", "testing-key", "testing-secret"
+BUCKET = "integrity"
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    import s3fs
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
-        opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint},
-                "skip_instance_cache": True, "use_listings_cache": False}
-        fs = s3fs.S3FileSystem(**opts)
-        fs.mkdir(BUCKET)
+    with moto_s3(BUCKET) as (endpoint, opts, fs):
         tmp = tmp_path_factory.mktemp("s3")
         dataset(tmp / "d.zarr")
         fs.put(str(tmp / "d.zarr"), f"{BUCKET}/d.zarr", recursive=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
-                   AWS_ENDPOINT_URL=endpoint, AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-                   NO_PROXY="127.0.0.1,localhost")
-        yield {"fs": fs, "opts": opts, "tmp": tmp, "env": env}
-    finally:
-        server.stop()
+        yield {"fs": fs, "opts": opts, "tmp": tmp, "env": s3_env(AWS_ENDPOINT_URL=endpoint)}
 
 
 def _objects(fs, prefix):
