@@ -19,7 +19,9 @@ CONTRACT = [
     # L1: features and datasets
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
-    "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "head_fit", "head_bounds",
+    "kernel", "statistics", "spectrum",
+    "gram_operator", "lanczos", "krylov",  # the matrix-free Gram operator and the krylov solver (needs spectrum)
+    "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
     "qr",  # the QR certificate's local algebra (needs certificate and solver)
     # L3: Dask
