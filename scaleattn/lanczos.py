@@ -404,8 +404,10 @@ class KrylovSpectrum:
     rank_converged: bool
     passes: int = 0
     notes: list = dataclasses.field(default_factory=list)
-    #: the smallest eigenvalue of ``Gs`` above the cutoff (``lam_min_scaled`` when the rank is full)
+    #: the smallest eigenvalue of ``Gs`` above the cutoff (``lam_min_scaled`` when the rank is full) and the
+    #: largest Ritz value below it (an upper bound on the largest dropped eigenvalue; 0 when none)
     lam_min_kept: EigenEstimate | None = None
+    dropped_max: float = 0.0
 
     @property
     def verdict_settled(self) -> bool:
@@ -467,11 +469,11 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
                           bool(exact or rn[0] <= eig_rtol * abs(theta[0]) or j > 0), int(small["iterations"]))
     if nlive < psi:  # all-zero features are exact null directions of Gs (its rows there are zero)
         first = EigenEstimate(min(0.0, first.value), 0.0, min(0.0, first.lower), 0.0, True, first.iterations)
-    W = X[:, :j]
+    W, dropped = X[:, :j], float(max(theta[j - 1], 0.0)) if j else 0.0
     if j:
         W, _ = svqb(W * M.live.astype(xp.float64)[:, None])
     spec = KrylovSpectrum(psi, rank, rtol, lmax_s, kept if j == 0 and nlive == psi else first, lmax_g, None, W,
-                          to_numpy(~M.live), bool(settled), 0, notes, kept)
+                          to_numpy(~M.live), bool(settled), 0, notes, kept, dropped)
     if small_g is not None:
         spec.lam_min = _unscaled_min(small_g, kept, lmax_g, diag, M, rtol, rank == psi, notes, eig_rtol,
                                      None if bounds is None else bounds[1])
