@@ -38,7 +38,7 @@ from .spectrum import (
 )
 
 __all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
-           "Witness",
+           "Witness", "gram_for", "DENSE_GRAM_MAX_PSI",
            "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
 
 #: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
@@ -53,6 +53,19 @@ VERDICTS = ("identifiable", "not identifiable", "not settled")
 #: of the prediction scale: a smaller gap means the step along the null direction had to be shrunk to keep the
 #: training losses equal, i.e. the loss does change along it and the pair only reflects the loss's round-off
 WITNESS_MIN_GAP = 0.1
+#: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
+#: when no dense Gram is at hand: psi^2 memory avoided (15 GB at d = 44)
+DENSE_GRAM_MAX_PSI = 4_096
+
+
+def gram_for(stats):
+    """``G`` for products ``G @ c`` from the statistics: the dense Gram up to :data:`DENSE_GRAM_MAX_PSI` features,
+    else the matrix-free :class:`scaleattn.gram_operator.GramOperator` (on the host). Both support ``G @ c``,
+    ``G.diagonal()``, ``stats.sse(c, G)`` and ``stats.sse_floor(c, G)``."""
+    stats = stats.to_numpy()
+    if stats.psi <= DENSE_GRAM_MAX_PSI:
+        return stats.gram()
+    return GramOperator.from_compact(stats.gram_compact, stats.d)
 
 
 @dataclasses.dataclass
@@ -413,7 +426,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     Nb = np.asarray(solution.null_basis)
     if Nb.shape[1] == 0:
         return None
-    G = np.asarray(stats.gram() if gram is None else gram)
+    G = gram_for(stats) if gram is None else gram
     c = np.asarray(solution.coef, np.float64)
     d = stats.d
     factor = getattr(solution, "factor", None)
@@ -442,7 +455,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
         nGn, cross = float(Rn @ Rn), float(Rn @ (R11 @ c[:, a] - z[:, a]))
     else:
         sse_a = stats.sse(c, G)
-        nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
+        nGn, cross = float(n @ (G @ n)), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
     ref = max(abs(sse_a), float(stats.yy), 1e-300)
     for _ in range(60):  # shrink until the losses agree (the gap is t^2 nGn + 2 t cross)
         gap = t * t * nGn + 2 * t * cross

@@ -21,13 +21,14 @@ from .certificate import (
     certificate_from_krylov,
     certificate_from_spectrum,
     check_cutoff,
+    gram_for,
 )
 from .errors import ParameterError
 from .gram_operator import GramOperator
 from .krylov import krylov_solve
 from .spectrum import cholesky_factor, default_rtol, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve"]
+__all__ = ["Solution", "solve", "shared_gram"]
 
 
 def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
@@ -217,3 +218,12 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
     cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
                            "solve_converged": bool(ks.converged.all())})
     return Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank))
+
+
+def shared_gram(stats, solver: str = "auto", large_psi: int | None = None):
+    """The ``G`` a fit's solve, heads step and witness share: the dense Gram on the eigh and Cholesky paths (they
+    factor it anyway), on the krylov path :func:`~scaleattn.certificate.gram_for` (the matrix-free operator past
+    ``DENSE_GRAM_MAX_PSI`` features: no psi x psi array on that path)."""
+    if solver_path(stats.psi, solver, large_psi) == "krylov":
+        return gram_for(stats)
+    return stats.to_numpy().gram()

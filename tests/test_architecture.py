@@ -32,8 +32,8 @@ CONTRACT = [
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
-    "bench", "bench.core", "bench.tensor", "bench.gpu", "bench.adamw", "cli.parser", "cli.commands", "cli",
-    "cli.__main__",
+    "bench", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
+    "cli.parser", "cli.commands", "cli", "cli.__main__",
     "job", "cluster", "memory",
 ]
 SHIMS = {"job", "cluster", "memory"}
