@@ -38,7 +38,7 @@ from .spectrum import (
 )
 
 __all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
-           "Witness", "gram_for", "DENSE_GRAM_MAX_PSI",
+           "Witness", "gram_for", "operator_of", "DENSE_GRAM_MAX_PSI",
            "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
 
 #: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
@@ -62,10 +62,19 @@ def gram_for(stats):
     """``G`` for products ``G @ c`` from the statistics: the dense Gram up to :data:`DENSE_GRAM_MAX_PSI` features,
     else the matrix-free :class:`scaleattn.gram_operator.GramOperator` (on the host). Both support ``G @ c``,
     ``G.diagonal()``, ``stats.sse(c, G)`` and ``stats.sse_floor(c, G)``."""
+    if getattr(stats, "operator", None) is not None:  # statistics whose Tc is held on the workers
+        return stats.operator
     stats = stats.to_numpy()
     if stats.psi <= DENSE_GRAM_MAX_PSI:
         return stats.gram()
     return GramOperator.from_compact(stats.gram_compact, stats.d)
+
+
+def operator_of(stats) -> GramOperator:
+    """The matrix-free operator of the statistics: their own (``stats.operator``: ``Tc`` on the workers,
+    :class:`scaleattn.distributed.operator.RemoteStatistics`), else one on the compact Gram held here."""
+    op = getattr(stats, "operator", None)
+    return op if op is not None else GramOperator.from_compact(stats.gram_compact, stats.d)
 
 
 @dataclasses.dataclass
@@ -339,7 +348,7 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
     rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
     path = solver_path(stats.psi, solver, large_psi)
     if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU)
-        op = GramOperator.from_compact(stats.gram_compact, stats.d)
+        op = operator_of(stats)
         return certificate_from_krylov(krylov_solve(op, None, rtol=rtol, **(krylov or {})), stats.n_rows)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     G = stats.gram() if gram is None else gram

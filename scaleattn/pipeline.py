@@ -26,6 +26,7 @@ from .dataset import Dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
+from .distributed.operator import remote_statistics
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ScaleattnError, with_hint
 from .features import coef_distance
@@ -237,7 +238,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         new_ckpt = ckpt is not None and not ckpt.exists()
         t = time.perf_counter()
         try:
-            stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
+            # krylov on a cluster: the tiles of Tc stay on the workers (no node holds Tc or G)
+            build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
+            stats = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
         except BaseException as e:
             after_failed_build(e, ckpt, new_ckpt)
             raise
@@ -434,7 +437,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
                               chunk_bytes=chunk_bytes(ds, False))["path"]
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
-    stats = compute_statistics(ds, client, targets=False, progress=reporter, device=device)
+    build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
+    stats = build_on(ds, client, targets=False, progress=reporter, device=device)
     with reporter.phase(f"certificate (psi {stats.psi:,})"):
         cert = certify(stats, cutoff_rtol, solver=solver)
     if not needs_qr(certificate, cert, stats.psi):

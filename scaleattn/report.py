@@ -64,6 +64,10 @@ def krylov_line(r: dict) -> str:
     if "backward_error" in e:
         line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
                  + ("" if e["solve_converged"] else " (target NOT reached)"))
+    if "traffic" in e:
+        t = e["traffic"]
+        line += (f"; Tc on {t['workers']} workers ({t['tiles']} tiles), per pass {t['bytes_out_per_pass'] / 1e6:.3g} MB"
+                 f" out, {t['bytes_back_per_pass'] / 1e6:.3g} MB back")
     return line + "".join(f"\n  krylov note: {n}" for n in e.get("notes", []))
 
 

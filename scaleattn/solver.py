@@ -22,9 +22,9 @@ from .certificate import (
     certificate_from_spectrum,
     check_cutoff,
     gram_for,
+    operator_of,
 )
 from .errors import ParameterError
-from .gram_operator import GramOperator
 from .krylov import krylov_solve
 from .spectrum import cholesky_factor, default_rtol, scaled_spectrum, solver_path
 
@@ -210,13 +210,15 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
     if ridge > 0:
         raise ParameterError("ridge > 0 is not available with solver='krylov' (its effective degrees of freedom"
                              " need the whole spectrum): use solver='cholesky' or 'eigh'")
-    op = GramOperator.from_compact(stats.gram_compact, stats.d)
+    op = operator_of(stats)
     ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, **(options or {}))
     cert = certificate_from_krylov(ks.spectrum, stats.n_rows)
     Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
     sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
     cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
                            "solve_converged": bool(ks.converged.all())})
+    if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
+        cert.estimates["traffic"] = op.traffic_summary()
     return Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank))
 
 

@@ -26,7 +26,8 @@ CONTRACT = [
     "qr",  # the QR certificate's local algebra (needs certificate and solver)
     # L3: Dask
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
-    "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.tsqr", "distributed.cluster",
+    "distributed.memory", "distributed.build", "distributed.operator", "distributed.evaluate", "distributed.tsqr",
+    "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
     "run", "plot", "preflight", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths

@@ -90,7 +90,7 @@ def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: 
 
 def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
                split_every: int = 2, max_tile_bytes: float | None = None, block_rows: int | None = None,
-               threads: int = 1, available: float | None = None) -> dict:
+               threads: int = 1, available: float | None = None, remote: bool = False) -> dict:
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
     certificate, no moments) on the given ``solver`` path.
 
@@ -100,7 +100,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     node's peak: the path's psi x psi arrays, or :func:`krylov_bytes`, plus ``Tc`` twice, as received and
     concatenated, plus ``B``), ``paths`` (``solver_bytes`` of every path), ``worker_bytes`` (one worker's
     peak: ``split_every + 2`` tiles while combining, plus one block of features and the kernel's panels).
-    Independent of the number of rows (the build streams them).
+    Independent of the number of rows (the build streams them). ``remote``: a cluster fit, whose krylov path
+    leaves ``Tc`` on the workers (:mod:`scaleattn.distributed.operator`): its solver node holds no ``Tc``.
     """
     m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
     gram = 8.0 * psi * psi
@@ -108,6 +109,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     moments = 8.0 * psi * max(d_out, 1)
     paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out)) + 2 * compact + 2 * moments
              for p, n in SOLVER_ARRAYS.items()}
+    if remote:
+        paths["krylov"] -= 2 * compact
     path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available))
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
     tile = 8.0 * (c1 - c0) * dv
@@ -160,7 +163,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
     have = available_memory(memory_limit)
     # without a cluster this process also builds the statistics: "auto" must leave room for that
     reserve = fit_memory(d, d_out, **kwargs)["worker_bytes"] + chunk_bytes if client is None else 0.0
-    est = fit_memory(d, d_out, available=have - reserve, **kwargs)
+    est = fit_memory(d, d_out, available=have - reserve, remote=client is not None, **kwargs)
     est["worker_bytes"] += chunk_bytes
     need = est["solver_bytes"]
     task = est["worker_bytes"] + (need if client is None else 0)  # without a cluster this process does both
@@ -179,7 +182,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
             f" machine with more memory{hint}.")
     if need > have:
         parts = (f"{SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays + statistics"
-                 if est["path"] != "krylov" else
+                 if est["path"] != "krylov" else "preconditioner and Krylov vectors" if client is not None else
                  f"compact Gram {est['compact_bytes'] / GIB:.2f} GiB twice + preconditioner and Krylov vectors")
         raise InsufficientMemoryError(
             f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
