@@ -28,7 +28,7 @@ from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
 from .distributed.operator import remote_statistics
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import ScaleattnError, with_hint
+from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance
 from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
@@ -227,6 +227,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))["path"]
+    if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
+        raise ParameterError(f"heads={heads!r} needs the dense Gram (loss-weighted head fits); a krylov fit on a"
+                             " cluster keeps Tc on the workers: use heads='svd' (or solver='cholesky' where G fits)")
     if certificate == "qr":
         check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups

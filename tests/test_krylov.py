@@ -249,6 +249,7 @@ def test_krylov_rank_deficient_real_and_assoc_cases():
     assert z.rank == 0 and np.array_equal(z.coef, np.zeros((6, 2))) and z.certificate.lambda_max == 0
 
 
+@pytest.mark.slow
 def test_krylov_digits_same_verdict_and_rank():
     pytest.importorskip("sklearn")
     from sklearn.datasets import load_digits

@@ -12,6 +12,8 @@
   relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a
   pass over the rows, the certificate values side by side;
 - the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
+- the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
+  product against the same product in process (d = 32; quick: d = 16);
 - d = 44 (psi = 43,560): the heads step on the coefficients of a 2-head teacher (d_out = 1), with the
   statistics of a few hundred rows (the loss needs them): SVD of W ([Y25] Alg. 1), and the minimal-head search
   (DESIGN §5), in a fresh process with its peak RSS; the Gram is used only through products.
@@ -143,6 +145,39 @@ def heads_step(d: int, samples: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def cluster_products(tmp, d: int, samples: int, k: int = 3, repeats: int = 5) -> dict:
+    """The cluster-side operator (:mod:`scaleattn.distributed.operator`) on a 2-worker LocalCluster: Tc left on
+    the workers, seconds and bytes moved per product ``G X`` (X psi x k) against the same product in process."""
+    from distributed import Client, LocalCluster
+
+    from scaleattn.distributed.operator import remote_statistics
+    from scaleattn.generate import generate_mhla
+    from scaleattn.gram_operator import GramOperator
+
+    _say(f"cluster operator at d = {d} ...")
+    ds = generate_mhla(os.path.join(tmp, f"op{d}.zarr"), d=d, heads=2, length=100, samples=samples, causal=True,
+                       d_out=1, seed=0)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        rs = remote_statistics(ds, client)
+        op = rs.operator
+        X = np.random.default_rng(0).standard_normal((rs.psi, k))
+        t = time.perf_counter()
+        for _ in range(repeats):
+            Y = op @ X
+        remote_s = (time.perf_counter() - t) / repeats
+        local = GramOperator(d, [(c0, f.result().gram_compact) for c0, f in op.tiles])  # for comparison only
+        t = time.perf_counter()
+        for _ in range(repeats):
+            Yl = local @ X
+        local_s = (time.perf_counter() - t) / repeats
+        tr = op.traffic_summary()
+    return {"d": d, "psi": rs.psi, "rows": rs.n_rows, "k": k, "tiles": tr["tiles"], "workers": tr["workers"],
+            "compact_gram_bytes": sum(int(t.nbytes) for _, t in local.tiles), "cluster_s": remote_s,
+            "in_process_s": local_s, "bytes_out_per_pass": tr["bytes_out_per_pass"],
+            "bytes_back_per_pass": tr["bytes_back_per_pass"], "rel_diff": _rel(Y, Yl)}
+
+
 def run(out_dir, quick: bool = False) -> dict:
     """Run the benchmark; write ``bench-krylov.json`` and ``bench-krylov.md``; return the results."""
     from .core import _machine
@@ -157,6 +192,7 @@ def run(out_dir, quick: bool = False) -> dict:
         res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
                                     else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
         res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
+        res["cluster"] = cluster_products(tmp, 16, 30) if quick else cluster_products(tmp, 32, 200)
     res["load_avg_end"] = os.getloadavg()
     res["seconds"] = time.perf_counter() - t0
     k, more = res["solvers"], res["solvers_more_rows"]
@@ -233,6 +269,16 @@ def markdown(res) -> str:
         r = h[name]
         L.append(f"| {name} | {r['seconds']:.2f} | {r['heads']} | {r['residual']:.1e} |"
                  f" {'' if r['relative_sse'] is None else format(r['relative_sse'], '.1e')} |")
+    c = res.get("cluster")
+    if c:
+        L += ["", f"## Cluster-side operator, d = {c['d']} (psi = {c['psi']:,}), 2 workers", "",
+              f"Tc ({c['compact_gram_bytes'] / 1e6:.1f} MB, {c['tiles']} tiles) stays on the workers; per product"
+              f" G X with k = {c['k']}: X out to the workers, one partial per worker back into the tree sum.", "",
+              "| where | seconds per product | MB out per product | MB back per product | rel. diff |",
+              "|---|---|---|---|---|",
+              f"| cluster ({c['workers']} workers) | {c['cluster_s']:.3f} | {c['bytes_out_per_pass'] / 1e6:.3f} |"
+              f" {c['bytes_back_per_pass'] / 1e6:.3f} | {c['rel_diff']:.1e} |",
+              f"| in process (Tc here) | {c['in_process_s']:.3f} | 0 | 0 | 0 |"]
     return "\n".join(L) + "\n"
 
 

@@ -73,19 +73,21 @@ def parse_bytes(value) -> float:
 
 
 def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: int = LANCZOS_MAX,
-                 block: int = BLOCK) -> float:
+                 block: int = BLOCK, remote: bool = False) -> float:
     """Bytes the krylov path holds beyond ``Tc`` and ``B`` (module docstring): token columns, block-Jacobi
     inverses (and one block's temporaries while they are made), ``threads`` segment expansions and psi x k
     buffers, two Lanczos bases of ``lanczos_steps`` vectors, two LOBPCG runs of ``block`` columns (about 20
     psi-vectors per column), the CG vectors (6 per output), the coefficients and the heads step's vectors.
     A numerical null space grows the LOBPCG block (20 psi-vectors per null direction) and adds its basis: not
-    counted here (it is not known before the solve)."""
+    counted here (it is not known before the solve). ``remote``: ``Tc`` on the workers, whose tasks expand the
+    segments; the client holds one psi x k product buffer."""
     m, psi = n_pairs(d), n_features(d)
     mm = m * (m + 1) // 2
     threads = max(1, os.cpu_count() or 1) if threads is None else int(threads)
     k = max(d_out, 1) + 2 + 2 * block  # columns of one lockstep pass: CG, two Lanczos, two LOBPCG blocks
     vectors = 2 * lanczos_steps + 2 * 20 * block + 6 * max(d_out, 1) + 4 * max(d_out, 1)
-    return 8.0 * (mm * d + (d + 3) * m * m + threads * (2 * m * d * d + psi * k) + psi * vectors)
+    per_thread = psi * k if remote else threads * (2 * m * d * d + psi * k)
+    return 8.0 * (mm * d + (d + 3) * m * m + per_thread + psi * vectors)
 
 
 def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
@@ -107,10 +109,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     gram = 8.0 * psi * psi
     compact = 8.0 * n_pairs(m) * dv
     moments = 8.0 * psi * max(d_out, 1)
-    paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out)) + 2 * compact + 2 * moments
-             for p, n in SOLVER_ARRAYS.items()}
-    if remote:
-        paths["krylov"] -= 2 * compact
+    paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote)) + 2 * compact * (
+        p != "krylov" or not remote) + 2 * moments for p, n in SOLVER_ARRAYS.items()}
     path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available))
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
     tile = 8.0 * (c1 - c0) * dv

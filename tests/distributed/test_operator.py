@@ -41,14 +41,16 @@ def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, mo
     cluster fits (Tc stays on the workers), the dense path is refused before the build."""
     from scaleattn.pipeline import fit
 
-    d = 24
+    d = 22
     e = fit_memory(d, 1, remote=True)
     tc, need = e["compact_bytes"], e["paths"]["krylov"]
     assert need < tc < e["paths"]["cholesky"]
     monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", str(int((need + tc) / 2)))
-    ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=110, causal=True, d_out=1, seed=0)
+    ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=90, causal=True, d_out=1, seed=0)
     with pytest.raises(InsufficientMemoryError, match="cholesky solver"):
         fit(ds, client=client, solver="cholesky", plots=False, exact_mse=False)
+    with pytest.raises(ParameterError, match="heads='svd'"):  # the loss-weighted head fits need the dense G
+        fit(ds, client=client, solver="krylov", heads="minimal", plots=False)
     res = fit(ds, client=client, solver="auto", plots=False)  # auto: the dense path does not fit
     r = res.report
     assert isinstance(res.statistics, RemoteStatistics)
