@@ -24,6 +24,8 @@ from ._params import no_other_kwargs, real, renamed
 from .errors import ParameterError
 from .features import coef_distance, predict_rows, token_features
 from .features import phi as features_phi
+from .gram_operator import GramOperator
+from .krylov import krylov_solve
 from .spectrum import (
     CholeskyFactor,
     Spectrum,
@@ -35,7 +37,8 @@ from .spectrum import (
     solver_path,
 )
 
-__all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "Witness",
+__all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
+           "Witness", "gram_for", "operator_of", "DENSE_GRAM_MAX_PSI",
            "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
 
 #: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
@@ -50,6 +53,28 @@ VERDICTS = ("identifiable", "not identifiable", "not settled")
 #: of the prediction scale: a smaller gap means the step along the null direction had to be shrunk to keep the
 #: training losses equal, i.e. the loss does change along it and the pair only reflects the loss's round-off
 WITNESS_MIN_GAP = 0.1
+#: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
+#: when no dense Gram is at hand: psi^2 memory avoided (15 GB at d = 44)
+DENSE_GRAM_MAX_PSI = 4_096
+
+
+def gram_for(stats):
+    """``G`` for products ``G @ c`` from the statistics: the dense Gram up to :data:`DENSE_GRAM_MAX_PSI` features,
+    else the matrix-free :class:`scaleattn.gram_operator.GramOperator` (on the host). Both support ``G @ c``,
+    ``G.diagonal()``, ``stats.sse(c, G)`` and ``stats.sse_floor(c, G)``."""
+    if getattr(stats, "operator", None) is not None:  # statistics whose Tc is held on the workers
+        return stats.operator
+    stats = stats.to_numpy()
+    if stats.psi <= DENSE_GRAM_MAX_PSI:
+        return stats.gram()
+    return GramOperator.from_compact(stats.gram_compact, stats.d)
+
+
+def operator_of(stats) -> GramOperator:
+    """The matrix-free operator of the statistics: their own (``stats.operator``: ``Tc`` on the workers,
+    :class:`scaleattn.distributed.operator.RemoteStatistics`), else one on the compact Gram held here."""
+    op = getattr(stats, "operator", None)
+    return op if op is not None else GramOperator.from_compact(stats.gram_compact, stats.d)
 
 
 @dataclasses.dataclass
@@ -85,6 +110,17 @@ class Certificate:
         What decided the rank.
     gram : Certificate or None
         For ``method="qr"``: the Gram's certificate that the QR settled (its verdict is ``gram_verdict``).
+    converged : bool
+        The method's own run settled the rank decision (always True for the factorising paths; the krylov path
+        says False when its budget ran out first: the verdict is then ``"not settled"``, never guessed).
+    estimates : dict or None
+        The krylov path's estimates: per eigenvalue its Ritz value, residual, the interval it lies in and
+        whether that is as narrow as requested (:class:`scaleattn.lanczos.EigenEstimate`), the passes over
+        ``Tc``, notes on what was not settled; for a solve also ``solve_converged`` and the backward errors.
+    nearest : tuple or None
+        ``(smallest kept, largest dropped)`` relative to the largest value, when the spectrum is not whole
+        (krylov: the lower end of the kept eigenvalue's interval and the largest Ritz value below the cutoff,
+        so that the margin is one the intervals guarantee).
 
     See Also
     --------
@@ -113,6 +149,9 @@ class Certificate:
     eigenvalues: np.ndarray | None = None
     method: str = "gram"
     gram: Certificate | None = None
+    converged: bool = True
+    estimates: dict | None = None
+    nearest: tuple | None = None
 
     @property
     def rtol(self) -> float:
@@ -123,6 +162,8 @@ class Certificate:
         """``(smallest kept, largest dropped in magnitude)`` relative to the largest value, in the method's own
         quantity (eigenvalues for ``"gram"``, singular values for ``"qr"``); nan/None where the spectrum does not
         say."""
+        if self.nearest is not None:
+            return self.nearest
         w = np.asarray(self.spectrum_scaled, np.float64)
         top = max(float(w[-1]), 0.0) if w.size else 0.0
         if top <= 0:
@@ -156,6 +197,8 @@ class Certificate:
     def verdict(self) -> str:
         """``"identifiable"``, ``"not identifiable"`` or ``"not settled"`` (see the class docstring)."""
         m = self.margin
+        if not self.converged:  # the krylov budget ran out before the rank decision settled
+            return "not settled"
         if np.isnan(m):  # no spectrum to measure a margin on: an all-zero Gram is null, a full rank unproven
             return "not identifiable" if self.rank < self.psi else "not settled"
         if m < SETTLE_FACTOR:
@@ -194,7 +237,8 @@ class Certificate:
                 "verdict": self.verdict, "certificate_method": self.method, "margin": self.margin,
                 "smallest_kept_relative": kept, "largest_dropped_relative": dropped,
                 "settle_factor": SETTLE_FACTOR, "gram_verdict": g.verdict, "gram_rank": g.rank,
-                "gram_margin": g.margin}
+                "gram_margin": g.margin, "certificate_converged": bool(self.converged),
+                **({"estimates": self.estimates} if self.estimates is not None else {})}
 
 
 def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
@@ -216,13 +260,37 @@ def certificate_from_factor(f: CholeskyFactor, cutoff_rtol: float, n_rows: int) 
                        np.array([f.w_min, f.w_max]), None)
 
 
+def certificate_from_krylov(spec, n_rows: int) -> Certificate:
+    """The certificate of the krylov path from a :class:`scaleattn.lanczos.KrylovSpectrum` (``Lambda_D = G /
+    N``): the extreme eigenvalues only, each with its interval in ``estimates``; ``converged`` is whether the
+    run settled the rank decision, and the margin is measured on the intervals (``nearest``)."""
+    n = max(n_rows, 1)
+    lmax_s, lmin_s, kept = spec.lam_max_scaled, spec.lam_min_scaled, spec.lam_min_kept
+    cond = float(lmax_s.value / kept.value) if kept is not None and kept.value > 0 else float("inf")
+    top = lmax_s.value if lmax_s.value > 0 else float("nan")
+    near = (float(kept.lower / top) if kept is not None and spec.rank else float("nan"),
+            float(spec.dropped_max / top) if spec.rank < spec.psi else None)
+    est = {"solver": "krylov", "passes": int(spec.passes), "verdict_settled": spec.verdict_settled,
+           "eigenvalues_converged": spec.converged, "rank_converged": bool(spec.rank_converged),
+           "lambda_max_scaled": lmax_s.summary(), "lambda_min_scaled": lmin_s.summary(),
+           "lambda_min_kept_scaled": None if kept is None else kept.summary(),
+           "lambda_max": None if spec.lam_max is None else spec.lam_max.scaled(1.0 / n).summary(),
+           "lambda_min": None if spec.lam_min is None else spec.lam_min.scaled(1.0 / n).summary(),
+           "notes": list(spec.notes)}
+    lam_max = float("nan") if spec.lam_max is None else spec.lam_max.value / n
+    lam_min = float("nan") if spec.lam_min is None else max(spec.lam_min.value, 0.0) / n
+    return Certificate(n_rows, spec.psi, spec.rank, spec.rtol, lam_min, lam_max, float(lmin_s.value), cond,
+                       np.array([lmin_s.value, lmax_s.value]), None, converged=spec.verdict_settled,
+                       estimates=est, nearest=near)
+
+
 def check_cutoff(cutoff_rtol) -> float | None:
     """``cutoff_rtol`` validated: None (the default) or a number in (0, 1)."""
     return real("cutoff_rtol", cutoff_rtol, 0.0, 1.0, low_open=True, high_open=True, none_ok=True)
 
 
 def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large_psi: int | None = None, *,
-            gram=None, **deprecated) -> Certificate:
+            gram=None, krylov: dict | None = None, **deprecated) -> Certificate:
     """Identifiability certificate from statistics ([Y25] Lemma 2.3; only the Gram is used, targets are not).
 
     Parameters
@@ -231,14 +299,19 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         Sufficient statistics (:func:`scaleattn.compute_statistics`); targets are not needed.
     cutoff_rtol : float, optional
         Relative eigenvalue cutoff in (0, 1) (default ``16 psi eps``, :func:`~scaleattn.spectrum.default_rtol`).
-    solver : {"auto", "eigh", "cholesky"}
+    solver : {"auto", "eigh", "cholesky", "krylov"}
         ``"eigh"`` gives the whole spectrum; ``"cholesky"`` (``"auto"`` past psi = 2,000) only the extreme
-        eigenvalues (``spectrum_scaled`` is then ``[w_min, w_max]`` and ``eigenvalues`` None); see
+        eigenvalues (``spectrum_scaled`` is then ``[w_min, w_max]`` and ``eigenvalues`` None); ``"krylov"``
+        (``"auto"`` past psi = 20,000) the same from products with the matrix-free operator, ``G`` never formed,
+        with each eigenvalue's interval (``estimates``) and whether the run settled (``converged``); see
         :func:`~scaleattn.spectrum.solver_path`.
     large_psi : int, optional
         Where ``"auto"`` switches to Cholesky.
     gram : array (psi, psi), optional
         ``stats.gram()`` if the caller has it already (not modified).
+    krylov : dict, optional
+        Options of :func:`scaleattn.krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
+        ``seed``).
     rtol, method
         Deprecated names of ``cutoff_rtol`` and ``solver``.
 
@@ -263,6 +336,8 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
     >>> stats = scaleattn.statistics_from_arrays(rng.standard_normal((200, 5, 2)))
     >>> scaleattn.certify(stats).identifiable
     True
+    >>> scaleattn.certify(stats, solver="krylov").verdict
+    'identifiable'
     """
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     solver = renamed(deprecated, "method", "solver", solver, "auto")
@@ -270,10 +345,14 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
     cutoff_rtol = check_cutoff(cutoff_rtol)
     if stats.n_rows == 0:
         raise ParameterError("no rows: the statistics are empty")
-    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
+    path = solver_path(stats.psi, solver, large_psi)
+    if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU)
+        op = operator_of(stats)
+        return certificate_from_krylov(krylov_solve(op, None, rtol=rtol, **(krylov or {})), stats.n_rows)
+    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     G = stats.gram() if gram is None else gram
-    if solver_path(stats.psi, solver, large_psi) == "cholesky":
+    if path == "cholesky":
         f = cholesky_factor(G, rtol, stats.n_rows)
         if f is not None:
             return certificate_from_factor(f, rtol, stats.n_rows)
@@ -356,7 +435,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
     Nb = np.asarray(solution.null_basis)
     if Nb.shape[1] == 0:
         return None
-    G = np.asarray(stats.gram() if gram is None else gram)
+    G = gram_for(stats) if gram is None else gram
     c = np.asarray(solution.coef, np.float64)
     d = stats.d
     factor = getattr(solution, "factor", None)
@@ -385,7 +464,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
         nGn, cross = float(Rn @ Rn), float(Rn @ (R11 @ c[:, a] - z[:, a]))
     else:
         sse_a = stats.sse(c, G)
-        nGn, cross = float(n @ G @ n), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
+        nGn, cross = float(n @ (G @ n)), float(n @ (G @ c[:, a] - np.asarray(stats.moments)[:, a]))
     ref = max(abs(sse_a), float(stats.yy), 1e-300)
     for _ in range(60):  # shrink until the losses agree (the gap is t^2 nGn + 2 t cross)
         gap = t * t * nGn + 2 * t * cross

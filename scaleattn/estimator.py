@@ -12,7 +12,7 @@ from .dataset import check_arrays
 from .errors import DatasetError
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
-from .solver import solve
+from .solver import shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import statistics_from_arrays
 
@@ -42,8 +42,9 @@ class MHLARegressor:
         Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
     ridge : float
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
-    solver : "auto", "eigh" or "cholesky"
-        Solver path (:func:`scaleattn.spectrum.solver_path`).
+    solver : "auto", "eigh", "cholesky" or "krylov"
+        Solver path (:func:`scaleattn.spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
+        compact Gram, ``G`` never formed).
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
         (:mod:`scaleattn.qr`) only when the Gram does not certify identifiability and psi is small.
@@ -126,7 +127,7 @@ class MHLARegressor:
             if bad.any():
                 raise DatasetError(f"{name}: sample {int(np.flatnonzero(bad)[0])} contains NaN or Inf")
         stats = statistics_from_arrays(tokens, targets, lengths)
-        G = stats.gram()
+        G = shared_gram(stats, params["solver"])
         sol = solve(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
         if needs_qr(params["certificate"], sol.certificate, stats.psi):  # the arrays are here: no second pass
             sol = solve_from_r(factor_from_arrays(tokens, targets, lengths), params["cutoff_rtol"], params["ridge"],

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from .certificate import gram_for
+from .gram_operator import GramOperator
 from .head_bounds import KIND_EVERY_C, _reported_bound, flattening_bound, generic_heads_bound
 from .head_fit import (
     SMALL_D,
@@ -73,7 +75,9 @@ class _Search:
     @property
     def loss_tg(self) -> _Target:
         if self._loss_tg is None:
-            self._loss_tg = _Target(self.coef, self.d, _loss_factor(self.G))
+            # the loss-weighted head fits need the loss factor of the dense Gram (an eigh): expanded only here
+            G = self.stats.gram() if isinstance(self.G, GramOperator) else self.G
+            self._loss_tg = _Target(self.coef, self.d, _loss_factor(G))
         return self._loss_tg
 
     def out_of_time(self) -> bool:
@@ -232,7 +236,8 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
         raise ValueError(f"budget must be positive seconds or None, got {budget!r}")
     if not (heads in ("svd", "minimal") or (isinstance(heads, (int, np.integer)) and heads >= 1)):
         raise ValueError(f"heads must be 'svd', 'minimal' or a positive integer, got {heads!r}")
-    G = np.asarray(stats.gram() if gram is None else gram, np.float64)
+    G = gram_for(stats) if gram is None else gram  # the operator past DENSE_GRAM_MAX_PSI: only G @ c is needed
+    G = G if isinstance(G, GramOperator) else np.asarray(G, np.float64)
     from threadpoolctl import threadpool_limits
 
     deadline = math.inf if budget is None else t0 + budget

@@ -16,7 +16,7 @@ from .errors import FormatError, InputNotFoundError, ParameterError
 from .features import predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
-from .solver import Solution, solve
+from .solver import Solution, shared_gram, solve
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
            "EXACT_HEADS_RTOL"]
@@ -209,7 +209,7 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     the head search (None: no limit).
     """
     stats = stats.to_numpy()
-    G = stats.gram() if gram is None else gram
+    G = shared_gram(stats, solver) if gram is None else gram  # krylov: no psi x psi array past 4,096 features
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget)
     return model_from_heads(sol, h, stats.d, causal), sol, h

@@ -26,8 +26,9 @@ from .dataset import Dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
+from .distributed.operator import remote_statistics
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import ScaleattnError, with_hint
+from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance
 from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
@@ -37,7 +38,7 @@ from .preflight import after_failed_build, holding, kept_hint, open_input, prefl
 from .progress import as_reporter
 from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
-from .solver import Solution, solve
+from .solver import Solution, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
@@ -152,10 +153,11 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         one is refused unless ``resume`` or ``overwrite`` (start over).
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
-    solver : "auto" | "eigh" | "cholesky"
+    solver : "auto" | "eigh" | "cholesky" | "krylov"
         Solver path (:func:`scaleattn.spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
-        ``LARGE_PSI``.
+        ``LARGE_PSI`` and to the matrix-free krylov path past ``KRYLOV_PSI`` or when the dense path does not fit
+        in memory (:func:`scaleattn.distributed.memory.check_fit_memory`).
     certificate : "auto" | "gram" | "qr"
         What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.qr`): ``"gram"`` the float64 Gram
         only; ``"qr"`` a tall-skinny QR of the features ``[Phi | Y]`` (a second pass over the data, any psi):
@@ -223,7 +225,11 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                    fill_absent_chunks=fill_absent_chunks)
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
-    check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))  # before the build
+    # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
+    solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))["path"]
+    if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
+        raise ParameterError(f"heads={heads!r} needs the dense Gram (loss-weighted head fits); a krylov fit on a"
+                             " cluster keeps Tc on the workers: use heads='svd' (or solver='cholesky' where G fits)")
     if certificate == "qr":
         check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups
@@ -235,7 +241,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         new_ckpt = ckpt is not None and not ckpt.exists()
         t = time.perf_counter()
         try:
-            stats = compute_statistics(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
+            # krylov on a cluster: the tiles of Tc stay on the workers (no node holds Tc or G)
+            build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
+            stats = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
         except BaseException as e:
             after_failed_build(e, ckpt, new_ckpt)
             raise
@@ -280,7 +288,7 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     t = time.perf_counter()
     stats = stats.to_numpy()
     with reporter.phase("solve", f"psi {stats.psi:,}"):
-        G = stats.gram()  # expanded once: the solve, the heads and the witness share it
+        G = shared_gram(stats, solver)  # expanded once (the krylov path: the operator): solve, heads, witness
         sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
     times["solve"] = time.perf_counter() - t
     if needs_qr(o.certificate, sol.certificate, stats.psi):  # the Gram cannot settle it: a QR, a second pass
@@ -387,9 +395,9 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         Relative eigenvalue cutoff in (0, 1).
     progress : bool or Reporter
     storage_options : dict or list of "KEY=VALUE", optional
-    solver : "auto" | "eigh" | "cholesky"
-        As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` the extreme
-        eigenvalues only.
+    solver : "auto" | "eigh" | "cholesky" | "krylov"
+        As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` and ``"krylov"`` the
+        extreme eigenvalues only (krylov with their intervals, ``G`` never formed); ``"auto"`` as :func:`fit`.
     device : "auto" | "cpu" | "gpu"
     certificate : "auto" | "gram" | "qr"
         As :func:`fit`: ``"auto"`` takes a second pass (a QR of the features, no targets) only when the Gram
@@ -428,10 +436,12 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
-    check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate", chunk_bytes=chunk_bytes(ds, False))
+    solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
+                              chunk_bytes=chunk_bytes(ds, False))["path"]
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
-    stats = compute_statistics(ds, client, targets=False, progress=reporter, device=device)
+    build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
+    stats = build_on(ds, client, targets=False, progress=reporter, device=device)
     with reporter.phase(f"certificate (psi {stats.psi:,})"):
         cert = certify(stats, cutoff_rtol, solver=solver)
     if not needs_qr(certificate, cert, stats.psi):

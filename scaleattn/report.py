@@ -13,9 +13,9 @@ import math
 
 import numpy as np
 
-__all__ = ["fit_summary", "heads_line", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict",
-           "minimal_heads", "fewer_heads_suffice", "spectrum_svg", "certificate_html", "fit_html",
-           "statistics_html", "model_html", "safe_html"]
+__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
+           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "spectrum_svg", "certificate_html",
+           "fit_html", "statistics_html", "model_html", "safe_html"]
 
 
 _METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
@@ -41,8 +41,34 @@ def verdict(r: dict) -> str:
     if v == "not identifiable":
         return (f"NOT identifiable{at}: {r['ambiguous_dim']} feature direction(s) are not determined by the data"
                 + how + hint)
+    if r.get("certificate_converged") is False:  # the krylov run's budget ended first: said, never guessed
+        return (f"NOT SETTLED: the krylov budget ran out before the rank decision settled (rank {r['rank']} of"
+                f" {r['psi']} so far; --solver cholesky or eigh where G fits in memory)")
     return (f"NOT SETTLED{at}: rank {r['rank']} of {r['psi']}, but a value lies within"
             f" {_g(near, '.3g')}x of the cutoff, so round-off could change the rank" + how + hint)
+
+
+def krylov_line(r: dict) -> str:
+    """How settled the krylov path's numbers are (``estimates`` of a summary or report; "" on other paths): the
+    interval each extreme eigenvalue of ``Lambda_D`` is known to lie in, and the CG solve's backward error."""
+    e = r.get("estimates")
+    if not e or e.get("solver") != "krylov":
+        return ""
+
+    def iv(key):
+        x = e.get(key)
+        return "n/a" if x is None else (f"in [{x['lower']:.4g}, {x['upper']:.4g}]"
+                                        + ("" if x["converged"] else " (wider than requested)"))
+
+    line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+    if "backward_error" in e:
+        line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
+                 + ("" if e["solve_converged"] else " (target NOT reached)"))
+    if "traffic" in e:
+        t = e["traffic"]
+        line += (f"; Tc on {t['workers']} workers ({t['tiles']} tiles), per pass {t['bytes_out_per_pass'] / 1e6:.3g} MB"
+                 f" out, {t['bytes_back_per_pass'] / 1e6:.3g} MB back")
+    return line + "".join(f"\n  krylov note: {n}" for n in e.get("notes", []))
 
 
 def _cutoff(r: dict) -> str:
@@ -73,6 +99,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         f"lambda_min {r['lambda_min']:.4g}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
         f"certificate: {verdict(r)}",
         *([_settled_by(r)] if _settled_by(r) else []),
+        *([krylov_line(r)] if krylov_line(r) else []),
         f"train MSE {r['train_mse']:.4g}  (relative {_g(r['relative_train_mse'], '.3g')};"
         f" mean y^2 {r['target_mean_square']:.4g})",
         heads_line(r),
@@ -142,7 +169,7 @@ def certificate_summary(s: dict) -> str:
     certify``)."""
     return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
             f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict(s)}"
-            + (f"\n{_settled_by(s)}" if _settled_by(s) else ""))
+            + (f"\n{_settled_by(s)}" if _settled_by(s) else "") + (f"\n{krylov_line(s)}" if krylov_line(s) else ""))
 
 
 def evaluation_summary(r: dict) -> str:

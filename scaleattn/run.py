@@ -71,12 +71,14 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
     when ``out`` exists and not ``overwrite``.
     """
     out = resolve(out)
-    names = [REPORT, MODEL, STATS]
+    on_workers = getattr(result.statistics, "operator", None) is not None  # krylov on a cluster: Tc never gathered
+    names = [REPORT, MODEL] + ([] if on_workers else [STATS])
     with atomic_output(out, overwrite) as tmp:
         if not tmp.is_remote:
             os.makedirs(tmp.url, exist_ok=True)
         result.model.save(tmp.join(MODEL))
-        result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", "")})
+        if not on_workers:
+            result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", "")})
         if result.certificate.eigenvalues is not None:
             save_spectrum(result.certificate, tmp.join(SPECTRUM))
             names.append(SPECTRUM)

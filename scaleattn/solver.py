@@ -3,7 +3,9 @@
 [Y25] Algorithm 1 solves ``min_c sum_i ||y_i - c^T phi_i||^2`` over the cubic features; from the statistics
 that is ``G c = B``. :func:`solve` returns the min-norm solution ``c = G^+ B`` (Jacobi-scaled pseudo-inverse
 with one step of iterative refinement, or a Cholesky solve for large psi; :mod:`scaleattn.spectrum`) together
-with the certificate (:mod:`scaleattn.certificate`), optionally with a scaled ridge.
+with the certificate (:mod:`scaleattn.certificate`), optionally with a scaled ridge. The ``"krylov"`` path
+(:mod:`scaleattn.krylov`) solves by preconditioned CG on the matrix-free operator of the compact Gram
+(:mod:`scaleattn.gram_operator`): ``G`` is never formed.
 """
 from __future__ import annotations
 
@@ -11,17 +13,22 @@ import dataclasses
 
 import numpy as np
 
+from ._backend import to_numpy
 from ._params import no_other_kwargs, real, renamed
 from .certificate import (
     Certificate,
     certificate_from_factor,
+    certificate_from_krylov,
     certificate_from_spectrum,
     check_cutoff,
+    gram_for,
+    operator_of,
 )
 from .errors import ParameterError
+from .krylov import krylov_solve
 from .spectrum import cholesky_factor, default_rtol, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve"]
+__all__ = ["Solution", "solve", "shared_gram"]
 
 
 def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
@@ -96,7 +103,7 @@ class Solution:
 
 
 def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: float = 0.0, solver: str = "auto",
-          large_psi: int | None = None, *, gram=None, **deprecated) -> Solution:
+          large_psi: int | None = None, *, gram=None, krylov: dict | None = None, **deprecated) -> Solution:
     """Min-norm least-squares coefficients and certificate from statistics (DESIGN §4).
 
     With ``ridge = lambda > 0``: minimise ``||y - Phi c||^2 / N + lambda sum_j Lambda_jj c_j^2`` with
@@ -115,15 +122,21 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         One step of iterative refinement ``c += G^+ (B - G c)``.
     ridge : float
         Ridge strength lambda >= 0 (default 0).
-    solver : {"auto", "eigh", "cholesky"}
+    solver : {"auto", "eigh", "cholesky", "krylov"}
         Solver path (:func:`~scaleattn.spectrum.solver_path`): above ``large_psi`` (default
         :data:`~scaleattn.spectrum.LARGE_PSI`) a Cholesky factor of the scaled Gram and Lanczos for the
         extreme eigenvalues replace the eigendecomposition (same coefficients to round-off; falls back to eigh
-        when the Gram is not positive definite).
+        when the Gram is not positive definite); ``"krylov"`` (``"auto"`` above
+        :data:`~scaleattn.spectrum.KRYLOV_PSI`) solves by preconditioned CG with deflation on the matrix-free
+        operator (the same min-norm answer to its backward-error target; the certificate from Lanczos/LOBPCG,
+        saying how settled it is).
     large_psi : int, optional
         Where ``"auto"`` switches to Cholesky.
     gram : array (psi, psi), optional
         ``stats.gram()`` if the caller has it already (it is not modified).
+    krylov : dict, optional
+        Options of :func:`scaleattn.krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
+        ``block``, ``seed``).
     rtol, method
         Deprecated names of ``cutoff_rtol`` and ``solver``.
 
@@ -136,7 +149,8 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     ------
     ParameterError
         Statistics without targets or without rows; a negative or non-finite ``ridge``; an unknown solver; a
-        cutoff outside (0, 1).
+        cutoff outside (0, 1); ``ridge > 0`` with the krylov path (its effective degrees of freedom need the
+        whole spectrum).
 
     See Also
     --------
@@ -151,6 +165,8 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     >>> sol = scaleattn.solve(stats)
     >>> sol.certificate.identifiable, sol.coef.shape
     (True, (6, 2))
+    >>> bool(abs(scaleattn.solve(stats, solver="krylov").coef - sol.coef).max() < 1e-8 * abs(sol.coef).max())
+    True
     """
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     solver = renamed(deprecated, "method", "solver", solver, "auto")
@@ -161,9 +177,12 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         raise ParameterError("these statistics have no targets (built for the certificate only); cannot solve")
     if stats.n_rows == 0:
         raise ParameterError("no rows: the statistics are empty")
+    path = solver_path(stats.psi, solver, large_psi)
+    if path == "krylov":
+        return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, ridge, krylov)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     G = stats.gram() if gram is None else gram
-    if solver_path(stats.psi, solver, large_psi) == "cholesky":
+    if path == "cholesky":
         sol = _solve_large(stats, G, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, refine, ridge)
         if sol is not None:
             return sol
@@ -183,3 +202,30 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
             c = c - null @ (null.T @ c)  # min-norm: no component in the null space of G
     cert = certificate_from_spectrum(G, spec, stats.n_rows)
     return Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge))
+
+
+def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None) -> Solution:
+    """[Y25] Alg. 1 on the matrix-free operator (:func:`scaleattn.krylov.krylov_solve`), in the statistics'
+    own array module (numpy, or cupy on a GPU); the coefficients come back to the host."""
+    if ridge > 0:
+        raise ParameterError("ridge > 0 is not available with solver='krylov' (its effective degrees of freedom"
+                             " need the whole spectrum): use solver='cholesky' or 'eigh'")
+    op = operator_of(stats)
+    ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, **(options or {}))
+    cert = certificate_from_krylov(ks.spectrum, stats.n_rows)
+    Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
+    sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
+    cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
+                           "solve_converged": bool(ks.converged.all())})
+    if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
+        cert.estimates["traffic"] = op.traffic_summary()
+    return Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank))
+
+
+def shared_gram(stats, solver: str = "auto", large_psi: int | None = None):
+    """The ``G`` a fit's solve, heads step and witness share: the dense Gram on the eigh and Cholesky paths (they
+    factor it anyway), on the krylov path :func:`~scaleattn.certificate.gram_for` (the matrix-free operator past
+    ``DENSE_GRAM_MAX_PSI`` features: no psi x psi array on that path)."""
+    if solver_path(stats.psi, solver, large_psi) == "krylov":
+        return gram_for(stats)
+    return stats.to_numpy().gram()

@@ -18,7 +18,7 @@ import numpy as np
 from ._params import choice
 
 __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
-           "syevd_workspace", "SOLVERS", "LARGE_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX"]
+           "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX"]
 
 #: numpy's eigh (LAPACK syevd) sizes its workspace with 32-bit integers: 1 + 6n + 2n^2 overflows near 32,767
 SYEVD_MAX = 30_000
@@ -30,8 +30,14 @@ CUSOLVER_SYEVD_MAX = 26_000
 #: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
 #: numerically positive definite falls back to eigh (which finds the null space).
 LARGE_PSI = 2_000
+#: above this psi, ``solver="auto"`` takes the krylov path (:mod:`scaleattn.krylov`, no psi x psi array), and
+#: below it whenever the dense path does not fit in the memory there is (:func:`solver_path` with ``fits``).
+#: Cholesky's cost is fixed (psi^3 / 3); krylov's grows with the conditioning, worst with few rows per feature:
+#: at d = 32 on 1.2 rows per feature (``scaleattn bench krylov``) Cholesky is the faster, so it stays the
+#: default wherever it fits, up to d = 32
+KRYLOV_PSI = 20_000
 #: the solver paths (``--solver``)
-SOLVERS = ("auto", "eigh", "cholesky")
+SOLVERS = ("auto", "eigh", "cholesky", "krylov")
 
 
 def syevd_workspace(n: int) -> int:
@@ -47,17 +53,52 @@ def default_rtol(psi: int) -> float:
     return 16.0 * psi * np.finfo(np.float64).eps
 
 
-def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None) -> str:
-    """The path :func:`~scaleattn.solve` and :func:`~scaleattn.certify` take: ``"eigh"`` or ``"cholesky"``.
+def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, krylov_psi: int | None = None,
+                fits=None) -> str:
+    """The path :func:`~scaleattn.solve` and :func:`~scaleattn.certify` take: ``"eigh"``, ``"cholesky"`` or
+    ``"krylov"``.
 
-    ``solver``: ``"eigh"`` (full spectrum; past ``SYEVD_MAX`` through the O(n)-workspace MRRR driver),
-    ``"cholesky"``, or ``"auto"`` (Cholesky when ``psi > large_psi``, default :data:`LARGE_PSI`).
-    Raises :class:`~scaleattn.errors.ParameterError` for another name.
+    Parameters
+    ----------
+    psi : int
+        Number of features.
+    solver : {"auto", "eigh", "cholesky", "krylov"}
+        An explicit path is taken as is (``"eigh"`` past ``SYEVD_MAX`` through the O(n)-workspace MRRR driver).
+        ``"auto"``: eigh up to ``large_psi`` (default :data:`LARGE_PSI`), Cholesky + Lanczos up to
+        ``krylov_psi`` (default :data:`KRYLOV_PSI`), krylov above; and krylov whenever ``fits(path)`` says the
+        dense path chosen does not fit in memory.
+    large_psi, krylov_psi : int, optional
+        Where ``"auto"`` switches to Cholesky and to krylov.
+    fits : callable, optional
+        ``fits(path) -> bool`` (:func:`scaleattn.distributed.memory.fit_memory` passes one comparing the
+        path's peak with the memory available); None: no memory limit.
+
+    Returns
+    -------
+    str
+
+    Raises
+    ------
+    ParameterError
+        An unknown solver.
+
+    Examples
+    --------
+    >>> solver_path(288), solver_path(16_896, "cholesky"), solver_path(43_560)
+    ('eigh', 'cholesky', 'krylov')
+    >>> solver_path(2_176, fits=lambda path: path == "krylov")
+    'krylov'
     """
     choice("solver", solver, SOLVERS)
     if solver != "auto":
         return solver
-    return "cholesky" if psi > (LARGE_PSI if large_psi is None else int(large_psi)) else "eigh"
+    if psi <= (LARGE_PSI if large_psi is None else int(large_psi)):
+        path = "eigh"
+    elif psi <= (KRYLOV_PSI if krylov_psi is None else int(krylov_psi)):
+        path = "cholesky"
+    else:
+        return "krylov"
+    return path if fits is None or fits(path) else "krylov"
 
 
 @dataclasses.dataclass

@@ -148,7 +148,8 @@ class Statistics:
         True
         """
         G = self.gram() if gram is None else gram
-        k = np.sqrt(max(float(self.yy), 0.0)) + np.sqrt(np.maximum(np.diag(G), 0.0)) @ np.abs(np.asarray(coef))
+        dg = to_numpy(G.diagonal())  # an array's or the matrix-free operator's (krylov path) diagonal
+        k = np.sqrt(max(float(self.yy), 0.0)) + np.sqrt(np.maximum(dg, 0.0)) @ np.abs(np.asarray(coef))
         return float(np.finfo(np.float64).eps * np.sum(k * k))
 
     @property

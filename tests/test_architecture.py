@@ -19,19 +19,22 @@ CONTRACT = [
     # L1: features and datasets
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
-    "kernel", "statistics", "spectrum", "certificate", "solver", "heads", "head_fit", "head_bounds",
+    "kernel", "statistics", "spectrum",
+    "gram_operator", "lanczos", "krylov",  # the matrix-free Gram operator and the krylov solver (needs spectrum)
+    "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
     "qr",  # the QR certificate's local algebra (needs certificate and solver)
     # L3: Dask
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
-    "distributed.memory", "distributed.build", "distributed.evaluate", "distributed.tsqr", "distributed.cluster",
+    "distributed.memory", "distributed.build", "distributed.operator", "distributed.evaluate", "distributed.tsqr",
+    "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
     "run", "plot", "preflight", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
-    "bench", "bench.core", "bench.tensor", "bench.gpu", "bench.adamw", "cli.parser", "cli.commands", "cli",
-    "cli.__main__",
+    "bench", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
+    "cli.parser", "cli.commands", "cli", "cli.__main__",
     "job", "cluster", "memory",
 ]
 SHIMS = {"job", "cluster", "memory"}

@@ -181,6 +181,8 @@ def _cmd_bench(args) -> int:
         from ..bench.adamw import run
     elif args.suite == "tensor":
         from ..bench.tensor import run
+    elif args.suite == "krylov":
+        from ..bench.krylov import run
     elif args.suite == "gpu":
         from ..bench.gpu import run
     else:

@@ -147,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
     f.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
-                        " eigh: the whole spectrum of Lambda_D at any psi (slower)")
+                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only), then"
+                        " krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                        " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
+                        " compact Gram, G never formed")
     _add_certificate_arg(f)
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
@@ -171,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
     c.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only);"
-                        " eigh: the whole spectrum of Lambda_D at any psi (slower)")
+                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only), then"
+                        " krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                        " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
+                        " compact Gram, G never formed")
     _add_certificate_arg(c)
     _add_absent_arg(c)
     _add_cluster_args(c)
@@ -206,9 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default), tensor attention, gpu kernels,"
                                      " or --vs adamw")
-    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu"],
+    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu", "krylov"],
                    help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
-                        " gpu: the same kernels on a CUDA device (needs the gpu extra)")
+                        " gpu: the same kernels on a CUDA device (needs the gpu extra); krylov: the matrix-free"
+                        " solver against Cholesky at d = 32 and the heads step at d = 44")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     b.add_argument("--vs", choices=["adamw"], default=None,

@@ -105,7 +105,7 @@ def _assemble(tiles: list, d: int) -> Statistics:
 def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
                        split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
                        tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
-                       checkpoint=None, storage_options=None, info: dict | None = None) -> Statistics:
+                       checkpoint=None, storage_options=None, info: dict | None = None, persist: bool = False):
     """Build the statistics of a dataset on a Dask cluster by tree reduction (DESIGN §6).
 
     Each task streams one row group (:func:`~scaleattn.distributed.partition.row_groups`) for one column tile of
@@ -140,6 +140,10 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         not recomputed.
     storage_options : dict, optional
         fsspec options of ``checkpoint`` (default the dataset's).
+    persist : bool
+        With a client: leave each tile's root on the worker that computed it and return ``(tiles, roots)`` (the
+        row ranges of ``Tc`` and the futures of their :class:`Statistics`) instead of gathering them: the
+        client never holds ``Tc`` (:func:`scaleattn.distributed.operator.remote_statistics`).
     info : dict, optional
         Filled with ``groups``, ``tiles``, ``groups_computed``, ``groups_resumed`` (groups whose every tile was
         read from the checkpoint), ``tasks_computed``, ``tasks_resumed``, ``checkpoint``.
@@ -224,8 +228,9 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                        for gi in range(len(groups)) for ti in range(len(tiles))}
             roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
                               advance=lambda w: advance(w, steps=1 if w else 0), weights=weights,
-                              on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after))
-            result = _assemble(roots, dataset.d)
+                              on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after),
+                              gather=not persist)
+            result = (tiles, roots) if persist else _assemble(roots, dataset.d)
     _check_unchanged(dataset, groups, targets, sources)
     if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
         fresh = ckpt.written_by(ckpt.run)

@@ -1,10 +1,13 @@
 """Memory a fit or certificate needs, estimated before it starts, and a clear refusal when it cannot fit
 (layer L3; DESIGN §3, §4, §6).
 
-The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and expands them to the
-psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays at its peak (``G``, the
-Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2 workspace), the
-Cholesky path two (``G`` scaled in place and its factor). Each worker holds one partial ``Tc`` tile per task,
+The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and, on the dense
+paths, expands them to the psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays
+at its peak (``G``, the Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2
+workspace), the Cholesky path two (``G`` scaled in place and its factor). The krylov path
+(:mod:`scaleattn.krylov`) none: beyond ``Tc`` it holds the token-diagonal columns of ``Tc`` (m(m+1)/2 x d),
+the block-Jacobi inverses (d x m x m), one segment expansion per operator thread and a few hundred psi-vectors
+(Lanczos bases, LOBPCG and CG blocks), :func:`krylov_bytes`. Each worker holds one partial ``Tc`` tile per task,
 and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.statistics.tree_reduce`).
 
 The available memory is ``psutil.virtual_memory().available`` unless ``memory_limit`` (bytes, or a string
@@ -17,16 +20,17 @@ import os
 from ..errors import InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
 from ..kernel import PANEL_COLS, PANEL_ROWS
+from ..krylov import BLOCK, LANCZOS_MAX
 from ..spectrum import solver_path
 from ..statistics import BLOCK_BYTES, block_bytes_per_sample
 from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
-           "worker_config", "chunk_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS"]
+           "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS"]
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
-SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2}
+SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2, "krylov": 0}
 
 
 #: buffers from this size on are mmapped and given back to the OS when freed (glibc otherwise raises the
@@ -68,30 +72,53 @@ def parse_bytes(value) -> float:
         raise ParameterError(f"memory limit: cannot read {value!r} as a size (e.g. 16GiB, 8e9)") from None
 
 
+def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: int = LANCZOS_MAX,
+                 block: int = BLOCK, remote: bool = False) -> float:
+    """Bytes the krylov path holds beyond ``Tc`` and ``B`` (module docstring): token columns, block-Jacobi
+    inverses (and one block's temporaries while they are made), ``threads`` segment expansions and psi x k
+    buffers, two Lanczos bases of ``lanczos_steps`` vectors, two LOBPCG runs of ``block`` columns (about 20
+    psi-vectors per column), the CG vectors (6 per output), the coefficients and the heads step's vectors.
+    A numerical null space grows the LOBPCG block (20 psi-vectors per null direction) and adds its basis: not
+    counted here (it is not known before the solve). ``remote``: ``Tc`` on the workers, whose tasks expand the
+    segments; the client holds one psi x k product buffer."""
+    m, psi = n_pairs(d), n_features(d)
+    mm = m * (m + 1) // 2
+    threads = max(1, os.cpu_count() or 1) if threads is None else int(threads)
+    k = max(d_out, 1) + 2 + 2 * block  # columns of one lockstep pass: CG, two Lanczos, two LOBPCG blocks
+    vectors = 2 * lanczos_steps + 2 * 20 * block + 6 * max(d_out, 1) + 4 * max(d_out, 1)
+    per_thread = psi * k if remote else threads * (2 * m * d * d + psi * k)
+    return 8.0 * (mm * d + (d + 3) * m * m + per_thread + psi * vectors)
+
+
 def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
                split_every: int = 2, max_tile_bytes: float | None = None, block_rows: int | None = None,
-               threads: int = 1) -> dict:
+               threads: int = 1, available: float | None = None, remote: bool = False) -> dict:
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
     certificate, no moments) on the given ``solver`` path.
 
-    Returns a dict: ``psi``, ``path`` ("eigh" or "cholesky", :func:`scaleattn.spectrum.solver_path`),
+    Returns a dict: ``psi``, ``path`` ("eigh", "cholesky" or "krylov", :func:`scaleattn.spectrum.solver_path`;
+    with ``available`` bytes, ``solver="auto"`` takes krylov when the dense path it would pick does not fit),
     ``gram_bytes`` (one psi x psi float64 array), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
-    node's peak: the path's psi x psi arrays plus ``Tc`` twice, as received and concatenated, plus ``B``),
-    ``worker_bytes`` (one worker's peak: ``split_every + 2`` tiles while combining, plus one block of
-    features and the kernel's panels). Independent of the number of rows (the build streams them).
+    node's peak: the path's psi x psi arrays, or :func:`krylov_bytes`, plus ``Tc`` twice, as received and
+    concatenated, plus ``B``), ``paths`` (``solver_bytes`` of every path), ``worker_bytes`` (one worker's
+    peak: ``split_every + 2`` tiles while combining, plus one block of features and the kernel's panels).
+    Independent of the number of rows (the build streams them). ``remote``: a cluster fit, whose krylov path
+    leaves ``Tc`` on the workers (:mod:`scaleattn.distributed.operator`): its solver node holds no ``Tc``.
     """
     m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
-    path = solver_path(psi, solver, large_psi)
     gram = 8.0 * psi * psi
     compact = 8.0 * n_pairs(m) * dv
     moments = 8.0 * psi * max(d_out, 1)
+    paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote)) + 2 * compact * (
+        p != "krylov" or not remote) + 2 * moments for p, n in SOLVER_ARRAYS.items()}
+    path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available))
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
     tile = 8.0 * (c1 - c0) * dv
     # one block of features (accumulate sizes it to BLOCK_BYTES; an explicit block_rows at its per-row bytes)
     block = float(BLOCK_BYTES) if block_rows is None else block_rows * block_bytes_per_sample(d, 1, True)
     panels = 8.0 * threads * PANEL_ROWS * PANEL_COLS
     return {"psi": psi, "path": path, "gram_bytes": gram, "compact_bytes": compact,
-            "solver_bytes": SOLVER_ARRAYS[path] * gram + 2 * compact + 2 * moments,
+            "solver_bytes": paths[path], "paths": paths,
             "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
 
 
@@ -127,6 +154,8 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
                      chunk_bytes: float = 0.0, **kwargs) -> dict:
     """Refuse a fit (``what="fit"``) or certificate (``what="certificate"``, ``d_out = 0``) that cannot fit
     before it starts; return :func:`fit_memory`'s estimate (``kwargs``: its solver path and layout) when it can.
+    Its ``path`` is the solver to use: with ``solver="auto"`` the krylov path when the dense one does not fit in
+    the memory available.
 
     The solver node (this process) must have ``solver_bytes`` available; with a Dask ``client``, every worker
     with a memory limit must allow ``worker_bytes`` plus ``chunk_bytes`` (one chunk of the dataset as read,
@@ -138,9 +167,11 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
         (a ``MemoryError`` and a ``ValueError``) with the memory needed, the memory there is, and the size of
         machine or worker it takes.
     """
-    est = fit_memory(d, d_out, **kwargs)
-    est["worker_bytes"] += chunk_bytes
     have = available_memory(memory_limit)
+    # without a cluster this process also builds the statistics: "auto" must leave room for that
+    reserve = fit_memory(d, d_out, **kwargs)["worker_bytes"] + chunk_bytes if client is None else 0.0
+    est = fit_memory(d, d_out, available=have - reserve, remote=client is not None, **kwargs)
+    est["worker_bytes"] += chunk_bytes
     need = est["solver_bytes"]
     task = est["worker_bytes"] + (need if client is None else 0)  # without a cluster this process does both
     if chunk_bytes > est["worker_bytes"] / 2 and (chunk_bytes > have or (client is None and task > have >= need)):
@@ -149,16 +180,21 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
             f" {est['worker_bytes'] / GIB:.2f} GiB with its features); this machine has {have / GIB:.2f} GiB"
             " available. Rewrite the dataset with smaller chunks (write_dataset(chunk_samples=...), or scaleattn"
             " import) or use a machine with more memory.")
+    alt = est["paths"]["krylov"] + task - need  # the same work on the krylov path (no psi x psi array)
+    hint = f", or --solver krylov ({alt / GIB:.2f} GiB)" if est["path"] != "krylov" and alt <= have else ""
     if client is None and task > have >= need:
         raise InsufficientMemoryError(
-            f"a {what} with d = {d} needs {task / GIB:.2f} GiB in this process (statistics, one block of features"
-            f" and the solver); this machine has {have / GIB:.2f} GiB available. Use a machine with more memory.")
+            f"a {what} with d = {d} ({est['path']} solver) needs {task / GIB:.2f} GiB in this process (statistics,"
+            f" one block of features and the solver); this machine has {have / GIB:.2f} GiB available. Use a"
+            f" machine with more memory{hint}.")
     if need > have:
+        parts = (f"{SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays + statistics"
+                 if est["path"] != "krylov" else "preconditioner and Krylov vectors" if client is not None else
+                 f"compact Gram {est['compact_bytes'] / GIB:.2f} GiB twice + preconditioner and Krylov vectors")
         raise InsufficientMemoryError(
             f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
-            f" solver node ({SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays"
-            f" + statistics); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at least"
-            f" {1.25 * need / GIB:.0f} GiB of memory, or use a smaller d.")
+            f" solver node ({parts}); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at"
+            f" least {1.25 * need / GIB:.0f} GiB of memory{hint}, or use a smaller d.")
     if client is not None:
         small, n_workers = small_workers(client, est["worker_bytes"])
         if small:

@@ -80,15 +80,17 @@ def submit_tree(client, futures: list, func, split_every: int = SPLIT_EVERY):
 
 
 def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, *, advance=None,
-              weights: dict | None = None, on_leaf=None) -> list:
+              weights: dict | None = None, on_leaf=None, gather: bool = True) -> list:
     """Reduce each list of leaf futures in ``leaves`` on the cluster (:func:`submit_tree` with ``func``), wait,
     and return the roots' results in order: the one submit / wait / cancel helper of the distributed steps.
 
     ``advance(weight)`` is called as each leaf finishes (``weights[key]``, default 1: e.g. rows for a progress
-    bar) and ``on_leaf(future)`` after it. A task's exception is re-raised here with its own type and message.
-    On any failure or interrupt every leaf and combine task is cancelled, and this returns (raises) only once
-    no worker still runs one of them (:func:`wait_stopped`): a cancelled task that was already running would
-    otherwise go on writing (into a checkpoint the caller is about to remove, say).
+    bar) and ``on_leaf(future)`` after it. ``gather=False`` returns the roots as futures, finished and held on
+    the workers that computed them (the krylov path's persisted tiles, :mod:`.operator`). A task's exception is
+    re-raised here with its own type and message. On any failure or interrupt every leaf and combine task is
+    cancelled, and this returns (raises) only once no worker still runs one of them (:func:`wait_stopped`): a
+    cancelled task that was already running would otherwise go on writing (into a checkpoint the caller is
+    about to remove, say).
     """
     from distributed import as_completed
 
@@ -103,7 +105,16 @@ def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, 
                 advance((weights or {}).get(fut.key, 1))
             if on_leaf is not None:
                 on_leaf(fut)
-        return client.gather([root for root, _ in trees])
+        roots = [root for root, _ in trees]
+        if not gather:
+            from distributed import wait
+
+            wait(roots)
+            for r in roots:
+                if r.status == "error":
+                    r.result()
+            return roots
+        return client.gather(roots)
     except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
         client.cancel(flat + combines)
         wait_stopped(client, [f.key for f in flat + combines])

@@ -1,0 +1,290 @@
+"""Benchmark of the matrix-free krylov solver against the Cholesky path (issue 15; DESIGN §4), in ONE run.
+
+``run(out_dir, quick=False)`` writes ``bench-krylov.json`` and ``bench-krylov.md`` into ``out_dir``:
+
+- d = 32 (psi = 16,896): the statistics of 20,000 causal rows (200 sequences x 100 prefixes) of a realizable
+  2-head teacher with d_out = 1 are built once and saved; each solver path then runs in a fresh process
+  (so that its peak RSS is its own): the Cholesky path (expand G, factor, Lanczos for the extreme
+  eigenvalues) and the krylov path twice, by default (the eigenvalue runs share the solve's passes and stop
+  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall
+  time, peak RSS
+  (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
+  relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a
+  pass over the rows, the certificate values side by side;
+- the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
+- the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
+  product against the same product in process (d = 32; quick: d = 16);
+- d = 44 (psi = 43,560): the heads step on the coefficients of a 2-head teacher (d_out = 1), with the
+  statistics of a few hundred rows (the loss needs them): SVD of W ([Y25] Alg. 1), and the minimal-head search
+  (DESIGN §5), in a fresh process with its peak RSS; the Gram is used only through products.
+
+Quick mode: d = 16 (3,000 and 9,000 rows) and d = 20 in their place (a smoke test of the benchmark, a minute or
+two). Ratios are taken within the run, but the machine may be shared: the load average is recorded at the start
+and the end, and each path's CPU seconds (user + system of its process) are reported next to its wall time,
+as they depend far less on what else the machine runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["run", "markdown", "TARGETS"]
+
+#: issue 15's target: the krylov solve no slower than Cholesky at d = 32
+TARGETS = {"krylov_vs_cholesky_time": 1.0}
+
+_SOLVE_CHILD = """
+import json, os, sys, time
+import numpy as np
+from scaleattn.statistics import Statistics
+from scaleattn import solver
+path, how, out = sys.argv[1], sys.argv[2], sys.argv[3]
+def rss(key):
+    return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
+z = np.load(path)
+st = Statistics(z["Tc"], z["B"], float(z["yy"]), int(z["n"]), int(z["d"]))
+base = rss("VmRSS")
+opts = {"eig_budget": "full"} if how == "krylov-full" else None
+t, c0 = time.perf_counter(), os.times()
+sol = solver.solve(st, solver="krylov" if how.startswith("krylov") else how, krylov=opts)
+dt, c1 = time.perf_counter() - t, os.times()
+np.save(out, sol.coef)
+c = sol.certificate
+print(json.dumps({"seconds": dt, "cpu_seconds": (c1.user - c0.user) + (c1.system - c0.system),
+                  "peak_rss_bytes": rss("VmHWM"), "stats_rss_bytes": base,
+                  "certificate": c.summary()}, default=float))
+"""
+
+_HEADS_CHILD = """
+import json, sys, time
+import numpy as np
+from scaleattn.generate import make_mhla
+from scaleattn.head_search import search_heads
+from scaleattn.heads import coef_from_heads, svd_heads
+from scaleattn.statistics import statistics_from_arrays
+d, samples = int(sys.argv[1]), int(sys.argv[2])
+def rss(key):
+    return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
+D = make_mhla(d=d, heads=2, length=100, samples=samples, causal=True, d_out=1, seed=0)
+t = time.perf_counter()
+st = statistics_from_arrays(D["tokens"], D["targets"])
+out = {"d": d, "psi": st.psi, "rows": st.n_rows, "stats_build_s": time.perf_counter() - t}
+del D["tokens"], D["targets"]
+coef = coef_from_heads(D["V"], D["Q"])
+out["stats_rss_bytes"] = rss("VmRSS")
+for name, fn in (("svd_heads", lambda: svd_heads(coef, d)), ("search_svd", lambda: search_heads(st, coef, "svd")),
+                 ("search_minimal", lambda: search_heads(st, coef, "minimal")),
+                 ("search_3", lambda: search_heads(st, coef, 3))):
+    t = time.perf_counter()
+    h = fn()
+    out[name] = {"seconds": time.perf_counter() - t, "heads": int(h.n_heads), "residual": float(h.residual),
+                 "relative_sse": None if h.sse is None else float(h.sse / st.yy)}
+out["peak_rss_bytes"] = rss("VmHWM")
+print(json.dumps(out))
+"""
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def solver_comparison(tmp, d: int, samples: int, length: int = 100,
+                      paths=("cholesky", "krylov", "krylov-full")) -> dict:
+    """Statistics once, then the Cholesky and krylov paths each in a fresh process (module docstring)."""
+    from scaleattn.features import predict_rows, row_targets, token_features
+    from scaleattn.generate import make_mhla
+    from scaleattn.heads import coef_from_heads
+    from scaleattn.statistics import statistics_from_arrays
+
+    D = make_mhla(d=d, heads=2, length=length, samples=samples, causal=True, d_out=1, seed=0)
+    t = time.perf_counter()
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    r = {"d": d, "psi": st.psi, "rows": st.n_rows, "stats_build_s": time.perf_counter() - t,
+         "compact_gram_bytes": st.gram_compact.nbytes, "dense_gram_bytes": 8 * st.psi**2}
+    path = os.path.join(tmp, f"stats{d}.npz")
+    np.savez(path, Tc=st.gram_compact, B=st.moments, yy=st.yy, n=st.n_rows, d=d)
+    st_rows = st.n_rows
+    del st
+    c_true = coef_from_heads(D["V"], D["Q"])
+    s, x = token_features(D["tokens"], None, True)
+    y = row_targets(D["targets"], None, True)
+    coefs = {}
+    for how in paths:
+        _say(f"d = {d}, {st_rows:,} rows: {how} ...")
+        out = os.path.join(tmp, f"coef-{how}.npy")
+        p = subprocess.run([sys.executable, "-c", _SOLVE_CHILD, path, how, out], capture_output=True, text=True,
+                           check=True)
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        coefs[how] = np.load(out)
+        pred = predict_rows(coefs[how], s, x)
+        res["coef_err_vs_teacher"] = _rel(coefs[how], c_true)
+        res["rel_train_mse"] = float(np.mean((pred - y) ** 2) / np.mean(y**2))  # a pass over the rows
+        r[how] = res
+        _say(f"  {res['seconds']:.1f} s ({res['cpu_seconds']:.1f} s CPU),"
+             f" peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB,"
+             f" coef err vs teacher {res['coef_err_vs_teacher']:.2e}")
+    for how in paths[1:]:
+        r[how]["coef_vs_cholesky"] = _rel(coefs[how], coefs["cholesky"])
+        r[how]["time_vs_cholesky"] = r[how]["seconds"] / r["cholesky"]["seconds"]
+        r[how]["cpu_vs_cholesky"] = r[how]["cpu_seconds"] / r["cholesky"]["cpu_seconds"]
+    return r
+
+
+def heads_step(d: int, samples: int) -> dict:
+    """The heads step at ``d`` in a fresh process (module docstring)."""
+    _say(f"heads at d = {d} ...")
+    p = subprocess.run([sys.executable, "-c", _HEADS_CHILD, str(d), str(samples)], capture_output=True, text=True,
+                       check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cluster_products(tmp, d: int, samples: int, k: int = 3, repeats: int = 5) -> dict:
+    """The cluster-side operator (:mod:`scaleattn.distributed.operator`) on a 2-worker LocalCluster: Tc left on
+    the workers, seconds and bytes moved per product ``G X`` (X psi x k) against the same product in process."""
+    from distributed import Client, LocalCluster
+
+    from scaleattn.distributed.operator import remote_statistics
+    from scaleattn.generate import generate_mhla
+    from scaleattn.gram_operator import GramOperator
+
+    _say(f"cluster operator at d = {d} ...")
+    ds = generate_mhla(os.path.join(tmp, f"op{d}.zarr"), d=d, heads=2, length=100, samples=samples, causal=True,
+                       d_out=1, seed=0)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        rs = remote_statistics(ds, client)
+        op = rs.operator
+        X = np.random.default_rng(0).standard_normal((rs.psi, k))
+        t = time.perf_counter()
+        for _ in range(repeats):
+            Y = op @ X
+        remote_s = (time.perf_counter() - t) / repeats
+        local = GramOperator(d, [(c0, f.result().gram_compact) for c0, f in op.tiles])  # for comparison only
+        t = time.perf_counter()
+        for _ in range(repeats):
+            Yl = local @ X
+        local_s = (time.perf_counter() - t) / repeats
+        tr = op.traffic_summary()
+    return {"d": d, "psi": rs.psi, "rows": rs.n_rows, "k": k, "tiles": tr["tiles"], "workers": tr["workers"],
+            "compact_gram_bytes": sum(int(t.nbytes) for _, t in local.tiles), "cluster_s": remote_s,
+            "in_process_s": local_s, "bytes_out_per_pass": tr["bytes_out_per_pass"],
+            "bytes_back_per_pass": tr["bytes_back_per_pass"], "rel_diff": _rel(Y, Yl)}
+
+
+def run(out_dir, quick: bool = False) -> dict:
+    """Run the benchmark; write ``bench-krylov.json`` and ``bench-krylov.md``; return the results."""
+    from .core import _machine
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = {"quick": quick, "targets": TARGETS, "machine": _machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        res["solvers"] = solver_comparison(tmp, 16, 30) if quick else solver_comparison(tmp, 32, 200)
+        # the same d with 3x the rows: krylov's cost falls with the conditioning, Cholesky's does not
+        res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
+                                    else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
+        res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
+        res["cluster"] = cluster_products(tmp, 16, 30) if quick else cluster_products(tmp, 32, 200)
+    res["load_avg_end"] = os.getloadavg()
+    res["seconds"] = time.perf_counter() - t0
+    k, more = res["solvers"], res["solvers_more_rows"]
+    res["met"] = {f"{what}{suffix}": r[how][key] <= TARGETS["krylov_vs_cholesky_time"]
+                  for what, r, how in (("krylov", k, "krylov"), ("krylov_full", k, "krylov-full"),
+                                       ("krylov_more_rows", more, "krylov"))
+                  for suffix, key in (("_wall", "time_vs_cholesky"), ("_cpu", "cpu_vs_cholesky"))}
+    (out_dir / "bench-krylov.json").write_text(json.dumps(res, indent=2, default=float))
+    (out_dir / "bench-krylov.md").write_text(markdown(res))
+    return res
+
+
+_NAMES = {"cholesky": "Cholesky + Lanczos", "krylov": "krylov (default: eigenvalue runs within the solve's passes)",
+          "krylov-full": "krylov, eig_budget=full (intervals to 1%)"}
+
+
+def _solver_tables(k) -> list[str]:
+    gib = 2.0**30
+    paths = [p for p in _NAMES if p in k]
+    L = [f"Statistics of {k['rows']:,} causal rows ({k['rows'] / k['psi']:.2f} per feature) built once in"
+         f" {k['stats_build_s']:.1f} s: compact Gram {k['compact_gram_bytes'] / gib:.2f} GiB (the dense G would be"
+         f" {k['dense_gram_bytes'] / gib:.2f} GiB). Each path in a fresh process.", "",
+         "| path | wall s | vs Cholesky | CPU s | vs Cholesky | peak RSS GiB | RSS with stats only | passes |"
+         " coef vs teacher | coef vs Cholesky | rel. train MSE (data pass) | verdict settled |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for how in paths:
+        r = k[how]
+        c = r["certificate"]
+        est = c.get("estimates") or {}
+        L.append(f"| {_NAMES[how]} | {r['seconds']:.1f} | {r.get('time_vs_cholesky', 1.0):.2f} |"
+                 f" {r['cpu_seconds']:.1f} | {r.get('cpu_vs_cholesky', 1.0):.2f} | {r['peak_rss_bytes'] / gib:.2f} |"
+                 f" {r['stats_rss_bytes'] / gib:.2f} | {est.get('passes', '')} |"
+                 f" {r['coef_err_vs_teacher']:.2e} | {r.get('coef_vs_cholesky', 0.0):.2e} | {r['rel_train_mse']:.2e} |"
+                 f" {c.get('certificate_converged', True)} |")
+    L += ["", "| path | rank | lambda_min(Lambda_D) | lambda_max(Lambda_D) | lambda_min scaled | condition |",
+          "|---|---|---|---|---|---|"]
+    for how in paths:
+        c = k[how]["certificate"]
+        L.append(f"| {_NAMES[how]} | {c['rank']:,} | {c['lambda_min']:.6e} | {c['lambda_max']:.6e} |"
+                 f" {c['lambda_min_scaled']:.6e} | {c['condition_number']:.4e} |")
+    L += ["", "Intervals of the krylov estimates (Cholesky's values are exact to round-off):", "",
+          "| path | lambda_min(Lambda_D) in | lambda_min scaled in | eigenvalues converged |", "|---|---|---|---|"]
+    for how in paths[1:]:
+        est = k[how]["certificate"].get("estimates") or {}
+        a, b = est.get("lambda_min") or {}, est.get("lambda_min_scaled") or {}
+        L.append(f"| {_NAMES[how]} | [{a.get('lower', float('nan')):.6e}, {a.get('upper', float('nan')):.6e}] |"
+                 f" [{b.get('lower', float('nan')):.6e}, {b.get('upper', float('nan')):.6e}] |"
+                 f" {est.get('eigenvalues_converged')} |")
+    return L
+
+
+def markdown(res) -> str:
+    k, h, m = res["solvers"], res["heads"], res["machine"]
+    gib = 2.0**30
+    L = [f"# scaleattn krylov benchmark{' (quick)' if res['quick'] else ''}", "",
+         f"Machine: {m['cores']} cores, {m['memory_gib']:.0f} GiB; load average {m['load_avg'][0]:.1f} at the start,"
+         f" {res['load_avg_end'][0]:.1f} at the end (a shared machine: times are of this run). Total"
+         f" {res['seconds']:.0f} s.", "",
+         f"## Solve and certificate, d = {k['d']} (psi = {k['psi']:,}), d_out = 1", ""]
+    L += _solver_tables(k)
+    L += ["", f"### The same d with {res['solvers_more_rows']['rows']:,} rows", ""]
+    L += _solver_tables(res["solvers_more_rows"])
+    met = res["met"]
+    L += ["", "Target: krylov no slower than Cholesky (wall / CPU time): default"
+          f" {_yn(met['krylov_wall'])} / {_yn(met['krylov_cpu'])}, eig_budget=full {_yn(met['krylov_full_wall'])} /"
+          f" {_yn(met['krylov_full_cpu'])}; with 3x the rows {_yn(met['krylov_more_rows_wall'])} /"
+          f" {_yn(met['krylov_more_rows_cpu'])}.", "",
+          f"## Heads step, d = {h['d']} (psi = {h['psi']:,}), 2-head teacher, d_out = 1", "",
+          f"Statistics of {h['rows']:,} rows ({h['stats_build_s']:.1f} s to build; RSS with them"
+          f" {h['stats_rss_bytes'] / gib:.2f} GiB); peak RSS of the whole step {h['peak_rss_bytes'] / gib:.2f} GiB"
+          f" (the dense G alone would be {8 * h['psi']**2 / gib:.1f} GiB).", "",
+          "| step | seconds | heads | residual | rel. training SSE |", "|---|---|---|---|---|"]
+    for name in ("svd_heads", "search_svd", "search_minimal", "search_3"):
+        r = h[name]
+        L.append(f"| {name} | {r['seconds']:.2f} | {r['heads']} | {r['residual']:.1e} |"
+                 f" {'' if r['relative_sse'] is None else format(r['relative_sse'], '.1e')} |")
+    c = res.get("cluster")
+    if c:
+        L += ["", f"## Cluster-side operator, d = {c['d']} (psi = {c['psi']:,}), 2 workers", "",
+              f"Tc ({c['compact_gram_bytes'] / 1e6:.1f} MB, {c['tiles']} tiles) stays on the workers; per product"
+              f" G X with k = {c['k']}: X out to the workers, one partial per worker back into the tree sum.", "",
+              "| where | seconds per product | MB out per product | MB back per product | rel. diff |",
+              "|---|---|---|---|---|",
+              f"| cluster ({c['workers']} workers) | {c['cluster_s']:.3f} | {c['bytes_out_per_pass'] / 1e6:.3f} |"
+              f" {c['bytes_back_per_pass'] / 1e6:.3f} | {c['rel_diff']:.1e} |",
+              f"| in process (Tc here) | {c['in_process_s']:.3f} | 0 | 0 | 0 |"]
+    return "\n".join(L) + "\n"
+
+
+def _yn(v) -> str:
+    return "yes" if v else "NO"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

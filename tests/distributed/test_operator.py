@@ -1,0 +1,60 @@
+"""The cluster-side Gram operator (scaleattn.distributed.operator): tiles of Tc persisted on the workers that built
+them, products as one task per worker plus a tree sum, O(psi k) bytes per worker per product; a krylov fit whose
+client may not hold Tc succeeds, the dense path is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scaleattn.distributed.build import compute_statistics
+from scaleattn.distributed.memory import fit_memory
+from scaleattn.distributed.operator import DistributedGramOperator, RemoteStatistics, remote_statistics
+from scaleattn.errors import InsufficientMemoryError, ParameterError
+from scaleattn.generate import generate_mhla
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.slow
+def test_operator_on_workers_matches_the_dense_product(client, tmp_path):
+    ds = generate_mhla(tmp_path / "d.zarr", d=6, heads=2, length=12, samples=80, causal=True, seed=0)
+    st = compute_statistics(ds)
+    rs = remote_statistics(ds, client)
+    op = rs.operator
+    assert isinstance(rs, RemoteStatistics) and isinstance(op, DistributedGramOperator)
+    assert len(op.tiles) >= 4 and len(op.by_worker) == 2  # the tiles spread over both workers
+    assert np.array_equal(rs.moments, st.moments) and rs.n_rows == st.n_rows and rs.yy == st.yy
+    X = np.random.default_rng(0).standard_normal((st.psi, 3))
+    assert rel(op @ X, st.gram() @ X) <= 1e-13
+    assert rel(op.diagonal(), np.diag(st.gram())) <= 1e-15
+    t = op.traffic[-1]
+    assert t["workers"] == 2 and t["bytes_out"] == 2 * 8 * st.psi * 3  # psi x k per worker, never a tile
+    with pytest.raises(ParameterError, match="held on the workers"):
+        rs.gram()
+
+
+@pytest.mark.slow
+def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, monkeypatch):
+    """Issue's done-criterion: the client's memory limit is below the size of Tc; krylov on the 2-worker
+    cluster fits (Tc stays on the workers), the dense path is refused before the build."""
+    from scaleattn.pipeline import fit
+
+    d = 22
+    e = fit_memory(d, 1, remote=True)
+    tc, need = e["compact_bytes"], e["paths"]["krylov"]
+    assert need < tc < e["paths"]["cholesky"]
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", str(int((need + tc) / 2)))
+    ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=90, causal=True, d_out=1, seed=0)
+    with pytest.raises(InsufficientMemoryError, match="cholesky solver"):
+        fit(ds, client=client, solver="cholesky", plots=False, exact_mse=False)
+    with pytest.raises(ParameterError, match="heads='svd'"):  # the loss-weighted head fits need the dense G
+        fit(ds, client=client, solver="krylov", heads="minimal", plots=False)
+    res = fit(ds, client=client, solver="auto", plots=False)  # auto: the dense path does not fit
+    r = res.report
+    assert isinstance(res.statistics, RemoteStatistics)
+    assert r["estimates"]["solver"] == "krylov" and r["estimates"]["traffic"]["workers"] == 2
+    assert r["identifiable"] and r["rank"] == res.statistics.psi and r["relative_train_mse"] <= 1e-20
+    per_pass = r["estimates"]["traffic"]["bytes_out_per_pass"] + r["estimates"]["traffic"]["bytes_back_per_pass"]
+    assert per_pass <= 4 * 8 * res.statistics.psi * 10 < tc  # O(psi k) per worker, far below Tc
