@@ -16,9 +16,14 @@
   product against the same product in process (d = 32; quick: d = 16);
 - d = 44 (psi = 43,560): the heads step on the coefficients of a 2-head teacher (d_out = 1), with the
   statistics of a few hundred rows (the loss needs them): SVD of W ([Y25] Alg. 1), and the minimal-head search
-  (DESIGN §5), in a fresh process with its peak RSS; the Gram is used only through products.
+  (DESIGN §5), in a fresh process with its peak RSS; the Gram is used only through products;
+- d = 44 (psi = 43,560): the whole certified fit of 60,000 causal rows (600 sequences x 100 prefixes) of a
+  realizable 2-head teacher with d_out = 1, one ``scaleattn fit --local --solver krylov`` process: its wall
+  time, peak RSS against ``Tc + one data block`` and the coefficients' distance to the teacher's.
 
-Quick mode: d = 16 (3,000 and 9,000 rows) and d = 20 in their place (a smoke test of the benchmark, a minute or
+``only`` (``scaleattn bench krylov --only PART``) runs one part: solvers, heads, cluster or fit.
+
+Quick mode: d = 16 (3,000 and 9,000 rows), d = 20 heads and a d = 12 fit in their place (a smoke test of the benchmark, a minute or
 two). Ratios are taken within the run, but the machine may be shared: the load average is recorded at the start
 and the end, and each path's CPU seconds (user + system of its process) are reported next to its wall time,
 as they depend far less on what else the machine runs.
@@ -178,28 +183,87 @@ def cluster_products(tmp, d: int, samples: int, k: int = 3, repeats: int = 5) ->
             "bytes_back_per_pass": tr["bytes_back_per_pass"], "rel_diff": _rel(Y, Yl)}
 
 
-def run(out_dir, quick: bool = False) -> dict:
-    """Run the benchmark; write ``bench-krylov.json`` and ``bench-krylov.md``; return the results."""
+def whole_fit(tmp, d: int, samples: int, length: int = 100) -> dict:
+    """The whole certified fit with ``--solver krylov`` as one ``scaleattn fit --local`` process (statistics
+    build, krylov solve and certificate, SVD heads, model written): wall time, peak RSS against
+    ``Tc + one data block``, and the relative distance of the coefficients to the realizable teacher's."""
+    import resource
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.features import n_features
+    from scaleattn.generate import generate_mhla
+    from scaleattn.heads import coef_from_heads
+    from scaleattn.model import MHLAModel
+    from scaleattn.statistics import BLOCK_BYTES
+
+    psi = n_features(d)
+    _say(f"whole fit at d = {d} (psi = {psi:,}): writing {samples * length:,} causal rows ...")
+    ds = generate_mhla(os.path.join(tmp, f"fit{d}.zarr"), d=d, heads=2, length=length, samples=samples,
+                       causal=True, d_out=1, seed=0)
+    out = os.path.join(tmp, f"run{d}")
+    cmd = [sys.executable, "-m", "scaleattn.cli", "fit", ds.url, "--out", out, "--local", "--solver", "krylov",
+           "--heads", "svd", "--no-plots", "--json"]
+    _say("  " + " ".join(cmd[2:]))
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if p.returncode:
+        raise RuntimeError(f"the d = {d} fit failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child: this fit
+    report = json.loads(p.stdout)
+    coef = MHLAModel.load(os.path.join(out, "model.zarr")).coef
+    c_true = coef_from_heads(*open_dataset(ds.url).teacher())
+    tc_bytes = 8 * psi**2 / 4
+    r = {"d": d, "psi": psi, "rows": samples * length, "seconds": seconds, "peak_rss_bytes": peak,
+         "compact_gram_bytes": tc_bytes, "block_bytes": BLOCK_BYTES,
+         "peak_vs_tc_plus_block": peak / (tc_bytes + BLOCK_BYTES), "coef_rel_err_vs_teacher": _rel(coef, c_true),
+         "report": {k: report.get(k) for k in ("verdict", "identifiable", "rank", "lambda_min", "lambda_max",
+                                               "margin", "certificate_converged", "train_mse", "relative_train_mse",
+                                               "timings", "solver", "n_heads")}}
+    _say(f"  {seconds:.0f} s, peak RSS {peak / 2**30:.2f} GiB ({r['peak_vs_tc_plus_block']:.2f} x (Tc + one block)),"
+         f" coef err vs teacher {r['coef_rel_err_vs_teacher']:.2e}, verdict {report.get('verdict')}")
+    return r
+
+
+#: the parts of the benchmark, for ``--only``
+PARTS = ("solvers", "heads", "cluster", "fit")
+
+
+def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
+    """Run the benchmark (``only``: one of :data:`PARTS`); write ``bench-krylov.json`` and ``bench-krylov.md``;
+    return the results."""
     from .core import _machine
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     res = {"quick": quick, "targets": TARGETS, "machine": _machine()}
+    want = set(PARTS) if only is None else {only}
     with tempfile.TemporaryDirectory() as tmp:
-        res["solvers"] = solver_comparison(tmp, 16, 30) if quick else solver_comparison(tmp, 32, 200)
-        # the same d with 3x the rows: krylov's cost falls with the conditioning, Cholesky's does not
-        res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
-                                    else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
-        res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
-        res["cluster"] = cluster_products(tmp, 16, 30) if quick else cluster_products(tmp, 32, 200)
+        if "solvers" in want:
+            res["solvers"] = solver_comparison(tmp, 16, 30) if quick else solver_comparison(tmp, 32, 200)
+            # the same d with 3x the rows: krylov's cost falls with the conditioning, Cholesky's does not
+            res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
+                                        else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
+        if "heads" in want:
+            res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
+        if "cluster" in want:
+            res["cluster"] = cluster_products(tmp, 16, 30) if quick else cluster_products(tmp, 32, 200)
+        if "fit" in want:  # issue 15's d = 44: about 60,000 causal rows of a realizable teacher, d_out = 1
+            res["fit"] = whole_fit(tmp, 12, 40) if quick else whole_fit(tmp, 44, 600)
     res["load_avg_end"] = os.getloadavg()
     res["seconds"] = time.perf_counter() - t0
-    k, more = res["solvers"], res["solvers_more_rows"]
-    res["met"] = {f"{what}{suffix}": r[how][key] <= TARGETS["krylov_vs_cholesky_time"]
-                  for what, r, how in (("krylov", k, "krylov"), ("krylov_full", k, "krylov-full"),
-                                       ("krylov_more_rows", more, "krylov"))
-                  for suffix, key in (("_wall", "time_vs_cholesky"), ("_cpu", "cpu_vs_cholesky"))}
+    if "solvers" in res:
+        k, more = res["solvers"], res["solvers_more_rows"]
+        res["met"] = {f"{what}{suffix}": r[how][key] <= TARGETS["krylov_vs_cholesky_time"]
+                      for what, r, how in (("krylov", k, "krylov"), ("krylov_full", k, "krylov-full"),
+                                           ("krylov_more_rows", more, "krylov"))
+                      for suffix, key in (("_wall", "time_vs_cholesky"), ("_cpu", "cpu_vs_cholesky"))}
+    if "fit" in res:
+        f = res["fit"]
+        res.setdefault("met", {}).update(
+            fit_certified=f["report"]["verdict"] == "identifiable", fit_coef_err=f["coef_rel_err_vs_teacher"] <= 1e-6,
+            fit_peak_rss=f["peak_vs_tc_plus_block"] <= 1.5)
     (out_dir / "bench-krylov.json").write_text(json.dumps(res, indent=2, default=float))
     (out_dir / "bench-krylov.md").write_text(markdown(res))
     return res
@@ -245,30 +309,46 @@ def _solver_tables(k) -> list[str]:
 
 
 def markdown(res) -> str:
-    k, h, m = res["solvers"], res["heads"], res["machine"]
+    m = res["machine"]
     gib = 2.0**30
     L = [f"# scaleattn krylov benchmark{' (quick)' if res['quick'] else ''}", "",
          f"Machine: {m['cores']} cores, {m['memory_gib']:.0f} GiB; load average {m['load_avg'][0]:.1f} at the start,"
          f" {res['load_avg_end'][0]:.1f} at the end (a shared machine: times are of this run). Total"
-         f" {res['seconds']:.0f} s.", "",
-         f"## Solve and certificate, d = {k['d']} (psi = {k['psi']:,}), d_out = 1", ""]
-    L += _solver_tables(k)
-    L += ["", f"### The same d with {res['solvers_more_rows']['rows']:,} rows", ""]
-    L += _solver_tables(res["solvers_more_rows"])
-    met = res["met"]
-    L += ["", "Target: krylov no slower than Cholesky (wall / CPU time): default"
-          f" {_yn(met['krylov_wall'])} / {_yn(met['krylov_cpu'])}, eig_budget=full {_yn(met['krylov_full_wall'])} /"
-          f" {_yn(met['krylov_full_cpu'])}; with 3x the rows {_yn(met['krylov_more_rows_wall'])} /"
-          f" {_yn(met['krylov_more_rows_cpu'])}.", "",
-          f"## Heads step, d = {h['d']} (psi = {h['psi']:,}), 2-head teacher, d_out = 1", "",
-          f"Statistics of {h['rows']:,} rows ({h['stats_build_s']:.1f} s to build; RSS with them"
-          f" {h['stats_rss_bytes'] / gib:.2f} GiB); peak RSS of the whole step {h['peak_rss_bytes'] / gib:.2f} GiB"
-          f" (the dense G alone would be {8 * h['psi']**2 / gib:.1f} GiB).", "",
-          "| step | seconds | heads | residual | rel. training SSE |", "|---|---|---|---|---|"]
-    for name in ("svd_heads", "search_svd", "search_minimal", "search_3"):
-        r = h[name]
-        L.append(f"| {name} | {r['seconds']:.2f} | {r['heads']} | {r['residual']:.1e} |"
-                 f" {'' if r['relative_sse'] is None else format(r['relative_sse'], '.1e')} |")
+         f" {res['seconds']:.0f} s."]
+    if "solvers" in res:
+        k, met = res["solvers"], res["met"]
+        L += ["", f"## Solve and certificate, d = {k['d']} (psi = {k['psi']:,}), d_out = 1", ""]
+        L += _solver_tables(k)
+        L += ["", f"### The same d with {res['solvers_more_rows']['rows']:,} rows", ""]
+        L += _solver_tables(res["solvers_more_rows"])
+        L += ["", "Target: krylov no slower than Cholesky (wall / CPU time): default"
+              f" {_yn(met['krylov_wall'])} / {_yn(met['krylov_cpu'])}, eig_budget=full {_yn(met['krylov_full_wall'])}"
+              f" / {_yn(met['krylov_full_cpu'])}; with 3x the rows {_yn(met['krylov_more_rows_wall'])} /"
+              f" {_yn(met['krylov_more_rows_cpu'])}."]
+    h = res.get("heads")
+    if h:
+        L += ["", f"## Heads step, d = {h['d']} (psi = {h['psi']:,}), 2-head teacher, d_out = 1", "",
+              f"Statistics of {h['rows']:,} rows ({h['stats_build_s']:.1f} s to build; RSS with them"
+              f" {h['stats_rss_bytes'] / gib:.2f} GiB); peak RSS of the whole step {h['peak_rss_bytes'] / gib:.2f}"
+              f" GiB (the dense G alone would be {8 * h['psi']**2 / gib:.1f} GiB).", "",
+              "| step | seconds | heads | residual | rel. training SSE |", "|---|---|---|---|---|"]
+        for name in ("svd_heads", "search_svd", "search_minimal", "search_3"):
+            r = h[name]
+            L.append(f"| {name} | {r['seconds']:.2f} | {r['heads']} | {r['residual']:.1e} |"
+                     f" {'' if r['relative_sse'] is None else format(r['relative_sse'], '.1e')} |")
+    f = res.get("fit")
+    if f:
+        rep, met = f["report"], res["met"]
+        L += ["", f"## Whole certified fit, d = {f['d']} (psi = {f['psi']:,}), {f['rows']:,} causal rows,"
+              " `fit --local --solver krylov --heads svd`", "",
+              "| wall s | peak RSS GiB | Tc GiB | peak / (Tc + one block) | coef rel. err vs teacher | verdict |"
+              " rank | lambda_min | rel. train MSE |", "|---|---|---|---|---|---|---|---|---|",
+              f"| {f['seconds']:.0f} | {f['peak_rss_bytes'] / gib:.2f} | {f['compact_gram_bytes'] / gib:.2f} |"
+              f" {f['peak_vs_tc_plus_block']:.2f} | {f['coef_rel_err_vs_teacher']:.2e} | {rep['verdict']} |"
+              f" {rep['rank']} | {rep['lambda_min']:.3e} | {rep['relative_train_mse']:.2e} |", "",
+              f"Targets: certified {_yn(met['fit_certified'])}, coefficients within 1e-6 of the teacher"
+              f" {_yn(met['fit_coef_err'])}, peak RSS <= 1.5 x (Tc + one block) {_yn(met['fit_peak_rss'])}."
+              f" Phases: {rep.get('timings')}"]
     c = res.get("cluster")
     if c:
         L += ["", f"## Cluster-side operator, d = {c['d']} (psi = {c['psi']:,}), 2 workers", "",

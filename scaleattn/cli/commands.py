@@ -6,6 +6,7 @@ import sys
 import time
 
 from .._storage import parse_storage_options
+from ..errors import ParameterError
 
 __all__ = ["COMMANDS"]
 
@@ -187,7 +188,9 @@ def _cmd_bench(args) -> int:
         from ..bench.gpu import run
     else:
         from ..bench.core import run
-    run(args.out, quick=args.quick)
+    if args.only is not None and (args.suite != "krylov" or args.vs):
+        raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
+    run(args.out, quick=args.quick, **({} if args.only is None else {"only": args.only}))
     import glob
     import os
 

@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                         " solver against Cholesky at d = 32 and the heads step at d = 44")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit"], default=None,
+                   help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
+                        " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44)")
     b.add_argument("--vs", choices=["adamw"], default=None,
                    help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
 
