@@ -209,15 +209,9 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note, steps=steps, step_unit=step_unit,
                       steps_done=steps_done) as advance:
         if client is None:
-            reducers = [TreeReducer(_add_inplace, split_every) for _ in tiles]  # same tree (and bits) as on a cluster
-            for gi, (a, b) in enumerate(groups):
-                for ti, cols in enumerate(tiles):
-                    reducers[ti].add(_partial(dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi]))
-                if gi in todo:
-                    advance(rows[gi], steps=1 if len(tiles) == 1 else len(tiles) - int(done[gi].sum()))
-                    if stop_after is not None and todo.index(gi) + 1 >= stop_after:
-                        _testing.crash()
-            result = _assemble([r.result() for r in reducers], dataset.d)
+            result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
+                                        lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
+                                                                            device, ckpt, sources[gi]))
         else:
             tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
             futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi],
@@ -237,6 +231,34 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
                      "tasks_computed": int(fresh.sum()), "tasks_resumed": int((~fresh).sum())})
     return result
+
+
+def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after, partial):
+    """The in-process build: one tile at a time (every row group through that tile's tree, then the next tile),
+    each finished tile copied into one preallocated ``Tc``. Peak memory is ``Tc`` plus about ``log2(groups)``
+    partials of one tile (group by group over all tiles would hold that many partials of the whole ``Tc``, and
+    concatenating the tiles a second ``Tc``); the trees are those of the cluster build, so are the bits."""
+    last = len(tiles) - 1
+    gram = first = None
+    for ti, cols in enumerate(tiles):
+        red = TreeReducer(_add_inplace, split_every)
+        for gi, (a, b) in enumerate(groups):
+            red.add(partial(gi, ti, a, b, cols))
+            if gi in todo:  # a tile read back from the checkpoint is no new step (as on a cluster)
+                advance(rows[gi] / len(tiles) if last else rows[gi], steps=int(not (last and done[gi, ti])))
+                if ti == last and stop_after is not None and todo.index(gi) + 1 >= stop_after:
+                    _testing.crash()  # the test hook: k groups have every tile done
+        part = red.result()
+        if not last:
+            return _assemble([part], dataset.d)
+        if ti == 0:  # tile 0 carries B and yy
+            first = part
+            gram = np.empty((tiles[-1][1], part.gram_compact.shape[1]))
+        elif int(part.n_rows) != int(first.n_rows):
+            raise RuntimeError(f"tiles disagree on the row count: {int(part.n_rows)} != {int(first.n_rows)}")
+        gram[cols[0]:cols[1]] = part.gram_compact
+        part.gram_compact = None  # (first's too): only the assembled Tc stays
+    return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), dataset.d)
 
 
 def _check_unchanged(dataset, groups, targets: bool, sources: list[int]) -> None:
