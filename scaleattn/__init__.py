@@ -17,6 +17,7 @@ from .certificate import Certificate, certify
 from .dataset import Dataset, open_dataset
 from .dataset_writer import write_dataset
 from .distributed.build import compute_statistics
+from .distributed.cluster import connect
 from .distributed.evaluate import evaluate
 from .errors import DatasetError, ScaleattnError
 from .estimator import MHLARegressor
@@ -30,7 +31,7 @@ from .statistics import Statistics, statistics_from_arrays
 
 __all__ = [
     "Dataset", "DatasetError", "ScaleattnError", "open_dataset", "write_dataset", "Statistics",
-    "compute_statistics", "statistics_from_arrays", "Certificate", "Solution", "certify", "solve", "Heads",
+    "compute_statistics", "connect", "statistics_from_arrays", "Certificate", "Solution", "certify", "solve", "Heads",
     "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
     "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]

@@ -37,7 +37,7 @@ class MHLARegressor:
     Parameters
     ----------
     heads : "svd", "minimal" or int
-        Head recovery (:func:`scaleattn.heads.search_heads`).
+        Head recovery (:func:`scaleattn.head_search.search_heads`).
     cutoff_rtol : float, optional
         Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
     ridge : float

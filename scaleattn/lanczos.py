@@ -13,7 +13,7 @@ values). Here they come from products ``G X`` only (:class:`scaleattn.gram_opera
   Lanczos a full Krylov solve per step; the preconditioned block method needs a few hundred products.
 
 :func:`spectrum_from_runs` turns the runs into the rank decision, the null vectors and the
-:class:`KrylovSpectrum` that :func:`scaleattn.solver.certify` reports.
+:class:`KrylovSpectrum` that :func:`scaleattn.certificate.certify` reports.
 
 Every routine is a generator (:func:`scaleattn.krylov.lockstep`): it yields a block ``X`` (psi, k) in
 original coordinates and receives ``G X``, so that several of them share one pass over the compact Gram per

@@ -124,7 +124,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Run directory to write ``report.json``, ``model.zarr``, ``stats.zarr`` (atomically: nothing is left
         behind on failure; an existing ``out`` is refused unless ``overwrite``).
     client : distributed.Client, optional
-        Cluster to run on (:func:`scaleattn.cluster.connect`); None computes in this process.
+        Cluster to run on (:func:`scaleattn.distributed.cluster.connect`); None computes in this process.
     heads : "svd" | "minimal" | int
         Head recovery (:func:`scaleattn.head_search.search_heads`).
     cutoff_rtol : float, optional

@@ -64,7 +64,7 @@ def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
 def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> list[str]:
     """Write a fit's run directory at ``out`` (a path, URL or Location): ``report.json``, ``model.zarr``,
     ``stats.zarr``, ``spectrum.zarr`` when the certificate has the whole spectrum, and ``files`` (name ->
-    bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn._storage.atomic_output`).
+    bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn._outputs.atomic_output`).
 
     ``result`` is a :class:`~scaleattn.pipeline.FitResult` (``model``, ``statistics``, ``certificate``,
     ``report``). Returns the names written, in that order. Raises :class:`~scaleattn.errors.OutputExistsError`

@@ -143,3 +143,59 @@ def test_module_size_and_all(name):
     public = not any(part.startswith("_") for part in name.split(".")) and name not in ("bench",)
     if public:
         assert "__all__" in path.read_text(), f"{name}: public module without __all__"
+
+
+def _dotted_names():
+    """Every dotted ``scaleattn.x.y`` name written in the package, the tests, the docs and the notebooks (code,
+    docstrings, prose), with the files that write it."""
+    import re
+
+    repo = ROOT.parent
+    files = [*ROOT.rglob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "docs").glob("*.md"),
+             repo / "README.md", *(repo / "notebooks").glob("*.ipynb")]
+    names: dict[str, set[str]] = {}
+    for f in files:
+        if f.resolve() == pathlib.Path(__file__).resolve():  # (its docstrings quote stale names as examples)
+            continue
+        for m in re.finditer(r"\bscaleattn(?:\.[A-Za-z_]\w*)+", f.read_text()):
+            names.setdefault(m.group(0), set()).add(str(f.relative_to(repo)))
+    return names
+
+
+def _resolves(name: str) -> bool:
+    import importlib
+    import importlib.util
+
+    from scaleattn.errors import MissingDependencyError
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):  # the longest importable module, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except MissingDependencyError:  # it exists, but its attributes need an optional package not installed
+            return True
+        except ImportError:
+            continue
+        for p in parts[i:]:
+            if not hasattr(obj, p):
+                return False
+            obj = getattr(obj, p)
+        return True
+    return False
+
+
+def test_every_dotted_name_resolves_and_none_names_a_shim():
+    """A name moved by a refactor leaves no stale reference (``scaleattn.statistics._blas_controller`` after the
+    kernel moved out crashed ``scaleattn bench``): every ``scaleattn.x.y`` written in code, docs or notebooks
+    imports, and none goes through a deprecated shim (except the shims and their own test)."""
+    shim_files = {f"scaleattn/{s}.py" for s in SHIMS}
+    stale, via_shim = [], []
+    for name, files in sorted(_dotted_names().items()):
+        if name.endswith((".py", ".md", ".zarr", ".json", ".yaml", ".ipynb")):
+            continue
+        if not _resolves(name):
+            stale.append(f"{name} in {sorted(files)}")
+        elif name.split(".")[1] in SHIMS and files - shim_files:
+            via_shim.append(f"{name} in {sorted(files - shim_files)}")
+    assert not stale, "names that do not resolve:\n" + "\n".join(stale)
+    assert not via_shim, "names through a deprecated shim:\n" + "\n".join(via_shim)

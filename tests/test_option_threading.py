@@ -50,25 +50,36 @@ def test_memory_check_follows_the_solver_for_fit_and_certify(d16, tmp_path, monk
     assert rc == 0 and (tmp_path / "c" / "report.json").exists()
 
 
-def test_plots_and_baselines_keep_storage_options(small, monkeypatch):
-    """The dataset path and its storage options reach ``open_dataset`` (they used to be dropped)."""
-    from scaleattn import plot
-    from scaleattn.baselines import training
-
-    seen = []
-
+def _spy(seen, small):
     def spy(url, storage_options=None):
         seen.append((url, storage_options))
         return small
+    return spy
 
-    monkeypatch.setattr(plot, "open_dataset", spy)
-    monkeypatch.setattr(training, "open_dataset", spy)
+
+OPTS = {"client_kwargs": {"endpoint_url": "http://example:9000"}}
+
+
+def test_plots_keep_storage_options(small, monkeypatch):
+    """The dataset path and its storage options reach ``open_dataset`` (they used to be dropped)."""
+    from scaleattn import plot
+
+    seen = []
+    monkeypatch.setattr(plot, "open_dataset", _spy(seen, small))
     res = scaleattn.fit(small, heads="svd")
-    opts = {"client_kwargs": {"endpoint_url": "http://example:9000"}}
-    y, yhat = plot.sample_predictions(res.model, "s3://bucket/d.zarr", storage_options=opts)
-    assert seen[-1] == ("s3://bucket/d.zarr", opts) and y.shape == yhat.shape
-    arrays = training.load_arrays("s3://bucket/d.zarr", storage_options=opts)
-    assert seen[-1] == ("s3://bucket/d.zarr", opts) and arrays["tokens"].shape == (64, 8, 3)
+    y, yhat = plot.sample_predictions(res.model, "s3://bucket/d.zarr", storage_options=OPTS)
+    assert seen[-1] == ("s3://bucket/d.zarr", OPTS) and y.shape == yhat.shape
+
+
+def test_baselines_keep_storage_options(small, monkeypatch):
+    """As for the plots, in the baselines' loader (the baselines need PyTorch: skipped without it)."""
+    pytest.importorskip("torch")
+    from scaleattn.baselines import training
+
+    seen = []
+    monkeypatch.setattr(training, "open_dataset", _spy(seen, small))
+    arrays = training.load_arrays("s3://bucket/d.zarr", storage_options=OPTS)
+    assert seen[-1] == ("s3://bucket/d.zarr", OPTS) and arrays["tokens"].shape == (64, 8, 3)
 
 
 @pytest.mark.parametrize("call", [

@@ -16,7 +16,7 @@
   vs the one-step preconditioned GD predictor (:class:`OneStepGD`) over context length.
 
 MSE everywhere is the mean over valid rows (samples, or prefixes in causal mode) and outputs, like
-:func:`scaleattn.model.evaluate`.
+:func:`scaleattn.distributed.evaluate.evaluate`.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 - the naive normal equations: ``phi`` materialised and ``phi^T phi`` by numpy (SYRK);
 - ``numpy.linalg.lstsq`` and ``dask.array.linalg.lstsq`` (TSQR) on ``phi``: time and the accuracy of each answer
   (relative distance to the teacher's coefficients and to ours, relative training residual);
-- a fit (:func:`scaleattn.job.fit`, in a fresh subprocess) on N, 2N, 4N rows: wall time and peak RSS;
+- a fit (:func:`scaleattn.pipeline.fit`, in a fresh subprocess) on N, 2N, 4N rows: wall time and peak RSS;
 - the statistics build on a local Dask cluster with 1 and 2 workers (one thread each);
 - d = 4, 8, 16, 32 (d = 32 at small N, psi = 16,896, end to end with the large-psi solver).
 
@@ -194,8 +194,9 @@ def workers_scaling(path) -> list[dict]:
 
 def _warm():
     import scaleattn.distributed.build  # noqa: F401
+    import scaleattn.kernel
 
-    scaleattn.statistics._blas_controller()
+    scaleattn.kernel._blas_controller()  # the BLAS scan, once per worker outside the timing
 
 
 def d_scaling(sizes, rate) -> list[dict]:

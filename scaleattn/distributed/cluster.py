@@ -162,10 +162,15 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     credentials by default; its workers start with :func:`~scaleattn.distributed.memory.worker_config` (large
     freed buffers go back to the OS).
 
+    See Also
+    --------
+    scaleattn.fit, scaleattn.certify_dataset, scaleattn.evaluate : the jobs that take its ``client``.
+
     Examples
     --------
-    >>> with connect(workers=2) as client:  # doctest: +SKIP
-    ...     res = scaleattn.fit("data.zarr", "run1", client=client)
+    >>> with connect(workers=1, quiet=True) as client:  # an embedded cluster, stopped on leaving the block
+    ...     len(client.scheduler_info()["workers"])
+    1
     """
     import dask
     from distributed import Client, LocalCluster

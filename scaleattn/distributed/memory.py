@@ -8,7 +8,7 @@ workspace), the Cholesky path two (``G`` scaled in place and its factor). The kr
 (:mod:`scaleattn.krylov`) none: beyond ``Tc`` it holds the token-diagonal columns of ``Tc`` (m(m+1)/2 x d),
 the block-Jacobi inverses (d x m x m), one segment expansion per operator thread and a few hundred psi-vectors
 (Lanczos bases, LOBPCG and CG blocks), :func:`krylov_bytes`. Each worker holds one partial ``Tc`` tile per task,
-and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.statistics.tree_reduce`).
+and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.distributed.reduction.tree_reduce`).
 
 The available memory is ``psutil.virtual_memory().available`` unless ``memory_limit`` (bytes, or a string
 such as ``"16GiB"``) or the environment variable ``SCALEATTN_MEMORY_LIMIT`` says otherwise.
