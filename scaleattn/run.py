@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import numpy as np
 
@@ -89,15 +90,39 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
 
 def write_files(out, files: dict) -> list[str]:
     """Write ``files`` (name -> bytes) into the directory ``out`` (a path, URL or Location), creating it;
-    returns the paths written. Used for plots redrawn into a run directory or elsewhere."""
+    returns the paths written. Used for plots redrawn into a run directory or elsewhere.
+
+    All or nothing: locally every file goes to a temporary next to it first and is renamed into place once all
+    are written; on an object store (no rename; each object appears whole) the objects this call created are
+    removed when it fails or is interrupted."""
     out = resolve(out)
-    if not out.is_remote:
-        os.makedirs(out.url, exist_ok=True)
-    paths = []
-    for name, data in files.items():
-        out.join(name).write_bytes(data)
-        paths.append(out.join(name).url)
-    return paths
+    targets = [out.join(name) for name in files]
+    if out.is_remote:
+        created = []
+        try:
+            for loc, data in zip(targets, files.values()):
+                new = not loc.exists()
+                loc.write_bytes(data)
+                if new:
+                    created.append(loc)
+        except BaseException:
+            for loc in created:
+                loc.remove()
+            raise
+        return [loc.url for loc in targets]
+    os.makedirs(out.url, exist_ok=True)
+    tmps = [f"{loc.url}.{uuid.uuid4().hex[:8]}.partial" for loc in targets]
+    try:
+        for tmp, data in zip(tmps, files.values()):
+            with open(tmp, "wb") as f:
+                f.write(data)
+        for tmp, loc in zip(tmps, targets):
+            os.replace(tmp, loc.url)
+    finally:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return [loc.url for loc in targets]
 
 
 def read_run(run, storage_options=None) -> dict:

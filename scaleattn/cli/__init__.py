@@ -94,8 +94,10 @@ def _run(args) -> int:
               file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:
-        kept = _hint(e) or ("; nothing was written (outputs are written all or nothing)"
-                            if args.command in WRITERS else "")
+        written = getattr(args, "written", None)  # set by a command once its output is complete
+        kept = (f" after it wrote {written} in full" if written else
+                _hint(e) or ("; nothing was written (outputs are written all or nothing)"
+                             if args.command in WRITERS else ""))
         print(f"scaleattn {args.command}: interrupted{kept}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug

@@ -74,6 +74,7 @@ def _cmd_generate(args) -> int:
         ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
                                      seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
                                      storage_options=opts)
+    args.written = args.path
     print(_wrote(args.path, ds))
     return 0
 
@@ -90,6 +91,7 @@ def _cmd_import(args) -> int:
                                   causal=args.causal, columns=args.columns, **kw)
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
+    args.written = args.path
     print(_wrote(args.path, ds))
     return 0
 
@@ -121,6 +123,7 @@ def _cmd_fit(args) -> int:
                   storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
                   checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
                   **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
+        args.written = args.out  # complete: an interrupt from here on (printing, closing the cluster) loses nothing
         # the fit's own time ends with its report; writing the run (and rendering the plots) comes after
         command = {"seconds": _since(args.started), "cluster": cluster_s, "write": _since(t) - res.report["seconds"]}
         written = ", ".join(n for n in res.files if not n.endswith(".png"))
@@ -172,7 +175,9 @@ def _cmd_plot(args) -> int:
 
     opts = _storage_options(args.storage_option)
     where = (args.out or args.run).rstrip("/")
-    for p in save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts):
+    paths = save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts)
+    args.written = f"{len(paths)} plots in {where}"
+    for p in paths:
         print(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it
     return 0
 

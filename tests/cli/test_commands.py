@@ -7,6 +7,7 @@ import pytest
 
 from scaleattn.dataset import open_dataset
 from scaleattn.features import phi, token_features
+from scaleattn.model import MHLAModel
 
 
 @pytest.mark.slow
@@ -111,3 +112,39 @@ def test_cli_fit_minimal_witness_and_compare(cli, tmp_path):
     cli("fit", data, "--out", tmp_path / "r4", "--heads", "1", "--local", "--quiet", "--no-plots")
     cli("compare", r1 / "model.zarr", tmp_path / "r4" / "model.zarr", "--quiet", rc=1)
     cli("compare", r1 / "model.zarr", tmp_path / "nothing.zarr", "--quiet", rc=2)
+
+
+@pytest.mark.parametrize("command", ["fit", "generate"])
+def test_an_interrupt_after_the_write_says_the_output_is_complete(cli, tmp_path, monkeypatch, causal_ds, command):
+    """Ctrl-C after the output was committed (while the summary prints or the cluster closes) must not claim
+    that nothing was written: the output is there, complete, and the message says so."""
+    from scaleattn.cli import commands
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    out = str(tmp_path / "out")
+    if command == "fit":
+        monkeypatch.setattr(commands, "_emit", interrupted)
+        r = cli("fit", causal_ds.url, "--out", out, "--local", "--no-plots", rc=130)
+        assert MHLAModel.load(out + "/model.zarr").coef.shape[0] == 6
+    else:
+        monkeypatch.setattr(commands, "_wrote", interrupted)
+        r = cli("generate", "mhla", out, "--d", "2", "--samples", "8", "--length", "4", rc=130)
+        assert open_dataset(out).n_samples == 8
+    assert f"interrupted after it wrote {out} in full" in r.stderr and "nothing was written" not in r.stderr
+
+
+def test_write_files_is_all_or_nothing(tmp_path):
+    """A failure (or Ctrl-C) while the files are written leaves none of them and no temporaries."""
+    from scaleattn.run import write_files
+
+    class Unwritable:  # the second file fails to write
+        pass
+
+    with pytest.raises(TypeError):
+        write_files(tmp_path / "plots", {"a.png": b"first", "b.png": Unwritable()})
+    assert list((tmp_path / "plots").iterdir()) == []
+    assert sorted(p.rsplit("/", 1)[-1] for p in write_files(tmp_path / "plots", {"a.png": b"1", "b.png": b"2"})) \
+        == ["a.png", "b.png"]
+    assert (tmp_path / "plots" / "b.png").read_bytes() == b"2"
