@@ -1,13 +1,16 @@
 """Documentation that cannot drift: the README's command blocks run as written and print what the README shows;
 docs/notebooks.md's table matches the committed notebooks; docs/performance.md names the commit of its figures.
 
-Runnable blocks. A line ``<!-- docs-test: run -->`` right before a ```console or ```bash fence marks the block.
+Runnable blocks. A line ``<!-- docs-test: run -->`` right before a ```console, ```bash or ```python fence marks
+the block.
 All marked blocks run in README order in one fresh temporary directory (later blocks use the files of earlier
 ones), each command with ``bash -c``, ``scaleattn`` being this checkout (a shim on PATH), ``COLUMNS=100``.
 
 - ```console: each ``$ COMMAND`` line runs; the lines after it, up to the next ``$``, are what it prints
   (stdout and stderr together, in the order a terminal shows them). Every command must exit 0.
 - ```bash: every line that is not a comment must exit 0 (what it prints is not checked).
+- ```python: the block is written to a file and run as a script with this interpreter; it must exit 0 (its
+  ``assert`` lines check its values).
 
 Comparison of a printed line with the README's (:func:`line_matches`), after normalising both:
 
@@ -64,15 +67,17 @@ RTOL = 0.01
 
 # ---- the README's blocks ------------------------------------------------------------------------------------
 def runnable_blocks(text: str) -> list[tuple[str, list[str], int]]:
-    """``(kind, lines, line number)`` of every block marked runnable, in order (kind ``console`` or ``bash``)."""
+    """``(kind, lines, line number)`` of every block marked runnable, in order (kind ``console``, ``bash`` or
+    ``python``)."""
     lines = text.splitlines()
     blocks = []
     for i, ln in enumerate(lines):
         if ln.strip() != MARK:
             continue
         fence = lines[i + 1].strip()
-        m = re.fullmatch(r"```(console|bash)", fence)
-        assert m, f"README line {i + 2}: {MARK} must be followed by a ```console or ```bash fence, not {fence!r}"
+        m = re.fullmatch(r"```(console|bash|python)", fence)
+        assert m, f"README line {i + 2}: {MARK} must be followed by a ```console, ```bash or ```python fence, not" \
+                  f" {fence!r}"
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
         blocks.append((m.group(1), lines[i + 2 : end], i + 3))
     return blocks
@@ -171,7 +176,11 @@ def run_readme(work: Path, on_step=None) -> list[str]:
     env = _env(bindir)
     problems = []
     for kind, lines, lineno in runnable_blocks(README.read_text()):
-        if kind == "bash":
+        if kind == "python":
+            script = work / f"readme_line_{lineno}.py"
+            script.write_text("\n".join(lines) + "\n")
+            steps = [(f'"{sys.executable}" {script.name}', None)]
+        elif kind == "bash":
             steps = [(ln.split(" #")[0].strip(), None) for ln in lines if ln.strip() and not ln.startswith("#")]
         else:
             steps = console_steps(lines)
@@ -216,6 +225,9 @@ def test_readme_marks_the_main_job_runnable():
     assert any(c.startswith("scaleattn generate mhla data.zarr") for c in commands)
     assert any(c.startswith("scaleattn fit data.zarr --out run1") for c in commands)
     assert any(c.startswith("scaleattn import digits.zarr") for c in commands)
+    python = [lines for kind, lines, _ in blocks if kind == "python"]
+    assert any("scaleattn.fit(" in "\n".join(b) for b in python), "the Python API example must be runnable"
+    assert any("tensor.attention_grad(" in "\n".join(b) for b in python), "the tensor example must be runnable"
 
 
 @pytest.mark.slow

@@ -74,8 +74,9 @@ def _add_io_args(p, out=True):
 
 def _add_certificate_arg(p):
     p.add_argument("--certificate", choices=list(CERTIFICATE_METHODS), default="auto",
-                   help="what decides the rank: auto (a QR of the features, a second data pass, only when the Gram"
-                        f" cannot certify and psi <= {QR_MAX_PSI:,}), gram (the Gram only), qr (always the QR)")
+                   help="what decides the rank: auto (default; a QR of the features, a second data pass, only when"
+                        f" the Gram cannot certify and psi <= {QR_MAX_PSI:,}), gram (the Gram only), qr (always the"
+                        " QR)")
 
 
 def _add_output_args(p):
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--noise", type=float, default=0.0, help="std of Gaussian target noise (default 0)")
     m.add_argument("--causal", action="store_true", help="targets at every prefix (N, T, d_out)")
     m.add_argument("--variable-lengths", action="store_true", help="random lengths in [1, T], zero padded")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random seed of the teacher and the tokens (default 0)")
     m.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(m)
     a = gsub.add_parser("assoc", help="associative memory task [Y25 Sec. 4.2]")
@@ -116,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dim", type=int, default=None, help="key/value dimension (default K); tokens have 2*dim")
     a.add_argument("--samples", type=int, default=2**14, help="sequences (default 16384)")
     a.add_argument("--orthogonal", action="store_true", help="orthogonal keys and values: not identifiable")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--chunk-samples", type=int, default=None)
+    a.add_argument("--seed", type=int, default=0, help="random seed of the keys, values and queries (default 0)")
+    a.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(a)
 
     imp = sub.add_parser("import",
@@ -147,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
     f.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only), then"
-                        " krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                   help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
+                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
                         " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
                         " compact Gram, G never formed")
     _add_certificate_arg(f)
@@ -169,12 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(f)
 
     c = sub.add_parser("certify", help="identifiability certificate only (Gram matrix, no targets needed)")
-    c.add_argument("dataset")
+    c.add_argument("dataset", help="dataset (Zarr group path or URL)")
     c.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
     c.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto: eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only), then"
-                        " krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                   help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
+                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
                         " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
                         " compact Gram, G never formed")
     _add_certificate_arg(c)
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate", help="mean squared error of a model on a dataset")
     e.add_argument("model", help="model store (RUN/model.zarr)")
-    e.add_argument("dataset")
+    e.add_argument("dataset", help="dataset (Zarr group path or URL) to measure the model's MSE on")
     _add_absent_arg(e)
     _add_cluster_args(e)
     _add_io_args(e, out=False)
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
                         " gpu: the same kernels on a CUDA device (needs the gpu extra); krylov: the matrix-free"
                         " solver against Cholesky at d = 32 and the heads step at d = 44")
-    b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results")
+    b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"

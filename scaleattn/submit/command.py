@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="fsspec option passed to `scaleattn fit` (repeatable), e.g. endpoint_url=http://..."
                              " (credentials belong in the Secret)")
     parser.add_argument("--fit-args", default="", metavar="'ARGS'",
-                        help="extra `scaleattn fit` options as one quoted string, e.g. '--heads minimal --no-plots'"
-                             " (a single option needs the = form: --fit-args=--no-plots); --resume is always passed")
+                        help="extra `scaleattn fit` options as one quoted string (default none), e.g. '--heads"
+                             " minimal --no-plots' (a single option needs the = form: --fit-args=--no-plots); --resume"
+                             " is always passed")
     parser.add_argument("--node-selector", action="append", default=None, metavar="KEY=VALUE",
                         help="nodeSelector of the worker pods (repeatable), e.g. nvidia.com/gpu.present=true"
                              " (default none: GPU workers go wherever nvidia.com/gpu is allocatable)")

@@ -148,3 +148,31 @@ def test_write_files_is_all_or_nothing(tmp_path):
     assert sorted(p.rsplit("/", 1)[-1] for p in write_files(tmp_path / "plots", {"a.png": b"1", "b.png": b"2"})) \
         == ["a.png", "b.png"]
     assert (tmp_path / "plots" / "b.png").read_bytes() == b"2"
+
+
+def _options(parser, path):
+    import argparse
+
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _options(sub, [*path, name])
+        elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+            yield " ".join(path), "/".join(a.option_strings) or a.dest, a
+
+
+def test_every_option_has_help_naming_its_default():
+    """``--help`` shows every option with what it means and, where it has a value by default, that default
+    (the README promises it)."""
+    import argparse
+
+    from scaleattn.cli.parser import build_parser
+
+    bad = []
+    for where, name, a in _options(build_parser(), ["scaleattn"]):
+        if not a.help or a.help == argparse.SUPPRESS:
+            bad.append(f"{where} {name}: no help")
+        elif a.default not in (None, False, argparse.SUPPRESS) and not isinstance(a, argparse._StoreConstAction) \
+                and "default" not in a.help:
+            bad.append(f"{where} {name}: default {a.default!r} not named in its help")
+    assert not bad, "\n".join(bad)

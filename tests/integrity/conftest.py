@@ -81,7 +81,15 @@ def popen_cli(args, cwd=None, env=None) -> subprocess.Popen:
     e = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
          "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "scaleattn.cli", *map(str, args)], cwd=cwd, env=e, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
+
+
+def _default_sigint():
+    """The child takes Ctrl-C (SIGINT) as a terminal would send it, even when this test run was started with
+    SIGINT ignored (``nohup``, a background job of a non-interactive shell), which a child would inherit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def dataset(path, samples=32, chunk=8, seed=1, causal=True, **kw):
