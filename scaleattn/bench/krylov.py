@@ -53,7 +53,7 @@ from scaleattn import solver
 path, how, out = sys.argv[1], sys.argv[2], sys.argv[3]
 def rss(key):
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
-z = np.load(path)
+z = np.load(path, allow_pickle=False)
 st = Statistics(z["Tc"], z["B"], float(z["yy"]), int(z["n"]), int(z["d"]))
 base = rss("VmRSS")
 opts = {"eig_budget": "full"} if how == "krylov-full" else None
@@ -127,7 +127,7 @@ def solver_comparison(tmp, d: int, samples: int, length: int = 100,
         p = subprocess.run([sys.executable, "-c", _SOLVE_CHILD, path, how, out], capture_output=True, text=True,
                            check=True)
         res = json.loads(p.stdout.strip().splitlines()[-1])
-        coefs[how] = np.load(out)
+        coefs[how] = np.load(out, allow_pickle=False)
         pred = predict_rows(coefs[how], s, x)
         res["coef_err_vs_teacher"] = _rel(coefs[how], c_true)
         res["rel_train_mse"] = float(np.mean((pred - y) ** 2) / np.mean(y**2))  # a pass over the rows
