@@ -21,6 +21,7 @@ def _data(N=53, T=5, d=3, d_out=2, seed=0):
 
 
 @pytest.mark.parametrize("chunk, shard", [(4, None), (4, 12), (7, 21), (53, None), (100, None), (1, 5)])
+@pytest.mark.slow
 def test_odd_dask_chunks_round_trip(tmp_path, chunk, shard):
     """Dask inputs chunked unevenly along every axis (and differently per array) -> exact round trip."""
     tok, y, lens = _data()

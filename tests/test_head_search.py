@@ -178,6 +178,7 @@ def test_flattening_bound_holds_for_every_model_and_is_tight_for_few_heads():
 
 # ---- minimal heads on agnostic data: the search meets the dimension count ------------------------------
 @pytest.mark.parametrize("d,d_out,expected", [(3, 3, 4), (5, 3, 7), (4, 4, 7), (4, 3, 6), (3, 1, 3), (5, 1, 5)])
+@pytest.mark.slow
 def test_minimal_heads_meet_the_bound_on_agnostic_data(d, d_out, expected):
     z, y = _agnostic(d, d_out)
     st, sol = _fit(z, y)
@@ -201,6 +202,7 @@ def test_minimal_heads_meet_the_bound_on_agnostic_data(d, d_out, expected):
     assert _lsq_heads(sol.coef, d, expected - 1, 2, max_nfev=100) >= 1e-4
 
 
+@pytest.mark.slow
 def test_real_models_can_need_one_head_more_than_the_count():
     """(d, d_out) = (3, 2): 3 heads have exactly psi d_out = 36 free dimensions, so generic c have finitely many
     3-head models over C, and on an open set of c none of them is real: these data need 4 (the dimension count

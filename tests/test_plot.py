@@ -120,6 +120,7 @@ def test_loss_vs_heads_panel_when_present():
     assert _by_gid(ax, "mean_square")
 
 
+@pytest.mark.slow
 def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, cli):
     ds, res, out = run
     copy = str(tmp_path / "run")
@@ -137,6 +138,7 @@ def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, cli):
     assert "no report.json" in cli("plot", tmp_path / "nope", rc=2).stderr
 
 
+@pytest.mark.slow
 def test_cli_fit_no_plots(run, tmp_path, cli):
     ds, _, _ = run
     cli("fit", ds.url, "--out", tmp_path / "r", "--local", "--no-plots", "--quiet")

@@ -11,6 +11,7 @@ from scaleattn.distributed.build import compute_statistics
 from scaleattn.progress import ConsoleReporter
 
 
+@pytest.mark.slow
 def test_cli_fit_shows_dashboard_and_bars(causal_ds, tmp_path, cli):
     r = cli("fit", causal_ds.url, "--out", tmp_path / "run", "--workers", "1", "--no-plots")
     out, err = r.stdout, r.stderr
@@ -24,6 +25,7 @@ def test_cli_fit_shows_dashboard_and_bars(causal_ds, tmp_path, cli):
     assert "rows/s" not in out and "certificate: IDENTIFIABLE" in out  # bars on stderr, summary on stdout
 
 
+@pytest.mark.slow
 def test_cli_json_and_quiet_are_clean(causal_ds, tmp_path, cli):
     r = cli("fit", causal_ds.url, "--out", tmp_path / "a", "--local", "--json", "--no-plots")
     assert json.loads(r.stdout)["n_rows"] == 960 and "statistics" not in r.stderr
@@ -45,6 +47,7 @@ def _n_prefixes(client):
     return client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.task_prefixes))
 
 
+@pytest.mark.slow
 def test_progress_uses_the_job_client_not_the_default(causal_ds, two_clients, capfd):
     job, other = two_clients
     before = _n_prefixes(other)

@@ -142,6 +142,7 @@ def _near_collinear(n, eps, seed):
     return tok, rng
 
 
+@pytest.mark.slow
 def test_cutoff_does_not_grow_with_n(rel_mse):
     """10^6 rows with a real direction whose Jacobi-scaled eigenvalue is ~6e-12 x lambda_max: far above the
     round-off cutoff 16 psi eps, below an N-growing cutoff like N * eps (2e-10). It must be kept: the fit is

@@ -205,6 +205,7 @@ def dry_run(capsys, argv: list[str]) -> dict:
 # ------------------------------------------------------------------------------------------------ kustomize
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.slow
 def test_overlay_renders_and_validates(overlay):
     docs = rendered(overlay)
     assert {d["kind"] for d in docs} == {"DaskJob"}

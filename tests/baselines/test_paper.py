@@ -35,6 +35,7 @@ def test_closed_form_not_worse_than_one_step_gd():
         assert r["ls_context_test"] < 1e-20  # n >= k: the context determines w
 
 
+@pytest.mark.slow
 def test_assoc_truth_and_figure2b_closed_form():
     truth = B.assoc_truth(2)
     orth = make_assoc(2, 256, orthogonal=True, seed=5)

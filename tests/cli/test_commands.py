@@ -56,6 +56,7 @@ def test_version_and_help(cli):
         assert "usage" in cli(cmd, "--help").stdout
 
 
+@pytest.mark.slow
 def test_import_digits_and_npz(cli, tmp_path):
     p = cli("import", tmp_path / "digits.zarr", "--builtin", "digits")
     assert "N=1797" in p.stdout
@@ -87,6 +88,7 @@ def test_solver_paths_agree_at_d16(cli, tmp_path):
         assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_fit_minimal_witness_and_compare(cli, tmp_path):
     data, assoc = tmp_path / "d.zarr", tmp_path / "a.zarr"
     cli("generate", "mhla", data, "--d", "3", "--heads", "2", "--length", "20", "--samples", "60", "--causal")

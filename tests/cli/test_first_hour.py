@@ -19,6 +19,7 @@ from scaleattn.progress import ConsoleReporter, NotebookReporter, as_reporter
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quiet_hides_stderr_and_keeps_the_result(causal_ds, tmp_path, cli):
     r = cli("fit", causal_ds.url, "--out", tmp_path / "q", "--local", "--quiet", "--no-plots")
     assert r.stderr == "" and "certificate: IDENTIFIABLE" in r.stdout

@@ -68,6 +68,7 @@ def test_small_max_tile_bytes_turns_tiling_on(rel_err, data):
     assert info["groups"] == len(row_groups(ds, max_groups=16))
 
 
+@pytest.mark.slow
 def test_distributed_tiled_is_bit_identical_to_local(rel_err, data, client):
     ds, G, B, *_ = data
     info = {}
@@ -87,6 +88,7 @@ def test_distributed_tiled_is_bit_identical_to_local(rel_err, data, client):
     assert rel_err(re.gram_compact, local.gram_compact, np.inf) <= 1e-12 and rel_err(re.moments, B, np.inf) <= 1e-12
 
 
+@pytest.mark.slow
 def test_distributed_statistics_independent_of_workers_and_chunking(tmp_path, client):
     D = make_mhla(d=3, heads=2, length=12, samples=300, causal=True, variable_lengths=True, seed=5)
     a = write_dataset(tmp_path / "a.zarr", D["tokens"], D["targets"], D["lengths"], chunk_samples=16)

@@ -29,6 +29,7 @@ def data(tmp_path):
     return write_dataset(tmp_path / "d.zarr", D["tokens"], D["targets"], chunk_samples=8)
 
 
+@pytest.mark.slow
 def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
     ck = str(tmp_path / "ck.zarr")
     ref = compute_statistics(data, group_samples=8, tile_rows=8)  # 8 groups x 3 tiles, no checkpoint
@@ -50,6 +51,7 @@ def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
     assert Checkpoint.open(resolve(ck), data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
 
 
+@pytest.mark.slow
 def test_resume_on_a_cluster_reads_partials_on_the_workers(data, tmp_path, client):
     ck = str(tmp_path / "ck.zarr")
     ref = compute_statistics(data, group_samples=16, tile_rows=8)  # in-process, same tree
@@ -82,6 +84,7 @@ def test_foreign_checkpoint_is_refused(data, tmp_path):
         compute_statistics(data, checkpoint=str(tmp_path / "junk"))
 
 
+@pytest.mark.slow
 def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     out = str(tmp_path / "run")
     ck = out + ".checkpoint.zarr"

@@ -14,6 +14,7 @@ from scaleattn.distributed.cluster import connect
 from scaleattn.errors import ClusterError
 
 
+@pytest.mark.slow
 def test_unreachable_scheduler_fails_after_the_scheduler_timeout():
     t0 = time.monotonic()
     with pytest.raises(ClusterError, match=r"could not reach the Dask scheduler at tcp://127.0.0.1:9 within 2 s"
@@ -24,6 +25,7 @@ def test_unreachable_scheduler_fails_after_the_scheduler_timeout():
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_no_worker_fails_after_the_worker_timeout():
     from distributed import LocalCluster
 

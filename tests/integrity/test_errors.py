@@ -140,6 +140,7 @@ def test_report_json_is_strict(tmp_path, capsys):
         isinstance(v, float) and not math.isfinite(v) for v in rep.values())
 
 
+@pytest.mark.slow
 def test_transient_read_errors_are_retried_with_the_same_bits(tmp_path, capsys, monkeypatch):
     dataset(tmp_path / "d.zarr")
     rc, err = run_main(["fit", "d.zarr", "--out", "ref", *FIT], capsys, cwd=tmp_path)
@@ -181,6 +182,7 @@ def test_a_chunk_larger_than_memory_is_refused_before_the_build(tmp_path, capsys
     assert sorted(os.listdir(tmp_path)) == ["huge.zarr"]
 
 
+@pytest.mark.slow
 def test_leftover_temporaries_of_a_killed_run_are_cleaned(tmp_path, capsys):
     dataset(tmp_path / "d.zarr")
     for name in (".run.partial-0badc0de", ".run.partial-0badc0de.old", ".g.zarr.partial-12345678"):

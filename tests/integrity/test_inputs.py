@@ -132,6 +132,7 @@ def test_input_is_never_written_or_removed(case, argv, pattern, base, tmp_path, 
     assert sorted(os.listdir(w)) == names, "something was created or left next to the inputs"
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_our_own_outputs(base, tmp_path, capsys):
     """The positive controls: a run directory, a dataset and a checkpoint scaleattn wrote are replaced."""
     w = tmp_path / "w"

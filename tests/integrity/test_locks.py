@@ -42,6 +42,7 @@ def holder(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["out", "checkpoint"])
+@pytest.mark.slow
 def test_a_second_run_is_refused_naming_the_first(tmp_path, holder, capsys, target):
     dataset(tmp_path / "d.zarr")
     inputs = Inputs(tmp_path / "d.zarr")

@@ -60,6 +60,7 @@ def _reference(w, name, capsys, out="ref"):
     return stats_of(w / out)
 
 
+@pytest.mark.slow
 def test_foreign_store_edited_in_place_recomputes_the_changed_group(w, capsys):
     _checkpoint(w, "foreign.zarr")
     g = zarr.open_group(str(w / "foreign.zarr"), mode="r+")
@@ -86,6 +87,7 @@ def test_own_store_edited_behind_its_manifest_fails_as_an_uninterrupted_fit_does
     inputs.unchanged()
 
 
+@pytest.mark.slow
 def test_regenerated_dataset_is_never_mixed_in(w, capsys):
     _checkpoint(w, "own.zarr")
     dataset(w / "own.zarr", seed=2, overwrite=True)  # same shape, new content (and uid)
@@ -119,6 +121,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.slow
 def test_damaged_partials_are_recomputed_bit_identically(w, damage, capsys):
     _checkpoint(w, "own.zarr")
     DAMAGE[damage](w)

@@ -163,6 +163,7 @@ def test_damaged_stores_are_refused(case, damage, argv, pattern, base, tmp_path,
     assert sorted(os.listdir(w)) == names  # no output, no checkpoint, no lock left
 
 
+@pytest.mark.slow
 def test_absent_chunks_are_the_fill_value_only_when_asked(base, tmp_path, capsys):
     """A foreign store whose writer skipped a chunk: with the opt-in the fit is bit-identical to the fit of the
     same data with that chunk stored as zeros."""
