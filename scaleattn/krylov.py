@@ -84,6 +84,7 @@ from .lanczos import (
     product,
     spectrum_from_runs,
 )
+from .spectrum import default_rtol
 
 __all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
 
@@ -364,7 +365,9 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         raise ParameterError(f"B has {B.shape[0]} rows, expected psi = {psi}")
     if eig_budget not in ("solve", "full"):
         raise ParameterError(f"eig_budget must be 'solve' or 'full', got {eig_budget!r}")
-    btol = rtol / 16 if btol is None else float(btol)
+    # the solve's target is the Gram's own round-off whatever the rank cutoff (a looser user cutoff must not
+    # loosen the coefficients)
+    btol = min(rtol, default_rtol(psi)) / 16 if btol is None else float(btol)
     passes0 = getattr(op, "passes", 0)
     diag = op.diagonal()
     M = BlockJacobi(op.token_columns(), diag, op.d)

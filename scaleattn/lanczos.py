@@ -451,16 +451,15 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
     j = int(np.sum(theta <= c))  # ascending: the Ritz values below the cutoff are the null directions
     exact = small["status"] == "dense"
     settled = exact or small["status"] in ("done", "solve-budget")
+    rank = nlive - j
     if j < theta.size:
         lo = max(float(theta[j] - rn[j]), 0.0)
         if bounds is not None and j == 0 and nlive == psi:
             lo = max(lo, min(bounds[0], float(theta[j])))
         kept = EigenEstimate(float(theta[j]), float(rn[j]), lo, float(theta[j]),
                              bool(exact or theta[j] - lo <= eig_rtol * theta[j]), int(small["iterations"]))
-        rank = nlive - j
     else:
         kept = EigenEstimate(float("nan"), float("nan"), 0.0, float(c), False, int(small["iterations"]))
-        rank = nlive - j
         notes.append(f"every Ritz value found is below the cutoff: rank <= {rank}, the null space may be larger")
         settled = False
     if not settled:
@@ -469,7 +468,8 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
                           bool(exact or rn[0] <= eig_rtol * abs(theta[0]) or j > 0), int(small["iterations"]))
     if nlive < psi:  # all-zero features are exact null directions of Gs (its rows there are zero)
         first = EigenEstimate(min(0.0, first.value), 0.0, min(0.0, first.lower), 0.0, True, first.iterations)
-    W, dropped = X[:, :j], float(max(theta[j - 1], 0.0)) if j else 0.0
+    # dropped side of the margin: the largest magnitude below the cutoff, as on the dense path
+    W, dropped = X[:, :j], float(np.max(np.abs(theta[:j]))) if j else 0.0
     if j:
         W, _ = svqb(W * M.live.astype(xp.float64)[:, None])
     spec = KrylovSpectrum(psi, rank, rtol, lmax_s, kept if j == 0 and nlive == psi else first, lmax_g, None, W,

@@ -365,3 +365,48 @@ def test_operator_and_krylov_on_gpu_equal_cpu():
     gst = Statistics(cupy.asarray(st.gram_compact), cupy.asarray(st.moments), st.yy, st.n_rows, 8)
     a, b = solver.solve(st, solver="krylov"), solver.solve(gst, solver="krylov")
     assert isinstance(b.coef, np.ndarray) and rel(b.coef, a.coef) <= 1e-10 and b.rank == a.rank
+
+
+def test_krylov_margin_counts_negative_round_off_as_the_dense_path_does():
+    """A round-off eigenvalue below zero is as far from zero as its size: with the most negative scaled
+    eigenvalue at -0.3 x the cutoff the verdict is not settled on both paths (krylov used to clip it to 0 and
+    claim a settled 'not identifiable' with margin 644), and at -0.05 x it is settled on both."""
+    import scaleattn
+
+    rng = np.random.default_rng(1)
+    Z = rng.standard_normal((500, 5, 4))
+    Z[..., 3] = Z[..., 2]  # collinear token coordinates: an exact null space
+    y = rng.standard_normal((500, 2))
+    st = statistics_from_arrays(Z, y)
+    one = statistics_from_arrays(rng.standard_normal((1, 5, 4)), np.zeros((1, 2)))
+    G, g1 = st.gram(), one.gram()
+    D = np.sqrt(np.diag(G))
+    cut = st.psi * 16 * np.finfo(float).eps * np.linalg.eigvalsh(G / D[:, None] / D[None, :])[-1]
+    for f, verdict in ((0.3, "not settled"), (0.05, "not identifiable")):
+        lo, hi = 0.0, 1.0  # bisect the multiple of one sample's Gram whose removal gives that negative eigenvalue
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if np.linalg.eigvalsh((G - mid * g1) / D[:, None] / D[None, :])[0] < -f * cut:
+                hi = mid
+            else:
+                lo = mid
+        s2 = statistics_from_arrays(Z, y)
+        s2.gram_compact = st.gram_compact - hi * one.gram_compact
+        dense, kry = scaleattn.solve(s2, solver="eigh").certificate, scaleattn.solve(s2, solver="krylov").certificate
+        assert dense.verdict == kry.verdict == verdict and dense.rank == kry.rank
+        assert abs(np.log10(kry.margin / dense.margin)) < 0.1
+
+
+def test_a_loose_cutoff_does_not_loosen_the_krylov_coefficients():
+    """The CG target is the Gram's round-off whatever the rank cutoff: with cutoff_rtol = 1e-3 the coefficients
+    still agree with the dense path's (they differed by 5e-4 relative when the target followed the cutoff)."""
+    import scaleattn
+
+    rng = np.random.default_rng(0)
+    Z = rng.standard_normal((2000, 6, 5))
+    Z[..., 0] *= 3e-2
+    Z[..., 1] = Z[..., 2] + 1e-3 * Z[..., 1]  # badly conditioned, full rank
+    st = statistics_from_arrays(Z, rng.standard_normal((2000, 1)))
+    a, b = scaleattn.solve(st, 1e-3, solver="eigh"), scaleattn.solve(st, 1e-3, solver="krylov")
+    assert a.certificate.rank == b.certificate.rank
+    assert np.abs(a.coef - b.coef).max() <= 1e-8 * np.abs(a.coef).max()

@@ -108,9 +108,10 @@ class DistributedGramOperator(GramOperator):
             self.by_worker.setdefault(holders[0], []).append((c0, f))
 
     def _map(self, func, *args):
-        """One task per worker holding tiles, run there on its own tiles; the partials' tree sum (a future)."""
+        """One task per worker holding tiles, run there on its own tiles; the partials' tree sum (a future).
+        The placement is soft: when a worker is lost, Dask rebuilds its tiles elsewhere and the task follows."""
         parts = [self.client.submit(func, self.d, tuple(c0 for c0, _ in ts), *args, *[f for _, f in ts],
-                                    workers=[w], allow_other_workers=False, pure=False)
+                                    workers=[w], allow_other_workers=True, pure=False)
                  for w, ts in sorted(self.by_worker.items())]
         root, combines = submit_tree(self.client, parts, _add, self.split_every)
         return root, parts, combines
