@@ -226,7 +226,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
-    solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds))["path"]
+    solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
+                              dense=ridge > 0, heads=heads)["path"]
     if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
         raise ParameterError(f"heads={heads!r} needs the dense Gram (loss-weighted head fits); a krylov fit on a"
                              " cluster keeps Tc on the workers: use heads='svd' (or solver='cholesky' where G fits)")
@@ -265,6 +266,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
             if ckpt is not None:
                 with_hint(e, kept_hint(ckpt, "all row groups"))
             raise
+        finally:  # Tc held on the workers (a cluster krylov fit) is freed as the fit ends, failed or not
+            getattr(stats, "release", lambda: None)()
         if ckpt is not None and not keep_checkpoint:
             ckpt.remove()
     return result
@@ -442,8 +445,11 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         check_qr_memory(ds.d, 0, client)
     build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
     stats = build_on(ds, client, targets=False, progress=reporter, device=device)
-    with reporter.phase(f"certificate (psi {stats.psi:,})"):
-        cert = certify(stats, cutoff_rtol, solver=solver)
+    try:
+        with reporter.phase(f"certificate (psi {stats.psi:,})"):
+            cert = certify(stats, cutoff_rtol, solver=solver)
+    finally:  # Tc held on the workers is freed once the certificate is made (or failed)
+        getattr(stats, "release", lambda: None)()
     if not needs_qr(certificate, cert, stats.psi):
         return cert
     check_qr_memory(ds.d, 0, client)

@@ -177,7 +177,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         raise ParameterError("these statistics have no targets (built for the certificate only); cannot solve")
     if stats.n_rows == 0:
         raise ParameterError("no rows: the statistics are empty")
-    path = solver_path(stats.psi, solver, large_psi)
+    path = solver_path(stats.psi, solver, large_psi, dense=ridge > 0)
     if path == "krylov":
         return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, ridge, krylov)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from ._params import choice
+from .errors import ParameterError
 
 __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
            "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX"]
@@ -54,7 +55,7 @@ def default_rtol(psi: int) -> float:
 
 
 def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, krylov_psi: int | None = None,
-                fits=None) -> str:
+                fits=None, dense: bool = False) -> str:
     """The path :func:`~scaleattn.solve` and :func:`~scaleattn.certify` take: ``"eigh"``, ``"cholesky"`` or
     ``"krylov"``.
 
@@ -72,6 +73,8 @@ def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, kr
     fits : callable, optional
         ``fits(path) -> bool`` (:func:`scaleattn.distributed.memory.fit_memory` passes one comparing the
         path's peak with the memory available); None: no memory limit.
+    dense : bool
+        Only the dense paths (``ridge > 0`` needs the whole spectrum): ``"auto"`` never takes krylov.
 
     Returns
     -------
@@ -80,7 +83,7 @@ def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, kr
     Raises
     ------
     ParameterError
-        An unknown solver.
+        An unknown solver; ``"krylov"`` with ``dense``.
 
     Examples
     --------
@@ -90,15 +93,18 @@ def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, kr
     'krylov'
     """
     choice("solver", solver, SOLVERS)
+    if dense and solver == "krylov":
+        raise ParameterError("ridge > 0 needs a dense solver (its effective degrees of freedom need the whole"
+                             " spectrum): use solver='auto', 'cholesky' or 'eigh', or ridge=0 with krylov")
     if solver != "auto":
         return solver
     if psi <= (LARGE_PSI if large_psi is None else int(large_psi)):
         path = "eigh"
-    elif psi <= (KRYLOV_PSI if krylov_psi is None else int(krylov_psi)):
+    elif psi <= (KRYLOV_PSI if krylov_psi is None else int(krylov_psi)) or dense:
         path = "cholesky"
     else:
         return "krylov"
-    return path if fits is None or fits(path) else "krylov"
+    return path if fits is None or fits(path) or dense else "krylov"
 
 
 @dataclasses.dataclass

@@ -410,3 +410,22 @@ def test_a_loose_cutoff_does_not_loosen_the_krylov_coefficients():
     a, b = scaleattn.solve(st, 1e-3, solver="eigh"), scaleattn.solve(st, 1e-3, solver="krylov")
     assert a.certificate.rank == b.certificate.rank
     assert np.abs(a.coef - b.coef).max() <= 1e-8 * np.abs(a.coef).max()
+
+
+def test_ridge_never_takes_krylov_and_is_refused_with_it_before_the_build(monkeypatch, causal_ds):
+    """A ridge needs the whole spectrum: 'auto' stays dense past psi 20,000 (and where memory pushes krylov),
+    and an explicit krylov with a ridge is refused before any statistics are built (it used to fail after)."""
+    import scaleattn
+    from scaleattn import pipeline
+    from scaleattn.errors import ParameterError
+    from scaleattn.spectrum import solver_path
+
+    assert solver_path(43_560) == "krylov" and solver_path(43_560, dense=True) == "cholesky"
+    assert fit_memory(20, 1, available=3e8, dense=True)["path"] == "cholesky"
+
+    def no_build(*a, **k):
+        raise AssertionError("the statistics were built before the refusal")
+
+    monkeypatch.setattr(pipeline, "compute_statistics", no_build)
+    with pytest.raises(ParameterError, match="ridge > 0 needs a dense solver"):
+        scaleattn.fit(causal_ds, solver="krylov", ridge=0.1)

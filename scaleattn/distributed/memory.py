@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..certificate import DENSE_GRAM_MAX_PSI
 from ..errors import InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
 from ..kernel import PANEL_COLS, PANEL_ROWS
@@ -76,7 +77,8 @@ def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: 
                  block: int = BLOCK, remote: bool = False) -> float:
     """Bytes the krylov path holds beyond ``Tc`` and ``B`` (module docstring): token columns, block-Jacobi
     inverses (and one block's temporaries while they are made), ``threads`` segment expansions and psi x k
-    buffers, two Lanczos bases of ``lanczos_steps`` vectors, two LOBPCG runs of ``block`` columns (about 20
+    buffers, four Lanczos bases of ``lanczos_steps`` vectors (``lambda_max`` of ``Gs`` and of ``G``, and the two
+    of the preconditioned lower bound), two LOBPCG runs of ``block`` columns (about 20
     psi-vectors per column), the CG vectors (6 per output), the coefficients and the heads step's vectors.
     A numerical null space grows the LOBPCG block (20 psi-vectors per null direction) and adds its basis: not
     counted here (it is not known before the solve). ``remote``: ``Tc`` on the workers, whose tasks expand the
@@ -85,14 +87,15 @@ def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: 
     mm = m * (m + 1) // 2
     threads = max(1, os.cpu_count() or 1) if threads is None else int(threads)
     k = max(d_out, 1) + 2 + 2 * block  # columns of one lockstep pass: CG, two Lanczos, two LOBPCG blocks
-    vectors = 2 * lanczos_steps + 2 * 20 * block + 6 * max(d_out, 1) + 4 * max(d_out, 1)
+    vectors = 4 * lanczos_steps + 2 * 20 * block + 6 * max(d_out, 1) + 4 * max(d_out, 1)
     per_thread = psi * k if remote else threads * (2 * m * d * d + psi * k)
     return 8.0 * (mm * d + (d + 3) * m * m + per_thread + psi * vectors)
 
 
 def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
                split_every: int = 2, max_tile_bytes: float | None = None, block_rows: int | None = None,
-               threads: int = 1, available: float | None = None, remote: bool = False) -> dict:
+               threads: int = 1, available: float | None = None, remote: bool = False, dense: bool = False,
+               heads="svd") -> dict:
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
     certificate, no moments) on the given ``solver`` path.
 
@@ -104,14 +107,19 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     peak: ``split_every + 2`` tiles while combining, plus one block of features and the kernel's panels).
     Independent of the number of rows (the build streams them). ``remote``: a cluster fit, whose krylov path
     leaves ``Tc`` on the workers (:mod:`scaleattn.distributed.operator`): its solver node holds no ``Tc``.
+    ``dense``: only the dense paths (a ridge needs them; :func:`~scaleattn.spectrum.solver_path`). ``heads``
+    other than ``"svd"`` expand ``G`` and two psi x psi loss factors on the krylov path too; up to
+    ``DENSE_GRAM_MAX_PSI`` that path shares one dense ``G`` (with the small-eigenvalue solve's copies).
     """
     m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
     gram = 8.0 * psi * psi
     compact = 8.0 * n_pairs(m) * dv
     moments = 8.0 * psi * max(d_out, 1)
-    paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote)) + 2 * compact * (
+    dense_g = 6 * gram * (psi <= DENSE_GRAM_MAX_PSI) + (3 * gram if heads != "svd" and not remote else 0.0)
+    paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote) + dense_g) + 2 * compact * (
         p != "krylov" or not remote) + 2 * moments for p, n in SOLVER_ARRAYS.items()}
-    path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available))
+    path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available),
+                       dense=dense)
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
     tile = 8.0 * (c1 - c0) * dv
     # one block of features (accumulate sizes it to BLOCK_BYTES; an explicit block_rows at its per-row bytes)

@@ -116,8 +116,17 @@ class DistributedGramOperator(GramOperator):
         root, combines = submit_tree(self.client, parts, _add, self.split_every)
         return root, parts, combines
 
+    def release(self) -> None:
+        """Drop the tiles from the cluster (cancel their futures); later products are refused."""
+        futures = [f for _, f in self.tiles]
+        self.tiles, self.by_worker = [], {}
+        if futures:
+            self.client.cancel(futures)
+
     def matmat(self, X):
         X = np.asarray(X, np.float64)
+        if not self.tiles:
+            raise ParameterError("the compact-Gram tiles of this operator were released from the cluster")
         if X.shape[0] != self.psi:
             raise ParameterError(f"X has {X.shape[0]} rows, expected psi = {self.psi} for d = {self.d}")
         vec = X.ndim == 1
@@ -180,6 +189,10 @@ class RemoteStatistics(Statistics):
 
     def to_numpy(self) -> RemoteStatistics:
         return self
+
+    def release(self) -> None:
+        """Free the workers' memory: drop the tiles of ``Tc`` (a fit does so when it ends, failed or not)."""
+        self.operator.release()
 
     def __add__(self, other):
         raise ParameterError("statistics held on the workers cannot be added on the client")

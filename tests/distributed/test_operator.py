@@ -3,6 +3,8 @@ them, products as one task per worker plus a tree sum, O(psi k) bytes per worker
 client may not hold Tc succeeds, the dense path is refused."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,14 @@ def test_operator_on_workers_matches_the_dense_product(client, tmp_path):
     assert t["workers"] == 2 and t["bytes_out"] == 2 * 8 * st.psi * 3  # psi x k per worker, never a tile
     with pytest.raises(ParameterError, match="held on the workers"):
         rs.gram()
+    keys = {f.key for _, f in op.tiles}
+    rs.release()  # what a fit does as it ends: the workers' memory is freed
+    deadline = time.monotonic() + 10
+    while keys & set(client.who_has()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not keys & set(client.who_has()), "tiles still held on the workers after release()"
+    with pytest.raises(ParameterError, match="released"):
+        op @ X
 
 
 @pytest.mark.slow
@@ -53,7 +63,7 @@ def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, mo
         fit(ds, client=client, solver="krylov", heads="minimal", plots=False)
     res = fit(ds, client=client, solver="auto", plots=False)  # auto: the dense path does not fit
     r = res.report
-    assert isinstance(res.statistics, RemoteStatistics)
+    assert isinstance(res.statistics, RemoteStatistics) and not res.statistics.operator.tiles  # released
     assert r["estimates"]["solver"] == "krylov" and r["estimates"]["traffic"]["workers"] == 2
     assert r["identifiable"] and r["rank"] == res.statistics.psi and r["relative_train_mse"] <= 1e-20
     per_pass = r["estimates"]["traffic"]["bytes_out_per_pass"] + r["estimates"]["traffic"]["bytes_back_per_pass"]
