@@ -269,7 +269,12 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         finally:  # Tc held on the workers (a cluster krylov fit) is freed as the fit ends, failed or not
             getattr(stats, "release", lambda: None)()
         if ckpt is not None and not keep_checkpoint:
-            ckpt.remove()
+            try:
+                ckpt.remove()
+            except BaseException as e:  # (Ctrl-C here) the run is complete: say so, not "nothing was written"
+                with_hint(e, f"{out_label or 'the fit'} was written in full; the checkpoint {ckpt.url} may be"
+                             " left behind (remove it)")
+                raise
     return result
 
 

@@ -42,8 +42,8 @@ def verdict(r: dict) -> str:
         return (f"NOT identifiable{at}: {r['ambiguous_dim']} feature direction(s) are not determined by the data"
                 + how + hint)
     if r.get("certificate_converged") is False:  # the krylov run's budget ended first: said, never guessed
-        return (f"NOT SETTLED: the krylov budget ran out before the rank decision settled (rank {r['rank']} of"
-                f" {r['psi']} so far; --solver cholesky or eigh where G fits in memory)")
+        return (f"NOT SETTLED: the krylov eigenvalue estimates did not settle the rank decision (rank {r['rank']}"
+                f" of {r['psi']} so far; the krylov line says why; --solver cholesky or eigh where G fits in memory)")
     return (f"NOT SETTLED{at}: rank {r['rank']} of {r['psi']}, but a value lies within"
             f" {_g(near, '.3g')}x of the cutoff, so round-off could change the rank" + how + hint)
 

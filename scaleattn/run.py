@@ -21,7 +21,7 @@ from . import _formats, _integrity
 from ._outputs import atomic_output
 from ._storage import Location, resolve
 from .certificate import certify
-from .errors import InputNotFoundError, ParameterError
+from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
 from .statistics import Statistics
 
@@ -92,9 +92,18 @@ def write_files(out, files: dict) -> list[str]:
     """Write ``files`` (name -> bytes) into the directory ``out`` (a path, URL or Location), creating it;
     returns the paths written. Used for plots redrawn into a run directory or elsewhere.
 
-    All or nothing: locally every file goes to a temporary next to it first and is renamed into place once all
-    are written; on an object store (no rename; each object appears whole) the objects this call created are
-    removed when it fails or is interrupted."""
+    All or nothing: locally every file goes to a temporary next to it first; once all are written, each old file
+    is moved aside and the new one renamed into place, and a failure on the way puts the old files back and
+    removes a directory this call created. On an object store (no rename; each object appears whole) the
+    objects this call created are removed when it fails or is interrupted.
+
+    Raises
+    ------
+    UnsafeOutputError
+        A target exists and is not a plain file (a directory, say).
+    StorageError
+        The directory cannot be written (permissions, a full disk).
+    """
     out = resolve(out)
     targets = [out.join(name) for name in files]
     if out.is_remote:
@@ -110,18 +119,41 @@ def write_files(out, files: dict) -> list[str]:
                 loc.remove()
             raise
         return [loc.url for loc in targets]
-    os.makedirs(out.url, exist_ok=True)
-    tmps = [f"{loc.url}.{uuid.uuid4().hex[:8]}.partial" for loc in targets]
+    clash = [loc.url for loc in targets if os.path.lexists(loc.url) and not os.path.isfile(loc.url)]
+    if clash:
+        raise UnsafeOutputError(f"{clash[0]} exists and is not a file: not replaced (choose another --out)")
+    made = not os.path.isdir(out.url)
+    token = uuid.uuid4().hex[:8]
+    tmps = [f"{loc.url}.{token}.partial" for loc in targets]
+    moved = []  # (target, its old file moved aside) in the order replaced
     try:
+        os.makedirs(out.url, exist_ok=True)
         for tmp, data in zip(tmps, files.values()):
             with open(tmp, "wb") as f:
                 f.write(data)
         for tmp, loc in zip(tmps, targets):
+            aside = f"{loc.url}.{token}.old" if os.path.exists(loc.url) else None
+            if aside:
+                os.replace(loc.url, aside)
+            moved.append((loc.url, aside))
             os.replace(tmp, loc.url)
-    finally:
+    except BaseException as e:
+        for url, aside in reversed(moved):  # put back what was there
+            if aside:
+                os.replace(aside, url)
+            elif os.path.exists(url):
+                os.remove(url)
         for tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+        if made and os.path.isdir(out.url) and not os.listdir(out.url):
+            os.rmdir(out.url)
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise StorageError(f"cannot write the files into {out.url}: {e}") from e
+        raise
+    for _, aside in moved:
+        if aside:
+            os.remove(aside)
     return [loc.url for loc in targets]
 
 

@@ -89,8 +89,10 @@ def _run(args) -> int:
         print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated:
+        written = getattr(args, "written", None)  # set by a command once its output is complete
         resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
-        print(f"scaleattn {args.command}: stopped by SIGTERM" + (resume if args.command == "fit" else ""),
+        print(f"scaleattn {args.command}: stopped by SIGTERM" + (f" after it wrote {written} in full" if written else
+                                                                 resume if args.command == "fit" else ""),
               file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:

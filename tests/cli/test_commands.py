@@ -146,10 +146,52 @@ def test_write_files_is_all_or_nothing(tmp_path):
 
     with pytest.raises(TypeError):
         write_files(tmp_path / "plots", {"a.png": b"first", "b.png": Unwritable()})
-    assert list((tmp_path / "plots").iterdir()) == []
+    assert not (tmp_path / "plots").exists()  # the directory it made goes too
     assert sorted(p.rsplit("/", 1)[-1] for p in write_files(tmp_path / "plots", {"a.png": b"1", "b.png": b"2"})) \
         == ["a.png", "b.png"]
     assert (tmp_path / "plots" / "b.png").read_bytes() == b"2"
+
+
+def test_write_files_puts_old_files_back_and_refuses_a_directory_in_the_way(tmp_path, monkeypatch):
+    """A rename that fails midway restores the files already replaced; a target that is a directory is refused
+    (exit 2 from the CLI, not 'this is a bug') before anything is written; a directory this call made goes."""
+    import os
+
+    from scaleattn import run
+    from scaleattn.errors import StorageError, UnsafeOutputError
+
+    d = tmp_path / "plots"
+    run.write_files(d, {"a.png": b"old a", "b.png": b"old b"})
+    real = os.replace
+
+    def fail_on_b(src, dst):
+        if str(dst).endswith("b.png") and str(src).endswith(".partial"):
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(run.os, "replace", fail_on_b)
+    with pytest.raises(StorageError, match="cannot write the files"):
+        run.write_files(d, {"a.png": b"new a", "b.png": b"new b"})
+    monkeypatch.setattr(run.os, "replace", real)
+    assert sorted(p.name for p in d.iterdir()) == ["a.png", "b.png"]
+    assert (d / "a.png").read_bytes() == b"old a" and (d / "b.png").read_bytes() == b"old b"
+    (tmp_path / "clash" / "b.png").mkdir(parents=True)
+    with pytest.raises(UnsafeOutputError, match="is not a file"):
+        run.write_files(tmp_path / "clash", {"a.png": b"1", "b.png": b"2"})
+    assert [p.name for p in (tmp_path / "clash").iterdir()] == ["b.png"]
+    monkeypatch.setattr(run.os, "replace", fail_on_b)
+    with pytest.raises(StorageError):
+        run.write_files(tmp_path / "fresh" / "new", {"b.png": b"x"})
+    assert not (tmp_path / "fresh" / "new").exists()
+
+
+def test_cli_plot_into_a_directory_in_the_way_exits_2(cli, tmp_path, causal_ds):
+    out = tmp_path / "run"
+    cli("fit", causal_ds.url, "--out", out, "--local", "--no-plots")
+    (tmp_path / "pngs" / "heads.png").mkdir(parents=True)
+    r = cli("plot", out, "--out", tmp_path / "pngs", rc=2)
+    assert "is not a file" in r.stderr and "bug" not in r.stderr
+    assert sorted(p.name for p in (tmp_path / "pngs").iterdir()) == ["heads.png"]
 
 
 def _options(parser, path):
@@ -178,3 +220,15 @@ def test_every_option_has_help_naming_its_default():
                 and "default" not in a.help:
             bad.append(f"{where} {name}: default {a.default!r} not named in its help")
     assert not bad, "\n".join(bad)
+
+
+def test_sigterm_after_the_write_says_the_output_is_complete(cli, tmp_path, monkeypatch, causal_ds):
+    from scaleattn.cli import Terminated, commands
+
+    def terminated(*a, **k):
+        raise Terminated
+
+    monkeypatch.setattr(commands, "_emit", terminated)
+    out = str(tmp_path / "out")
+    r = cli("fit", causal_ds.url, "--out", out, "--local", "--no-plots", rc=143)
+    assert f"stopped by SIGTERM after it wrote {out} in full" in r.stderr and "--resume" not in r.stderr
