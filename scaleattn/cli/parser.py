@@ -72,6 +72,18 @@ def _add_io_args(p, out=True):
                    help="fsspec option for s3:// and other URLs (repeatable), e.g. endpoint_url=http://...")
 
 
+def _add_solver_args(p):
+    """The cutoff, the solver path and the certificate method (fit and certify)."""
+    p.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
+                   help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
+    p.add_argument("--solver", choices=list(SOLVERS), default="auto",
+                   help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
+                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                        " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
+                        " compact Gram, G never formed")
+    _add_certificate_arg(p)
+
+
 def _add_certificate_arg(p):
     p.add_argument("--certificate", choices=list(CERTIFICATE_METHODS), default="auto",
                    help="what decides the rank: auto (default; a QR of the features, a second data pass, only when"
@@ -145,14 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--heads-budget", type=_positive_float, default=None, metavar="SECONDS",
                    help="time budget of the head search for minimal / H (default 60; the report says when it ran"
                         " out)")
-    f.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
-                   help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
-    f.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
-                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
-                        " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
-                        " compact Gram, G never formed")
-    _add_certificate_arg(f)
+    _add_solver_args(f)
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
@@ -171,14 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("certify", help="identifiability certificate only (Gram matrix, no targets needed)")
     c.add_argument("dataset", help="dataset (Zarr group path or URL)")
-    c.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
-                   help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
-    c.add_argument("--solver", choices=list(SOLVERS), default="auto",
-                   help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
-                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
-                        " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
-                        " compact Gram, G never formed")
-    _add_certificate_arg(c)
+    _add_solver_args(c)
     _add_absent_arg(c)
     _add_cluster_args(c)
     _add_io_args(c, out=False)
