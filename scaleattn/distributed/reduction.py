@@ -115,9 +115,13 @@ def run_trees(client, leaves: list[list], func, split_every: int = SPLIT_EVERY, 
                     r.result()
             return roots
         return client.gather(roots)
-    except BaseException:  # a task failed or we were interrupted: do not leave the cluster computing
+    except BaseException as e:  # a task failed or we were interrupted: do not leave the cluster computing
         client.cancel(flat + combines)
-        wait_stopped(client, [f.key for f in flat + combines])
+        # after a failure the caller may remove the checkpoint: wait until nothing writes into it; after Ctrl-C or
+        # SIGTERM the checkpoint is kept (a late write only adds a finished partial) and the pod's grace period
+        # is short, so wait only briefly
+        wait_stopped(client, [f.key for f in flat + combines], timeout=5.0 if isinstance(e, KeyboardInterrupt)
+                     else 120.0)
         raise
 
 

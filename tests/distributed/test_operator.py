@@ -51,12 +51,12 @@ def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, mo
     cluster fits (Tc stays on the workers), the dense path is refused before the build."""
     from scaleattn.pipeline import fit
 
-    d = 22
+    d = 24  # (the smallest d whose client-side krylov vectors take less than Tc)
     e = fit_memory(d, 1, remote=True)
     tc, need = e["compact_bytes"], e["paths"]["krylov"]
     assert need < tc < e["paths"]["cholesky"]
     monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", str(int((need + tc) / 2)))
-    ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=90, causal=True, d_out=1, seed=0)
+    ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=120, causal=True, d_out=1, seed=0)
     with pytest.raises(InsufficientMemoryError, match="cholesky solver"):
         fit(ds, client=client, solver="cholesky", plots=False, exact_mse=False)
     with pytest.raises(ParameterError, match="heads='svd'"):  # the loss-weighted head fits need the dense G
