@@ -267,7 +267,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                 with_hint(e, kept_hint(ckpt, "all row groups"))
             raise
         finally:  # Tc held on the workers (a cluster krylov fit) is freed as the fit ends, failed or not
-            getattr(stats, "release", lambda: None)()
+            stats.release()
         if ckpt is not None and not keep_checkpoint:
             try:
                 ckpt.remove()
@@ -454,7 +454,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         with reporter.phase(f"certificate (psi {stats.psi:,})"):
             cert = certify(stats, cutoff_rtol, solver=solver)
     finally:  # Tc held on the workers is freed once the certificate is made (or failed)
-        getattr(stats, "release", lambda: None)()
+        stats.release()
     if not needs_qr(certificate, cert, stats.psi):
         return cert
     check_qr_memory(ds.d, 0, client)

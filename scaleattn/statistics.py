@@ -172,6 +172,10 @@ class Statistics:
     def to_numpy(self) -> Statistics:
         return Statistics(to_numpy(self.gram_compact), to_numpy(self.moments), float(self.yy), int(self.n_rows), self.d)
 
+    def release(self) -> None:
+        """Free memory held elsewhere for these statistics: nothing here (statistics held on a cluster's workers
+        free their tiles, :class:`~scaleattn.distributed.operator.RemoteStatistics`)."""
+
     # ---- storage -------------------------------------------------------------------------------------
     def save(self, url, overwrite: bool = False, storage_options=None, attrs=None) -> None:
         """Write to a Zarr v3 group (atomically): arrays ``gram_compact``, ``moments``; ``yy``, ``n_rows``, ``d``
