@@ -10,7 +10,8 @@ Messages name the problem and where it is (the array and sample, the option, the
 from __future__ import annotations
 
 __all__ = [
-    "ScaleattnError", "ParameterError", "DatasetError", "StorageError", "FormatError", "OutputExistsError",
+    "ScaleattnError", "ParameterError", "UnsupportedError", "DatasetError", "StorageError", "FormatError",
+    "OutputExistsError",
     "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
     "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "with_hint", "hint_of",
 ]
@@ -31,6 +32,11 @@ class ScaleattnError(ValueError):
 
 class ParameterError(ScaleattnError):
     """A parameter is out of range, not finite, of the wrong type, or not one of the allowed choices."""
+
+
+class UnsupportedError(ParameterError, NotImplementedError):
+    """A valid combination of options that this path does not offer (a documented limit, with the way round it
+    in the message): our error, exit 2 from the CLI, not a bug."""
 
 
 class DatasetError(ScaleattnError):

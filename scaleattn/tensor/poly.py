@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import ParameterError
+from ..errors import ParameterError, UnsupportedError
 from ._common import _BLOCK_ELEMS, _NAMES, _window
 from .bounds import _check_degree, _eps, _logit_bound_flat, _pl1, choose_degree
 from .exact import _prepare, attention, attention_grad
@@ -385,7 +385,7 @@ def _poly_args(on_large, causal, window):
         raise ParameterError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
     masked, w1, w2 = _window(window, causal)
     if w1 is not None or w2 is not None:
-        raise NotImplementedError(
+        raise UnsupportedError(
             "the polynomial path supports causal=True but not window=(w1, w2) with a finite w1 or w2 (the windowed "
             "prefix-difference variant is not implemented); use the exact attention(..., window=(w1, w2)), which is "
             "O(n w1 w2 d)")
@@ -409,7 +409,7 @@ def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, 
     causal : bool. ``True``: prefix sums of the key statistics over j, k <= i (same mask as :func:`attention`),
         still O(n r d) time, memory O(block r d + r d) (see ``_poly_core_causal``); the error bounds are unchanged
         (the per-entry bound holds for any subset of keys).
-    window : only None or (None, None) (= causal); a finite w1 or w2 raises NotImplementedError.
+    window : only None or (None, None) (= causal); a finite w1 or w2 raises UnsupportedError (a NotImplementedError).
 
     degree : int >= 1 or ``"auto"`` (smallest g whose a-priori output bound is <= ``tol``, default tol 1e-6).
     tol : float or None. With an explicit degree, ``tol`` (if given) is the allowed output error bound.
