@@ -55,7 +55,8 @@ def vech(a, n: int | None = None):
     n = a.shape[-1] if n is None else n
     xp = get_xp(a)
     I, J, _ = triu_index(n)
-    return a[..., _host_index(I, xp, a), _host_index(J, xp, a)]
+    flat = xp.reshape(a, tuple(a.shape[:-2]) + (n * n,))  # one take along the flattened (n, n) axes
+    return xp.take(flat, _host_index(I * n + J, xp, a), axis=flat.ndim - 1)
 
 
 def token_features(tokens, lengths=None, causal: bool = False):

@@ -196,7 +196,8 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     panel_cols = max(1, min(int(panel_cols), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
     for r in range(0, rows, panel_rows):
-        sr, vr = s[r : r + panel_rows, :], v[r : r + panel_rows, :]
+        r1 = min(r + panel_rows, rows)  # the standard leaves out-of-bounds slice stops unspecified
+        sr, vr = s[r:r1, :], v[r:r1, :]
         for a in range(c0, c1, panel_cols):
             b = min(c1, a + panel_cols)
             gram[a - c0 : b - c0, :] += xp.matmul(pair_products(sr, slice(a, b)).T, vr)
