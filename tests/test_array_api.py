@@ -25,7 +25,15 @@ from scaleattn.features import (
 from scaleattn.generate import make_mhla
 from scaleattn.kernel import gram_update
 from scaleattn.statistics import statistics_from_arrays
-from scaleattn.tensor import attention, attention_grad, logit_bound, poly_attention, poly_attention_grad
+from scaleattn.tensor import (
+    TensorWeights,
+    attention,
+    attention_grad,
+    logit_bound,
+    poly_attention,
+    poly_attention_grad,
+    weight_grad,
+)
 
 xs = pytest.importorskip("array_api_strict")
 
@@ -262,6 +270,22 @@ def test_tensor_poly_path(dev, causal):
     for method in ("cheap", "exact"):
         assert logit_bound(S["Q"], S["K1"], S["K2"], method=method) == pytest.approx(
             logit_bound(A["Q"], A["K1"], A["K2"], method=method), rel=1e-14)
+
+
+@pytest.mark.parametrize("path,causal", [("exact", False), ("exact", True), ("poly", False), ("poly", True)])
+def test_tensor_weight_gradients(dev, path, causal):
+    """The weight and X gradients ([C25] parameters; the exact and poly backward with their grad_X terms)."""
+    rng = np.random.default_rng(6)
+    A = [0.5 * rng.standard_normal((2, 7, 3)) for _ in range(5)]
+    E = rng.standard_normal((2, 7, 2))
+    W = TensorWeights.random(3, 2, seed=1)
+    kw = dict(causal=causal, path=path, degree=4) if path == "poly" else dict(causal=causal, path=path)
+    loss, g = weight_grad(*(put(a, dev) for a in A), W, put(E, dev), **kw)  # host weights, device data
+    loss_ref, g_ref = weight_grad(*A, W, E, **kw)
+    assert loss == pytest.approx(loss_ref, rel=1e-14)
+    assert set(g) == set(g_ref)
+    for k in g:
+        same(g[k], g_ref[k], dev, rtol=1e-13)
 
 
 def test_tensor_float32_output_dtype(dev):
