@@ -31,9 +31,10 @@ _NUMPY = np if hasattr(np, "cumulative_sum") else array_api_compat.array_namespa
 
 
 def _is_foreign(a) -> bool:
-    """An array of an array API library other than numpy (numpy arrays and scalars, lists, zarr arrays and other
-    host array-likes are converted with ``np.asarray`` as before)."""
-    return not isinstance(a, (np.ndarray, np.generic)) and array_api_compat.is_array_api_obj(a)
+    """An in-memory array of an array API library other than numpy (numpy arrays and scalars, lists, zarr and
+    dask arrays and other host array-likes are read with ``np.asarray`` as before)."""
+    return (not isinstance(a, (np.ndarray, np.generic)) and array_api_compat.is_array_api_obj(a)
+            and not array_api_compat.is_dask_array(a))
 
 
 def get_xp(*arrays):
