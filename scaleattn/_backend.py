@@ -1,46 +1,147 @@
-"""Array backend (layer L0): one code path for numpy and cupy.
+"""Array backend (layer L0): one code path for numpy, CuPy and any Python array API library.
 
-The array module is taken from the input (``get_xp``), so the same function runs on the host or on a GPU
-worker without branches; :func:`array_module` picks it for a ``device`` name. Statistics are always
-accumulated in float64 (DESIGN §3): never TF32/FP16.
+The namespace is taken from the inputs (:func:`get_xp`), so the same function runs on the host or on a GPU
+worker without branches. Plain numpy input gets numpy itself (its threaded BLAS paths and exact bits stay as they
+are); any other array (CuPy, torch, ``array_api_strict``) gets its standard namespace from
+``array_api_compat.array_namespace``, as scikit-learn does for its GPU support, and the array code then uses only
+functions of the array API standard (https://data-apis.org/array-api/). New arrays are made on the inputs' device
+(:func:`device_of`), host-side index tables are moved there explicitly (:func:`from_host`), and nothing is converted
+to numpy implicitly: ``tests/test_array_api.py`` runs every kernel on ``array_api_strict`` arrays on a simulated
+second device, where any such conversion raises. :func:`array_module` picks the namespace for a ``device`` name.
+Statistics are always accumulated in float64 (DESIGN §3): never TF32/FP16.
 """
 from __future__ import annotations
 
 import os
 
+import array_api_compat
 import numpy as np
 
-from .errors import MissingDependencyError, ParameterError
+from .errors import DeviceMismatchError, MissingDependencyError, ParameterError
 
-__all__ = ["get_xp", "to_numpy", "have_cupy", "array_module", "check_device", "DEVICES"]
+__all__ = ["get_xp", "is_numpy", "device_of", "from_host", "on_device", "as_float64", "contiguous", "to_numpy",
+           "have_cupy", "array_module", "check_device", "DEVICES"]
 
 #: the devices a statistics build can run on (``--device``)
 DEVICES = ("auto", "cpu", "gpu")
 
+#: the namespace of plain numpy input: numpy itself where it has the standard's names (numpy >= 2.1), else
+#: array_api_compat's thin wrapper of it (same arrays, same arithmetic)
+_NUMPY = np if hasattr(np, "cumulative_sum") else array_api_compat.array_namespace(np.empty(0))
+
+
+def _is_foreign(a) -> bool:
+    """An in-memory array of an array API library other than numpy (numpy arrays and scalars, lists, zarr and
+    dask arrays and other host array-likes are read with ``np.asarray`` as before)."""
+    return (not isinstance(a, (np.ndarray, np.generic)) and array_api_compat.is_array_api_obj(a)
+            and not array_api_compat.is_dask_array(a))
+
 
 def get_xp(*arrays):
-    """Return the array module (``numpy`` or ``cupy``) of the given arrays.
+    """The array namespace of the given arrays: numpy for numpy input, else ``array_api_compat.array_namespace``.
+
+    ``None`` and objects without a ``shape`` (Python scalars, lists) are ignored; numpy scalars too.
+
+    Returns
+    -------
+    module
+        ``numpy`` (all inputs numpy or host array-likes), or the array API namespace of the others (for CuPy
+        ``array_api_compat.cupy``, which also holds every CuPy function).
 
     Raises
     ------
-    TypeError
-        If the arrays mix host (numpy) and device (cupy) memory.
-    """
-    mods = {type(a).__module__.split(".")[0] for a in arrays if a is not None and hasattr(a, "shape")}
-    if "cupy" in mods:
-        if len(mods - {"cupy"}) and any(isinstance(a, np.ndarray) for a in arrays):
-            raise TypeError("cannot mix numpy and cupy arrays; move all inputs to one device")
-        import cupy
+    DeviceMismatchError
+        (a ``TypeError``) The arrays mix libraries (numpy with CuPy, say) or devices; move all inputs to one
+        device first.
 
-        return cupy
-    return np
+    Examples
+    --------
+    >>> import numpy as np
+    >>> get_xp(np.ones(2), None, 3.0) is np
+    True
+    """
+    arrs = [a for a in arrays if a is not None and hasattr(a, "shape") and not isinstance(a, np.generic)]
+    foreign = [a for a in arrs if _is_foreign(a)]
+    if not foreign:
+        return _NUMPY
+    if len(foreign) != len(arrs):
+        other = next(a for a in arrs if not _is_foreign(a))
+        raise DeviceMismatchError(f"cannot mix {type(other).__module__}.{type(other).__name__} and "
+                                  f"{type(foreign[0]).__module__}.{type(foreign[0]).__name__} arrays; move all "
+                                  "inputs to one device")
+    try:
+        xp = array_api_compat.array_namespace(*foreign)
+    except TypeError as e:
+        raise DeviceMismatchError(f"arrays of different libraries in one call ({e}); move all inputs to one "
+                                  "device") from None
+    devs = [device_of(a) for a in foreign]
+    for dv in devs[1:]:
+        if dv != devs[0]:
+            raise DeviceMismatchError(f"arrays on different devices ({devs[0]!r} and {dv!r}) in one call; move all "
+                                      "inputs to one device")
+    return xp
+
+
+def is_numpy(xp) -> bool:
+    """True for numpy's namespace (numpy itself or array_api_compat's wrapper): the host fast paths apply."""
+    return xp is np or array_api_compat.is_numpy_namespace(xp)
+
+
+def device_of(a):
+    """The device of array ``a`` (``array_api_compat.device``; ``"cpu"`` for numpy)."""
+    return array_api_compat.device(a)
+
+
+def from_host(a, xp, device=None):
+    """A host (numpy) array or Python sequence, moved explicitly into namespace ``xp`` on ``device``.
+
+    For index tables built on the host (:func:`~scaleattn.features.triu_index`) and host parameters (a model's
+    coefficients). numpy input to numpy: no copy."""
+    if is_numpy(xp):
+        return np.asarray(a)
+    return xp.asarray(a, device=device)
+
+
+def on_device(a, xp, device=None):
+    """``a`` in namespace ``xp`` on ``device``: an array of another array API library than numpy stays as it is
+    when it is already there (:class:`~scaleattn.errors.DeviceMismatchError` when it is in another library or on
+    another device); a host array (numpy, a list) is moved there explicitly (:func:`from_host`).
+
+    For arguments that may come from the host alongside device data (``lengths``, a model's coefficients)."""
+    if not _is_foreign(a):
+        return from_host(a, xp, device)
+    other = get_xp(a)
+    if other is not xp or (device is not None and device_of(a) != device):
+        raise DeviceMismatchError(f"an array of {other.__name__} on {device_of(a)!r} where {xp.__name__} on "
+                                  f"{device!r} was expected; move all inputs to one device")
+    return a
+
+
+def as_float64(a, xp):
+    """``a`` as float64 in its own namespace (no copy when it already is); numpy and host array-likes through
+    ``np.asarray``."""
+    if is_numpy(xp):
+        return np.asarray(a, dtype=np.float64)
+    return xp.astype(a, xp.float64, copy=False)
+
+
+def contiguous(a, xp):
+    """``a`` C-contiguous on numpy (for BLAS and cache-friendly slicing); other namespaces unchanged (the standard
+    has no memory layout)."""
+    return np.ascontiguousarray(a) if is_numpy(xp) else a
 
 
 def to_numpy(a):
-    """Copy a numpy or cupy array to host memory as a numpy array (no copy for numpy input)."""
-    if hasattr(a, "get") and type(a).__module__.split(".")[0] == "cupy":
+    """Copy an array of any supported library to host memory as a numpy array (no copy for numpy input).
+
+    CuPy through ``.get()``, torch through ``.cpu()``, any other array API array through DLPack."""
+    if isinstance(a, (np.ndarray, np.generic)) or not _is_foreign(a):
+        return np.asarray(a)
+    if array_api_compat.is_cupy_array(a):
         return a.get()
-    return np.asarray(a)
+    if array_api_compat.is_torch_array(a):
+        return a.detach().cpu().numpy()
+    return np.from_dlpack(a)
 
 
 def have_cupy() -> bool:
@@ -65,16 +166,17 @@ def check_device(device: str, *, need_gpu_here: bool = False) -> str:
 
 
 def array_module(device: str = "auto"):
-    """numpy or cupy for ``device`` (validated by :func:`check_device`).
+    """The array namespace for ``device`` (validated by :func:`check_device`): numpy, or CuPy's array API
+    namespace (``array_api_compat.cupy``, which also holds every CuPy function).
 
     ``"auto"`` picks the GPU only where one is assigned to this process (``CUDA_VISIBLE_DEVICES``, as
     dask-cuda sets per worker), so CPU workers never pile onto GPU 0; ``"gpu"`` requires one.
     """
     check_device(device, need_gpu_here=device == "gpu")
     if device == "cpu":
-        return np
+        return _NUMPY
     if device == "gpu" or (os.environ.get("CUDA_VISIBLE_DEVICES") and have_cupy()):
         import cupy
 
-        return cupy
-    return np
+        return array_api_compat.array_namespace(cupy.empty(0))
+    return _NUMPY

@@ -11,6 +11,7 @@ import math
 import socket
 import sys
 
+import array_api_compat
 import numpy as np
 
 from . import _formats, _integrity
@@ -53,17 +54,29 @@ def check_lengths(lens, start: int, T: int) -> None:
         raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
 
 
-def _is_real(dtype) -> bool:
-    """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
+def _dtype_is(a, kinds: tuple[str, ...]) -> bool:
+    """Whether array ``a``'s dtype is of one of the array API ``kinds`` (``"real floating"``, ``"integral"``).
+
+    numpy dtypes (numpy, CuPy, zarr) through ``np.issubdtype``; other array API arrays (torch,
+    ``array_api_strict``) through their namespace's ``isdtype``; anything else (zarr string / bytes types): no."""
+    np_kinds = {"real floating": np.floating, "integral": np.integer}
     try:
-        return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
-    except TypeError:  # dtypes numpy cannot classify (zarr string / bytes types)
-        return False
+        return any(np.issubdtype(a.dtype, np_kinds[k]) for k in kinds)
+    except TypeError:  # not a numpy dtype
+        if not array_api_compat.is_array_api_obj(a):
+            return False
+        return bool(array_api_compat.array_namespace(a).isdtype(a.dtype, kinds))
+
+
+def _is_real(a) -> bool:
+    """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
+    return _dtype_is(a, ("real floating", "integral"))
 
 
 def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int, bool]:
     """Check shapes and dtypes of dataset arrays (anything with ``shape``/``ndim``/``dtype``: zarr, numpy,
-    dask) against the layout of DESIGN §7; values are not read. Returns ``(N, T, d, d_out, causal)``.
+    dask, CuPy, torch or any array API array) against the layout of DESIGN §7; values are not read. Returns
+    ``(N, T, d, d_out, causal)``.
 
     Raises
     ------
@@ -74,7 +87,7 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
     """
     if tokens.ndim != 3:
         raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
-    if not _is_real(tokens.dtype):
+    if not _is_real(tokens):
         raise DatasetError(f"tokens: expected a float (or integer) dtype, got {tokens.dtype}")
     N, T, d = (int(n) for n in tokens.shape)
     if N == 0 or T == 0 or d == 0:
@@ -82,15 +95,11 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
     if lengths is not None:
         if lengths.ndim != 1 or lengths.shape[0] != N:
             raise DatasetError(f"lengths: expected shape ({N},) to match tokens, got {lengths.shape}")
-        try:
-            is_int = np.issubdtype(lengths.dtype, np.integer)
-        except TypeError:
-            is_int = False
-        if not is_int:
+        if not _dtype_is(lengths, ("integral",)):
             raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
     d_out, causal = 0, False
     if targets is not None:
-        if not _is_real(targets.dtype):
+        if not _is_real(targets):
             raise DatasetError(f"targets: expected a float (or integer) dtype, got {targets.dtype}")
         if targets.ndim not in (2, 3):
             raise DatasetError(

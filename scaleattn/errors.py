@@ -13,7 +13,8 @@ __all__ = [
     "ScaleattnError", "ParameterError", "UnsupportedError", "DatasetError", "StorageError", "FormatError",
     "OutputExistsError",
     "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
-    "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "with_hint", "hint_of",
+    "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "DeviceMismatchError", "with_hint",
+    "hint_of",
 ]
 
 
@@ -32,6 +33,11 @@ class ScaleattnError(ValueError):
 
 class ParameterError(ScaleattnError):
     """A parameter is out of range, not finite, of the wrong type, or not one of the allowed choices."""
+
+
+class DeviceMismatchError(ParameterError, TypeError):
+    """Arrays of one call live in different array libraries (numpy and CuPy, say) or on different devices; the
+    message names both. Also a ``TypeError``, which the backend raised for numpy/CuPy mixing before."""
 
 
 class UnsupportedError(ParameterError, NotImplementedError):

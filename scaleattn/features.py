@@ -6,7 +6,8 @@ flattened P-major: index ``P * d + l``. ``m = d(d+1)/2`` and ``psi = m * d``.
 
 The compact Gram (DESIGN §3) uses ``u = vech(s s^T)`` and ``v = vech(x x^T)``: ``Tc = sum_i u_i v_i^T`` holds
 every distinct entry of ``G = sum_i phi_i phi_i^T`` once per symmetry class, 4x fewer multiply-adds than
-``phi^T phi``. All functions take numpy or cupy arrays and return arrays of the same module. Layer L1.
+``phi^T phi``. All functions take numpy arrays or any array API array (CuPy, torch, ...) and return arrays of the
+same namespace on the same device, written against the array API standard (:mod:`scaleattn._backend`). Layer L1.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import functools
 
 import numpy as np
 
-from ._backend import get_xp
+from ._backend import as_float64, device_of, from_host, get_xp, is_numpy, on_device
 
 __all__ = ["n_pairs", "n_features", "triu_index", "vech", "token_features", "row_targets", "phi",
            "pair_products", "compact_factors", "expand_compact_gram", "predict_rows", "coef_distance"]
@@ -44,12 +45,18 @@ def triu_index(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return I, J, pos
 
 
+def _host_index(a, xp, like):
+    """A host index table (numpy int64) in namespace ``xp`` on the device of array ``like``."""
+    return from_host(a, xp, device_of(like))
+
+
 def vech(a, n: int | None = None):
     """Upper triangle, row-major, of the trailing (n, n) axes of ``a``: shape (..., n(n+1)/2)."""
     n = a.shape[-1] if n is None else n
     xp = get_xp(a)
     I, J, _ = triu_index(n)
-    return a[..., xp.asarray(I), xp.asarray(J)]
+    flat = xp.reshape(a, tuple(a.shape[:-2]) + (n * n,))  # one take along the flattened (n, n) axes
+    return xp.take(flat, _host_index(I * n + J, xp, a), axis=flat.ndim - 1)
 
 
 def token_features(tokens, lengths=None, causal: bool = False):
@@ -58,9 +65,11 @@ def token_features(tokens, lengths=None, causal: bool = False):
     Parameters
     ----------
     tokens : array (n, T, d), float
-        Token-major sequences; positions at or past ``lengths[i]`` are padding (ignored).
+        Token-major sequences; positions at or past ``lengths[i]`` are padding (ignored). Any array API array
+        (numpy, CuPy, torch, ...); the outputs are in its namespace, on its device.
     lengths : array (n,), int, optional
-        Valid length of each sequence, ``1 <= lengths <= T``. Default: all ``T``.
+        Valid length of each sequence, ``1 <= lengths <= T``. Default: all ``T``. Same namespace and device as
+        ``tokens``, or a host (numpy) array, which is moved to the tokens' device.
     causal : bool
         ``False``: one row per sequence, ``S = sum_t z_t z_t^T`` over the valid tokens, ``x`` the last valid
         token. ``True`` (prefix mode): one row per valid position t, ``S_t = sum_{s<=t} z_s z_s^T``, ``x = z_t``
@@ -72,36 +81,44 @@ def token_features(tokens, lengths=None, causal: bool = False):
     x : array (rows, d), float64
     """
     xp = get_xp(tokens)
-    z = xp.asarray(tokens, dtype=xp.float64)
+    dev = device_of(tokens)
+    z = as_float64(tokens, xp)
     n, T, d = z.shape
     if lengths is not None:
-        lengths = xp.asarray(lengths)
-        valid = xp.arange(T)[None, :] < lengths[:, None]  # (n, T)
-        z = z * valid[..., None]  # padding rows are zero by format; enforce it
+        lengths = _lengths(lengths, xp, tokens)
+        valid = xp.arange(T, device=dev)[None, :] < lengths[:, None]  # (n, T)
+        z = z * xp.astype(valid, xp.float64)[..., None]  # padding rows are zero by format; enforce it
     if not causal:  # S = Z^T Z per sample as a batched matmul: no (n, T, m) temporary
-        s = vech(xp.matmul(z.transpose(0, 2, 1), z))
-        last = (lengths - 1) if lengths is not None else xp.full(n, T - 1)
-        x = z[xp.arange(n), last]
+        s = vech(xp.matmul(xp.permute_dims(z, (0, 2, 1)), z))
+        last = (lengths - 1) if lengths is not None else xp.full(n, T - 1, dtype=xp.int64, device=dev)
+        x = xp.take(xp.reshape(z, (n * T, d)), xp.arange(n, dtype=xp.int64, device=dev) * T + last, axis=0)
         return s, x
-    s = xp.cumsum(pair_products(z.reshape(n * T, d)).reshape(n, T, -1), axis=1)  # (n, T, m)
+    s = xp.cumulative_sum(xp.reshape(pair_products(xp.reshape(z, (n * T, d))), (n, T, -1)), axis=1)  # (n, T, m)
     if lengths is None:
-        return s.reshape(n * T, -1), z.reshape(n * T, d)
+        return xp.reshape(s, (n * T, -1)), xp.reshape(z, (n * T, d))
     return s[valid], z[valid]
+
+
+def _lengths(lengths, xp, like):
+    """``lengths`` as int64 in ``xp`` on the device of ``like`` (a host array is moved there; an array on another
+    device raises :class:`~scaleattn.errors.DeviceMismatchError`)."""
+    return xp.astype(on_device(lengths, xp, device_of(like)), xp.int64, copy=False)
 
 
 def row_targets(targets, lengths=None, causal: bool = False):
     """Targets aligned with the rows of :func:`token_features`: (rows, d_out) float64.
 
-    ``targets`` is (n, d_out) for last-token data or (n, T, d_out) for causal data.
+    ``targets`` is (n, d_out) for last-token data or (n, T, d_out) for causal data (any array API array;
+    ``lengths`` as in :func:`token_features`).
     """
     xp = get_xp(targets)
-    y = xp.asarray(targets, dtype=xp.float64)
+    y = as_float64(targets, xp)
     if not causal:
         return y
     n, T, _ = y.shape
     if lengths is None:
-        return y.reshape(n * T, -1)
-    valid = xp.arange(T)[None, :] < xp.asarray(lengths)[:, None]
+        return xp.reshape(y, (n * T, -1))
+    valid = xp.arange(T, device=device_of(targets))[None, :] < _lengths(lengths, xp, targets)[:, None]
     return y[valid]
 
 
@@ -110,7 +127,8 @@ def phi(s, x):
 
     Used for prediction checks and the naive baselines; the statistics never form it.
     """
-    return (s[:, :, None] * x[:, None, :]).reshape(s.shape[0], -1)
+    xp = get_xp(s, x)
+    return xp.reshape(s[:, :, None] * x[:, None, :], (s.shape[0], -1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,18 +143,24 @@ def pair_products(s, cols: slice | None = None, out=None):
     ``cols`` is a step-1 slice of the m(m+1)/2 axis (default all). ``out`` (rows', >= width), rows' >= rows,
     receives the result (pass a C-contiguous (rows, width) buffer to get a contiguous ``u``); no index
     temporaries are made: one multiply per pair row ``p`` that meets ``cols`` (DESIGN §3, §6 column tiles).
+    numpy multiplies into ``out`` in place; other namespaces (the standard has no ``out=``) assign each product
+    into its columns, the same values.
     """
     xp = get_xp(s)
     rows, m = s.shape
     off = _pair_offsets(m)
     c0, c1, _ = (slice(0, int(off[m])) if cols is None else cols).indices(int(off[m]))
     width = max(c1 - c0, 0)
-    u = xp.empty((rows, width), dtype=xp.float64) if out is None else out[:rows, :width]
+    u = xp.empty((rows, width), dtype=xp.float64, device=device_of(s)) if out is None else out[:rows, :width]
+    host = is_numpy(xp)
     p = max(int(np.searchsorted(off, c0, side="right")) - 1, 0)
     while p < m and off[p] < c1:  # u[:, (p, q>=p)] = s_p * s_q, clipped to columns [c0, c1)
         lo, hi = max(int(off[p]), c0), min(int(off[p + 1]), c1)
         q0 = p + lo - int(off[p])
-        xp.multiply(s[:, p : p + 1], s[:, q0 : q0 + hi - lo], out=u[:, lo - c0 : hi - c0])
+        if host:
+            np.multiply(s[:, p : p + 1], s[:, q0 : q0 + hi - lo], out=u[:, lo - c0 : hi - c0])
+        else:
+            u[:, lo - c0 : hi - c0] = s[:, p : p + 1] * s[:, q0 : q0 + hi - lo]
         p += 1
     return u
 
@@ -155,28 +179,30 @@ def compact_factors(s, x, out_u=None, cols: slice | None = None):
 def expand_compact_gram(gram_compact, d: int):
     """Expand the compact Gram ``Tc`` (m(m+1)/2, d(d+1)/2) to the full feature Gram ``G`` (psi, psi).
 
-    ``G[(P,l),(P',l')] = Tc[vech(P,P'), vech(l,l')]`` (DESIGN §3). Done once, on the solver node.
+    ``G[(P,l),(P',l')] = Tc[vech(P,P'), vech(l,l')]`` (DESIGN §3). Done once, on the solver node. In the
+    namespace and on the device of ``gram_compact`` (integer-array indexing, array API 2024.12).
     """
     xp = get_xp(gram_compact)
     m = n_pairs(d)
     _, _, ppos = triu_index(m)
     _, _, lpos = triu_index(d)
-    ppos, lpos = xp.asarray(ppos), xp.asarray(lpos)
+    ppos, lpos = _host_index(ppos, xp, gram_compact), _host_index(lpos, xp, gram_compact)
     psi = m * d
     G = gram_compact[ppos[:, None, :, None], lpos[None, :, None, :]]
-    return G.reshape(psi, psi)
+    return xp.reshape(G, (psi, psi))
 
 
 def predict_rows(coef, s, x):
     """Predictions ``y_hat = phi @ coef`` of rows without forming ``phi``: (rows, d_out).
 
-    ``coef`` (psi, d_out) is viewed as (m, d, d_out): ``y_hat[i, a] = sum_{P,l} s[i,P] coef[P,l,a] x[i,l]``.
+    ``coef`` (psi, d_out) is viewed as (m, d, d_out): ``y_hat[i, a] = sum_{P,l} s[i,P] coef[P,l,a] x[i,l]``
+    (two matmuls; all three in one namespace, on one device).
     """
     xp = get_xp(coef, s, x)
     m, d = s.shape[1], x.shape[1]
-    c = xp.asarray(coef).reshape(m, d, -1)
-    t = (s @ c.reshape(m, -1)).reshape(s.shape[0], d, -1)  # (rows, d, d_out)
-    return xp.einsum("rl,rla->ra", x, t)
+    c = xp.reshape(coef, (m, -1))
+    t = xp.reshape(xp.matmul(s, c), (s.shape[0], d, -1))  # (rows, d, d_out)
+    return xp.matmul(x[:, None, :], t)[:, 0, :]
 
 
 def coef_distance(coef_a, coef_b) -> float:
@@ -185,7 +211,7 @@ def coef_distance(coef_a, coef_b) -> float:
     Parameters
     ----------
     coef_a, coef_b : array (psi, d_out) float
-        Coefficients of two models (numpy or cupy, same shape).
+        Coefficients of two models (numpy, or any array API arrays of one namespace and device; same shape).
 
     Returns
     -------
@@ -209,4 +235,4 @@ def coef_distance(coef_a, coef_b) -> float:
     2.449...
     """
     xp = get_xp(coef_a, coef_b)
-    return float(xp.linalg.norm(xp.asarray(coef_a) - xp.asarray(coef_b)))
+    return float(xp.linalg.vector_norm(as_float64(coef_a, xp) - as_float64(coef_b, xp)))

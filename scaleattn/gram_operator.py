@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from ._backend import get_xp
+from ._backend import get_xp, is_numpy
 from .errors import ParameterError
 from .features import n_features, n_pairs, triu_index
 
@@ -153,8 +153,8 @@ def _apply_segments(tile, segments, d: int, X, Y) -> None:
     m, k = n_pairs(d), X.shape[1]
     X3, Y3 = X.reshape(m, d, k), Y.reshape(m, d, k)
     full, _ = _index(xp, d)
-    rows = max(8, CHUNK_BYTES // (8 * d * d)) if xp is np else m  # a device takes whole segments
-    buf = xp.empty(min(rows, m) * d * d) if xp is np else None
+    rows = max(8, CHUNK_BYTES // (8 * d * d)) if is_numpy(xp) else m  # a device takes whole segments
+    buf = xp.empty(min(rows, m) * d * d) if is_numpy(xp) else None
     for p, q0, q1, r0 in segments:
         for a in range(0, q1 - q0, rows):
             nb = min(rows, q1 - q0 - a)
@@ -313,7 +313,7 @@ class GramOperator:
         # work items (tile, segments) cut into about `threads` groups of equal rows (numpy only; a device
         # stream runs them in one call)
         items = [(t, seg) for c0, t in self.tiles for seg in tile_segments(self.d, c0, c0 + int(t.shape[0]))]
-        n = self.threads if self.xp is np and mm * n_pairs(self.d) >= MIN_THREAD_ENTRIES else 1
+        n = self.threads if is_numpy(self.xp) and mm * n_pairs(self.d) >= MIN_THREAD_ENTRIES else 1
         self._groups, total, done = [[]], mm, 0
         for t, seg in items:
             if len(self._groups) < n and done >= total * len(self._groups) / n:
@@ -351,7 +351,7 @@ class GramOperator:
         def run(i):
             _apply_segments_grouped(self._groups[i], self.d, X2, outs[i])
 
-        if xp is not np:
+        if not is_numpy(xp):
             run(0)
         elif len(self._groups) == 1:
             with blas_single_thread():

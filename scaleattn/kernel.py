@@ -3,7 +3,9 @@
 ``u = vech(s s^T)`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer
 and accumulated with one GEMM into its slice of ``Tc``. On numpy, groups of panels (disjoint rows of ``Tc``)
 run on a persistent thread pool with every BLAS call on one thread, under one process-wide lock, so the bits do
-not depend on the thread count or on the BLAS thread count. CuPy input runs the same panels on the device.
+not depend on the thread count or on the BLAS thread count. Any other array API namespace (CuPy on a GPU, torch,
+``array_api_strict`` in the tests) runs the same panels in the same order on the arrays' device, written against the
+standard only (:func:`_gram_update_xp`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import threading
 
 import numpy as np
 
-from ._backend import get_xp
+from ._backend import get_xp, is_numpy
 from .features import n_pairs, pair_products
 
 __all__ = ["gram_update", "one_blas_thread", "PANEL_ROWS", "PANEL_COLS"]
@@ -32,7 +34,7 @@ GROUPS_PER_THREAD = 2
 
 
 def _gemm_acc(c, a, b) -> None:
-    """``c += a^T @ b`` in place (numpy or cupy). numpy's matmul releases the GIL, so the panels of
+    """``c += a^T @ b`` in place (numpy). numpy's matmul releases the GIL, so the panels of
     :func:`gram_update` run in parallel threads (scipy's f2py ``dgemm`` with ``beta = 1`` holds the GIL and
     measured 2x slower on 2 cores); the temporary is one panel of ``c`` (panel_cols x d(d+1)/2)."""
     c += a.T @ b
@@ -118,9 +120,10 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
     Parameters
     ----------
     gram : array (width, d(d+1)/2) float64
-        Rows ``cols`` of ``Tc`` (all of ``Tc``, (m(m+1)/2, d(d+1)/2), when ``cols`` is None); numpy or cupy.
+        Rows ``cols`` of ``Tc`` (all of ``Tc``, (m(m+1)/2, d(d+1)/2), when ``cols`` is None); numpy or any
+        array API array (CuPy, torch, ...).
     s : array (rows, m) float64; x : array (rows, d) float64
-        From :func:`~scaleattn.features.token_features`, same module as ``gram``.
+        From :func:`~scaleattn.features.token_features`, same namespace and device as ``gram``.
     cols : slice, optional
         Step-1 column range of ``u`` (a column tile of ``Tc``, DESIGN §6).
     threads : int, optional
@@ -141,6 +144,8 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
     extra memory: one panel per thread.
     """
     xp = get_xp(gram, s, x)
+    if not is_numpy(xp):
+        return _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra)
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
@@ -165,8 +170,8 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
             if kind == "call":
                 job()
 
-    if xp is not np or getattr(_IN_KERNEL, "active", False) or (_blas_threads() == 1 and (threads or 1) <= 1):
-        # a device stream, a call from a kernel thread (BLAS already at one thread), or nothing to share or limit
+    if getattr(_IN_KERNEL, "active", False) or (_blas_threads() == 1 and (threads or 1) <= 1):
+        # a call from a kernel thread (BLAS already at one thread), or nothing to share or limit
         run_group([job for _, job in jobs], xp.empty(panel_rows * panel_cols))
         return gram
     with _KERNEL_LOCK:
@@ -174,6 +179,30 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         n = _blas_threads() if threads is None else int(threads)
         n = max(1, min(n, len(jobs), total // max(MIN_THREAD_MACS, 1) + 1))
         _run_shared(_groups(jobs, n * GROUPS_PER_THREAD if n > 1 else 1), run_group, n, panel_rows * panel_cols)
+    return gram
+
+
+def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
+    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``): the same
+    (panel_rows, panel_cols) panels in the same order, each ``u`` panel a new array built by
+    :func:`~scaleattn.features.pair_products` and accumulated with one ``matmul`` into its rows of ``gram`` on the
+    arrays' device (a device has no BLAS thread count to limit, and the standard has no ``out=``)."""
+    mm = n_pairs(s.shape[1])
+    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
+    if gram.shape[0] != c1 - c0:
+        raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
+    rows = s.shape[0]
+    panel_rows = max(1, min(int(panel_rows), rows))
+    panel_cols = max(1, min(int(panel_cols), c1 - c0))
+    v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
+    for r in range(0, rows, panel_rows):
+        r1 = min(r + panel_rows, rows)  # the standard leaves out-of-bounds slice stops unspecified
+        sr, vr = s[r:r1, :], v[r:r1, :]
+        for a in range(c0, c1, panel_cols):
+            b = min(c1, a + panel_cols)
+            gram[a - c0 : b - c0, :] += xp.matmul(pair_products(sr, slice(a, b)).T, vr)
+    for _, job in extra:
+        job()
     return gram
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from . import report as _report
-from ._backend import get_xp
+from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
 from ._storage import resolve
@@ -97,7 +97,8 @@ class MHLAModel:
 
         Parameters
         ----------
-        tokens : (n, T, d) or (T, d) float, numpy or cupy
+        tokens : (n, T, d) or (T, d) float, numpy or any array API array (CuPy, torch, ...)
+            The predictions are in its namespace, on its device (the coefficients are moved there).
         lengths : (n,) int, optional
         causal : bool, optional
             Predict at every prefix (returns (n, T, d_out), zeros at padding); default ``self.causal``.
@@ -107,32 +108,33 @@ class MHLAModel:
         Returns (n, d_out), (n, T, d_out) or, for a single (T, d) sequence, without the leading axis.
         """
         xp = get_xp(tokens)
-        z = xp.asarray(tokens, dtype=xp.float64)
+        dev = device_of(tokens)
+        z = as_float64(tokens, xp)
         single = z.ndim == 2
         if single:
-            z = z[None]
+            z = z[None, ...]
         if z.ndim != 3 or z.shape[-1] != self.d:
             raise ParameterError(f"tokens: expected shape (n, T, {self.d}), got {tuple(tokens.shape)}")
         causal = self.causal if causal is None else causal
         s, x = token_features(z, lengths, causal)
-        if use_heads:
-            d = self.d
-            I, J, _ = triu_index(d)
-            S = xp.zeros((s.shape[0], d, d))
-            S[:, I, J] = s
-            S[:, J, I] = s
-            y = xp.einsum("haj,rjk,hkl,rl->ra", xp.asarray(self.V), S, xp.asarray(self.Q), x)
+        if use_heads:  # sum_h V_h S Q_h x with S (rows, d, d) gathered from vech(S): three batched matmuls
+            _, _, pos = triu_index(self.d)
+            S = xp.reshape(xp.take(s, from_host(pos.reshape(-1), xp, dev), axis=1), (s.shape[0], self.d, self.d))
+            V, Q = (as_float64(on_device(a, xp, dev), xp) for a in (self.V, self.Q))
+            Qx = xp.matmul(x[None, ...], xp.permute_dims(Q, (0, 2, 1)))  # (H, rows, d): Q_h x
+            SQx = xp.matmul(S[None, ...], Qx[..., None])[..., 0]  # (H, rows, d): S Q_h x
+            y = xp.sum(xp.matmul(SQx, xp.permute_dims(V, (0, 2, 1))), axis=0)  # (rows, d_out)
         else:
-            y = predict_rows(xp.asarray(self.coef), s, x)
+            y = predict_rows(as_float64(on_device(self.coef, xp, dev), xp), s, x)
         if causal:
             n, T = z.shape[:2]
             if lengths is None:
-                y = y.reshape(n, T, -1)
+                y = xp.reshape(y, (n, T, -1))
             else:
-                full = xp.zeros((n, T, y.shape[-1]))
-                full[xp.arange(T)[None, :] < xp.asarray(lengths)[:, None]] = y
+                full = xp.zeros((n, T, y.shape[-1]), dtype=xp.float64, device=dev)
+                full[xp.arange(T, device=dev)[None, :] < on_device(lengths, xp, dev)[:, None]] = y
                 y = full
-        return y[0] if single else y
+        return y[0, ...] if single else y
 
     def save(self, url, overwrite: bool = False, storage_options=None) -> None:
         """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
 from . import _formats, _integrity
 from . import report as _report
-from ._backend import get_xp, to_numpy
+from ._backend import device_of, get_xp, is_numpy, to_numpy
 from ._outputs import atomic_output
 from ._storage import resolve
 from .dataset import check_arrays
@@ -92,9 +93,12 @@ class Statistics:
     d: int
 
     @classmethod
-    def zeros(cls, d: int, d_out: int = 0, xp=np) -> Statistics:
+    def zeros(cls, d: int, d_out: int = 0, xp=np, device=None) -> Statistics:
+        """Empty (zero) float64 statistics in array namespace ``xp`` (numpy by default) on ``device``."""
         m = n_pairs(d)
-        return cls(xp.zeros((m * (m + 1) // 2, d * (d + 1) // 2)), xp.zeros((n_features(d), d_out)), 0.0, 0, d)
+        kw = {} if device is None else {"device": device}
+        return cls(xp.zeros((m * (m + 1) // 2, d * (d + 1) // 2), dtype=xp.float64, **kw),
+                   xp.zeros((n_features(d), d_out), dtype=xp.float64, **kw), 0.0, 0, d)
 
     @property
     def d_out(self) -> int:
@@ -166,7 +170,7 @@ class Statistics:
         return _report.safe_html(lambda: _report.statistics_html({
             "n_rows": int(self.n_rows), "d": self.d, "d_out": self.d_out, "psi": self.psi,
             "target_mean_square": float(self.target_mean_square),
-            "nbytes": int(self.gram_compact.nbytes + self.moments.nbytes),
+            "nbytes": 8 * int(math.prod(self.gram_compact.shape) + math.prod(self.moments.shape)),  # float64
             "gram_shape": tuple(int(n) for n in self.gram_compact.shape)}), lambda: repr(self))
 
     def to_numpy(self) -> Statistics:
@@ -237,7 +241,8 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     Parameters
     ----------
     tokens : array (n, T, d) float; targets : (n, d_out) or (n, T, d_out), optional; lengths : (n,) int, optional
-        numpy or cupy (the statistics' arrays must live on the same device).
+        numpy or any array API arrays (CuPy, torch, ...) of the statistics' namespace and device
+        (:class:`~scaleattn.errors.DeviceMismatchError` otherwise); ``lengths`` may also be a host array.
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
     block_rows : int, optional
@@ -249,18 +254,19 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
     ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
+    xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
     step = block_samples(d, T, causal, block_rows)
     for a in range(0, n, step):
         b = min(n, a + step)
-        lens = None if lengths is None else lengths[a:b]
-        s, x = token_features(tokens[a:b], lens, causal)
+        lens = None if lengths is None else lengths[a:b, ...]
+        s, x = token_features(tokens[a:b, ...], lens, causal)
         extra, yy = [], 0.0
         if targets is not None:
-            y = row_targets(targets[a:b], lens, causal)
+            y = row_targets(targets[a:b, ...], lens, causal)
             extra.append((s.shape[0] * s.shape[1] * x.shape[1] * y.shape[1],
                           functools.partial(_moments_update, stats.moments, s, x, y)))
-            yy = float((y * y).sum())
+            yy = float(xp.sum(y * y))
         gram_update(stats.gram_compact, s, x, cols, extra=extra)
         stats.yy += yy
         stats.n_rows += int(s.shape[0])
@@ -269,15 +275,17 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
 
 def _moments_update(moments, s, x, y) -> None:
     """``B += s^T (x (x) y)`` in place: ``phi^T y`` without forming ``phi = s (x) x`` ([Y25] Alg. 1, DESIGN §3)."""
-    xy = (x[:, :, None] * y[:, None, :]).reshape(x.shape[0], -1)
-    moments += (s.T @ xy).reshape(moments.shape)
+    xp = get_xp(moments, s, x, y)
+    xy = xp.reshape(x[:, :, None] * y[:, None, :], (x.shape[0], -1))
+    moments += xp.reshape(s.T @ xy, moments.shape)
 
 
 
 
 
 def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, block_rows=None) -> Statistics:
-    """Sufficient statistics of in-memory arrays (numpy or cupy) in this process, no Dask (DESIGN §3).
+    """Sufficient statistics of in-memory arrays (numpy, CuPy or any array API arrays) in this process, no Dask
+    (DESIGN §3).
 
     Parameters
     ----------
@@ -295,7 +303,7 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     Returns
     -------
     Statistics
-        On the arrays' device, float64.
+        In the arrays' namespace, on their device, float64 whatever the input dtype.
 
     Raises
     ------
@@ -317,9 +325,9 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     check_arrays(tokens, targets, lengths)
     if causal is None:
         causal = targets is not None and targets.ndim == 3
-    xp = get_xp(tokens)
+    xp = get_xp(tokens, targets)
     d_out = 0 if targets is None else targets.shape[-1]
-    stats = Statistics.zeros(tokens.shape[-1], d_out, xp)
+    stats = Statistics.zeros(tokens.shape[-1], d_out, xp, None if is_numpy(xp) else device_of(tokens))
     return accumulate(stats, tokens, targets, lengths, causal, block_rows)
 
 

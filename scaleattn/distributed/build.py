@@ -12,7 +12,7 @@ import secrets
 import numpy as np
 
 from .. import _testing
-from .._backend import array_module, check_device
+from .._backend import array_module, check_device, is_numpy
 from .._storage import Location, resolve, with_retries
 from ..datacheck import expected_rows, row_bindings
 from ..errors import IntegrityError, ParameterError
@@ -49,7 +49,7 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
     for a in range(start, stop, dataset.chunk_samples):
         b = min(stop, a + dataset.chunk_samples)
         tok, lens, y = dataset.read(a, b, targets=targets)
-        if xp is not np:
+        if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
         accumulate(stats, tok, y, lens, dataset.causal, cols=sl)
     return stats.to_numpy()

@@ -37,8 +37,9 @@ Error estimate (a-priori, used by ``poly_error_bound`` and ``degree="auto"``): w
 approximate row sums are positive and every row of the attention matrix moves by at most
 ||P~_i - P_i||_1 <= 2 eps_g / (1 - eps_g), so |O~ - O| <= 2 eps_g/(1 - eps_g) * max|V1| * max|V2| entrywise.
 
-All arithmetic is float64 (DESIGN §3); outputs are cast back to the inputs' common float dtype. Arrays may be numpy
-or cupy (``scaleattn._backend.get_xp``); the code path is the same.
+All arithmetic is float64 (DESIGN §3); outputs are cast back to the inputs' common float dtype. Arrays may be numpy,
+CuPy, torch or any array API array, all in one namespace and on one device (``scaleattn._backend.get_xp``); the
+code path is the same, written against the array API standard, and the outputs stay on the inputs' device.
 """
 from __future__ import annotations
 

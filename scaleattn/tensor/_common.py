@@ -1,12 +1,14 @@
 """Shared validation and layout of tensor-attention inputs (DESIGN §8): the five arrays, the logit scale, the
-causal / window masks, and the (batch, n, d) float64 layout every kernel works on."""
+causal / window masks, and the (batch, n, d) float64 layout every kernel works on. The kernels are written against
+the array API standard (numpy, CuPy, torch, ``array_api_strict``): new arrays are made on the inputs' device by the
+helpers here."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from .._backend import get_xp
+from .._backend import as_float64, contiguous, device_of, get_xp, is_numpy
 from ..errors import ParameterError
 
 _NAMES = ("Q", "K1", "K2", "V1", "V2")
@@ -14,7 +16,10 @@ _BLOCK_ELEMS = 1 << 20  # elements of one (bq, bj, bk) logit block per batch sla
 
 
 def _validate(arrays):
-    """Check a dict name -> array: same shape (..., n, d), real float dtype, finite. Return (xp, arrays, dtype)."""
+    """Check a dict name -> array: same shape (..., n, d), real float dtype, finite. Return (xp, arrays, dtype).
+
+    Arrays of any array API library (numpy, CuPy, torch, ...), all in one namespace and on one device
+    (:class:`~scaleattn.errors.DeviceMismatchError` otherwise); non-arrays (lists) are read with numpy."""
     xp = get_xp(*[a for a in arrays.values() if hasattr(a, "shape")])
     out, shape, first = {}, None, None
     for name, a in arrays.items():
@@ -22,10 +27,10 @@ def _validate(arrays):
             raise TypeError(f"{name} is required (got None)")
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             try:
-                a = xp.asarray(a)
+                a = np.asarray(a) if is_numpy(xp) else xp.asarray(a, device=_device(arrays))
             except Exception as exc:  # ragged lists, strings, ...
                 raise TypeError(f"{name} must be an array of floats, got {type(a).__name__}") from exc
-        if a.dtype.kind != "f":
+        if not _is_real_float(a, xp):
             raise TypeError(f"{name} must have a real floating dtype (float32 or float64), got {a.dtype}")
         if a.ndim < 2:
             raise ParameterError(f"{name} must have shape (..., n, d), got shape {tuple(a.shape)}")
@@ -35,11 +40,22 @@ def _validate(arrays):
                 raise ParameterError(f"{name} must have n >= 1 and d >= 1, got shape {shape}")
         elif tuple(a.shape) != shape:
             raise ParameterError(f"{name} has shape {tuple(a.shape)}, expected {shape} (the shape of {first})")
-        if not bool(xp.isfinite(a).all()):
+        if not bool(xp.all(xp.isfinite(a))):
             raise ParameterError(f"{name} contains non-finite values (nan or inf)")
         out[name] = a
-    dtype = np.result_type(*[a.dtype for a in out.values()])
+    dtype = xp.result_type(*[a.dtype for a in out.values()])
     return xp, out, dtype
+
+
+def _device(arrays):
+    """The device of the first array among the values of ``arrays`` (None when there is none)."""
+    return next((device_of(a) for a in arrays.values() if hasattr(a, "shape")), None)
+
+
+def _is_real_float(a, xp) -> bool:
+    if is_numpy(xp):
+        return a.dtype.kind == "f"
+    return bool(xp.isdtype(a.dtype, "real floating"))
 
 
 def _scale(scale, d):
@@ -77,8 +93,28 @@ def _window(window, causal):
 
 
 def _flat(a, xp, B, n, d):
-    """(..., n, d) -> contiguous float64 (B, n, d)."""
-    return xp.ascontiguousarray(xp.asarray(a, dtype=xp.float64).reshape(B, n, d))
+    """(..., n, d) -> float64 (B, n, d) (C-contiguous on numpy)."""
+    return contiguous(xp.reshape(as_float64(a, xp), (B, n, d)), xp)
+
+
+def _cast(a, dtype, xp):
+    """``a`` in the inputs' common float ``dtype`` (no copy when it already is)."""
+    return xp.astype(a, dtype, copy=False)
+
+
+def _empty(shape, xp, like):
+    """A new float64 array of ``shape`` on the device of ``like`` (``xp.empty``)."""
+    return xp.empty(shape, dtype=xp.float64, device=device_of(like))
+
+
+def _zeros(shape, xp, like):
+    """Zeros, float64, of ``shape`` on the device of ``like``."""
+    return xp.zeros(shape, dtype=xp.float64, device=device_of(like))
+
+
+def _full(shape, value, xp, like):
+    """``value`` everywhere, float64, ``shape``, on the device of ``like``."""
+    return xp.full(shape, value, dtype=xp.float64, device=device_of(like))
 
 
 

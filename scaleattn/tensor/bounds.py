@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from .._backend import contiguous
 from ..errors import ParameterError
 from ._common import _prepare
 from .exact import _block_sizes
@@ -46,22 +47,23 @@ def logit_bound(Q, K1, K2, scale=None, *, method="cheap", block_size=None):
 def _logit_bound_flat(Q, K1, K2, s, xp, method="cheap", block_size=None):
     if method == "cheap":
         aq, a1, a2 = xp.abs(Q), xp.abs(K1), xp.abs(K2)
-        b1 = float((aq.max(axis=1) * a1.max(axis=1) * a2.max(axis=1)).sum(axis=-1).max())
-        nq = float(xp.sqrt((Q * Q).sum(-1)).max())
-        n1, n2 = float(xp.sqrt((K1 * K1).sum(-1)).max()), float(xp.sqrt((K2 * K2).sum(-1)).max())
-        b2 = nq * min(float(a1.max()) * n2, n1 * float(a2.max()))
+        b1 = float(xp.max(xp.sum(xp.max(aq, axis=1) * xp.max(a1, axis=1) * xp.max(a2, axis=1), axis=-1)))
+        nq = float(xp.max(xp.sqrt(xp.sum(Q * Q, axis=-1))))
+        n1, n2 = float(xp.max(xp.sqrt(xp.sum(K1 * K1, axis=-1)))), float(xp.max(xp.sqrt(xp.sum(K2 * K2, axis=-1))))
+        b2 = nq * min(float(xp.max(a1)) * n2, n1 * float(xp.max(a2)))
         return abs(s) * min(b1, b2)
     if method != "exact":
         raise ParameterError(f"method must be 'cheap' or 'exact', got {method!r}")
     Bt, n, d = Q.shape
     bq, bj, bk = _block_sizes(n, Bt, False, None, None, block_size)
-    K2T = xp.ascontiguousarray(K2.transpose(0, 2, 1))
+    K2T = contiguous(xp.permute_dims(K2, (0, 2, 1)), xp)
     best = 0.0
     for i0 in range(0, n, bq):
         for j0 in range(0, n, bj):
-            QK = (s * Q[:, i0:i0 + bq, None, :] * K1[:, None, j0:j0 + bj, :]).reshape(Bt, -1, d)
+            i1, j1 = min(i0 + bq, n), min(j0 + bj, n)  # in-bounds slice stops (the standard's)
+            QK = xp.reshape(s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :], (Bt, -1, d))
             for k0 in range(0, n, bk):
-                best = max(best, float(xp.abs(xp.matmul(QK, K2T[:, :, k0:k0 + bk])).max()))
+                best = max(best, float(xp.max(xp.abs(xp.matmul(QK, K2T[:, :, k0:min(k0 + bk, n)])))))
     return best
 
 

@@ -3,11 +3,13 @@
 intersect them (O(n w1 w2 d))."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .._backend import get_xp
+from .._backend import contiguous, device_of
 from ..errors import ParameterError
-from ._common import _BLOCK_ELEMS, _prepare
+from ._common import _BLOCK_ELEMS, _cast, _empty, _full, _prepare, _zeros
 
 __all__ = ["attention", "attention_grad"]
 
@@ -37,8 +39,9 @@ def _block_sizes(n, B, masked, w1, w2, block_size):
     return bq, bj, bk
 
 
-def _key_blocks(i0, i1, n, b, masked, w, xp):
-    """Key blocks [k0, k1) that some query in [i0, i1) can see, each with a (bq, bk) bool mask or None (all seen)."""
+def _key_blocks(i0, i1, n, b, masked, w, xp, dev=None):
+    """Key blocks [k0, k1) that some query in [i0, i1) can see, each with a (bq, bk) bool mask or None (all seen);
+    masks made on device ``dev``."""
     lo, hi = 0, n
     if masked:
         hi = i1  # causal: k <= i <= i1 - 1
@@ -49,8 +52,8 @@ def _key_blocks(i0, i1, n, b, masked, w, xp):
         k1 = min(k0 + b, hi)
         mask = None
         if masked and not (k1 - 1 <= i0 and (w is None or k0 > i1 - 1 - w)):
-            i = xp.arange(i0, i1)[:, None]
-            k = xp.arange(k0, k1)[None, :]
+            i = xp.arange(i0, i1, device=dev)[:, None]
+            k = xp.arange(k0, k1, device=dev)[None, :]
             mask = k <= i
             if w is not None:
                 mask &= k > i - w
@@ -60,50 +63,51 @@ def _key_blocks(i0, i1, n, b, masked, w, xp):
 
 def _logits(QK, K2T, k0, k1, shape, mask, xp):
     """S block (B, bq, bj, bk) = (s q_i * k1_j) . k2_k; masked entries -> -inf."""
-    S = xp.matmul(QK, K2T[:, :, k0:k1]).reshape(shape)
+    S = xp.reshape(xp.matmul(QK, K2T[:, :, k0:k1]), shape)
     if mask is not None:
-        S = xp.where(mask, S, -xp.inf)
+        S = xp.where(mask, S, -math.inf)
     return S
 
 
 def _combine(mj, mk):
     if mj is None and mk is None:
         return None
-    bq = (mj if mj is not None else mk).shape[0]
-    xp = get_xp(mj if mj is not None else mk)
-    a = mj if mj is not None else xp.ones((bq, 1), dtype=bool)
-    b = mk if mk is not None else xp.ones((bq, 1), dtype=bool)
-    return a[:, :, None] & b[:, None, :]
+    if mj is None:
+        return mk[:, None, :]  # (bq, 1, bk): every key1 seen
+    if mk is None:
+        return mj[:, :, None]  # (bq, bj, 1)
+    return mj[:, :, None] & mk[:, None, :]
 
 
 def _exact_forward(Q, K1, K2, V1, V2, s, masked, w1, w2, bs, xp):
     """Streamed forward on float64 (B, n, d) arrays. Returns O (B, n, d) and lse (B, n) = m + log l."""
     B, n, d = Q.shape
     bq, bj, bk = bs
-    K2T = xp.ascontiguousarray(K2.transpose(0, 2, 1))
-    O = xp.empty((B, n, d))
-    lse = xp.empty((B, n))
+    dev = device_of(Q)
+    K2T = contiguous(xp.permute_dims(K2, (0, 2, 1)), xp)
+    O = _empty((B, n, d), xp, Q)
+    lse = _empty((B, n), xp, Q)
     for i0 in range(0, n, bq):
         i1 = min(i0 + bq, n)
         nq = i1 - i0
-        m = xp.full((B, nq), -xp.inf)
-        l = xp.zeros((B, nq))
-        acc = xp.zeros((B, nq, d))
-        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp)
-        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp):
+        m = _full((B, nq), -math.inf, xp, Q)
+        l = _zeros((B, nq), xp, Q)
+        acc = _zeros((B, nq, d), xp, Q)
+        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp, dev)
+        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp, dev):
             nj = j1 - j0
-            QK = (s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
+            QK = xp.reshape(s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :], (B, nq * nj, d))
             for k0, k1, mk in kblocks:
                 S = _logits(QK, K2T, k0, k1, (B, nq, nj, k1 - k0), _combine(mj, mk), xp)
-                m_new = xp.maximum(m, S.max(axis=(2, 3)))
+                m_new = xp.maximum(m, xp.max(S, axis=(2, 3)))
                 m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
                 alpha = xp.exp(m - m_safe)
                 P = xp.exp(S - m_safe[:, :, None, None])
-                l = l * alpha + P.sum(axis=(2, 3))
-                PV2 = xp.matmul(P.reshape(B, nq * nj, k1 - k0), V2[:, k0:k1]).reshape(B, nq, nj, d)
-                acc = acc * alpha[:, :, None] + (PV2 * V1[:, None, j0:j1, :]).sum(axis=2)
+                l = l * alpha + xp.sum(P, axis=(2, 3))
+                PV2 = xp.reshape(xp.matmul(xp.reshape(P, (B, nq * nj, k1 - k0)), V2[:, k0:k1, :]), (B, nq, nj, d))
+                acc = acc * alpha[:, :, None] + xp.sum(PV2 * V1[:, None, j0:j1, :], axis=2)
                 m = m_new
-        O[:, i0:i1] = acc / l[:, :, None]
+        O[:, i0:i1, :] = acc / l[:, :, None]
         lse[:, i0:i1] = m + xp.log(l)
     return O, lse
 
@@ -116,49 +120,53 @@ def _exact_backward(Q, K1, K2, V1, V2, O, lse, R, s, masked, w1, w2, bs, xp, xar
     """
     B, n, d = Q.shape
     bq, bj, bk = bs
-    K2T = xp.ascontiguousarray(K2.transpose(0, 2, 1))
-    V2T = xp.ascontiguousarray(V2.transpose(0, 2, 1))
-    w = (O * R).sum(axis=-1)  # w_i = <O_i, R_i> = rowsum(P * (R V^T)) (identity, DESIGN §8)
+    dev = device_of(Q)
+    K2T = contiguous(xp.permute_dims(K2, (0, 2, 1)), xp)
+    V2T = contiguous(xp.permute_dims(V2, (0, 2, 1)), xp)
+    w = xp.sum(O * R, axis=-1)  # w_i = <O_i, R_i> = rowsum(P * (R V^T)) (identity, DESIGN §8)
     dQ, dK1, dK2 = xp.zeros_like(Q), xp.zeros_like(K1), xp.zeros_like(K2)
     dV1, dV2 = xp.zeros_like(V1), xp.zeros_like(V2)
     gX = None
     if xargs is not None:
         A1, A2, A3 = xargs
         p = A1.shape[-1]
-        gX = xp.zeros((p, p, p))
+        gX = _zeros((p, p, p), xp, Q)
     for i0 in range(0, n, bq):
         i1 = min(i0 + bq, n)
         nq = i1 - i0
-        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp)
-        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp):
+        kblocks = _key_blocks(i0, i1, n, bk, masked, w2, xp, dev)
+        for j0, j1, mj in _key_blocks(i0, i1, n, bj, masked, w1, xp, dev):
             nj = j1 - j0
-            QK = (s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
-            RV1 = (R[:, i0:i1, None, :] * V1[:, None, j0:j1, :]).reshape(B, nq * nj, d)
-            H = xp.zeros((B, nq * nj, d))  # sum_k F[i,j,k] k2_k
-            PV2 = xp.zeros((B, nq * nj, d))  # sum_k P[i,j,k] v2_k
-            H3 = None if xargs is None else xp.zeros((B, nq * nj, A3.shape[-1]))
+            QK = xp.reshape(s * Q[:, i0:i1, None, :] * K1[:, None, j0:j1, :], (B, nq * nj, d))
+            RV1 = xp.reshape(R[:, i0:i1, None, :] * V1[:, None, j0:j1, :], (B, nq * nj, d))
+            H = _zeros((B, nq * nj, d), xp, Q)  # sum_k F[i,j,k] k2_k
+            PV2 = _zeros((B, nq * nj, d), xp, Q)  # sum_k P[i,j,k] v2_k
+            H3 = None if xargs is None else _zeros((B, nq * nj, A3.shape[-1]), xp, Q)
             for k0, k1, mk in kblocks:
                 nk = k1 - k0
                 S = _logits(QK, K2T, k0, k1, (B, nq, nj, nk), _combine(mj, mk), xp)
                 P = xp.exp(S - lse[:, i0:i1, None, None])
-                G = xp.matmul(RV1, V2T[:, :, k0:k1]).reshape(B, nq, nj, nk)
-                F = (P * (G - w[:, i0:i1, None, None])).reshape(B, nq * nj, nk)
-                P = P.reshape(B, nq * nj, nk)
-                H += xp.matmul(F, K2[:, k0:k1])
-                PV2 += xp.matmul(P, V2[:, k0:k1])
-                dK2[:, k0:k1] += xp.matmul(QK.transpose(0, 2, 1), F).transpose(0, 2, 1)
-                dV2[:, k0:k1] += xp.matmul(RV1.transpose(0, 2, 1), P).transpose(0, 2, 1)
+                G = xp.reshape(xp.matmul(RV1, V2T[:, :, k0:k1]), (B, nq, nj, nk))
+                F = xp.reshape(P * (G - w[:, i0:i1, None, None]), (B, nq * nj, nk))
+                P = xp.reshape(P, (B, nq * nj, nk))
+                H += xp.matmul(F, K2[:, k0:k1, :])
+                PV2 += xp.matmul(P, V2[:, k0:k1, :])
+                dK2[:, k0:k1, :] += xp.matmul(xp.permute_dims(F, (0, 2, 1)), QK)
+                dV2[:, k0:k1, :] += xp.matmul(xp.permute_dims(P, (0, 2, 1)), RV1)
                 if H3 is not None:
-                    H3 += xp.matmul(F, A3[:, k0:k1])
-            H = H.reshape(B, nq, nj, d)
-            PV2 = PV2.reshape(B, nq, nj, d)
-            dQ[:, i0:i1] += s * (H * K1[:, None, j0:j1, :]).sum(axis=2)
-            dK1[:, j0:j1] += s * (H * Q[:, i0:i1, None, :]).sum(axis=1)
-            dV1[:, j0:j1] += (PV2 * R[:, i0:i1, None, :]).sum(axis=1)
+                    H3 += xp.matmul(F, A3[:, k0:k1, :])
+            H = xp.reshape(H, (B, nq, nj, d))
+            PV2 = xp.reshape(PV2, (B, nq, nj, d))
+            dQ[:, i0:i1, :] += s * xp.sum(H * K1[:, None, j0:j1, :], axis=2)
+            dK1[:, j0:j1, :] += s * xp.sum(H * Q[:, i0:i1, None, :], axis=1)
+            dV1[:, j0:j1, :] += xp.sum(PV2 * R[:, i0:i1, None, :], axis=1)
             if H3 is not None:
-                H3 = H3.reshape(B, nq, nj, -1)
-                tmp = xp.einsum("bjy,bijc->biyc", A2[:, j0:j1], H3)  # sum_j A2_jb (F A3)_ijc
-                gX += s * xp.einsum("bix,biyc->xyc", A1[:, i0:i1], tmp)
+                H3 = xp.reshape(H3, (B, nq, nj, -1))
+                # tmp[b,i,y,c] = sum_j A2[b,j,y] (F A3)[b,i,j,c]; gX[x,y,c] += s sum_{b,i} A1[b,i,x] tmp[b,i,y,c]
+                tmp = xp.matmul(xp.permute_dims(A2[:, j0:j1, :], (0, 2, 1))[:, None, :, :], H3)  # (B, nq, p, p)
+                pa = A1.shape[-1]
+                gX += s * xp.reshape(xp.matmul(xp.reshape(A1[:, i0:i1, :], (B * nq, pa)).T,
+                                               xp.reshape(tmp, (B * nq, -1))), gX.shape)
     return {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}, gX
 
 
@@ -167,7 +175,8 @@ def attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, block
 
     Parameters
     ----------
-    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64, numpy or cupy, all the same shape. Leading axes are batch
+    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64, numpy or any array API array (CuPy, torch, ...), all
+        the same shape, namespace and device (the outputs are too). Leading axes are batch
         and heads and are independent.
     scale : None (s = 1/d, as in [C25]), ``"sqrt"`` (1/sqrt(d)) or a finite float.
     causal : bool. Pairs (j, k) with j <= i and k <= i only.
@@ -188,7 +197,7 @@ def attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, block
         {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, causal, window)
     bs = _block_sizes(shape[-2], f["Q"].shape[0], masked, w1, w2, block_size)
     O, _ = _exact_forward(f["Q"], f["K1"], f["K2"], f["V1"], f["V2"], s, masked, w1, w2, bs, xp)
-    return O.reshape(shape).astype(dtype, copy=False)
+    return _cast(xp.reshape(O, shape), dtype, xp)
 
 
 def attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, *, block_size=None):
@@ -211,6 +220,6 @@ def attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, 
     args = (f["Q"], f["K1"], f["K2"], f["V1"], f["V2"])
     O, lse = _exact_forward(*args, s, masked, w1, w2, bs, xp)
     R = O - f["E"]
-    loss = 0.5 * float((R * R).sum())
+    loss = 0.5 * float(xp.sum(R * R))
     g, _ = _exact_backward(*args, O, lse, R, s, masked, w1, w2, bs, xp)
-    return loss, {k: v.reshape(shape).astype(dtype, copy=False) for k, v in g.items()}
+    return loss, {k: _cast(xp.reshape(v, shape), dtype, xp) for k, v in g.items()}

@@ -8,8 +8,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from .._backend import device_of, from_host, is_numpy
 from ..errors import ParameterError, UnsupportedError
-from ._common import _BLOCK_ELEMS, _NAMES, _window
+from ._common import _BLOCK_ELEMS, _NAMES, _cast, _empty, _window, _zeros
 from .bounds import _check_degree, _eps, _logit_bound_flat, _pl1, choose_degree
 from .exact import _prepare, attention, attention_grad
 
@@ -60,25 +61,29 @@ def _monomials(d, g):
             "inv_fact": inv_fact, "deriv": deriv, "r": len(alphas)}
 
 
-def _mono_xp(mono, xp):
-    if xp is np:
+
+
+def _mono_xp(mono, xp, dev=None):
+    """The monomial tables of :func:`_monomials` in namespace ``xp`` on device ``dev`` (numpy: as they are)."""
+    if is_numpy(xp):
         return mono
     out = dict(mono)
     for k in ("parent", "var", "inv_fact"):
-        out[k] = xp.asarray(mono[k])
-    out["deriv"] = [tuple(xp.asarray(a) for a in tr) for tr in mono["deriv"]]
+        out[k] = from_host(mono[k], xp, dev)
+    out["deriv"] = [tuple(from_host(a, xp, dev) for a in tr) for tr in mono["deriv"]]
     return out
 
 
 def _features(X, mono, xp, coef):
     """Monomial features X (B, b, d) -> U (B, b, r) with U[..., alpha] = X^alpha (times 1/alpha! if coef)."""
     r, off = mono["r"], mono["off"]
-    U = xp.empty(X.shape[:-1] + (r,))
+    U = _empty(tuple(X.shape[:-1]) + (r,), xp, X)
     U[..., 0] = 1.0
     par, var = mono["parent"], mono["var"]
+    last = X.ndim - 1
     for lv in range(1, len(off) - 1):  # one vectorised product per degree level
         a, b = off[lv], off[lv + 1]
-        U[..., a:b] = U[..., par[a:b]] * X[..., var[a:b]]
+        U[..., a:b] = xp.take(U, par[a:b], axis=last) * xp.take(X, var[a:b], axis=last)
     if coef:
         U *= mono["inv_fact"]
     return U
@@ -86,16 +91,29 @@ def _features(X, mono, xp, coef):
 
 def _chain(dU, U, mono, xp, use_mult):
     """d/dX from dL/dU through the monomial map: dX_t = sum_{alpha_t>=1} dU_alpha * mult * U_{alpha - e_t}."""
-    out = xp.empty(dU.shape[:-1] + (len(mono["deriv"]),))
+    out = _empty(tuple(dU.shape[:-1]) + (len(mono["deriv"]),), xp, dU)
+    last = dU.ndim - 1
     for t, (idx, lower, mult) in enumerate(mono["deriv"]):
-        if len(idx) == 0:
+        if idx.shape[0] == 0:
             out[..., t] = 0.0
             continue
-        prod = dU[..., idx] * U[..., lower]
+        prod = xp.take(dU, idx, axis=last) * xp.take(U, lower, axis=last)
         if use_mult:
             prod = prod * mult
-        out[..., t] = prod.sum(axis=-1)
+        out[..., t] = xp.sum(prod, axis=-1)
     return out
+
+
+def _outer_rows(U, X, Y, xp):
+    """``sum_i U[b,i,r] X[b,i,t] Y[b,i,a]`` (B, r, t, a) as one batched matmul (no einsum in the standard)."""
+    Bt, nb = U.shape[0], U.shape[1]
+    XY = xp.reshape(X[:, :, :, None] * Y[:, :, None, :], (Bt, nb, X.shape[-1] * Y.shape[-1]))
+    return xp.reshape(xp.matmul(xp.permute_dims(U, (0, 2, 1)), XY), (Bt, U.shape[-1], X.shape[-1], Y.shape[-1]))
+
+
+def _mT(a, xp):
+    """Swap the last two axes of a 3-D array."""
+    return xp.permute_dims(a, (0, 2, 1))
 
 
 class _LargeLogits(Exception):
@@ -106,7 +124,7 @@ def _plan_poly(f, s, xp, degree, tol, max_degree, max_rank):
     """Pick g and compute the a-priori estimate; raise _LargeLogits(message) outside the polynomial regime."""
     Bt, n, d = f["Q"].shape
     Bl = _logit_bound_flat(f["Q"], f["K1"], f["K2"], s, xp)
-    vmax = float(xp.abs(f["V1"]).max()) * float(xp.abs(f["V2"]).max())
+    vmax = float(xp.max(xp.abs(f["V1"]))) * float(xp.max(xp.abs(f["V2"])))
     if isinstance(degree, str):
         if degree != "auto":
             raise ParameterError(f"degree must be 'auto' or an int >= 1, got {degree!r}")
@@ -148,90 +166,91 @@ def _poly_core(f, s, g, xp, want_grad, block_size=None, xargs=None, causal=False
         return _poly_core_causal(f, s, g, xp, want_grad, block_size, xargs)
     Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
     Bt, n, d = Q.shape
-    mono = _mono_xp(_monomials(d, g), xp)
+    mono = _mono_xp(_monomials(d, g), xp, device_of(Q))
     r = mono["r"]
     b = _poly_rows(r, Bt, block_size)
-    C2 = xp.zeros((Bt, r, d))
-    C3 = xp.zeros((Bt, r, d))
-    c2 = xp.zeros((Bt, r))
-    c3 = xp.zeros((Bt, r))
+    C2 = _zeros((Bt, r, d), xp, Q)
+    C3 = _zeros((Bt, r, d), xp, Q)
+    c2 = _zeros((Bt, r), xp, Q)
+    c3 = _zeros((Bt, r), xp, Q)
     for j0 in range(0, n, b):  # key side: U2 = k1^alpha, U3 = k2^alpha (coefficients live in U1)
-        U2 = _features(K1[:, j0:j0 + b], mono, xp, False)
-        U3 = _features(K2[:, j0:j0 + b], mono, xp, False)
-        C2 += xp.matmul(U2.transpose(0, 2, 1), V1[:, j0:j0 + b])
-        c2 += U2.sum(axis=1)
-        C3 += xp.matmul(U3.transpose(0, 2, 1), V2[:, j0:j0 + b])
-        c3 += U3.sum(axis=1)
+        j1 = min(j0 + b, n)  # the standard leaves out-of-bounds slice stops unspecified
+        U2 = _features(K1[:, j0:j1, :], mono, xp, False)
+        U3 = _features(K2[:, j0:j1, :], mono, xp, False)
+        C2 += xp.matmul(_mT(U2, xp), V1[:, j0:j1, :])
+        c2 += xp.sum(U2, axis=1)
+        C3 += xp.matmul(_mT(U3, xp), V2[:, j0:j1, :])
+        c3 += xp.sum(U3, axis=1)
     CC, cc = C2 * C3, c2 * c3
-    O = xp.empty((Bt, n, d))
-    D = xp.empty((Bt, n))
+    O = _empty((Bt, n, d), xp, Q)
+    D = _empty((Bt, n), xp, Q)
     out = {}
     if want_grad:
         E = f["E"]
-        dQ = xp.empty((Bt, n, d))
-        M1 = xp.zeros((Bt, r, d))
-        m1 = xp.zeros((Bt, r))
+        dQ = _empty((Bt, n, d), xp, Q)
+        M1 = _zeros((Bt, r, d), xp, Q)
+        m1 = _zeros((Bt, r), xp, Q)
         if xargs is not None:
             A1, A2, A3 = xargs
             p = A1.shape[-1]
-            P1 = xp.zeros((Bt, r, d, p))
-            p1 = xp.zeros((Bt, r, p))
+            P1 = _zeros((Bt, r, d, p), xp, Q)
+            p1 = _zeros((Bt, r, p), xp, Q)
     for i0 in range(0, n, b):  # query side: U1 = (s q)^alpha / alpha!
-        sl = slice(i0, i0 + b)
-        U1 = _features(s * Q[:, sl], mono, xp, True)
+        sl = slice(i0, min(i0 + b, n))
+        U1 = _features(s * Q[:, sl, :], mono, xp, True)
         Di = xp.matmul(U1, cc[:, :, None])[..., 0]
         Oi = xp.matmul(U1, CC) / Di[..., None]
-        O[:, sl], D[:, sl] = Oi, Di
+        O[:, sl, :], D[:, sl] = Oi, Di
         if want_grad:  # O_i depends on row i only, so R_i is available here: one pass for forward + dQ
-            Ri = Oi - E[:, sl]
-            wi = (Oi * Ri).sum(axis=-1)
-            dU1 = (xp.matmul(Ri, CC.transpose(0, 2, 1)) - wi[..., None] * cc[:, None, :]) / Di[..., None]
-            dQ[:, sl] = s * _chain(dU1, U1, mono, xp, False)  # d/dq (sq)^a/a! = s (sq)^(a-e_t)/(a-e_t)!
+            Ri = Oi - E[:, sl, :]
+            wi = xp.sum(Oi * Ri, axis=-1)
+            dU1 = (xp.matmul(Ri, _mT(CC, xp)) - wi[..., None] * cc[:, None, :]) / Di[..., None]
+            dQ[:, sl, :] = s * _chain(dU1, U1, mono, xp, False)  # d/dq (sq)^a/a! = s (sq)^(a-e_t)/(a-e_t)!
             Ut = U1 / Di[..., None]
-            M1 += xp.matmul(Ut.transpose(0, 2, 1), Ri)
-            m1 += xp.matmul(Ut.transpose(0, 2, 1), wi[..., None])[..., 0]
+            M1 += xp.matmul(_mT(Ut, xp), Ri)
+            m1 += xp.matmul(_mT(Ut, xp), wi[..., None])[..., 0]
             if xargs is not None:
-                P1 += xp.einsum("bir,bit,bia->brta", Ut, Ri, A1[:, sl])
-                p1 += xp.einsum("bir,bi,bia->bra", Ut, wi, A1[:, sl])
+                P1 += _outer_rows(Ut, Ri, A1[:, sl, :], xp)
+                p1 += xp.matmul(_mT(Ut * wi[..., None], xp), A1[:, sl, :])
     out["O"], out["D"] = O, D
-    out["minD"] = float(D.min())
+    out["minD"] = float(xp.min(D))
     if not want_grad:
         return out
     W3, W2 = M1 * C3, M1 * C2
     w3, w2 = m1 * c3, m1 * c2
-    dK1, dK2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
-    dV1, dV2 = xp.empty((Bt, n, d)), xp.empty((Bt, n, d))
+    dK1, dK2 = _empty((Bt, n, d), xp, Q), _empty((Bt, n, d), xp, Q)
+    dV1, dV2 = _empty((Bt, n, d), xp, Q), _empty((Bt, n, d), xp, Q)
     if xargs is not None:
-        P2 = xp.zeros((Bt, r, d, p))
-        P3 = xp.zeros((Bt, r, d, p))
-        p2 = xp.zeros((Bt, r, p))
-        p3 = xp.zeros((Bt, r, p))
+        P2 = _zeros((Bt, r, d, p), xp, Q)
+        P3 = _zeros((Bt, r, d, p), xp, Q)
+        p2 = _zeros((Bt, r, p), xp, Q)
+        p3 = _zeros((Bt, r, p), xp, Q)
     for j0 in range(0, n, b):
-        sl = slice(j0, j0 + b)
-        U2 = _features(K1[:, sl], mono, xp, False)
-        U3 = _features(K2[:, sl], mono, xp, False)
+        sl = slice(j0, min(j0 + b, n))
+        U2 = _features(K1[:, sl, :], mono, xp, False)
+        U3 = _features(K2[:, sl, :], mono, xp, False)
         # dL/dU2[j,a] = sum_t v1_jt M1[a,t] C3[a,t] - m1[a] c3[a]  (and symmetric for U3)
-        dU2 = xp.matmul(V1[:, sl], W3.transpose(0, 2, 1)) - w3[:, None, :]
-        dU3 = xp.matmul(V2[:, sl], W2.transpose(0, 2, 1)) - w2[:, None, :]
-        dK1[:, sl] = _chain(dU2, U2, mono, xp, True)
-        dK2[:, sl] = _chain(dU3, U3, mono, xp, True)
-        dV1[:, sl] = xp.matmul(U2, W3)
-        dV2[:, sl] = xp.matmul(U3, W2)
+        dU2 = xp.matmul(V1[:, sl, :], _mT(W3, xp)) - w3[:, None, :]
+        dU3 = xp.matmul(V2[:, sl, :], _mT(W2, xp)) - w2[:, None, :]
+        dK1[:, sl, :] = _chain(dU2, U2, mono, xp, True)
+        dK2[:, sl, :] = _chain(dU3, U3, mono, xp, True)
+        dV1[:, sl, :] = xp.matmul(U2, W3)
+        dV2[:, sl, :] = xp.matmul(U3, W2)
         if xargs is not None:
-            P2 += xp.einsum("bjr,bjt,bja->brta", U2, V1[:, sl], A2[:, sl])
-            P3 += xp.einsum("bjr,bjt,bja->brta", U3, V2[:, sl], A3[:, sl])
-            p2 += xp.matmul(U2.transpose(0, 2, 1), A2[:, sl])
-            p3 += xp.matmul(U3.transpose(0, 2, 1), A3[:, sl])
+            P2 += _outer_rows(U2, V1[:, sl, :], A2[:, sl, :], xp)
+            P3 += _outer_rows(U3, V2[:, sl, :], A3[:, sl, :], xp)
+            p2 += xp.matmul(_mT(U2, xp), A2[:, sl, :])
+            p3 += xp.matmul(_mT(U3, xp), A3[:, sl, :])
     R = O - E
     out["R"] = R
-    out["loss"] = 0.5 * float((R * R).sum())
+    out["loss"] = 0.5 * float(xp.sum(R * R))
     out["grads"] = {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}
     if xargs is not None:
         # grad_X[a,b,c] = s sum_alpha sum_t P1[a,t,.] P2[a,t,.] P3[a,t,.] - s sum_alpha p1 p2 p3 (per batch entry)
-        T12 = (P1[..., :, None] * P2[..., None, :]).reshape(Bt * r * d, p * p)
-        gX = xp.matmul(T12.T, P3.reshape(Bt * r * d, p)).reshape(p, p, p)
-        t12 = (p1[..., :, None] * p2[..., None, :]).reshape(Bt * r, p * p)
-        gX -= xp.matmul(t12.T, p3.reshape(Bt * r, p)).reshape(p, p, p)
+        T12 = xp.reshape(P1[..., :, None] * P2[..., None, :], (Bt * r * d, p * p))
+        gX = xp.reshape(xp.matmul(T12.T, xp.reshape(P3, (Bt * r * d, p))), (p, p, p))
+        t12 = xp.reshape(p1[..., :, None] * p2[..., None, :], (Bt * r, p * p))
+        gX -= xp.reshape(xp.matmul(t12.T, xp.reshape(p3, (Bt * r, p))), (p, p, p))
         out["gX"] = s * gX
     return out
 
@@ -256,95 +275,96 @@ def _poly_core_causal(f, s, g, xp, want_grad, block_size=None, xargs=None):
     """
     Q, K1, K2, V1, V2 = (f[k] for k in _NAMES)
     Bt, n, d = Q.shape
-    mono = _mono_xp(_monomials(d, g), xp)
+    mono = _mono_xp(_monomials(d, g), xp, device_of(Q))
     r = mono["r"]
     p = 0 if xargs is None else xargs[0].shape[-1]
     b = _poly_rows(r * (d + 1) * max(1, p * p), Bt, block_size)  # ~10 (B, b, r, d[, p, p]) blocks live at once
 
     def prefix(Y, carry):  # inclusive prefix sums over the rows of the block plus the carried sum
-        return xp.cumsum(Y, axis=1) + carry[:, None]
+        return xp.cumulative_sum(Y, axis=1) + carry[:, None, ...]
 
     def suffix(Y, carry):  # inclusive suffix sums over the rows of the block plus the carried sum
-        return xp.cumsum(Y[:, ::-1], axis=1)[:, ::-1] + carry[:, None]
+        return xp.flip(xp.cumulative_sum(xp.flip(Y, axis=1), axis=1), axis=1) + carry[:, None, ...]
 
-    C2, C3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))
-    c2, c3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
-    O, D = xp.empty((Bt, n, d)), xp.empty((Bt, n))
+    C2, C3 = _zeros((Bt, r, d), xp, Q), _zeros((Bt, r, d), xp, Q)
+    c2, c3 = _zeros((Bt, r), xp, Q), _zeros((Bt, r), xp, Q)
+    O, D = _empty((Bt, n, d), xp, Q), _empty((Bt, n), xp, Q)
     if want_grad:
         E = f["E"]
-        dQ = xp.empty((Bt, n, d))
+        dQ = _empty((Bt, n, d), xp, Q)
     if xargs is not None:
         A1, A2, A3 = xargs
-        P2, P3 = xp.zeros((Bt, r, d, p)), xp.zeros((Bt, r, d, p))
-        p2, p3 = xp.zeros((Bt, r, p)), xp.zeros((Bt, r, p))
-        gX = xp.zeros((p, p, p))
+        P2, P3 = _zeros((Bt, r, d, p), xp, Q), _zeros((Bt, r, d, p), xp, Q)
+        p2, p3 = _zeros((Bt, r, p), xp, Q), _zeros((Bt, r, p), xp, Q)
+        gX = _zeros((p, p, p), xp, Q)
     starts = []  # each block's carried prefixes, for pass 2 (O((n / b) r d): no subtraction, no n eps error)
     for i0 in range(0, n, b):  # pass 1, rows in order: forward, dQ and the grad_X prefixes
-        sl = slice(i0, i0 + b)
+        sl = slice(i0, min(i0 + b, n))
         if want_grad:
             starts.append((C2, C3, c2, c3))
-        U2 = _features(K1[:, sl], mono, xp, False)
-        U3 = _features(K2[:, sl], mono, xp, False)
+        U2 = _features(K1[:, sl, :], mono, xp, False)
+        U3 = _features(K2[:, sl, :], mono, xp, False)
         C2i = prefix(U2[..., None] * V1[:, sl, None, :], C2)
         C3i = prefix(U3[..., None] * V2[:, sl, None, :], C3)
         c2i, c3i = prefix(U2, c2), prefix(U3, c3)
-        C2, C3, c2, c3 = C2i[:, -1], C3i[:, -1], c2i[:, -1], c3i[:, -1]
-        U1 = _features(s * Q[:, sl], mono, xp, True)
+        C2, C3, c2, c3 = C2i[:, -1, ...], C3i[:, -1, ...], c2i[:, -1, ...], c3i[:, -1, ...]
+        U1 = _features(s * Q[:, sl, :], mono, xp, True)
         CCi, cci = C2i * C3i, c2i * c3i
-        Di = (U1 * cci).sum(axis=-1)
-        Oi = xp.matmul(U1[:, :, None, :], CCi)[:, :, 0] / Di[..., None]
-        O[:, sl], D[:, sl] = Oi, Di
+        Di = xp.sum(U1 * cci, axis=-1)
+        Oi = xp.matmul(U1[:, :, None, :], CCi)[:, :, 0, :] / Di[..., None]
+        O[:, sl, :], D[:, sl] = Oi, Di
         if not want_grad:
             continue
-        Ri = Oi - E[:, sl]
-        wi = (Oi * Ri).sum(axis=-1)
+        Ri = Oi - E[:, sl, :]
+        wi = xp.sum(Oi * Ri, axis=-1)
         dU1 = (xp.matmul(CCi, Ri[..., None])[..., 0] - wi[..., None] * cci) / Di[..., None]
-        dQ[:, sl] = s * _chain(dU1, U1, mono, xp, False)
+        dQ[:, sl, :] = s * _chain(dU1, U1, mono, xp, False)
         if xargs is not None:
             P2i = prefix(U2[..., None, None] * V1[:, sl, None, :, None] * A2[:, sl, None, None, :], P2)
             P3i = prefix(U3[..., None, None] * V2[:, sl, None, :, None] * A3[:, sl, None, None, :], P3)
             p2i = prefix(U2[..., None] * A2[:, sl, None, :], p2)
             p3i = prefix(U3[..., None] * A3[:, sl, None, :], p3)
-            P2, P3, p2, p3 = P2i[:, -1], P3i[:, -1], p2i[:, -1], p3i[:, -1]
+            P2, P3, p2, p3 = P2i[:, -1, ...], P3i[:, -1, ...], p2i[:, -1, ...], p3i[:, -1, ...]
             Ut = U1 / Di[..., None]
             W = (Ut[..., None] * Ri[:, :, None, :])[..., None] * P2i  # (B, b, r, d, p_y)
-            L = (A1[:, sl, None, None, :, None] * W[..., None, :]).reshape(-1, p * p)
-            gX += xp.matmul(L.T, P3i.reshape(-1, p)).reshape(p, p, p)
+            L = xp.reshape(A1[:, sl, None, None, :, None] * W[..., None, :], (-1, p * p))
+            gX += xp.reshape(xp.matmul(L.T, xp.reshape(P3i, (-1, p))), (p, p, p))
             w2 = (Ut * wi[..., None])[..., None] * p2i  # (B, b, r, p_y)
-            L = (A1[:, sl, None, :, None] * w2[..., None, :]).reshape(-1, p * p)
-            gX -= xp.matmul(L.T, p3i.reshape(-1, p)).reshape(p, p, p)
-    out = {"O": O, "D": D, "minD": float(D.min())}
+            L = xp.reshape(A1[:, sl, None, :, None] * w2[..., None, :], (-1, p * p))
+            gX -= xp.reshape(xp.matmul(L.T, xp.reshape(p3i, (-1, p))), (p, p, p))
+    out = {"O": O, "D": D, "minD": float(xp.min(D))}
     if not want_grad:
         return out
-    T2, T3 = xp.zeros((Bt, r, d)), xp.zeros((Bt, r, d))  # suffix sums over the queries after the block
-    t2, t3 = xp.zeros((Bt, r)), xp.zeros((Bt, r))
-    dK1, dK2, dV1, dV2 = (xp.empty((Bt, n, d)) for _ in range(4))
+    T2, T3 = _zeros((Bt, r, d), xp, Q), _zeros((Bt, r, d), xp, Q)  # suffix sums over the queries after the block
+    t2, t3 = _zeros((Bt, r), xp, Q), _zeros((Bt, r), xp, Q)
+    dK1, dK2, dV1, dV2 = (_empty((Bt, n, d), xp, Q) for _ in range(4))
     for i0, (C2, C3, c2, c3) in zip(reversed(range(0, n, b)), reversed(starts)):  # pass 2, rows in reverse order
-        sl = slice(i0, i0 + b)
-        U2 = _features(K1[:, sl], mono, xp, False)
-        U3 = _features(K2[:, sl], mono, xp, False)
-        cs2 = xp.cumsum(U2[..., None] * V1[:, sl, None, :], axis=1)
-        cs3 = xp.cumsum(U3[..., None] * V2[:, sl, None, :], axis=1)
-        ds2, ds3 = xp.cumsum(U2, axis=1), xp.cumsum(U3, axis=1)
+        sl = slice(i0, min(i0 + b, n))
+        U2 = _features(K1[:, sl, :], mono, xp, False)
+        U3 = _features(K2[:, sl, :], mono, xp, False)
+        cs2 = xp.cumulative_sum(U2[..., None] * V1[:, sl, None, :], axis=1)
+        cs3 = xp.cumulative_sum(U3[..., None] * V2[:, sl, None, :], axis=1)
+        ds2, ds3 = xp.cumulative_sum(U2, axis=1), xp.cumulative_sum(U3, axis=1)
         # prefixes per row of the block: the block's start (saved in pass 1) plus the in-block cumsum
-        C2i, C3i, c2i, c3i = cs2 + C2[:, None], cs3 + C3[:, None], ds2 + c2[:, None], ds3 + c3[:, None]
-        Ut = _features(s * Q[:, sl], mono, xp, True) / D[:, sl, None]
-        Oi = O[:, sl]
-        Ri = Oi - E[:, sl]
-        uw = Ut * (Oi * Ri).sum(axis=-1)[..., None]
+        C2i, C3i = cs2 + C2[:, None, ...], cs3 + C3[:, None, ...]
+        c2i, c3i = ds2 + c2[:, None, ...], ds3 + c3[:, None, ...]
+        Ut = _features(s * Q[:, sl, :], mono, xp, True) / D[:, sl, None]
+        Oi = O[:, sl, :]
+        Ri = Oi - E[:, sl, :]
+        uw = Ut * xp.sum(Oi * Ri, axis=-1)[..., None]
         Z = Ut[..., None] * Ri[:, :, None, :]
         T2i, T3i = suffix(Z * C3i, T2), suffix(Z * C2i, T3)
         t2i, t3i = suffix(uw * c3i, t2), suffix(uw * c2i, t3)
-        T2, T3, t2, t3 = T2i[:, 0], T3i[:, 0], t2i[:, 0], t3i[:, 0]
+        T2, T3, t2, t3 = T2i[:, 0, ...], T3i[:, 0, ...], t2i[:, 0, ...], t3i[:, 0, ...]
         dU2 = xp.matmul(T2i, V1[:, sl, :, None])[..., 0] - t2i
         dU3 = xp.matmul(T3i, V2[:, sl, :, None])[..., 0] - t3i
-        dK1[:, sl] = _chain(dU2, U2, mono, xp, True)
-        dK2[:, sl] = _chain(dU3, U3, mono, xp, True)
-        dV1[:, sl] = xp.matmul(U2[:, :, None, :], T2i)[:, :, 0]
-        dV2[:, sl] = xp.matmul(U3[:, :, None, :], T3i)[:, :, 0]
+        dK1[:, sl, :] = _chain(dU2, U2, mono, xp, True)
+        dK2[:, sl, :] = _chain(dU3, U3, mono, xp, True)
+        dV1[:, sl, :] = xp.matmul(U2[:, :, None, :], T2i)[:, :, 0, :]
+        dV2[:, sl, :] = xp.matmul(U3[:, :, None, :], T3i)[:, :, 0, :]
     R = O - E
     out["R"] = R
-    out["loss"] = 0.5 * float((R * R).sum())
+    out["loss"] = 0.5 * float(xp.sum(R * R))
     out["grads"] = {"Q": dQ, "K1": dK1, "K2": dK2, "V1": dV1, "V2": dV2}
     if xargs is not None:
         out["gX"] = s * gX
@@ -367,17 +387,18 @@ def _poly_grad_bounds(f, s, plan, R, O, xp):
     gam = (eg1 + eg) / (1.0 - eg)
     d = f["Q"].shape[-1]
     dO1 = d * pi * U
-    w = xp.abs((O * R).sum(-1))
-    R1, Rinf = xp.abs(R).sum(-1), xp.abs(R).max(-1)
+    w = xp.abs(xp.sum(O * R, axis=-1))
+    R1, Rinf = xp.sum(xp.abs(R), axis=-1), xp.max(xp.abs(R), axis=-1)
     e = gam * (R1 * U + w) + dO1 * U + dO1 * (Rinf + U)  # (B, n)
     ev = pi * (Rinf + U)
-    mx = {k: float(xp.abs(f[k]).max()) for k in _NAMES}
-    esum, emax, evsum = float(e.sum(-1).max()), float(e.max()), float(ev.sum(-1).max())
+    mx = {k: float(xp.max(xp.abs(f[k]))) for k in _NAMES}
+    esum, emax = float(xp.max(xp.sum(e, axis=-1))), float(xp.max(e))
+    evsum = float(xp.max(xp.sum(ev, axis=-1)))
     return {"Q": abs(s) * mx["K1"] * mx["K2"] * emax,
             "K1": abs(s) * mx["Q"] * mx["K2"] * esum,
             "K2": abs(s) * mx["Q"] * mx["K1"] * esum,
             "V1": mx["V2"] * evsum, "V2": mx["V1"] * evsum,
-            "_row_e_total": float(e.sum())}
+            "_row_e_total": float(xp.sum(e))}
 
 
 def _poly_args(on_large, causal, window):
@@ -432,7 +453,7 @@ def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, 
         return attention(Q, K1, K2, V1, V2, scale=scale, causal=masked, block_size=None)
     if info is not None:
         info.update(path="poly", min_rowsum=res["minD"], **{k: v for k, v in plan.items() if k != "vmax"})
-    return res["O"].reshape(shape).astype(dtype, copy=False)
+    return _cast(xp.reshape(res["O"], shape), dtype, xp)
 
 
 def poly_attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, *, degree="auto", tol=None,
@@ -463,4 +484,4 @@ def poly_attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=N
         gb.pop("_row_e_total")
         info.update(path="poly", min_rowsum=res["minD"], grad_bound=gb,
                     **{k: v for k, v in plan.items() if k != "vmax"})
-    return res["loss"], {k: v.reshape(shape).astype(dtype, copy=False) for k, v in res["grads"].items()}
+    return res["loss"], {k: _cast(xp.reshape(v, shape), dtype, xp) for k, v in res["grads"].items()}

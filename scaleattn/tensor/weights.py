@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .._backend import to_numpy
+from .._backend import as_float64, device_of, get_xp, on_device, to_numpy
 from ..errors import ParameterError
 from ._common import _NAMES, _flat, _scale, _validate, _window
 from .exact import _block_sizes, _exact_backward, _exact_forward
@@ -22,7 +22,8 @@ __all__ = ["khatri_rao", "TensorWeights", "weight_grad", "train"]
 # ----------------------------------------------------------------------------------------------------------------
 def khatri_rao(A, B):
     """Column-wise Khatri-Rao product A (/) B: (p, d), (q, d) -> (p*q, d), row b*q + c = A[b] * B[c]."""
-    return (A[:, None, :] * B[None, :, :]).reshape(A.shape[0] * B.shape[0], A.shape[1])
+    xp = get_xp(A, B)
+    return xp.reshape(A[:, None, :] * B[None, :, :], (A.shape[0] * B.shape[0], A.shape[1]))
 
 
 @dataclass
@@ -76,8 +77,8 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
     if not isinstance(W, TensorWeights):
         raise TypeError(f"W must be a TensorWeights, got {type(W).__name__}")
     xp, A, _ = _validate({"A1": A1, "A2": A2, "A3": A3, "A4": A4, "A5": A5})
-    xpw, Wd, _ = _validate(W.as_dict())
-    Wd = {k: xp.asarray(v, dtype=xp.float64) for k, v in Wd.items()}
+    _, Wd, _ = _validate(W.as_dict())  # host weights are moved to the inputs' device
+    Wd = {k: as_float64(on_device(v, xp, device_of(A["A1"])), xp) for k, v in Wd.items()}
     if any(w.ndim != 2 or w.shape != Wd["W_Q"].shape for w in Wd.values()):
         raise ParameterError("all weights must be 2-d with the same shape (p, d)")
     p, d = Wd["W_Q"].shape
@@ -87,7 +88,8 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
     n = shape[-2]
     Bt = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 2 else 1
     Af = {k: _flat(v, xp, Bt, n, p) for k, v in A.items()}
-    xp_, Ev, _ = _validate({"E": E})
+    _, Ev, _ = _validate({"E": E})
+    get_xp(A["A1"], Ev["E"])  # the target on the inputs' device (DeviceMismatchError otherwise)
     if tuple(Ev["E"].shape) != tuple(shape[:-1]) + (d,):
         raise ParameterError(f"E has shape {tuple(Ev['E'].shape)}, expected {tuple(shape[:-1]) + (d,)}")
     f = {nm: xp.matmul(Af[a], Wd[w]) for nm, a, w in zip(_NAMES, ("A1", "A2", "A3", "A4", "A5"), _WNAMES)}
@@ -118,12 +120,12 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
         args = tuple(f[k] for k in _NAMES)
         O, lse = _exact_forward(*args, s, masked, w1, w2, bs, xp)
         R = O - f["E"]
-        loss = 0.5 * float((R * R).sum())
+        loss = 0.5 * float(xp.sum(R * R))
         g, gX = _exact_backward(*args, O, lse, R, s, masked, w1, w2, bs, xp, xargs)
-    grads = {w: xp.einsum("bnp,bnd->pd", Af[a], g[nm])
+    grads = {w: xp.matmul(xp.reshape(Af[a], (Bt * n, p)).T, xp.reshape(g[nm], (Bt * n, d)))  # sum_b A_b^T dQ_b
              for nm, a, w in zip(_NAMES, ("A1", "A2", "A3", "A4", "A5"), _WNAMES)}
     if with_x:
-        grads["X"] = gX.reshape(p, p * p)
+        grads["X"] = xp.reshape(gX, (p, p * p))
     return loss, grads
 
 

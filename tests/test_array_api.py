@@ -1,0 +1,310 @@
+"""The array code on a non-numpy array API namespace: every GPU code path, run in CI without a GPU.
+
+``array_api_strict`` arrays have only the standard's functions and methods (no ``.reshape``, ``einsum``,
+``out=``, out-of-bounds slices, implicit flat indexing), refuse to mix devices, and on a second simulated device
+(``Device("device1")``) refuse any conversion to numpy (``np.asarray`` raises, as for a GPU array). Each kernel
+runs on both devices and must return arrays on its input's device that agree with the numpy path (exactly where
+the arithmetic is the same, else to 1e-14 relative) and with an independent dense numpy computation.
+"""
+import numpy as np
+import pytest
+
+from scaleattn._backend import array_module, get_xp, to_numpy
+from scaleattn.errors import DeviceMismatchError
+from scaleattn.features import (
+    coef_distance,
+    expand_compact_gram,
+    n_pairs,
+    pair_products,
+    phi,
+    predict_rows,
+    row_targets,
+    token_features,
+    vech,
+)
+from scaleattn.generate import make_mhla
+from scaleattn.kernel import gram_update
+from scaleattn.statistics import statistics_from_arrays
+from scaleattn.tensor import (
+    TensorWeights,
+    attention,
+    attention_grad,
+    logit_bound,
+    poly_attention,
+    poly_attention_grad,
+    weight_grad,
+)
+
+xs = pytest.importorskip("array_api_strict")
+
+DEVICES = [xs.Device("CPU_DEVICE"), xs.Device("device1")]
+NAMES = ("Q", "K1", "K2", "V1", "V2")
+
+
+@pytest.fixture(params=DEVICES, ids=["cpu_device", "device1"])
+def dev(request):
+    return request.param
+
+
+def put(a, dev):
+    return xs.asarray(a, device=dev)
+
+
+def same(a, ref, dev, rtol=0.0):
+    """``a`` is a strict array on ``dev``, float64, equal to the numpy ``ref`` (to ``rtol`` of its largest entry)."""
+    assert isinstance(a, xs._array_object.Array) and a.device == dev
+    got = to_numpy(a)
+    assert got.shape == ref.shape
+    if rtol == 0.0:
+        np.testing.assert_array_equal(got, ref)
+    else:
+        assert np.abs(got - ref).max() <= rtol * np.abs(ref).max()
+
+
+def data(d=3, causal=True, seed=1):
+    return make_mhla(d=d, heads=2, length=9, samples=14, causal=causal, variable_lengths=True, seed=seed)
+
+
+# ---- the strict namespace catches what a GPU would -----------------------------------------------------------
+def test_implicit_numpy_conversion_raises_on_a_second_device():
+    """A kernel that converts to numpy implicitly fails here: the test below would catch it in any kernel."""
+    def bad_kernel(x):  # the bug this file guards against: numpy applied to a device array
+        return np.asarray(x) * 2.0
+
+    x = put(np.ones((2, 3)), xs.Device("device1"))
+    with pytest.raises(RuntimeError, match="NumPy"):
+        bad_kernel(x)
+    with pytest.raises(RuntimeError, match="NumPy"):
+        np.add(np.ones(3), x)  # silent host arithmetic with a numpy operand
+    with pytest.raises(AttributeError):
+        x.reshape(3, 2)  # numpy-only methods do not exist
+
+
+def test_device_mixing_raises(dev):
+    other = DEVICES[1] if dev == DEVICES[0] else DEVICES[0]
+    a, b = put(np.ones((2, 3)), dev), put(np.ones((2, 3)), other)
+    with pytest.raises(DeviceMismatchError, match="different devices"):
+        get_xp(a, b)
+    with pytest.raises(DeviceMismatchError, match="cannot mix"):
+        get_xp(np.ones(3), a)
+    assert issubclass(DeviceMismatchError, TypeError)  # what the numpy/CuPy check raised before
+    D = data()
+    with pytest.raises(DeviceMismatchError):
+        token_features(put(D["tokens"], dev), put(D["lengths"], other), causal=True)
+    s, x = token_features(put(D["tokens"], dev))
+    with pytest.raises(DeviceMismatchError):
+        gram_update(xs.zeros((n_pairs(n_pairs(3)), n_pairs(3)), device=other), s, x)
+    with pytest.raises(DeviceMismatchError):
+        statistics_from_arrays(put(D["tokens"], dev), put(D["targets"], other))
+    args = [put(np.ones((4, 2)), dev) for _ in NAMES]
+    args[2] = put(np.ones((4, 2)), other)
+    with pytest.raises(DeviceMismatchError):
+        attention(*args)
+
+
+def test_backend_helpers(dev):
+    a = put(np.arange(6.0).reshape(2, 3), dev)
+    assert get_xp(a, None, 2.0) is xs
+    np.testing.assert_array_equal(to_numpy(a), np.arange(6.0).reshape(2, 3))  # explicit copy (DLPack)
+    assert array_module("cpu") is np and get_xp(np.ones(2)) is np
+
+
+# ---- features --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_token_features_and_targets(dev, causal, with_lengths):
+    D = data(causal=causal)
+    lens = D["lengths"] if with_lengths else None
+    s_ref, x_ref = token_features(D["tokens"], lens, causal)
+    s, x = token_features(put(D["tokens"], dev), None if lens is None else put(lens, dev), causal)
+    same(s, s_ref, dev)
+    same(x, x_ref, dev)
+    if with_lengths:  # host lengths are moved to the tokens' device
+        s2, _ = token_features(put(D["tokens"], dev), lens, causal)
+        same(s2, s_ref, dev)
+    same(row_targets(put(D["targets"], dev), None if lens is None else put(lens, dev), causal),
+         row_targets(D["targets"], lens, causal), dev)
+    if not causal and not with_lengths:  # against the definition: vech(Z^T Z) and the last token
+        Z = D["tokens"]
+        same(s, vech(np.einsum("ntd,nte->nde", Z, Z)), dev, rtol=1e-14)
+        same(x, Z[:, -1], dev)
+
+
+def test_token_features_float32_input_is_float64(dev):
+    D = data()
+    s, x = token_features(put(D["tokens"].astype(np.float32), dev), put(D["lengths"], dev), True)
+    assert s.dtype == xs.float64 and x.dtype == xs.float64
+    same(s, token_features(D["tokens"].astype(np.float32), D["lengths"], True)[0], dev)
+
+
+def test_pair_products_vech_phi(dev):
+    rng = np.random.default_rng(2)
+    S = rng.standard_normal((7, 6))
+    I, J = np.triu_indices(6)
+    dense = S[:, I] * S[:, J]  # u = vech(s s^T), independently
+    same(pair_products(put(S, dev)), dense, dev)
+    same(pair_products(put(S, dev), slice(4, 13)), dense[:, 4:13], dev)
+    buf = xs.zeros((9, 20), dtype=xs.float64, device=dev)
+    same(pair_products(put(S, dev), slice(3, 11), out=buf), dense[:, 3:11], dev)
+    M = rng.standard_normal((5, 4, 4))
+    I4, J4 = np.triu_indices(4)
+    same(vech(put(M, dev)), M[:, I4, J4], dev)
+    X = rng.standard_normal((7, 3))
+    same(phi(put(S, dev), put(X, dev)), (S[:, :, None] * X[:, None, :]).reshape(7, -1), dev)
+
+
+# ---- the Gram kernel and the statistics -----------------------------------------------------------------------
+@pytest.mark.parametrize("cols", [None, slice(5, 19)])
+def test_gram_update(dev, cols):
+    D = data(d=3)
+    s_np, x_np = token_features(D["tokens"], D["lengths"], True)
+    mm, dd = n_pairs(n_pairs(3)), n_pairs(3)
+    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
+    ref = gram_update(np.zeros((c1 - c0, dd)), s_np, x_np, cols, panel_rows=16, panel_cols=4)
+    dense = pair_products(s_np)[:, c0:c1].T @ pair_products(x_np)  # u^T v, one GEMM
+    s, x = put(s_np, dev), put(x_np, dev)
+    gram = xs.zeros((c1 - c0, dd), dtype=xs.float64, device=dev)
+    out = gram_update(gram, s, x, cols, panel_rows=16, panel_cols=4)  # several row and column panels
+    assert out is gram
+    same(gram, ref, dev, rtol=1e-14)
+    same(gram, dense, dev, rtol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_statistics_accumulation(dev, causal):
+    D = data(d=3, causal=causal)
+    ref = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"], block_rows=40)
+    st = statistics_from_arrays(put(D["tokens"], dev), put(D["targets"], dev), put(D["lengths"], dev),
+                                block_rows=40)  # several blocks
+    assert st.gram_compact.dtype == xs.float64 and st.moments.dtype == xs.float64  # always float64
+    same(st.gram_compact, ref.gram_compact, dev, rtol=1e-14)
+    same(st.moments, ref.moments, dev, rtol=1e-14)
+    assert st.yy == pytest.approx(ref.yy, rel=1e-14) and st.n_rows == ref.n_rows
+    # against the dense features: G = phi^T phi, B = phi^T y
+    s, x = token_features(D["tokens"], D["lengths"], causal)
+    P, y = phi(s, x), row_targets(D["targets"], D["lengths"], causal)
+    same(expand_compact_gram(st.gram_compact, 3), P.T @ P, dev, rtol=1e-13)
+    same(st.moments, P.T @ y, dev, rtol=1e-13)
+    host = st.to_numpy()
+    assert isinstance(host.gram_compact, np.ndarray) and (host + ref).n_rows == 2 * ref.n_rows
+
+
+def test_statistics_float32_input(dev):
+    D = data(d=2)
+    t32, y32 = D["tokens"].astype(np.float32), D["targets"].astype(np.float32)
+    st = statistics_from_arrays(put(t32, dev), put(y32, dev), put(D["lengths"], dev))
+    ref = statistics_from_arrays(t32, y32, D["lengths"])
+    assert st.gram_compact.dtype == xs.float64
+    same(st.gram_compact, ref.gram_compact, dev, rtol=1e-14)
+
+
+def test_expand_compact_gram(dev):
+    rng = np.random.default_rng(3)
+    Tc = rng.standard_normal((n_pairs(n_pairs(3)), n_pairs(3)))
+    same(expand_compact_gram(put(Tc, dev), 3), expand_compact_gram(Tc, 3), dev)
+
+
+# ---- prediction ------------------------------------------------------------------------------------------------
+def test_predict_rows_and_model_predict(dev):
+    from scaleattn.estimator import MHLARegressor
+
+    D = data(d=3, causal=True)
+    rng = np.random.default_rng(4)
+    s_np, x_np = token_features(D["tokens"], D["lengths"], True)
+    coef = rng.standard_normal((n_pairs(3) * 3, 2))
+    ref = phi(s_np, x_np) @ coef  # independent: the dense features
+    got = predict_rows(put(coef, dev), put(s_np, dev), put(x_np, dev))
+    same(got, predict_rows(coef, s_np, x_np), dev, rtol=1e-14)
+    same(got, ref, dev, rtol=1e-14)
+    assert coef_distance(put(coef, dev), put(coef + 1.0, dev)) == pytest.approx(np.sqrt(coef.size), rel=1e-14)
+    model = MHLARegressor().fit(D["tokens"], D["targets"], lengths=D["lengths"]).model_
+    for use_heads in (False, True):
+        p = model.predict(put(D["tokens"], dev), put(D["lengths"], dev), use_heads=use_heads)
+        same(p, model.predict(D["tokens"], D["lengths"], use_heads=use_heads), dev, rtol=1e-13)
+
+
+# ---- tensor attention ------------------------------------------------------------------------------------------
+def tensor_inputs(seed=0, shape=(2, 9, 3)):
+    rng = np.random.default_rng(seed)
+    return {k: 0.5 * rng.standard_normal(shape) for k in NAMES + ("E",)}
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, (3, 4))])
+def test_tensor_attention_exact(dev, causal, window):
+    A = tensor_inputs()
+    S = {k: put(v, dev) for k, v in A.items()}
+    kw = dict(causal=causal, window=window, block_size=(4, 3, 5))  # several blocks, partial masks
+    same(attention(*(S[k] for k in NAMES), **kw), attention(*(A[k] for k in NAMES), **kw), dev, rtol=1e-14)
+    loss, g = attention_grad(*(S[k] for k in NAMES + ("E",)), **kw)
+    loss_ref, g_ref = attention_grad(*(A[k] for k in NAMES + ("E",)), **kw)
+    assert loss == pytest.approx(loss_ref, rel=1e-14)
+    for k in NAMES:
+        same(g[k], g_ref[k], dev, rtol=1e-14)
+
+
+def test_tensor_attention_dense_reference(dev):
+    """The strict forward against a dense numpy softmax over all (j, k) pairs (independent of the streaming)."""
+    A = tensor_inputs(shape=(5, 2))
+    Q, K1, K2, V1, V2 = (A[k] for k in NAMES)
+    logits = np.einsum("it,jt,kt->ijk", Q, K1, K2) / 2
+    P = np.exp(logits - logits.max(axis=(1, 2), keepdims=True))
+    P /= P.sum(axis=(1, 2), keepdims=True)
+    dense = np.einsum("ijk,jt,kt->it", P, V1, V2)
+    same(attention(*(put(A[k], dev) for k in NAMES)), dense, dev, rtol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_poly_path(dev, causal):
+    A = tensor_inputs(seed=5)
+    S = {k: put(v, dev) for k, v in A.items()}
+    kw = dict(causal=causal, degree=4, block_size=4)
+    info = {}
+    same(poly_attention(*(S[k] for k in NAMES), info=info, **kw), poly_attention(*(A[k] for k in NAMES), **kw),
+         dev, rtol=1e-14)
+    assert info["path"] == "poly"
+    loss, g = poly_attention_grad(*(S[k] for k in NAMES + ("E",)), **kw)
+    loss_ref, g_ref = poly_attention_grad(*(A[k] for k in NAMES + ("E",)), **kw)
+    assert loss == pytest.approx(loss_ref, rel=1e-14)
+    for k in NAMES:
+        same(g[k], g_ref[k], dev, rtol=1e-14)
+    for method in ("cheap", "exact"):
+        assert logit_bound(S["Q"], S["K1"], S["K2"], method=method) == pytest.approx(
+            logit_bound(A["Q"], A["K1"], A["K2"], method=method), rel=1e-14)
+
+
+@pytest.mark.parametrize("path,causal", [("exact", False), ("exact", True), ("poly", False), ("poly", True)])
+def test_tensor_weight_gradients(dev, path, causal):
+    """The weight and X gradients ([C25] parameters; the exact and poly backward with their grad_X terms)."""
+    rng = np.random.default_rng(6)
+    A = [0.5 * rng.standard_normal((2, 7, 3)) for _ in range(5)]
+    E = rng.standard_normal((2, 7, 2))
+    W = TensorWeights.random(3, 2, seed=1)
+    kw = dict(causal=causal, path=path, degree=4) if path == "poly" else dict(causal=causal, path=path)
+    loss, g = weight_grad(*(put(a, dev) for a in A), W, put(E, dev), **kw)  # host weights, device data
+    loss_ref, g_ref = weight_grad(*A, W, E, **kw)
+    assert loss == pytest.approx(loss_ref, rel=1e-14)
+    assert set(g) == set(g_ref)
+    for k in g:
+        same(g[k], g_ref[k], dev, rtol=1e-13)
+
+
+def test_tensor_float32_output_dtype(dev):
+    A = tensor_inputs()
+    out = attention(*(put(A[k].astype(np.float32), dev) for k in NAMES))
+    assert out.dtype == xs.float32 and out.device == dev
+
+
+# ---- torch tensors (CPU) through array_api_compat ----------------------------------------------------------------
+@pytest.mark.slow  # importing torch takes ~2 s; the kernels themselves run in ~0.3 s
+def test_torch_tensors_take_the_same_path():
+    torch = pytest.importorskip("torch")
+    D = data(d=3)
+    ref = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"])
+    st = statistics_from_arrays(*(torch.asarray(D[k]) for k in ("tokens", "targets", "lengths")))
+    assert isinstance(st.gram_compact, torch.Tensor) and st.gram_compact.dtype == torch.float64
+    g = to_numpy(st.gram_compact)
+    assert np.abs(g - ref.gram_compact).max() <= 1e-14 * np.abs(ref.gram_compact).max()
+    A = tensor_inputs()
+    out = attention(*(torch.asarray(A[k]) for k in NAMES), causal=True)
+    ref_o = attention(*(A[k] for k in NAMES), causal=True)
+    assert np.abs(to_numpy(out) - ref_o).max() <= 1e-14 * np.abs(ref_o).max()
