@@ -6,6 +6,12 @@ run on a persistent thread pool with every BLAS call on one thread, under one pr
 not depend on the thread count or on the BLAS thread count. Any other array API namespace (CuPy on a GPU, torch,
 ``array_api_strict`` in the tests) runs the same panels in the same order on the arrays' device, written against the
 standard only (:func:`_gram_update_xp`).
+
+Two kernels compute the same sums (to round-off, 1e-14 relative; each gives the same bits for any thread
+count): ``"numba"`` (the default for numpy input, :mod:`scaleattn._kernel_compiled`: features, ``u`` and the
+moments formed in cache-sized buffers by compiled loops, no numpy temporaries) and ``"numpy"`` (the array code
+above, also the CuPy path). Choose with the environment variable ``SCALEATTN_KERNEL=numpy|numba`` or the
+module switch :data:`KERNEL`; :func:`kernel_name` says which one runs.
 """
 from __future__ import annotations
 
@@ -17,10 +23,42 @@ import threading
 
 import numpy as np
 
+from . import _kernel_compiled
 from ._backend import get_xp, is_numpy
+from .errors import ParameterError
 from .features import n_pairs, pair_products
 
-__all__ = ["gram_update", "one_blas_thread", "PANEL_ROWS", "PANEL_COLS"]
+__all__ = ["gram_update", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS", "BLAS_MIN_D", "PANEL_ROWS",
+           "PANEL_COLS"]
+
+#: the statistics kernels (:func:`kernel_name`)
+KERNELS = ("numba", "numpy")
+#: module switch: ``"numba"``, ``"numpy"``, or None (then ``$SCALEATTN_KERNEL``, default ``"numba"``)
+KERNEL: str | None = None
+#: from this token dimension on, the numba kernel's ``Tc += u^T v`` is the BLAS GEMM of the numpy kernel (its
+#: features and moments stay compiled): the GEMM's packing beats the compiled micro-kernel once v is wide
+#: (measured: d = 12 compiled 1.3 s vs 1.7 s, d = 16 3.9 s vs 3.5 s on 2 shared cores)
+BLAS_MIN_D = 14
+
+
+def kernel_name(xp=np, kernel: str | None = None) -> str:
+    """The kernel that builds statistics of ``xp`` arrays: ``kernel`` if given, else :data:`KERNEL`, else
+    ``$SCALEATTN_KERNEL``, else ``"numba"``; always ``"numpy"`` (the array path) for CuPy.
+
+    Raises
+    ------
+    ParameterError
+        A name not in :data:`KERNELS`.
+
+    Examples
+    --------
+    >>> kernel_name(kernel="numpy")
+    'numpy'
+    """
+    name = kernel or KERNEL or os.environ.get("SCALEATTN_KERNEL") or "numba"
+    if name not in KERNELS:
+        raise ParameterError(f"kernel must be one of {', '.join(map(repr, KERNELS))} (SCALEATTN_KERNEL), got {name!r}")
+    return name if xp is np else "numpy"
 
 #: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
 #: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the
@@ -113,7 +151,7 @@ def one_blas_thread():
 
 
 def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = None, panel_rows: int = PANEL_ROWS,
-                panel_cols: int = PANEL_COLS, extra=()):
+                panel_cols: int = PANEL_COLS, extra=(), kernel: str | None = None):
     """The compact-Gram kernel: ``gram += u[:, cols]^T v`` with ``u = vech(s s^T)``, ``v = vech(x x^T)``
     (DESIGN §3), in place; returns ``gram``.
 
@@ -132,6 +170,11 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
+    kernel : {"numba", "numpy"}, optional
+        :func:`kernel_name` (default: :data:`KERNEL` or ``$SCALEATTN_KERNEL``, else numba; numpy for CuPy).
+        ``"numba"`` streams ``s`` and ``x`` through :func:`scaleattn._kernel_compiled.tc_panel` in panels of
+        :data:`scaleattn._kernel_compiled.PANEL_COLS` columns (an F-ordered ``s``, ``x`` is read in place);
+        from ``d = BLAS_MIN_D`` on, both run the BLAS panels (same bits for the same ``s``, ``x``).
 
     Raises
     ------
@@ -151,6 +194,8 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     rows = s.shape[0]
+    if kernel_name(xp, kernel) == "numba" and x.shape[1] < BLAS_MIN_D:
+        return _gram_update_compiled(gram, s, x, c0, c1, threads, extra)
     panel_rows = max(1, min(int(panel_rows), rows))
     panel_cols = max(1, min(int(panel_cols), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2), C-contiguous
@@ -204,6 +249,44 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     for _, job in extra:
         job()
     return gram
+
+
+def _gram_update_compiled(gram, s, x, c0: int, c1: int, threads, extra):
+    """The ``"numba"`` branch of :func:`gram_update`: one job per fixed panel of columns and, with few panels,
+    per fixed row piece (:func:`scaleattn._kernel_compiled.row_pieces`; pieces summed apart and added in
+    order), so each entry's sums depend on the shapes only, never on the grouping or the thread count."""
+    kc = _kernel_compiled
+    sT, xT = np.ascontiguousarray(s.T), np.ascontiguousarray(x.T)  # free for the F-ordered s, x of features_t
+    nv, w = xT.shape[0] * (xT.shape[0] + 1) // 2, kc.PANEL_COLS
+    out = gram if gram.flags.c_contiguous and gram.dtype == np.float64 else np.ascontiguousarray(gram, np.float64)
+    panels = [(a, min(c1, a + w)) for a in range(c0, c1, w)]
+    pieces = kc.row_pieces(sT.shape[1], len(panels))
+    parts = [[out[a - c0 : b - c0]] if len(pieces) == 1 else [np.zeros((b - a, nv)) for _ in pieces]
+             for a, b in panels]
+    jobs = [(cost, f) for cost, f in extra]
+    jobs += [((hi - lo) * (b - a) * nv, functools.partial(kc.tc_panel, part, sT, xT, a, b, (lo, hi)))
+             for (a, b), ps in zip(panels, parts) for (lo, hi), part in zip(pieces, ps)]
+    if getattr(_IN_KERNEL, "active", False) or (threads or _blas_threads()) <= 1:
+        _call_all([f for _, f in jobs], None)
+    else:
+        with _KERNEL_LOCK:
+            total = sum(c for c, _ in jobs)
+            n = _blas_threads() if threads is None else int(threads)
+            n = max(1, min(n, len(jobs), total // max(MIN_THREAD_MACS, 1) + 1))
+            _run_shared(_groups(jobs, n * GROUPS_PER_THREAD if n > 1 else 1), _call_all, n, 1)
+    if len(pieces) > 1:
+        for (a, b), ps in zip(panels, parts):
+            for part in ps:  # in piece order
+                out[a - c0 : b - c0] += part
+    if out is not gram:
+        gram[...] = out
+    return gram
+
+
+def _call_all(group, buf) -> None:
+    """Run every job (a callable) of a group (``buf`` unused: the compiled jobs keep their own buffers)."""
+    for f in group:
+        f()
 
 
 def _groups(jobs, k: int) -> list[list]:

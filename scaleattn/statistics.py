@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import _formats, _integrity
+from . import _formats, _integrity, _kernel_compiled
 from . import report as _report
 from ._backend import device_of, get_xp, is_numpy, to_numpy
 from ._outputs import atomic_output
@@ -29,7 +29,7 @@ from .features import (
     row_targets,
     token_features,
 )
-from .kernel import gram_update
+from .kernel import gram_update, kernel_name
 
 __all__ = ["Statistics", "accumulate", "statistics_from_arrays", "block_samples", "block_bytes_per_sample",
            "BLOCK_BYTES"]
@@ -235,7 +235,7 @@ def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None) -
 
 
 def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bool = False,
-               block_rows: int | None = None, cols: slice | None = None) -> Statistics:
+               block_rows: int | None = None, cols: slice | None = None, kernel: str | None = None) -> Statistics:
     """Add a block of samples to ``stats`` in place (and return it).
 
     Parameters
@@ -250,24 +250,40 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         result does not depend on it beyond round-off.
     cols : slice, optional
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
+    kernel : {"numba", "numpy"}, optional
+        :func:`scaleattn.kernel.kernel_name` (default ``$SCALEATTN_KERNEL``, else numba; numpy for CuPy). Both
+        give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
     ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
+    kern = kernel_name(get_xp(tokens, stats.gram_compact), kernel)
     step = block_samples(d, T, causal, block_rows)
     for a in range(0, n, step):
         b = min(n, a + step)
         lens = None if lengths is None else lengths[a:b, ...]
-        s, x = token_features(tokens[a:b, ...], lens, causal)
-        extra, yy = [], 0.0
+        if kern == "numba":  # feature-major s, x (F-ordered views): the compiled panels stream their rows
+            sT, xT = _kernel_compiled.features_t(tokens[a:b, ...], lens, causal)
+            s, x = sT.T, xT.T
+        else:
+            s, x = token_features(tokens[a:b, ...], lens, causal)
+        extra, yy, parts = [], 0.0, []
         if targets is not None:
             y = row_targets(targets[a:b, ...], lens, causal)
-            extra.append((s.shape[0] * s.shape[1] * x.shape[1] * y.shape[1],
-                          functools.partial(_moments_update, stats.moments, s, x, y)))
+            macs = s.shape[1] * x.shape[1] * y.shape[1]
+            if kern == "numba":  # row pieces summed apart, added in piece order (bits independent of threads)
+                pieces = _kernel_compiled.row_pieces(s.shape[0], 1)
+                parts = [stats.moments] if len(pieces) == 1 else [stats.moments * 0 for _ in pieces]
+                extra += [((hi - lo) * macs, functools.partial(_kernel_compiled.moments_panel, part, sT, xT, y,
+                                                               (lo, hi))) for (lo, hi), part in zip(pieces, parts)]
+            else:
+                extra.append((s.shape[0] * macs, functools.partial(_moments_update, stats.moments, s, x, y)))
             yy = float(xp.sum(y * y))
-        gram_update(stats.gram_compact, s, x, cols, extra=extra)
+        gram_update(stats.gram_compact, s, x, cols, extra=extra, kernel=kern)
+        for part in parts if len(parts) > 1 else ():
+            stats.moments += part
         stats.yy += yy
         stats.n_rows += int(s.shape[0])
     return stats

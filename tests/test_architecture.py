@@ -19,7 +19,7 @@ CONTRACT = [
     # L1: features and datasets
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
-    "kernel", "statistics", "spectrum",
+    "_kernel_compiled", "kernel", "statistics", "spectrum",
     "gram_operator", "lanczos", "krylov",  # the matrix-free Gram operator and the krylov solver (needs spectrum)
     "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
@@ -33,7 +33,7 @@ CONTRACT = [
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
-    "bench", "bench.workers", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
+    "bench", "bench.workers", "bench.build", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
     "cli.parser", "cli.commands", "cli", "cli.__main__",
     "job", "cluster", "memory",
 ]

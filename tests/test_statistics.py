@@ -23,8 +23,12 @@ def dense_rows(tokens, lengths, causal):
     return np.array(rows)
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_compact_gram_equals_dense_with_variable_lengths(causal):
+def test_compact_gram_equals_dense_with_variable_lengths(causal, kernel, monkeypatch):
+    import scaleattn.kernel
+
+    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
     D = make_mhla(d=3, heads=2, length=9, samples=37, causal=causal, variable_lengths=True, seed=3)
     st = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"], block_rows=50)
     P = dense_rows(D["tokens"], D["lengths"], causal)

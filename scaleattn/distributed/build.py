@@ -17,6 +17,7 @@ from .._storage import Location, resolve, with_retries
 from ..datacheck import expected_rows, row_bindings
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
+from ..kernel import kernel_name
 from ..progress import as_reporter
 from ..statistics import Statistics, accumulate
 from .checkpoint import Checkpoint
@@ -29,13 +30,14 @@ log = logging.getLogger("scaleattn")
 
 
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
-                     cols: tuple[int, int] | None = None) -> Statistics:
+                     cols: tuple[int, int] | None = None, kernel: str | None = None) -> Statistics:
     """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task).
 
     ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
     ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
     ((c1 - c0, d(d+1)/2); memory bounded by the tile and one block of rows, DESIGN §6); ``B``, ``yy`` and
-    ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile).
+    ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile). ``kernel``: the
+    statistics kernel (:func:`scaleattn.kernel.kernel_name`; the client's, so that every worker uses it).
     Raises :class:`~scaleattn.dataset.DatasetError` on bad values (naming the array and the sample).
     """
     xp = array_module(device)
@@ -51,7 +53,7 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
         tok, lens, y = dataset.read(a, b, targets=targets)
         if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
-        accumulate(stats, tok, y, lens, dataset.causal, cols=sl)
+        accumulate(stats, tok, y, lens, dataset.causal, cols=sl, kernel=kernel)
     return stats.to_numpy()
 
 
@@ -69,13 +71,14 @@ def _add_all(*parts: Statistics, inplace: bool = False) -> Statistics:
     return out
 
 
-def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt, source=0):
+def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt, source=0,
+             kernel: str | None = None):
     """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
     is read back when it is bound to the input rows as they are now (``source``, from
     :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
     or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
     worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`); bad data fails the task
-    once."""
+    once. ``kernel``: the client's statistics kernel (the checkpoint's, when there is one)."""
     dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
         part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
@@ -86,7 +89,8 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
                         stop, ti, why)
         ckpt.forget(gi, ti)
     _testing.before_task()
-    part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols)
+    part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols,
+                        ckpt.kernel if ckpt is not None else kernel)
     if ckpt is not None:
         with_retries(ckpt.write, gi, ti, part, source)
     return part
@@ -176,6 +180,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     """
     reporter = as_reporter(progress)
     check_device(device)
+    kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     if checkpoint is not None and not isinstance(checkpoint, Location):
         checkpoint = resolve(checkpoint, dataset.storage_options if storage_options is None else storage_options)
     tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
@@ -184,7 +189,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     done = np.zeros((len(groups), len(tiles)), dtype=bool)
     sources = row_bindings(dataset, groups, targets)  # the input rows as they are now
     if checkpoint is not None:
-        ckpt = dataclasses.replace(Checkpoint.open(checkpoint, dataset, groups, tiles, targets),
+        ckpt = dataclasses.replace(Checkpoint.open(checkpoint, dataset, groups, tiles, targets, kernel),
                                    run=secrets.randbits(62) + 1)
         done = ckpt.reusable(sources)
         stale = np.flatnonzero((ckpt.done_mask() & ~done).any(axis=1))
@@ -211,10 +216,10 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         if client is None:
             result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
                                         lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
-                                                                            device, ckpt, sources[gi]))
+                                                                            device, ckpt, sources[gi], kernel))
         else:
-            tag = f"{dataset.fingerprint}-{int(targets)}-{'' if ckpt is None else _url_token(ckpt.url)}"
-            futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi],
+            tag = f"{dataset.fingerprint}-{int(targets)}-{kernel}-{'' if ckpt is None else _url_token(ckpt.url)}"
+            futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi], kernel,
                                    key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}-{sources[gi]:x}")
                      for ti, cols in enumerate(tiles)] for gi, (a, b) in enumerate(groups)]  # retries: in the task
             # a leaf read back from the checkpoint weighs 0 rows and is no new step (the bar started with it done)

@@ -18,7 +18,10 @@ read, and their manifest checksums: :func:`scaleattn.distributed.build.row_bindi
 ``checksum`` and expected row count. Anything else is recomputed. The attributes fix the dataset fingerprint,
 the row-group and tile boundaries, the scaleattn version and the format version; a store that disagrees on any
 of them (or a v1 checkpoint, whose partials cannot be verified) is refused with a
-:class:`~scaleattn.errors.CheckpointError`, never mixed in. Workers write their own partials (the client never
+:class:`~scaleattn.errors.CheckpointError`, never mixed in. The attribute ``kernel`` names the statistics kernel
+that built the partials (:func:`scaleattn.kernel.kernel_name`; a checkpoint without it was built by
+``"numpy"``, the only kernel then): a resume with the other kernel is refused too, since its partials would
+differ from a fresh build's in the last bits. Workers write their own partials (the client never
 holds them all), after checking that the store they opened is the one the client created (its ``uid``);
 every write covers exactly one chunk of each array. Layer L3.
 """
@@ -35,6 +38,7 @@ from .._version import __version__
 from ..datacheck import here
 from ..errors import CheckpointError
 from ..features import n_features, n_pairs
+from ..kernel import kernel_name
 from ..statistics import Statistics
 
 __all__ = ["Checkpoint", "partial_checksum"]
@@ -65,7 +69,8 @@ class Checkpoint:
 
     Attributes: ``store`` (:class:`~scaleattn._storage.Location`), ``groups`` (sample ranges), ``tiles`` (row
     ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build), ``uid`` (of the store, checked by workers),
-    ``run`` (token of the build using the handle, recorded with each partial it writes).
+    ``run`` (token of the build using the handle, recorded with each partial it writes), ``kernel`` (the
+    statistics kernel of the partials, :func:`scaleattn.kernel.kernel_name`; the workers build with it).
     """
 
     store: Location
@@ -75,27 +80,31 @@ class Checkpoint:
     d_out: int
     uid: str = ""
     run: int = 0
+    kernel: str = "numpy"
 
     @property
     def url(self) -> str:
         return self.store.url
 
     @classmethod
-    def open(cls, store: Location, dataset, groups, tiles, targets: bool = True) -> Checkpoint:
+    def open(cls, store: Location, dataset, groups, tiles, targets: bool = True,
+             kernel: str | None = None) -> Checkpoint:
         """Open the checkpoint at ``store`` for this build, creating it when absent.
 
         ``groups`` from :func:`scaleattn.distributed.build.row_groups`, ``tiles`` from
         :func:`scaleattn.distributed.build.tile_bounds` (equal widths except the last, so each partial is one
-        chunk).
+        chunk). ``kernel``: the statistics kernel of this build (default :func:`scaleattn.kernel.kernel_name`),
+        recorded in a new store and checked against an existing one.
 
         Raises
         ------
         CheckpointError
             The store exists but was made from another dataset, chunking, grouping, tiling or version, by an
             older scaleattn (format v1), its creation was cut short, or it is not a checkpoint at all (the
-            message names the first field that differs).
+            message names the first field that differs); or it was built by the other statistics kernel.
         """
         url = store.url
+        kernel = kernel_name(kernel=kernel)
         want = _layout(dataset, groups, tiles, targets)
         args = (store, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"], want["d_out"])
         if store.exists():
@@ -118,9 +127,14 @@ class Checkpoint:
                     raise CheckpointError(
                         f"checkpoint {url!r} was made by a different build ({k}: stored {shown(have.get(k))!r}, this "
                         f"job {shown(v)!r}); it is never mixed in: remove it, or start over with --overwrite")
-            return cls(*args, uid=str(have.get("uid", "")))
-        ck = cls(*args, uid=uuid.uuid4().hex)
-        ck._create(want)
+            built = have.get("kernel", "numpy")  # before the attribute, numpy was the only kernel
+            if built != kernel:
+                raise CheckpointError(
+                    f"checkpoint {url!r} was built by the {built!r} statistics kernel, this build uses {kernel!r}: "
+                    f"resume with SCALEATTN_KERNEL={built}, or start over with --overwrite")
+            return cls(*args, uid=str(have.get("uid", "")), kernel=kernel)
+        ck = cls(*args, uid=uuid.uuid4().hex, kernel=kernel)
+        ck._create({**want, "kernel": kernel})
         return ck
 
     def _create(self, attrs: dict) -> None:

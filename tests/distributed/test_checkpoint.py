@@ -84,6 +84,28 @@ def test_foreign_checkpoint_is_refused(data, tmp_path):
         compute_statistics(data, checkpoint=str(tmp_path / "junk"))
 
 
+def test_resume_with_the_other_kernel_is_refused(data, tmp_path, monkeypatch):
+    """A checkpoint records the statistics kernel that built it (one without the attribute: numpy); a resume
+    with the other kernel is refused in one line naming both, never mixed in."""
+    from scaleattn.errors import CheckpointError
+
+    ck = str(tmp_path / "ck.zarr")
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numba")
+    ref = compute_statistics(data, group_samples=16, checkpoint=ck)
+    assert zarr.open_group(ck).attrs["kernel"] == "numba"
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numpy")
+    with pytest.raises(CheckpointError, match="'numba' statistics kernel, this build uses 'numpy'") as e:
+        compute_statistics(data, group_samples=16, checkpoint=ck)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numba")
+    assert_same_stats(compute_statistics(data, group_samples=16, checkpoint=ck), ref)
+    del zarr.open_group(ck, mode="r+").attrs["kernel"]  # as written before the attribute: a numpy build
+    with pytest.raises(CheckpointError, match="'numpy' statistics kernel, this build uses 'numba'"):
+        compute_statistics(data, group_samples=16, checkpoint=ck)
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numpy")
+    compute_statistics(data, group_samples=16, checkpoint=ck)  # accepted (the partials are reused as they are)
+
+
 @pytest.mark.slow
 def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     out = str(tmp_path / "run")

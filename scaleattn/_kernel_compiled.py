@@ -1,0 +1,222 @@
+"""The compiled (numba) statistics kernel: token features, compact-Gram panels and moments without numpy
+temporaries (layer L2, below :mod:`scaleattn.kernel`, which runs these functions on its threads).
+
+Why numba. The build's per-row work at small ``d`` (d = 4: 55 x 10 multiply-adds of ``Tc``, 10 of ``s``) is
+smaller than what a numpy call costs per row: the numpy kernel spends 48x the multiply-add floor at d = 4,
+mostly in ``pair_products``' temporaries, the moments' ``x (x) y`` temporary and skinny BLAS GEMMs (K = 1024,
+N = 10). A better numpy kernel cannot remove those passes over memory; a compiled loop can. numba is a wheel
+(no compiler at install, unlike Cython or pythran), LLVM-vectorises the loops below for the host CPU (AVX2 /
+AVX-512), releases the GIL (``nogil``) so the kernel's own thread pool runs them, and caches the machine code
+(``cache``) so Dask workers do not recompile. ``parallel=True`` is not used: numba's threading layers are not
+safe under Dask's worker threads; the threads are :mod:`scaleattn.kernel`'s. Measured (docs/performance.md,
+:mod:`scaleattn.bench.build`) on 2 AVX2 cores.
+
+The functions are plain Python until :func:`compiled` compiles them (numba is imported lazily: it costs
+0.5 s at start-up, as much as the rest of the package). Every reduction runs in an order fixed by the code and
+the panel boundaries only (never by the thread count): ``fastmath`` allows reassociation (for vectorised
+sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["compiled", "row_pieces", "features_t", "tc_panel", "moments_panel", "CHUNK_ROWS", "PANEL_COLS",
+           "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS"]
+
+#: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
+#: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
+CHUNK_ROWS = 256
+#: columns of ``u`` per job of the compiled kernel (fixed, so the bits do not depend on the thread count;
+#: 64 measured fastest of 16, 32, 64 at d = 4 and 8)
+PANEL_COLS = 64
+#: below this many panels a call is also cut into row pieces (:func:`row_pieces`), each summed on its own and
+#: added in piece order, so that small ``d`` (d = 4: one panel) still uses every thread
+MIN_PANELS = 4
+#: row pieces per call at most, and rows per piece at least (:func:`row_pieces`)
+MAX_PIECES, MIN_PIECE_ROWS = 4, 8192
+
+
+def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
+    """Row ranges a call of :func:`tc_panel` / :func:`moments_panel` is cut into: a function of the shapes only
+    (never of the thread count), so each piece, and their sum in piece order, has the same bits on any number
+    of threads. One piece when there are :data:`MIN_PANELS` panels or more.
+
+    Examples
+    --------
+    >>> row_pieces(20000, 1)
+    [(0, 10000), (10000, 20000)]
+    """
+    k = 1 if panels >= MIN_PANELS else max(1, min(MAX_PIECES, rows // MIN_PIECE_ROWS))
+    edges = [rows * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _features(z, lengths, causal, sT, xT):  # pragma: no cover - compiled
+    """Fill ``sT`` (m, rows) and ``xT`` (d, rows), feature-major, from tokens ``z`` (n, T, d) float64 and
+    ``lengths`` (n,) int64 (clipped to [0, T]); rows as :func:`scaleattn.features.token_features` orders them
+    (causal: the running sum of ``vech(z_t z_t^T)``, as numpy's cumsum)."""
+    n, T, d = z.shape
+    m = sT.shape[0]
+    acc = np.zeros(m)
+    row = 0
+    for i in range(n):
+        L = min(max(lengths[i], 0), T)
+        acc[:] = 0.0
+        for t in range(L):
+            k = 0
+            for a in range(d):
+                za = z[i, t, a]
+                for b in range(a, d):
+                    acc[k] += za * z[i, t, b]
+                    k += 1
+            if causal:
+                for k in range(m):
+                    sT[k, row] = acc[k]
+                for a in range(d):
+                    xT[a, row] = z[i, t, a]
+                row += 1
+        if not causal:
+            for k in range(m):
+                sT[k, row] = acc[k]
+            for a in range(d):
+                xT[a, row] = z[i, L - 1, a] if L > 0 else 0.0
+            row += 1
+    return row
+
+
+def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
+    """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: a 4 x 2 register-blocked
+    micro-kernel, vectorised along ``r`` (LLVM's loop vectoriser; numba leaves its SLP vectoriser off, so a
+    block along ``j`` would run scalar). ``A``, ``B`` and ``out`` have a multiple of 4 (``A``, ``out``) and
+    of 2 (``B``, ``out``'s columns) rows, the padding rows zero, so every entry is summed by the same loop,
+    in an order fixed by ``R`` only."""
+    for i in range(0, na, 4):
+        for j in range(0, nb, 2):
+            a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = 0.0
+            for r in range(R):
+                b0, b1 = B[j, r], B[j + 1, r]
+                u0, u1, u2, u3 = A[i, r], A[i + 1, r], A[i + 2, r], A[i + 3, r]
+                a0 += u0 * b0
+                a1 += u1 * b0
+                a2 += u2 * b0
+                a3 += u3 * b0
+                c0 += u0 * b1
+                c1 += u1 * b1
+                c2 += u2 * b1
+                c3 += u3 * b1
+            out[i, j] += a0
+            out[i, j + 1] += c0
+            out[i + 1, j] += a1
+            out[i + 1, j + 1] += c1
+            out[i + 2, j] += a2
+            out[i + 2, j + 1] += c2
+            out[i + 3, j] += a3
+            out[i + 3, j + 1] += c3
+
+
+def _tc_panel(sT, xT, P, Q, out, chunk, lo, hi):  # pragma: no cover - compiled
+    """``out += u[:, cols]^T v`` for the pairs ``(P[c], Q[c])`` of the panel's columns (``u = vech(s s^T)``,
+    ``v = vech(x x^T)``; ``sT``, ``xT`` feature-major), streaming the rows ``[lo, hi)`` in chunks of ``chunk``: u
+    and v of a chunk are formed (transposed, contiguous) in small buffers, then :func:`_acc` into a padded
+    local sum, added to ``out`` once at the end."""
+    d = xT.shape[0]
+    w, nv = P.shape[0], out.shape[1]
+    wp, nvp = w + (-w) % 4, nv + nv % 2
+    U, V, acc = np.zeros((wp, chunk)), np.zeros((nvp, chunk)), np.zeros((wp, nvp))
+    for r0 in range(lo, hi, chunk):
+        R = min(chunk, hi - r0)
+        k = 0
+        for a in range(d):
+            xa = xT[a, r0 : r0 + R]
+            for b in range(a, d):
+                xb, vk = xT[b, r0 : r0 + R], V[k]
+                for r in range(R):
+                    vk[r] = xa[r] * xb[r]
+                k += 1
+        for c in range(w):
+            sp, sq, uc = sT[P[c], r0 : r0 + R], sT[Q[c], r0 : r0 + R], U[c]
+            for r in range(R):
+                uc[r] = sp[r] * sq[r]
+        _acc(U, V, acc, wp, nvp, R)
+    for c in range(w):
+        for k in range(nv):
+            out[c, k] += acc[c, k]
+
+
+def _moments_panel(sT, xT, y, out, chunk, lo, hi):  # pragma: no cover - compiled
+    """``out[P, l * d_out + a] += sum_r s[r, P] x[r, l] y[r, a]``: ``B = phi^T y`` as (m, d * d_out), ``y``
+    feature-major (d_out, rows), over the rows ``[lo, hi)``."""
+    m = sT.shape[0]
+    d, k_out = xT.shape[0], y.shape[0]
+    nb = d * k_out
+    mp, nbp = m + (-m) % 4, nb + nb % 2
+    A, B, acc = np.zeros((mp, chunk)), np.zeros((nbp, chunk)), np.zeros((mp, nbp))
+    for r0 in range(lo, hi, chunk):
+        R = min(chunk, hi - r0)
+        for p in range(m):
+            sp, ap = sT[p, r0 : r0 + R], A[p]
+            for r in range(R):
+                ap[r] = sp[r]
+        for l in range(d):
+            xl = xT[l, r0 : r0 + R]
+            for a in range(k_out):
+                ya, bk = y[a, r0 : r0 + R], B[l * k_out + a]
+                for r in range(R):
+                    bk[r] = xl[r] * ya[r]
+        _acc(A, B, acc, mp, nbp, R)
+    for p in range(m):
+        for k in range(nb):
+            out[p, k] += acc[p, k]
+
+
+@functools.lru_cache(maxsize=1)
+def compiled():
+    """The njit-compiled functions ``(features, tc_panel, moments_panel)`` (numba imported here, once)."""
+    import numba
+
+    opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
+    globals()["_acc"] = numba.njit(**opts)(_acc)  # the callers resolve _acc from the globals when compiled
+    return numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel)
+
+
+def features_t(tokens, lengths=None, causal: bool = False):
+    """:func:`scaleattn.features.token_features` (numpy input), compiled and feature-major: ``(sT, xT)``,
+    (m, rows) and (d, rows) float64 C-contiguous (``s = sT.T``, ``x = xT.T``)."""
+    z = np.ascontiguousarray(tokens, dtype=np.float64)
+    n, T, d = z.shape
+    lens = np.full(n, T, dtype=np.int64) if lengths is None else np.clip(np.asarray(lengths, np.int64), 0, T)
+    rows = int(lens.sum()) if causal else n
+    sT, xT = np.empty((d * (d + 1) // 2, rows)), np.empty((d, rows))
+    compiled()[0](z, lens, bool(causal), sT, xT)
+    return sT, xT
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(m: int, c0: int, c1: int):
+    """``(P, Q)`` int64: the pair ``(p, q >= p)`` of each column ``c0 <= c < c1`` of ``u = vech(s s^T)``."""
+    I, J = np.triu_indices(m)
+    return np.ascontiguousarray(I[c0:c1], dtype=np.int64), np.ascontiguousarray(J[c0:c1], dtype=np.int64)
+
+
+def tc_panel(out, sT, xT, c0: int, c1: int, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:
+    """``out += u[lo:hi, c0:c1]^T v[lo:hi]`` in place (``out`` (c1 - c0, d(d+1)/2) float64 C-contiguous;
+    ``rows = (lo, hi)``, default all)."""
+    P, Q = _pairs(sT.shape[0], c0, c1)
+    lo, hi = (0, sT.shape[1]) if rows is None else rows
+    compiled()[1](sT, xT, P, Q, out, int(chunk or CHUNK_ROWS), int(lo), int(hi))
+
+
+def moments_panel(moments, sT, xT, y, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:
+    """``moments += phi[lo:hi]^T y[lo:hi]`` in place (``moments`` (psi, d_out) float64, ``y`` (rows, d_out);
+    ``rows = (lo, hi)``, default all)."""
+    m, d = sT.shape[0], xT.shape[0]
+    yT = np.ascontiguousarray(np.asarray(y, dtype=np.float64).T)
+    if y.shape[1] == 0 or sT.shape[1] == 0:
+        return
+    out = moments if moments.flags.c_contiguous else np.zeros(moments.shape)
+    lo, hi = (0, sT.shape[1]) if rows is None else rows
+    compiled()[2](sT, xT, yT, out.reshape(m, d * y.shape[1]), int(chunk or CHUNK_ROWS), int(lo), int(hi))
+    if out is not moments:
+        moments += out

@@ -1,0 +1,158 @@
+"""The statistics build against its floors, the chunked numpy loop and numpy SYRK, per kernel (layer L5).
+
+:func:`build_table` measures, in one run (the machine may be shared: every ratio is taken within the run):
+
+- ``floor_macs_s``: ``2 x rows x m(m+1)/2 x d(d+1)/2`` (the compact Gram's multiply-adds, DESIGN §3) over the
+  float64 GEMM rate (a square ``numpy`` product on all BLAS threads, measured here unless given);
+- ``floor_bytes_s``: the bytes of the tokens over the memory bandwidth (``np.copyto`` of 80 MB: bytes read
+  plus written per second), the floor where the per-row work is small;
+- ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics.statistics_from_arrays` (features,
+  ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.kernel.KERNELS`), best of ``repeats``;
+- ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
+  at large ``d`` it runs a SYRK, ``psi^2/2`` multiply-adds per row against our ``psi^2/4``, so about 2x is
+  the physical bound of ``speedup_vs_loop`` there;
+- ``syrk_s``: ``phi^T phi`` by numpy on a ready ``phi`` (when it fits in ``max_phi_bytes``).
+
+Example: ``python -m scaleattn.bench.build --quick`` prints the table (markdown).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "SIZES", "QUICK_SIZES"]
+
+#: (d, rows, causal) of the full table: causal rows are 100-token prefixes, d = 32 last-token rows
+SIZES = ((4, 1_000_000, True), (8, 200_000, True), (16, 40_000, True), (24, 16_000, True), (32, 4_000, False))
+#: the quick table (about a minute on 2 cores)
+QUICK_SIZES = ((4, 100_000, True), (8, 20_000, True), (16, 4_000, True))
+
+
+def _best(f, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def gemm_rate(n: int = 2000, repeats: int = 3) -> float:
+    """float64 GEMM rate (FLOP/s) of an ``n x n`` numpy product on all BLAS threads, best of ``repeats``."""
+    a = np.random.default_rng(0).standard_normal((n, n))
+    a @ a
+    return 2.0 * n**3 / _best(lambda: a @ a, repeats)
+
+
+def copy_bandwidth(nbytes: float = 80e6, repeats: int = 3) -> float:
+    """Memory bandwidth (bytes read + written per second) of ``np.copyto`` on ``nbytes``, best of ``repeats``."""
+    a = np.ones(int(nbytes) // 8)
+    b = np.empty_like(a)
+    return 2.0 * a.nbytes / _best(lambda: np.copyto(b, a), repeats)
+
+
+def _loop(tokens, targets, causal: bool, chunk_bytes: float = 32e6):
+    """The chunked numpy loop: ``phi`` per chunk of samples, ``G += phi^T phi``, ``B += phi^T y``."""
+    from scaleattn.features import n_features, phi, row_targets, token_features
+
+    n, T, d = tokens.shape
+    psi = n_features(d)
+    rows_per = T if causal else 1
+    step = max(1, int(chunk_bytes // (8 * psi * rows_per)))
+    G, B = np.zeros((psi, psi)), np.zeros((psi, targets.shape[-1]))
+    for a in range(0, n, step):
+        s, x = token_features(tokens[a : a + step], None, causal)
+        f = phi(s, x)
+        G += f.T @ f
+        B += f.T @ row_targets(targets[a : a + step], None, causal)
+    return G, B
+
+
+def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | None = None,
+                kernels=None, repeats: int = 2, loop: bool = True, max_phi_bytes: float = 2e9,
+                loop_max_s: float = 60.0) -> list[dict]:
+    """The build against its floors and the numpy baselines, one row per (size, kernel).
+
+    Parameters
+    ----------
+    sizes : sequence of (d, rows, causal)
+        Causal rows come from sequences of 100 tokens (``rows / 100`` of them), last-token rows one per sequence
+        of 100 tokens.
+    rate, bandwidth : float, optional
+        GEMM rate (FLOP/s) and memory bandwidth (bytes/s); measured here (:func:`gemm_rate`,
+        :func:`copy_bandwidth`) when not given.
+    kernels : sequence of str, optional
+        Default :data:`scaleattn.kernel.KERNELS`.
+    repeats : int
+        Best of this many builds.
+    loop : bool
+        Also time the chunked loop and SYRK (skipped where the loop's flops alone would exceed ``loop_max_s``
+        at ``rate``, or ``phi`` would exceed ``max_phi_bytes``: then ``None``).
+
+    Returns
+    -------
+    list of dict
+        Keys ``d, rows, causal, kernel, build_s, floor_macs_s, floor_bytes_s, floor_s, build_vs_floor, loop_s,
+        speedup_vs_loop, syrk_s, rate_gflops, bandwidth_gbs, load_avg``.
+    """
+    from scaleattn.features import n_features, n_pairs, phi, token_features
+    from scaleattn.generate import make_mhla
+    from scaleattn.kernel import KERNELS
+    from scaleattn.statistics import Statistics, accumulate
+
+    rate = gemm_rate() if rate is None else float(rate)
+    bandwidth = copy_bandwidth() if bandwidth is None else float(bandwidth)
+    out = []
+    for d, rows, causal in sizes:
+        T = 100
+        n = max(1, rows // T) if causal else rows
+        D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, seed=0)
+        tokens, targets = D["tokens"], D["targets"]
+        nrows = n * T if causal else n
+        m = n_pairs(d)
+        psi = n_features(d)
+        floor_macs = 2.0 * nrows * (m * (m + 1) // 2) * n_pairs(d) / rate
+        floor_bytes = tokens.nbytes / bandwidth
+        floor = max(floor_macs, floor_bytes)
+        loop_s = syrk_s = None
+        if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:
+            loop_s = _best(lambda: _loop(tokens, targets, causal), 1)
+            if nrows * psi * 8 <= max_phi_bytes:
+                f = phi(*token_features(tokens, None, causal))
+                syrk_s = _best(lambda: f.T @ f, 1)
+                del f
+        for kern in (KERNELS if kernels is None else kernels):
+            def build():
+                accumulate(Statistics.zeros(d, targets.shape[-1]), tokens, targets, None, causal, kernel=kern)
+            accumulate(Statistics.zeros(d, targets.shape[-1]), tokens[:2], targets[:2], None, causal, kernel=kern)
+            t = _best(build, repeats)
+            out.append({"d": d, "rows": nrows, "causal": causal, "kernel": kern, "build_s": t,
+                        "floor_macs_s": floor_macs, "floor_bytes_s": floor_bytes, "floor_s": floor,
+                        "build_vs_floor": t / floor, "loop_s": loop_s,
+                        "speedup_vs_loop": None if loop_s is None else loop_s / t, "syrk_s": syrk_s,
+                        "rate_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9, "load_avg": os.getloadavg()[0]})
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    """The table as markdown (times in seconds)."""
+    f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+    lines = ["| d | rows | causal | kernel | build s | floor s (macs / bytes) | build / floor | loop s | vs loop |"
+             " SYRK s | load |", "|" + "---|" * 11]
+    for r in table:
+        lines.append(f"| {r['d']} | {r['rows']:,} | {r['causal']} | {r['kernel']} | {f(r['build_s'])} |"
+                     f" {f(r['floor_s'], 4)} ({f(r['floor_macs_s'], 4)} / {f(r['floor_bytes_s'], 4)}) |"
+                     f" {f(r['build_vs_floor'], 2)} | {f(r['loop_s'])} | {f(r['speedup_vs_loop'], 2)} |"
+                     f" {f(r['syrk_s'])} | {r['load_avg']:.2f} |")
+    if table:
+        lines.append(f"\nGEMM {table[0]['rate_gflops']:.1f} GFLOP/s, copy {table[0]['bandwidth_gbs']:.1f} GB/s.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    quick = "--quick" in sys.argv
+    print(markdown(build_table(QUICK_SIZES if quick else SIZES, repeats=1 if quick else 2)))

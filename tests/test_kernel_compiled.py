@@ -1,0 +1,113 @@
+"""The two statistics kernels (numba and numpy, :mod:`scaleattn.kernel`): the same Tc, B and yy to 1e-14
+relative at d = 2, 3, 4, 8 (and on the BLAS side of ``BLAS_MIN_D``), causal or not, variable lengths, column
+tiles, d_out = 0, 1, 3; each deterministic and bit-identical for any thread count; the switch and its errors."""
+import numpy as np
+import pytest
+
+import scaleattn._kernel_compiled as kc
+import scaleattn.kernel as kernel
+from scaleattn.errors import ParameterError
+from scaleattn.features import n_pairs
+from scaleattn.statistics import Statistics, accumulate
+
+
+def _data(d, causal, d_out, n=41, T=7, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.standard_normal((n, T, d))
+    lengths = rng.integers(1, T + 1, n)
+    tokens[np.arange(T)[None, :] >= lengths[:, None]] = 0.0  # padding is zero by format
+    targets = None
+    if d_out:
+        targets = rng.standard_normal((n, T, d_out) if causal else (n, d_out))
+    return tokens, targets, lengths
+
+
+def _build(kern, tokens, targets, lengths, causal, cols=None, block_rows=None):
+    d = tokens.shape[-1]
+    st = Statistics.zeros(d, 0 if targets is None else targets.shape[-1])
+    if cols is not None:
+        st.gram_compact = np.zeros((cols.stop - cols.start, d * (d + 1) // 2))
+    return accumulate(st, tokens, targets, lengths, causal, block_rows=block_rows, cols=cols, kernel=kern)
+
+
+def _rel(a, b):
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d_out", [0, 1, 3])
+def test_kernels_agree(d, causal, d_out):
+    tokens, targets, lengths = _data(d, causal, d_out, seed=d)
+    a = _build("numba", tokens, targets, lengths, causal, block_rows=37)
+    b = _build("numpy", tokens, targets, lengths, causal, block_rows=37)
+    assert a.n_rows == b.n_rows == (lengths.sum() if causal else len(lengths))
+    assert _rel(a.gram_compact, b.gram_compact) <= 1e-14
+    if d_out:
+        assert _rel(a.moments, b.moments) <= 1e-14 and a.yy == pytest.approx(b.yy, rel=1e-14)
+    mm = n_pairs(n_pairs(d))
+    cols = slice(mm // 3, mm // 3 + max(1, mm // 2))  # a column tile (DESIGN §6), not panel-aligned
+    ta = _build("numba", tokens, targets, lengths, causal, cols=cols)
+    tb = _build("numpy", tokens, targets, lengths, causal, cols=cols)
+    assert _rel(ta.gram_compact, tb.gram_compact) <= 1e-14
+    assert _rel(ta.gram_compact, a.gram_compact[cols]) <= 1e-14
+
+
+def test_kernels_agree_where_numba_uses_blas():
+    d = kernel.BLAS_MIN_D
+    tokens, targets, lengths = _data(d, True, 2, n=3, T=4)
+    a = _build("numba", tokens, targets, lengths, True)
+    b = _build("numpy", tokens, targets, lengths, True)
+    assert _rel(a.gram_compact, b.gram_compact) <= 1e-14 and _rel(a.moments, b.moments) <= 1e-14
+
+
+@pytest.mark.parametrize("kern", ["numba", "numpy"])
+def test_each_kernel_is_deterministic_for_any_thread_count(kern, monkeypatch):
+    from threadpoolctl import threadpool_limits
+
+    monkeypatch.setattr(kernel, "MIN_THREAD_MACS", 0)
+    monkeypatch.setattr(kc, "MIN_PIECE_ROWS", 64)  # several row pieces at this size
+    monkeypatch.setattr(kc, "PANEL_COLS", 8)  # several panels at d = 4
+    tokens, targets, lengths = _data(4, True, 2, n=200, T=9)
+    ref = _build(kern, tokens, targets, lengths, True)
+    for n in (1, 2):
+        with threadpool_limits(n):
+            st = _build(kern, tokens, targets, lengths, True)
+        assert np.array_equal(st.gram_compact, ref.gram_compact) and np.array_equal(st.moments, ref.moments), n
+    s, x = kc.features_t(tokens, lengths, True)
+    one = kernel.gram_update(np.zeros((55, 10)), s.T, x.T, threads=1, kernel=kern)
+    for threads in (2, 3):
+        assert np.array_equal(kernel.gram_update(np.zeros((55, 10)), s.T, x.T, threads=threads, kernel=kern), one)
+
+
+def test_row_pieces_cover_the_rows_and_depend_on_shapes_only():
+    for rows in (0, 1, 8191, 20000, 10**6):
+        for panels in (1, 3, 4, 100):
+            p = kc.row_pieces(rows, panels)
+            assert p[0][0] == 0 and p[-1][1] == rows and all(a[1] == b[0] for a, b in zip(p, p[1:]))
+            assert len(p) == 1 or panels < kc.MIN_PANELS
+
+
+def test_kernel_switch(monkeypatch):
+    monkeypatch.delenv("SCALEATTN_KERNEL", raising=False)
+    assert kernel.kernel_name() == "numba"
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numpy")
+    assert kernel.kernel_name() == "numpy"
+    monkeypatch.setattr(kernel, "KERNEL", "numba")
+    assert kernel.kernel_name() == "numba" and kernel.kernel_name(kernel="numpy") == "numpy"
+    monkeypatch.setenv("SCALEATTN_KERNEL", "fortran")
+    monkeypatch.setattr(kernel, "KERNEL", None)
+    with pytest.raises(ParameterError, match="fortran"):
+        kernel.kernel_name()
+    cupy_like = type("cupy", (), {})  # CuPy (any module but numpy) always takes the array path
+    assert kernel.kernel_name(cupy_like, "numba") == "numpy"
+
+
+def test_compiled_features_match_numpy_features():
+    from scaleattn.features import token_features
+
+    for causal in (False, True):
+        tokens, _, lengths = _data(3, causal, 0)
+        sT, xT = kc.features_t(tokens.astype(np.float32), lengths, causal)
+        s, x = token_features(tokens.astype(np.float32), lengths, causal)
+        assert np.array_equal(xT.T, x) and _rel(sT.T, s) <= 1e-15
