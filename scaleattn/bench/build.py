@@ -22,10 +22,22 @@ import time
 
 import numpy as np
 
-__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "SIZES", "QUICK_SIZES"]
+__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_floor", "SIZES", "QUICK_SIZES",
+           "TARGET_VS_LOOP"]
 
-#: (d, rows, causal) of the full table: causal rows are 100-token prefixes, d = 32 last-token rows
-SIZES = ((4, 1_000_000, True), (8, 200_000, True), (16, 40_000, True), (24, 16_000, True), (32, 4_000, False))
+#: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
+TARGET_VS_LOOP = 3.0
+
+
+def target_vs_floor(d: int) -> float | None:
+    """The build-vs-floor target of issue 19 at ``d``: <= 3x at d = 4, <= 2x at d = 8, <= 1.3x at d >= 16
+    (None in between)."""
+    return 3.0 if d <= 4 else 2.0 if d <= 8 else 1.3 if d >= 16 else None
+
+#: (d, rows, causal[, variable lengths]) of the full table: causal rows are 100-token prefixes (variable lengths:
+#: uniform in [1, 100], about half the rows per sequence), d = 32 last-token rows
+SIZES = ((4, 1_000_000, True), (4, 1_000_000, True, True), (4, 100_000, False), (8, 200_000, True),
+         (8, 200_000, True, True), (16, 40_000, True), (24, 16_000, True), (32, 4_000, False))
 #: the quick table (about a minute on 2 cores)
 QUICK_SIZES = ((4, 100_000, True), (8, 20_000, True), (16, 4_000, True))
 
@@ -53,7 +65,7 @@ def copy_bandwidth(nbytes: float = 80e6, repeats: int = 3) -> float:
     return 2.0 * a.nbytes / _best(lambda: np.copyto(b, a), repeats)
 
 
-def _loop(tokens, targets, causal: bool, chunk_bytes: float = 32e6):
+def _loop(tokens, targets, causal: bool, lengths=None, chunk_bytes: float = 32e6):
     """The chunked numpy loop: ``phi`` per chunk of samples, ``G += phi^T phi``, ``B += phi^T y``."""
     from scaleattn.features import n_features, phi, row_targets, token_features
 
@@ -63,10 +75,10 @@ def _loop(tokens, targets, causal: bool, chunk_bytes: float = 32e6):
     step = max(1, int(chunk_bytes // (8 * psi * rows_per)))
     G, B = np.zeros((psi, psi)), np.zeros((psi, targets.shape[-1]))
     for a in range(0, n, step):
-        s, x = token_features(tokens[a : a + step], None, causal)
-        f = phi(s, x)
+        lens = None if lengths is None else lengths[a : a + step]
+        f = phi(*token_features(tokens[a : a + step], lens, causal))
         G += f.T @ f
-        B += f.T @ row_targets(targets[a : a + step], None, causal)
+        B += f.T @ row_targets(targets[a : a + step], lens, causal)
     return G, B
 
 
@@ -77,9 +89,10 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
 
     Parameters
     ----------
-    sizes : sequence of (d, rows, causal)
+    sizes : sequence of (d, rows, causal) or (d, rows, causal, variable_lengths)
         Causal rows come from sequences of 100 tokens (``rows / 100`` of them), last-token rows one per sequence
-        of 100 tokens.
+        of 100 tokens; with ``variable_lengths`` the sequences have lengths uniform in [1, 100] (causal: about
+        half the rows).
     rate, bandwidth : float, optional
         GEMM rate (FLOP/s) and memory bandwidth (bytes/s); measured here (:func:`gemm_rate`,
         :func:`copy_bandwidth`) when not given.
@@ -94,8 +107,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     Returns
     -------
     list of dict
-        Keys ``d, rows, causal, kernel, build_s, floor_macs_s, floor_bytes_s, floor_s, build_vs_floor, loop_s,
-        speedup_vs_loop, syrk_s, rate_gflops, bandwidth_gbs, load_avg``.
+        Keys ``d, rows, causal, variable_lengths, kernel, build_s, floor_macs_s, floor_bytes_s, floor_s,
+        build_vs_floor, loop_s, speedup_vs_loop, syrk_s, rate_gflops, bandwidth_gbs, load_avg``.
     """
     from scaleattn.features import n_features, n_pairs, phi, token_features
     from scaleattn.generate import make_mhla
@@ -105,12 +118,12 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     rate = gemm_rate() if rate is None else float(rate)
     bandwidth = copy_bandwidth() if bandwidth is None else float(bandwidth)
     out = []
-    for d, rows, causal in sizes:
-        T = 100
+    for d, rows, causal, *var in sizes:
+        T, var = 100, bool(var and var[0])
         n = max(1, rows // T) if causal else rows
-        D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, seed=0)
-        tokens, targets = D["tokens"], D["targets"]
-        nrows = n * T if causal else n
+        D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, variable_lengths=var, seed=0)
+        tokens, targets, lengths = D["tokens"], D["targets"], D["lengths"]
+        nrows = int(lengths.sum()) if causal and var else (n * T if causal else n)
         m = n_pairs(d)
         psi = n_features(d)
         floor_macs = 2.0 * nrows * (m * (m + 1) // 2) * n_pairs(d) / rate
@@ -118,17 +131,19 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         floor = max(floor_macs, floor_bytes)
         loop_s = syrk_s = None
         if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:
-            loop_s = _best(lambda: _loop(tokens, targets, causal), 1)
+            loop_s = _best(lambda: _loop(tokens, targets, causal, lengths), 1)
             if nrows * psi * 8 <= max_phi_bytes:
-                f = phi(*token_features(tokens, None, causal))
+                f = phi(*token_features(tokens, lengths, causal))
                 syrk_s = _best(lambda: f.T @ f, 1)
                 del f
         for kern in (KERNELS if kernels is None else kernels):
             def build():
-                accumulate(Statistics.zeros(d, targets.shape[-1]), tokens, targets, None, causal, kernel=kern)
-            accumulate(Statistics.zeros(d, targets.shape[-1]), tokens[:2], targets[:2], None, causal, kernel=kern)
+                accumulate(Statistics.zeros(d, targets.shape[-1]), tokens, targets, lengths, causal, kernel=kern)
+            accumulate(Statistics.zeros(d, targets.shape[-1]), tokens[:2], targets[:2],
+                       None if lengths is None else lengths[:2], causal, kernel=kern)
             t = _best(build, repeats)
-            out.append({"d": d, "rows": nrows, "causal": causal, "kernel": kern, "build_s": t,
+            out.append({"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
+                        "build_s": t,
                         "floor_macs_s": floor_macs, "floor_bytes_s": floor_bytes, "floor_s": floor,
                         "build_vs_floor": t / floor, "loop_s": loop_s,
                         "speedup_vs_loop": None if loop_s is None else loop_s / t, "syrk_s": syrk_s,
@@ -139,16 +154,28 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
 def markdown(table: list[dict]) -> str:
     """The table as markdown (times in seconds)."""
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
-    lines = ["| d | rows | causal | kernel | build s | floor s (macs / bytes) | build / floor | loop s | vs loop |"
-             " SYRK s | load |", "|" + "---|" * 11]
+    lines = ["| d | rows | rows of | kernel | build s | floor s (macs / bytes) | build / floor (target) | loop s |"
+             f" vs loop (target >= {TARGET_VS_LOOP:g}) | SYRK s | load |", "|" + "---|" * 11]
     for r in table:
-        lines.append(f"| {r['d']} | {r['rows']:,} | {r['causal']} | {r['kernel']} | {f(r['build_s'])} |"
+        kind = ("prefixes" if r["causal"] else "last tokens") + (", variable lengths" if r.get("variable_lengths")
+                                                                 else "")
+        lines.append(f"| {r['d']} | {r['rows']:,} | {kind} | {r['kernel']} | {f(r['build_s'])} |"
                      f" {f(r['floor_s'], 4)} ({f(r['floor_macs_s'], 4)} / {f(r['floor_bytes_s'], 4)}) |"
-                     f" {f(r['build_vs_floor'], 2)} | {f(r['loop_s'])} | {f(r['speedup_vs_loop'], 2)} |"
+                     f" {f(r['build_vs_floor'], 2)} ({_met(r['build_vs_floor'], target_vs_floor(r['d']), le=True)}) |"
+                     f" {f(r['loop_s'])} | {f(r['speedup_vs_loop'], 2)}"
+                     f" ({_met(r['speedup_vs_loop'], TARGET_VS_LOOP, le=False)}) |"
                      f" {f(r['syrk_s'])} | {r['load_avg']:.2f} |")
     if table:
         lines.append(f"\nGEMM {table[0]['rate_gflops']:.1f} GFLOP/s, copy {table[0]['bandwidth_gbs']:.1f} GB/s.")
     return "\n".join(lines)
+
+
+def _met(value, target, le: bool) -> str:
+    """``<= 3: met`` / ``<= 3: NO`` for a ratio against its target ('-' where there is none)."""
+    if value is None or target is None:
+        return "-"
+    ok = value <= target if le else value >= target
+    return f"{'<=' if le else '>='} {target:g}: {'met' if ok else 'NO'}"
 
 
 if __name__ == "__main__":  # pragma: no cover

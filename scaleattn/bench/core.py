@@ -31,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from scaleattn._version import __version__
+from scaleattn.bench import build as build_bench
+from scaleattn.bench import workers as workers_bench
+from scaleattn.bench.build import gemm_rate
 from scaleattn.features import n_features, n_pairs, phi, row_targets, token_features
 
 __all__ = ["run"]
@@ -50,14 +53,6 @@ def _best(fn, reps=2, budget=20.0):
         if total > budget:
             break
     return best, out
-
-
-def gemm_rate(n=2000) -> float:
-    """float64 GEMM rate (flop/s) of this process's BLAS on an n x n product (best of 3)."""
-    a = np.random.default_rng(0).random((n, n))
-    a @ a
-    t, _ = _best(lambda: a @ a, reps=3)
-    return 2.0 * n**3 / t
 
 
 def _mhla(d, samples, length, causal, seed=0):
@@ -175,30 +170,6 @@ def rows_scaling(tmp, d, samples, length) -> list[dict]:
     return out
 
 
-def workers_scaling(path) -> list[dict]:
-    """Statistics build of one dataset on a local Dask cluster with 1 and 2 workers (one thread each)."""
-    from scaleattn.dataset import open_dataset
-    from scaleattn.distributed.build import compute_statistics
-    from scaleattn.distributed.cluster import connect
-
-    ds = open_dataset(path)
-    out = []
-    for w in (1, 2):
-        with connect(workers=w, quiet=True) as client:
-            client.run(_warm)  # imports on the workers, outside the timing
-            t, st = _best(lambda: compute_statistics(ds, client, group_samples=ds.chunk_samples), reps=1)
-        out.append({"workers": w, "build_s": t, "rows": st.n_rows})
-    out[1]["speedup"] = out[0]["build_s"] / out[1]["build_s"]
-    return out
-
-
-def _warm():
-    import scaleattn.distributed.build  # noqa: F401
-    import scaleattn.kernel
-
-    scaleattn.kernel._blas_controller()  # the BLAS scan, once per worker outside the timing
-
-
 def d_scaling(sizes, rate) -> list[dict]:
     """Build and solve time per d (non-causal rows for d = 32: independent rows, smallest N that certifies)."""
     from scaleattn.distributed.memory import fit_memory
@@ -266,21 +237,26 @@ def run(out_dir, quick: bool = False) -> dict:
     with threadpool_limits(os.cpu_count() or 1, user_api="blas"), tempfile.TemporaryDirectory() as tmp:
         res["machine"] = _machine()
         rate = gemm_rate(1500 if quick else 2500)
-        res["gemm_gflops"] = rate / 1e9
-        _say(f"GEMM {rate / 1e9:.1f} GFLOP/s")
+        bandwidth = build_bench.copy_bandwidth()
+        res["gemm_gflops"], res["copy_gbs"] = rate / 1e9, bandwidth / 1e9
+        _say(f"GEMM {rate / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s")
         samples = 40 if quick else 400  # x 100 prefixes: 4,000 / 40,000 rows
         res["core"] = core_comparison(8, 100, 100, rate) if quick else core_comparison(16, samples, 100, rate)
         c = res["core"]
         _say(f"core d={c['d']}: build {c['build_s']:.2f} s = {c['build_vs_floor']:.2f} x floor"
              + (f", {c['speedup_vs_numpy_syrk']:.2f} x faster than SYRK" if "speedup_vs_numpy_syrk" in c else ""))
+        res["build_table"] = build_bench.build_table(build_bench.QUICK_SIZES if quick else build_bench.SIZES, rate,
+                                                     bandwidth=bandwidth, repeats=1 if quick else 2)
+        _say("build: " + "; ".join(f"d={r['d']} {r['kernel']} {r['build_vs_floor']:.2f} x floor"
+                                   for r in res["build_table"]))
         res["rows_scaling"] = rows_scaling(tmp, 16 if not quick else 8, samples if not quick else 100, 100)
         _say("rows: " + "; ".join(f"{o['n_rows']:,} in {o['fit_s']:.1f} s, {o['peak_rss_bytes'] / 2**20:.0f} MiB"
                                   for o in res["rows_scaling"]))
-        res["workers"] = workers_scaling(os.path.join(tmp, "rows4.zarr"))
-        _say("workers: " + "; ".join(f"{o['workers']}: {o['build_s']:.1f} s" for o in res["workers"]))
+        res["workers"] = workers_bench.workers_scaling(os.path.join(tmp, "rows4.zarr"))
+        _say("workers: " + "; ".join(f"{o['workers']}: {o['build_s']:.1f} s" for o in res["workers"]["workers"])
+             + f" (in process, 1 thread: {res['workers']['in_process']['build_s']:.1f} s)")
         sizes = [(4, 200, 100, True), (8, 200, 100, True), (16, samples, 100, True)]
-        sizes.append((32, 300, 32, False) if quick else (32, 24_000, 32, False))
-        res["d_scaling"] = d_scaling(sizes, rate) if not quick else d_scaling(sizes[:3], rate)
+        res["d_scaling"] = d_scaling(sizes, rate)
         _say("d: " + "; ".join(f"{o['d']}: build {o['build_s']:.2f} s, solve {o['solve_s']:.2f} s" for o in res["d_scaling"]))
         gemm_after = gemm_rate(1500 if quick else 2500)
         res["gemm_gflops_end"] = gemm_after / 1e9
@@ -355,9 +331,13 @@ def markdown(res) -> str:
           for o in res["rows_scaling"]]
     L += ["", f"Target: peak memory N -> 4N grows <= 10%: {_yn(res['met']['rss_growth_n_to_4n'])}.", "",
           "## Workers (local Dask cluster, 1 thread each, statistics build of the 4N set)", "",
-          "| workers | build s | rows |", "|---|---|---|"]
-    L += [f"| {o['workers']} | {o['build_s']:.2f} | {o['rows']:,} |" for o in res["workers"]]
-    L += ["", f"Speed-up 1 -> 2 workers: {res['workers'][1]['speedup']:.2f} x.", "", "## d", "",
+          f"{res['workers']['in_process']['rows']:,} rows; each build in a fresh process; seconds by kind from Dask's"
+          " task stream (partial tasks summed over workers; overhead = wall - the busiest worker's compute).", ""]
+    L += workers_bench.markdown(res["workers"])
+    L += ["", "## The statistics build against its floors, per d and kernel", "",
+          "floor = max(2 x compact multiply-adds / GEMM rate, token bytes / copy bandwidth), both measured in this"
+          " run; loop = phi per chunk, G += phi^T phi, B += phi^T y (numpy); SYRK = phi^T phi on a ready phi.", "",
+          build_bench.markdown(res["build_table"]), "", "## d", "",
           "| d | psi | rows | build s | build / floor | solve s | solver | est. solver GiB | identifiable | coef err vs teacher |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     L += [f"| {o['d']} | {o['psi']:,} | {o['rows']:,} | {o['build_s']:.2f} | {o['build_vs_floor']:.2f} | {o['solve_s']:.2f} |"

@@ -3,7 +3,7 @@ benchmark used to surface only when a user ran ``scaleattn bench``)."""
 import numpy as np
 import pytest
 
-from scaleattn.bench import core, krylov
+from scaleattn.bench import core, krylov, workers
 
 
 def test_core_comparison_tiny():
@@ -22,9 +22,16 @@ def test_d_scaling_tiny():
 def test_workers_scaling_tiny(tmp_path):
     from scaleattn.generate import generate_mhla
 
-    ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=8, samples=32, causal=True, seed=0)
-    out = core.workers_scaling(ds.url)
-    assert [o["workers"] for o in out] == [1, 2] and all(o["rows"] == 256 for o in out)
+    ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=8, samples=32, causal=True, seed=0,
+                      chunk_samples=8)
+    r = workers.workers_scaling(ds.url)
+    assert [o["workers"] for o in r["workers"]] == [1, 2]
+    assert r["in_process"]["rows"] == 256 and all(o["rows"] == 256 for o in r["workers"])
+    two = r["workers"][1]
+    assert two["seconds_by_kind"]["partial"] > 0 and len(two["busy_s_per_worker"]) <= 2
+    assert sum(two["partials_per_worker"]) == -(-32 // ds.chunk_samples)  # one partial per chunk (row group)
+    assert r["speedup_2_workers"] == pytest.approx(r["workers"][0]["build_s"] / two["build_s"])
+    assert "| 2 worker(s) |" in "\n".join(workers.markdown(r))
 
 
 @pytest.mark.slow
