@@ -19,11 +19,13 @@ sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
-__all__ = ["compiled", "row_pieces", "features_t", "tc_panel", "moments_panel", "CHUNK_ROWS", "PANEL_COLS",
-           "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS"]
+__all__ = ["compiled", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel", "piece_stats",
+           "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES",
+           "MAX_PARTIAL_BYTES"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -36,6 +38,12 @@ PANEL_COLS = 64
 MIN_PANELS = 4
 #: row pieces per call at most, and rows per piece at least (:func:`row_pieces`)
 MAX_PIECES, MIN_PIECE_ROWS = 4, 8192
+#: the fused pass (:func:`piece_stats`, :func:`sample_pieces`): a piece of whole samples has about this many
+#: multiply-adds at least (a few ms: the thread hand-off and the partial's sum stay small), at most
+#: :data:`MAX_SAMPLE_PIECES` pieces per call, their partials :data:`MAX_PARTIAL_BYTES` at most together
+PIECE_MACS = 20_000_000
+MAX_SAMPLE_PIECES = 64
+MAX_PARTIAL_BYTES = 32e6
 
 
 def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
@@ -50,6 +58,24 @@ def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
     """
     k = 1 if panels >= MIN_PANELS else max(1, min(MAX_PIECES, rows // MIN_PIECE_ROWS))
     edges = [rows * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float) -> list[tuple[int, int]]:
+    """Sample ranges ``[i0, i1)`` of about equal rows that :func:`piece_stats` sums apart (added in this order):
+    a function of the rows of each sample and the shapes only (never of the thread count), so every piece, and
+    their sum in order, has the same bits on any number of threads.
+
+    Examples
+    --------
+    >>> sample_pieces(np.full(4, 10_000), 5500, 5000)
+    [(0, 1), (1, 2), (2, 3), (3, 4)]
+    """
+    cum = np.cumsum(np.asarray(rows_per_sample, dtype=np.int64))
+    n, rows = len(cum), int(cum[-1]) if len(cum) else 0
+    k = min(int(rows * macs_per_row // PIECE_MACS), MAX_SAMPLE_PIECES, int(MAX_PARTIAL_BYTES // max(partial_bytes, 1)))
+    k = max(1, min(k, n))
+    edges = sorted({0, n, *(int(np.searchsorted(cum, rows * i / k, side="right")) for i in range(1, k))})
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -171,14 +197,111 @@ def _moments_panel(sT, xT, y, out, chunk, lo, hi):  # pragma: no cover - compile
             out[p, k] += acc[p, k]
 
 
+def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R):  # pragma: no cover - compiled
+    """Add one chunk of ``R`` rows (feature-major ``S`` (mp, chunk), ``X`` (d, chunk), ``Y`` (d_out, chunk)) to
+    ``tc`` (wp, nvp) and ``mom`` (mp, nbp): ``v`` formed once in ``V``, ``u`` formed four columns at a time in
+    ``U`` (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments'
+    ``x (x) y`` in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same
+    loop in an order fixed by ``R``."""
+    d, k_out = X.shape[0], Y.shape[0]
+    w, wp, nvp = P.shape[0], tc.shape[0], V.shape[0]
+    k = 0
+    for a in range(d):
+        for b in range(a, d):
+            for r in range(R):
+                V[k, r] = X[a, r] * X[b, r]
+            k += 1
+    for i in range(0, wp, 4):
+        for c in range(4):
+            if i + c < w:
+                p, q = P[i + c], Q[i + c]
+                for r in range(R):
+                    U[c, r] = S[p, r] * S[q, r]
+            else:
+                for r in range(R):
+                    U[c, r] = 0.0
+        _acc(U, V, tc[i : i + 4], 4, nvp, R)
+    if k_out:
+        for l in range(d):
+            for a in range(k_out):
+                for r in range(R):
+                    XY[l * k_out + a, r] = X[l, r] * Y[a, r]
+        _acc(S, XY, mom, mom.shape[0], mom.shape[1], R)
+
+
+def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cover - compiled
+    """The statistics of the samples ``[i0, i1)`` in one pass over their tokens: the features (as
+    :func:`_features`: the prefix sum restarts per sample, so a piece of whole samples is independent) are
+    formed ``chunk`` rows at a time in cache-sized buffers and each full chunk is added by :func:`_flush` to the
+    piece's own partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp). ``tg`` (n, T or 1, d_out): causal targets per
+    position, else one row per sample. Returns ``sum y^2`` of the piece's rows."""
+    n, T, d = z.shape
+    m, k_out = d * (d + 1) // 2, tg.shape[2]
+    mp = mom.shape[0]
+    S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
+    V, U, XY = np.zeros((tc.shape[1], chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
+    acc = np.zeros(m)
+    R, yy = 0, 0.0
+    for i in range(i0, i1):
+        L = min(max(lens[i], 0), T)
+        acc[:] = 0.0
+        for t in range(L):
+            k = 0
+            for a in range(d):
+                za = z[i, t, a]
+                for b in range(a, d):
+                    acc[k] += za * z[i, t, b]
+                    k += 1
+            if causal:
+                for k in range(m):
+                    S[k, R] = acc[k]
+                for a in range(d):
+                    X[a, R] = z[i, t, a]
+                for a in range(k_out):
+                    ya = tg[i, t, a]
+                    Y[a, R] = ya
+                    yy += ya * ya
+                R += 1
+                if R == chunk:
+                    _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
+                    R = 0
+        if not causal:
+            for k in range(m):
+                S[k, R] = acc[k]
+            for a in range(d):
+                X[a, R] = z[i, L - 1, a] if L > 0 else 0.0
+            for a in range(k_out):
+                ya = tg[i, 0, a]
+                Y[a, R] = ya
+                yy += ya * ya
+            R += 1
+            if R == chunk:
+                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
+                R = 0
+    if R:
+        _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
+    return yy
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
-def compiled():
-    """The njit-compiled functions ``(features, tc_panel, moments_panel)`` (numba imported here, once)."""
+def _compile():
     import numba
 
     opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-    globals()["_acc"] = numba.njit(**opts)(_acc)  # the callers resolve _acc from the globals when compiled
-    return numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel)
+    for name in ("_acc", "_flush"):  # the callers resolve these from the globals when compiled
+        globals()[name] = numba.njit(**opts)(globals()[name])
+    return (numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel),
+            numba.njit(**opts)(_piece))
+
+
+def compiled():
+    """The njit-compiled functions ``(features, tc_panel, moments_panel, piece)`` (numba imported here, once;
+    the first call may come from several kernel threads at once, hence the lock)."""
+    with _COMPILE_LOCK:
+        return _compile()
 
 
 def features_t(tokens, lengths=None, causal: bool = False):
@@ -206,6 +329,14 @@ def tc_panel(out, sT, xT, c0: int, c1: int, rows: tuple[int, int] | None = None,
     P, Q = _pairs(sT.shape[0], c0, c1)
     lo, hi = (0, sT.shape[1]) if rows is None else rows
     compiled()[1](sT, xT, P, Q, out, int(chunk or CHUNK_ROWS), int(lo), int(hi))
+
+
+def piece_stats(z, lens, tg, causal: bool, i0: int, i1: int, c0: int, c1: int, tc, mom, chunk: int | None = None):
+    """Add samples ``[i0, i1)`` to the piece partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp) (padded to
+    multiples of 4 rows, 2 columns; zero on entry) in one fused pass (:func:`_piece`); ``z`` (n, T, d) and
+    ``tg`` (n, T or 1, d_out) float64 C-contiguous, ``lens`` (n,) int64; returns ``sum y^2``."""
+    P, Q = _pairs(z.shape[2] * (z.shape[2] + 1) // 2, c0, c1)
+    return compiled()[3](z, lens, tg, bool(causal), int(i0), int(i1), P, Q, tc, mom, int(chunk or CHUNK_ROWS))
 
 
 def moments_panel(moments, sT, xT, y, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:
