@@ -197,20 +197,37 @@ def _moments_panel(sT, xT, y, out, chunk, lo, hi):  # pragma: no cover - compile
             out[p, k] += acc[p, k]
 
 
-def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R):  # pragma: no cover - compiled
-    """Add one chunk of ``R`` rows (feature-major ``S`` (mp, chunk), ``X`` (d, chunk), ``Y`` (d_out, chunk)) to
-    ``tc`` (wp, nvp) and ``mom`` (mp, nbp): ``v`` formed once in ``V``, ``u`` formed four columns at a time in
-    ``U`` (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments'
-    ``x (x) y`` in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same
-    loop in an order fixed by ``R``."""
+def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cover - compiled
+    """Add one chunk of ``R`` rows (feature-major ``X`` (d, chunk), ``Y`` (d_out, chunk)) to ``tc`` (wp, nvp) and
+    ``mom`` (mp, nbp): ``v = vech(x x^T)`` formed once in ``V`` (mp, chunk); with ``start`` (causal) ``S`` is
+    its running sum along the rows, restarting where ``start[r]`` (a sample's first token) and carried from the
+    last chunk in ``carry``, else ``S`` (mp, chunk) is given; ``u`` is formed four columns at a time in ``U``
+    (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments' ``x (x) y``
+    in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same loops in an
+    order fixed by ``R`` and the sample starts."""
     d, k_out = X.shape[0], Y.shape[0]
-    w, wp, nvp = P.shape[0], tc.shape[0], V.shape[0]
+    w, wp, nvp, mp = P.shape[0], tc.shape[0], tc.shape[1], S.shape[0]
     k = 0
     for a in range(d):
         for b in range(a, d):
             for r in range(R):
                 V[k, r] = X[a, r] * X[b, r]
             k += 1
+    if start.shape[0]:
+        for k0 in range(0, mp, 4):  # four independent running sums at a time (numpy's cumsum order)
+            c0, c1, c2, c3 = carry[k0], carry[k0 + 1], carry[k0 + 2], carry[k0 + 3]
+            for r in range(R):
+                if start[r]:
+                    c0 = c1 = c2 = c3 = 0.0
+                c0 += V[k0, r]
+                c1 += V[k0 + 1, r]
+                c2 += V[k0 + 2, r]
+                c3 += V[k0 + 3, r]
+                S[k0, r] = c0
+                S[k0 + 1, r] = c1
+                S[k0 + 2, r] = c2
+                S[k0 + 3, r] = c3
+            carry[k0], carry[k0 + 1], carry[k0 + 2], carry[k0 + 3] = c0, c1, c2, c3
     for i in range(0, wp, 4):
         for c in range(4):
             if i + c < w:
@@ -226,46 +243,58 @@ def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R):  # pragma: no cover - compiled
             for a in range(k_out):
                 for r in range(R):
                     XY[l * k_out + a, r] = X[l, r] * Y[a, r]
-        _acc(S, XY, mom, mom.shape[0], mom.shape[1], R)
+        _acc(S, XY, mom, mp, mom.shape[1], R)
 
 
 def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cover - compiled
-    """The statistics of the samples ``[i0, i1)`` in one pass over their tokens: the features (as
-    :func:`_features`: the prefix sum restarts per sample, so a piece of whole samples is independent) are
-    formed ``chunk`` rows at a time in cache-sized buffers and each full chunk is added by :func:`_flush` to the
-    piece's own partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp). ``tg`` (n, T or 1, d_out): causal targets per
-    position, else one row per sample. Returns ``sum y^2`` of the piece's rows."""
+    """The statistics of the samples ``[i0, i1)`` in one pass over their tokens, ``chunk`` rows at a time in
+    cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
+    and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
+    (restarting per sample, so a piece of whole samples is independent); last-token: ``s`` per sample as
+    :func:`_features`. ``tg`` (n, T or 1, d_out): causal targets per position, else one row per sample. Returns
+    ``sum y^2`` of the piece's rows."""
     n, T, d = z.shape
     m, k_out = d * (d + 1) // 2, tg.shape[2]
     mp = mom.shape[0]
     S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
-    V, U, XY = np.zeros((tc.shape[1], chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
+    V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
+    start, carry = np.zeros(chunk if causal else 0, dtype=np.bool_), np.zeros(mp)
     acc = np.zeros(m)
     R, yy = 0, 0.0
-    for i in range(i0, i1):
-        L = min(max(lens[i], 0), T)
-        acc[:] = 0.0
-        for t in range(L):
-            k = 0
-            for a in range(d):
-                za = z[i, t, a]
-                for b in range(a, d):
-                    acc[k] += za * z[i, t, b]
-                    k += 1
-            if causal:
-                for k in range(m):
-                    S[k, R] = acc[k]
+    if causal:
+        i, t = i0, 0
+        while i < i1:
+            L = min(max(lens[i], 0), T)
+            if t >= L:
+                i, t = i + 1, 0
+                continue
+            cnt = min(L - t, chunk - R)
+            for j in range(cnt):
+                start[R + j] = False
+            start[R] = t == 0
+            zi, ti = z[i], tg[i]
+            for j in range(cnt):
                 for a in range(d):
-                    X[a, R] = z[i, t, a]
+                    X[a, R + j] = zi[t + j, a]
                 for a in range(k_out):
-                    ya = tg[i, t, a]
-                    Y[a, R] = ya
+                    ya = ti[t + j, a]
+                    Y[a, R + j] = ya
                     yy += ya * ya
-                R += 1
-                if R == chunk:
-                    _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
-                    R = 0
-        if not causal:
+            R, t = R + cnt, t + cnt
+            if R == chunk:
+                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                R = 0
+    else:
+        for i in range(i0, i1):
+            L = min(max(lens[i], 0), T)
+            acc[:] = 0.0
+            for t in range(L):
+                k = 0
+                for a in range(d):
+                    za = z[i, t, a]
+                    for b in range(a, d):
+                        acc[k] += za * z[i, t, b]
+                        k += 1
             for k in range(m):
                 S[k, R] = acc[k]
             for a in range(d):
@@ -276,10 +305,10 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
                 yy += ya * ya
             R += 1
             if R == chunk:
-                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
+                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
                 R = 0
     if R:
-        _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R)
+        _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
     return yy
 
 
