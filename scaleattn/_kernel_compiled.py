@@ -204,7 +204,7 @@ def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cov
     last chunk in ``carry``, else ``S`` (mp, chunk) is given; ``u`` is formed four columns at a time in ``U``
     (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments' ``x (x) y``
     in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same loops in an
-    order fixed by ``R`` and the sample starts."""
+    order fixed by ``R`` and the sample starts. Returns the chunk's ``sum y^2``."""
     d, k_out = X.shape[0], Y.shape[0]
     w, wp, nvp, mp = P.shape[0], tc.shape[0], tc.shape[1], S.shape[0]
     k = 0
@@ -244,6 +244,11 @@ def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cov
                 for r in range(R):
                     XY[l * k_out + a, r] = X[l, r] * Y[a, r]
         _acc(S, XY, mom, mp, mom.shape[1], R)
+    yy = 0.0
+    for a in range(k_out):  # vectorised (a serial sum per row would cost a 4-cycle latency per target)
+        for r in range(R):
+            yy += Y[a, r] * Y[a, r]
+    return yy
 
 
 def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cover - compiled
@@ -277,12 +282,10 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
                 for a in range(d):
                     X[a, R + j] = zi[t + j, a]
                 for a in range(k_out):
-                    ya = ti[t + j, a]
-                    Y[a, R + j] = ya
-                    yy += ya * ya
+                    Y[a, R + j] = ti[t + j, a]
             R, t = R + cnt, t + cnt
             if R == chunk:
-                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
                 R = 0
     else:
         for i in range(i0, i1):
@@ -300,15 +303,13 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
             for a in range(d):
                 X[a, R] = z[i, L - 1, a] if L > 0 else 0.0
             for a in range(k_out):
-                ya = tg[i, 0, a]
-                Y[a, R] = ya
-                yy += ya * ya
+                Y[a, R] = tg[i, 0, a]
             R += 1
             if R == chunk:
-                _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
                 R = 0
     if R:
-        _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+        yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
     return yy
 
 
