@@ -11,10 +11,15 @@ AVX-512), releases the GIL (``nogil``) so the kernel's own thread pool runs them
 safe under Dask's worker threads; the threads are :mod:`scaleattn.kernel`'s. Measured (docs/performance.md,
 :mod:`scaleattn.bench.build`) on 2 AVX2 cores.
 
+Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
+``B``, ``yy``: the ``accumulate`` path below ``BLAS_MIN_D``, run on the kernel's threads by
+:func:`scaleattn.kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel` work on
+ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
+
 The functions are plain Python until :func:`compiled` compiles them (numba is imported lazily: it costs
 0.5 s at start-up, as much as the rest of the package). Every reduction runs in an order fixed by the code and
-the panel boundaries only (never by the thread count): ``fastmath`` allows reassociation (for vectorised
-sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
+the panel, piece and chunk boundaries only (never by the thread count): ``fastmath`` allows reassociation (for
+vectorised sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
 """
 from __future__ import annotations
 
@@ -255,8 +260,8 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
     """The statistics of the samples ``[i0, i1)`` in one pass over their tokens, ``chunk`` rows at a time in
     cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
     and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
-    (restarting per sample, so a piece of whole samples is independent); last-token: ``s`` per sample as
-    :func:`_features`. ``tg`` (n, T or 1, d_out): causal targets per position, else one row per sample. Returns
+    (restarting per sample, so a piece of whole samples is independent); last-token: ``s = vech(Z^T Z)`` per
+    sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per position, else one row per sample. Returns
     ``sum y^2`` of the piece's rows."""
     n, T, d = z.shape
     m, k_out = d * (d + 1) // 2, tg.shape[2]
@@ -264,7 +269,6 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
     S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
     V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
     start, carry = np.zeros(chunk if causal else 0, dtype=np.bool_), np.zeros(mp)
-    acc = np.zeros(m)
     R, yy = 0, 0.0
     if causal:
         i, t = i0, 0
@@ -288,18 +292,20 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
                 yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
                 R = 0
     else:
+        Zt = np.zeros((d, T))
         for i in range(i0, i1):
-            L = min(max(lens[i], 0), T)
-            acc[:] = 0.0
-            for t in range(L):
-                k = 0
+            L, zi = min(max(lens[i], 0), T), z[i]
+            for t in range(L):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
                 for a in range(d):
-                    za = z[i, t, a]
-                    for b in range(a, d):
-                        acc[k] += za * z[i, t, b]
-                        k += 1
-            for k in range(m):
-                S[k, R] = acc[k]
+                    Zt[a, t] = zi[t, a]
+            k = 0
+            for a in range(d):
+                for b in range(a, d):
+                    c = 0.0
+                    for t in range(L):
+                        c += Zt[a, t] * Zt[b, t]
+                    S[k, R] = c
+                    k += 1
             for a in range(d):
                 X[a, R] = z[i, L - 1, a] if L > 0 else 0.0
             for a in range(k_out):

@@ -255,7 +255,9 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
-    ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
+    ``B += s^T (x (x) y)``; with the numba kernel below ``BLAS_MIN_D`` all of it (features included) in one
+    fused pass over the block's tokens (:func:`scaleattn.kernel.fused_update`, blocks of ``BLOCK_BYTES`` of
+    float64 tokens and targets). Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
