@@ -261,10 +261,10 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cov
     cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
     and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
     (restarting per sample, so a piece of whole samples is independent); last-token: ``s = vech(Z^T Z)`` per
-    sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per position, else one row per sample. Returns
-    ``sum y^2`` of the piece's rows."""
+    sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per
+    position, else one row per sample. Returns ``sum y^2`` of the piece's rows."""
     n, T, d = z.shape
-    m, k_out = d * (d + 1) // 2, tg.shape[2]
+    k_out = tg.shape[2]
     mp = mom.shape[0]
     S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
     V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
