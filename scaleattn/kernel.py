@@ -320,7 +320,8 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
 
     jobs = [(int(rows[i0:i1].sum()) * (w * m + m * nb), functools.partial(job, i0, i1, *part))
             for (i0, i1), part in zip(pieces, parts)]
-    if getattr(_IN_KERNEL, "active", False) or (threads or _blas_threads()) <= 1 or len(jobs) == 1:
+    small = sum(c for c, _ in jobs) < MIN_THREAD_MACS
+    if getattr(_IN_KERNEL, "active", False) or (threads or _blas_threads()) <= 1 or len(jobs) == 1 or small:
         _call_all([f for _, f in jobs], None)
     else:
         with _KERNEL_LOCK:
