@@ -293,7 +293,7 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum
     restarts per sample) and sums ``Tc`` and ``B`` into its own partial (:func:`scaleattn._kernel_compiled.
     piece_stats`), on this kernel's threads; the partials are added in piece order, so the bits do not depend on
-    ``threads``. ``tokens`` (n, T, d), ``targets`` (n, d_out) or causal (n, T, d_out), ``lengths`` (n,) as in
+    ``threads``, nor (pieces of the whole ``Tc``) on ``cols`` or on whether ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out) or causal (n, T, d_out), ``lengths`` (n,) as in
     :func:`scaleattn.statistics.accumulate` (numpy).
     """
     kc = _kernel_compiled
@@ -312,7 +312,8 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     w, nb = c1 - c0, d * k_out
     shape_tc, shape_mom = (w + (-w) % 4, m + m % 2), (m + (-m) % 4, nb + nb % 2)
     rows = lens if causal else np.ones(n, dtype=np.int64)
-    pieces = kc.sample_pieces(rows, w * m + m * nb, 8.0 * (shape_tc[0] * shape_tc[1] + shape_mom[0] * shape_mom[1]))
+    mm = n_pairs(m)  # the pieces of the whole Tc, with or without targets: a tile, or Tc built without B, has
+    pieces = kc.sample_pieces(rows, mm * m, 8.0 * (mm + 3) * (m + 1))  # the same bits as the full build
     parts = [(np.zeros(shape_tc), np.zeros(shape_mom), [0.0]) for _ in pieces]
 
     def job(i0, i1, tc, mom, yy):

@@ -129,6 +129,10 @@ def test_fused_pass_pieces_are_deterministic_and_agree(causal, monkeypatch):
         assert yy == ref.yy and rows == ref.n_rows
     b = _build("numpy", tokens, targets, lengths, causal)
     assert _rel(ref.gram_compact, b.gram_compact) <= 1e-14 and _rel(ref.moments, b.moments) <= 1e-14
+    assert np.array_equal(_build("numba", tokens, None, lengths, causal).gram_compact, ref.gram_compact)
+    cols = slice(7, 30)  # a tile has the bits of the full build's rows
+    assert np.array_equal(_build("numba", tokens, targets, lengths, causal, cols=cols).gram_compact,
+                          ref.gram_compact[cols])
     bad = tokens.copy()
     bad[5, 0, 1] = np.nan
     nan_a, nan_b = _build("numba", bad, targets, lengths, causal), _build("numpy", bad, targets, lengths, causal)
