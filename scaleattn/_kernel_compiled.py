@@ -11,19 +11,26 @@ AVX-512), releases the GIL (``nogil``) so the kernel's own thread pool runs them
 safe under Dask's worker threads; the threads are :mod:`scaleattn.kernel`'s. Measured (docs/performance.md,
 :mod:`scaleattn.bench.build`) on 2 AVX2 cores.
 
+Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
+``B``, ``yy``: the ``accumulate`` path below ``BLAS_MIN_D``, run on the kernel's threads by
+:func:`scaleattn.kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel` work on
+ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
+
 The functions are plain Python until :func:`compiled` compiles them (numba is imported lazily: it costs
 0.5 s at start-up, as much as the rest of the package). Every reduction runs in an order fixed by the code and
-the panel boundaries only (never by the thread count): ``fastmath`` allows reassociation (for vectorised
-sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
+the panel, piece and chunk boundaries only (never by the thread count): ``fastmath`` allows reassociation (for
+vectorised sums) but not ``nnan`` / ``ninf``, so NaNs propagate.
 """
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
-__all__ = ["compiled", "row_pieces", "features_t", "tc_panel", "moments_panel", "CHUNK_ROWS", "PANEL_COLS",
-           "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS"]
+__all__ = ["compiled", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel", "piece_stats",
+           "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES",
+           "MAX_PARTIAL_BYTES"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -36,6 +43,12 @@ PANEL_COLS = 64
 MIN_PANELS = 4
 #: row pieces per call at most, and rows per piece at least (:func:`row_pieces`)
 MAX_PIECES, MIN_PIECE_ROWS = 4, 8192
+#: the fused pass (:func:`piece_stats`, :func:`sample_pieces`): a piece of whole samples has about this many
+#: multiply-adds at least (a few ms: the thread hand-off and the partial's sum stay small), at most
+#: :data:`MAX_SAMPLE_PIECES` pieces per call, their partials :data:`MAX_PARTIAL_BYTES` at most together
+PIECE_MACS = 20_000_000
+MAX_SAMPLE_PIECES = 64
+MAX_PARTIAL_BYTES = 32e6
 
 
 def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
@@ -50,6 +63,24 @@ def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
     """
     k = 1 if panels >= MIN_PANELS else max(1, min(MAX_PIECES, rows // MIN_PIECE_ROWS))
     edges = [rows * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float) -> list[tuple[int, int]]:
+    """Sample ranges ``[i0, i1)`` of about equal rows that :func:`piece_stats` sums apart (added in this order):
+    a function of the rows of each sample and the shapes only (never of the thread count), so every piece, and
+    their sum in order, has the same bits on any number of threads.
+
+    Examples
+    --------
+    >>> sample_pieces(np.full(4, 10_000), 5500, 5000)
+    [(0, 1), (1, 2), (2, 3), (3, 4)]
+    """
+    cum = np.cumsum(np.asarray(rows_per_sample, dtype=np.int64))
+    n, rows = len(cum), int(cum[-1]) if len(cum) else 0
+    k = min(int(rows * macs_per_row // PIECE_MACS), MAX_SAMPLE_PIECES, int(MAX_PARTIAL_BYTES // max(partial_bytes, 1)))
+    k = max(1, min(k, n))
+    edges = sorted({0, n, *(int(np.searchsorted(cum, rows * i / k, side="right")) for i in range(1, k))})
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -171,14 +202,142 @@ def _moments_panel(sT, xT, y, out, chunk, lo, hi):  # pragma: no cover - compile
             out[p, k] += acc[p, k]
 
 
+def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cover - compiled
+    """Add one chunk of ``R`` rows (feature-major ``X`` (d, chunk), ``Y`` (d_out, chunk)) to ``tc`` (wp, nvp) and
+    ``mom`` (mp, nbp): ``v = vech(x x^T)`` formed once in ``V`` (mp, chunk); with ``start`` (causal) ``S`` is
+    its running sum along the rows, restarting where ``start[r]`` (a sample's first token) and carried from the
+    last chunk in ``carry``, else ``S`` (mp, chunk) is given; ``u`` is formed four columns at a time in ``U``
+    (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments' ``x (x) y``
+    in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same loops in an
+    order fixed by ``R`` and the sample starts. Returns the chunk's ``sum y^2``."""
+    d, k_out = X.shape[0], Y.shape[0]
+    w, wp, nvp, mp = P.shape[0], tc.shape[0], tc.shape[1], S.shape[0]
+    k = 0
+    for a in range(d):
+        for b in range(a, d):
+            for r in range(R):
+                V[k, r] = X[a, r] * X[b, r]
+            k += 1
+    if start.shape[0]:
+        for k0 in range(0, mp, 4):  # four independent running sums at a time (numpy's cumsum order)
+            c0, c1, c2, c3 = carry[k0], carry[k0 + 1], carry[k0 + 2], carry[k0 + 3]
+            for r in range(R):
+                if start[r]:
+                    c0 = c1 = c2 = c3 = 0.0
+                c0 += V[k0, r]
+                c1 += V[k0 + 1, r]
+                c2 += V[k0 + 2, r]
+                c3 += V[k0 + 3, r]
+                S[k0, r] = c0
+                S[k0 + 1, r] = c1
+                S[k0 + 2, r] = c2
+                S[k0 + 3, r] = c3
+            carry[k0], carry[k0 + 1], carry[k0 + 2], carry[k0 + 3] = c0, c1, c2, c3
+    for i in range(0, wp, 4):
+        for c in range(4):
+            if i + c < w:
+                p, q = P[i + c], Q[i + c]
+                for r in range(R):
+                    U[c, r] = S[p, r] * S[q, r]
+            else:
+                for r in range(R):
+                    U[c, r] = 0.0
+        _acc(U, V, tc[i : i + 4], 4, nvp, R)
+    if k_out:
+        for l in range(d):
+            for a in range(k_out):
+                for r in range(R):
+                    XY[l * k_out + a, r] = X[l, r] * Y[a, r]
+        _acc(S, XY, mom, mp, mom.shape[1], R)
+    yy = 0.0
+    for a in range(k_out):  # vectorised (a serial sum per row would cost a 4-cycle latency per target)
+        for r in range(R):
+            yy += Y[a, r] * Y[a, r]
+    return yy
+
+
+def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cover - compiled
+    """The statistics of the samples ``[i0, i1)`` in one pass over their tokens, ``chunk`` rows at a time in
+    cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
+    and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
+    (restarting per sample, so a piece of whole samples is independent); last-token: ``s = vech(Z^T Z)`` per
+    sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per
+    position, else one row per sample. Returns ``sum y^2`` of the piece's rows."""
+    n, T, d = z.shape
+    k_out = tg.shape[2]
+    mp = mom.shape[0]
+    S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
+    V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
+    start, carry = np.zeros(chunk if causal else 0, dtype=np.bool_), np.zeros(mp)
+    R, yy = 0, 0.0
+    if causal:
+        i, t = i0, 0
+        while i < i1:
+            L = min(max(lens[i], 0), T)
+            if t >= L:
+                i, t = i + 1, 0
+                continue
+            cnt = min(L - t, chunk - R)
+            for j in range(cnt):
+                start[R + j] = False
+            start[R] = t == 0
+            zi, ti = z[i], tg[i]
+            for j in range(cnt):
+                for a in range(d):
+                    X[a, R + j] = zi[t + j, a]
+                for a in range(k_out):
+                    Y[a, R + j] = ti[t + j, a]
+            R, t = R + cnt, t + cnt
+            if R == chunk:
+                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                R = 0
+    else:
+        Zt = np.zeros((d, T))
+        for i in range(i0, i1):
+            L, zi = min(max(lens[i], 0), T), z[i]
+            for t in range(L):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
+                for a in range(d):
+                    Zt[a, t] = zi[t, a]
+            k = 0
+            for a in range(d):
+                for b in range(a, d):
+                    c = 0.0
+                    for t in range(L):
+                        c += Zt[a, t] * Zt[b, t]
+                    S[k, R] = c
+                    k += 1
+            for a in range(d):
+                X[a, R] = z[i, L - 1, a] if L > 0 else 0.0
+            for a in range(k_out):
+                Y[a, R] = tg[i, 0, a]
+            R += 1
+            if R == chunk:
+                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                R = 0
+    if R:
+        yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+    return yy
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
-def compiled():
-    """The njit-compiled functions ``(features, tc_panel, moments_panel)`` (numba imported here, once)."""
+def _compile():
     import numba
 
     opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-    globals()["_acc"] = numba.njit(**opts)(_acc)  # the callers resolve _acc from the globals when compiled
-    return numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel)
+    for name in ("_acc", "_flush"):  # the callers resolve these from the globals when compiled
+        globals()[name] = numba.njit(**opts)(globals()[name])
+    return (numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel),
+            numba.njit(**opts)(_piece))
+
+
+def compiled():
+    """The njit-compiled functions ``(features, tc_panel, moments_panel, piece)`` (numba imported here, once;
+    the first call may come from several kernel threads at once, hence the lock)."""
+    with _COMPILE_LOCK:
+        return _compile()
 
 
 def features_t(tokens, lengths=None, causal: bool = False):
@@ -206,6 +365,14 @@ def tc_panel(out, sT, xT, c0: int, c1: int, rows: tuple[int, int] | None = None,
     P, Q = _pairs(sT.shape[0], c0, c1)
     lo, hi = (0, sT.shape[1]) if rows is None else rows
     compiled()[1](sT, xT, P, Q, out, int(chunk or CHUNK_ROWS), int(lo), int(hi))
+
+
+def piece_stats(z, lens, tg, causal: bool, i0: int, i1: int, c0: int, c1: int, tc, mom, chunk: int | None = None):
+    """Add samples ``[i0, i1)`` to the piece partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp) (padded to
+    multiples of 4 rows, 2 columns; zero on entry) in one fused pass (:func:`_piece`); ``z`` (n, T, d) and
+    ``tg`` (n, T or 1, d_out) float64 C-contiguous, ``lens`` (n,) int64; returns ``sum y^2``."""
+    P, Q = _pairs(z.shape[2] * (z.shape[2] + 1) // 2, c0, c1)
+    return compiled()[3](z, lens, tg, bool(causal), int(i0), int(i1), P, Q, tc, mom, int(chunk or CHUNK_ROWS))
 
 
 def moments_panel(moments, sT, xT, y, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:

@@ -28,8 +28,8 @@ from ._backend import get_xp, is_numpy
 from .errors import ParameterError
 from .features import n_pairs, pair_products
 
-__all__ = ["gram_update", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS", "BLAS_MIN_D", "PANEL_ROWS",
-           "PANEL_COLS"]
+__all__ = ["gram_update", "fused_update", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS", "BLAS_MIN_D",
+           "PANEL_ROWS", "PANEL_COLS"]
 
 #: the statistics kernels (:func:`kernel_name`)
 KERNELS = ("numba", "numpy")
@@ -281,6 +281,63 @@ def _gram_update_compiled(gram, s, x, c0: int, c1: int, threads, extra):
     if out is not gram:
         gram[...] = out
     return gram
+
+
+def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool = False, cols: slice | None = None,
+                 threads: int | None = None) -> tuple[float, int]:
+    """The ``"numba"`` kernel's whole statistics of a block of samples in one pass over its tokens (d <
+    :data:`BLAS_MIN_D`): ``gram += Tc[cols]``, ``moments += B`` (when ``targets`` is given) in place; returns
+    ``(sum y^2, rows)``.
+
+    The samples are cut into pieces (:func:`scaleattn._kernel_compiled.sample_pieces`, whole samples, a function
+    of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum
+    restarts per sample) and sums ``Tc`` and ``B`` into its own partial
+    (:func:`scaleattn._kernel_compiled.piece_stats`), on this kernel's threads; the partials are added in piece
+    order, so the bits do not depend on ``threads``, nor (pieces of the whole ``Tc``) on ``cols`` or on whether
+    ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out) or causal (n, T, d_out), ``lengths`` (n,)
+    as in
+    :func:`scaleattn.statistics.accumulate` (numpy).
+    """
+    kc = _kernel_compiled
+    z = np.ascontiguousarray(tokens, dtype=np.float64)
+    n, T, d = z.shape
+    lens = np.full(n, T, dtype=np.int64) if lengths is None else np.clip(np.asarray(lengths, np.int64), 0, T)
+    if targets is None:
+        tg = np.zeros((n, 1, 0))
+    else:
+        tg = np.ascontiguousarray(targets, dtype=np.float64)
+        tg = tg if causal else tg.reshape(n, 1, -1)
+    m, k_out = n_pairs(d), tg.shape[2]
+    c0, c1, _ = (slice(0, n_pairs(m)) if cols is None else cols).indices(n_pairs(m))
+    if gram.shape[0] != c1 - c0:
+        raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
+    w, nb = c1 - c0, d * k_out
+    shape_tc, shape_mom = (w + (-w) % 4, m + m % 2), (m + (-m) % 4, nb + nb % 2)
+    rows = lens if causal else np.ones(n, dtype=np.int64)
+    mm = n_pairs(m)  # the pieces of the whole Tc, with or without targets: a tile, or Tc built without B, has
+    pieces = kc.sample_pieces(rows, mm * m, 8.0 * (mm + 3) * (m + 1))  # the same bits as the full build
+    parts = [(np.zeros(shape_tc), np.zeros(shape_mom), [0.0]) for _ in pieces]
+
+    def job(i0, i1, tc, mom, yy):
+        yy[0] = kc.piece_stats(z, lens, tg, causal, i0, i1, c0, c1, tc, mom)
+
+    jobs = [(int(rows[i0:i1].sum()) * (w * m + m * nb), functools.partial(job, i0, i1, *part))
+            for (i0, i1), part in zip(pieces, parts)]
+    small = sum(c for c, _ in jobs) < MIN_THREAD_MACS
+    if getattr(_IN_KERNEL, "active", False) or (threads or _blas_threads()) <= 1 or len(jobs) == 1 or small:
+        _call_all([f for _, f in jobs], None)
+    else:
+        with _KERNEL_LOCK:
+            nt = _blas_threads() if threads is None else int(threads)
+            nt = max(1, min(nt, len(jobs)))
+            _run_shared(_groups(jobs, len(jobs)), _call_all, nt, 1)
+    yy = 0.0
+    for tc, mom, y2 in parts:  # in piece order
+        gram += tc[:w, :m]
+        if k_out:
+            moments += mom[:m, :nb].reshape(m * d, k_out)
+        yy += y2[0]
+    return yy, int(rows.sum())
 
 
 def _call_all(group, buf) -> None:

@@ -29,7 +29,7 @@ from .features import (
     row_targets,
     token_features,
 )
-from .kernel import gram_update, kernel_name
+from .kernel import BLAS_MIN_D, fused_update, gram_update, kernel_name
 
 __all__ = ["Statistics", "accumulate", "statistics_from_arrays", "block_samples", "block_bytes_per_sample",
            "BLOCK_BYTES"]
@@ -255,11 +255,25 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
-    ``B += s^T (x (x) y)``. Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
+    ``B += s^T (x (x) y)``; with the numba kernel below ``BLAS_MIN_D`` all of it (features included) in one
+    fused pass over the block's tokens (:func:`scaleattn.kernel.fused_update`, blocks of ``BLOCK_BYTES`` of
+    float64 tokens and targets). Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
     kern = kernel_name(get_xp(tokens, stats.gram_compact), kernel)
+    if kern == "numba" and d < BLAS_MIN_D and is_numpy(xp):  # one fused compiled pass per block (bits: shapes only)
+        # no feature buffers per block: only the float64 copies of its tokens and targets
+        step = max(1, int(BLOCK_BYTES // (16 * T * d)))
+        step = step if block_rows is None else block_samples(d, T, causal, block_rows)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            yy, rows = fused_update(stats.gram_compact, stats.moments, tokens[a:b, ...],
+                                    None if targets is None else targets[a:b, ...],
+                                    None if lengths is None else lengths[a:b, ...], causal, cols)
+            stats.yy += yy
+            stats.n_rows += rows
+        return stats
     step = block_samples(d, T, causal, block_rows)
     for a in range(0, n, step):
         b = min(n, a + step)

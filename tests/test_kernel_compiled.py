@@ -111,3 +111,38 @@ def test_compiled_features_match_numpy_features():
         sT, xT = kc.features_t(tokens.astype(np.float32), lengths, causal)
         s, x = token_features(tokens.astype(np.float32), lengths, causal)
         assert np.array_equal(xT.T, x) and _rel(sT.T, s) <= 1e-15
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_pass_pieces_are_deterministic_and_agree(causal, monkeypatch):
+    """The fused pass (:func:`scaleattn.kernel.fused_update`) in several sample pieces: the same bits on 1, 2 and
+    3 threads, and the numpy kernel's sums to 1e-14 (NaN in one sample stays in the entries it reaches)."""
+    monkeypatch.setattr(kernel, "MIN_THREAD_MACS", 0)
+    monkeypatch.setattr(kc, "PIECE_MACS", 1000)  # many pieces at this size
+    tokens, targets, lengths = _data(4, causal, 2, n=120, T=9, seed=3)
+    assert len(kc.sample_pieces(lengths if causal else np.ones(120), 640, 800)) > 8
+    ref = _build("numba", tokens, targets, lengths, causal)
+    for threads in (1, 2, 3):
+        st = Statistics.zeros(4, 2)
+        yy, rows = kernel.fused_update(st.gram_compact, st.moments, tokens, targets, lengths, causal, threads=threads)
+        assert np.array_equal(st.gram_compact, ref.gram_compact) and np.array_equal(st.moments, ref.moments)
+        assert yy == ref.yy and rows == ref.n_rows
+    b = _build("numpy", tokens, targets, lengths, causal)
+    assert _rel(ref.gram_compact, b.gram_compact) <= 1e-14 and _rel(ref.moments, b.moments) <= 1e-14
+    assert np.array_equal(_build("numba", tokens, None, lengths, causal).gram_compact, ref.gram_compact)
+    cols = slice(7, 30)  # a tile has the bits of the full build's rows
+    assert np.array_equal(_build("numba", tokens, targets, lengths, causal, cols=cols).gram_compact,
+                          ref.gram_compact[cols])
+    bad = tokens.copy()
+    bad[5, 0, 1] = np.nan
+    nan_a, nan_b = _build("numba", bad, targets, lengths, causal), _build("numpy", bad, targets, lengths, causal)
+    assert np.isnan(nan_a.gram_compact).any()
+    assert np.array_equal(np.isnan(nan_a.gram_compact), np.isnan(nan_b.gram_compact))
+    assert np.array_equal(np.isnan(nan_a.moments), np.isnan(nan_b.moments))
+
+
+def test_sample_pieces_cover_the_samples_in_order():
+    for n, rows in ((1, 5), (7, 3), (1000, 100)):
+        p = kc.sample_pieces(np.full(n, rows), 10**6, 8)
+        assert p[0][0] == 0 and p[-1][1] == n and all(a[1] == b[0] and a[0] < a[1] for a, b in zip(p, p[1:]))
+        assert len(p) <= kc.MAX_SAMPLE_PIECES
