@@ -35,7 +35,7 @@ CONTRACT = [
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
-    "bench", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
+    "bench", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw", "bench.solve",
     "cli.parser", "cli.commands", "cli", "cli.__main__",
     "job", "cluster", "memory",
 ]
