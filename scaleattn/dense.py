@@ -210,10 +210,10 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         One operator per entry (None: ``M`` itself).
     block : int
         Vectors per operator and step (the basis grows by ``block`` each step).
-    rtol : float
-        An operator's run stops when the error estimate ``residual^2 / gap`` of its top Ritz value (``gap`` to
-        the next Ritz value, [P98] §11.7), or the residual ``||A u - theta u||`` itself, is at most
-        ``rtol * theta``. The interval reported is the rigorous one, ``theta <= lambda_max <= theta +
+    rtol : float or list of float
+        (One, or one per operator.) An operator's run stops when the error estimate ``residual^2 / gap`` of its
+        top Ritz value (``gap`` to the next Ritz value, [P98] §11.7), or the residual ``||A u - theta u||``
+        itself, is at most ``rtol * theta``. The interval reported is the rigorous one, ``theta <= lambda_max <= theta +
         residual`` ([P98] Thm 4.5.1).
     maxiter : int
         Steps (products) at most; a run that did not meet ``rtol`` by then says ``converged=False``.
@@ -236,6 +236,7 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
     """
     rng = np.random.default_rng(seed)
     k = max(1, min(int(block), n))
+    rtols = [float(r) for r in (rtol if np.ndim(rtol) else [rtol] * len(scales))]
     with blas_single_thread():
         runs = [_Run(n, s, rng.standard_normal((n, k)), min(n, k * maxiter)) for s in scales]
     steps = 0
@@ -250,7 +251,7 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         with blas_single_thread():  # the runs' own work is on (n, k) and (m, m) blocks: threads would only contend
             for r in live:
                 w = r.V.shape[1]
-                r.receive(Y[:, c: c + w], rtol, steps)
+                r.receive(Y[:, c: c + w], rtols[runs.index(r)], steps)
                 c += w
     return [r.estimate() for r in runs]
 

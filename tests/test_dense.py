@@ -90,3 +90,23 @@ def test_cholesky_certificate_against_dense_eigvalsh(d):
     assert e["lambda_max_scaled"].lower * (1 - 1e-12) <= w[-1] <= e["lambda_max_scaled"].upper * (1 + 1e-12)
     assert e["lambda_min_scaled_inverse"].lower * (1 - 1e-12) <= 1 / w[0]
     assert 1 / w[0] <= e["lambda_min_scaled_inverse"].upper * (1 + 1e-12)
+
+
+def test_auto_falls_back_to_krylov_not_eigh_past_the_fallback_size(monkeypatch):
+    """A Gram that is not positive definite on the Cholesky path: auto takes krylov past EIGH_FALLBACK_PSI (a
+    full eigh would take hours at d = 32), an explicit solver="cholesky" still falls back to eigh."""
+    import scaleattn.certificate
+    import scaleattn.solver
+    from scaleattn.solver import solve
+
+    D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    ref = solve(st, solver="eigh")
+    for mod in (scaleattn.solver, scaleattn.certificate):
+        monkeypatch.setattr(mod, "EIGH_FALLBACK_PSI", 10)
+    auto = solve(st, large_psi=10)
+    assert auto.certificate.estimates["solver"] == "krylov" and auto.rank == ref.rank < st.psi
+    assert np.abs(auto.coef - ref.coef).max() <= 1e-6 * np.abs(ref.coef).max()
+    assert certify(st, large_psi=10).estimates["solver"] == "krylov"
+    explicit = solve(st, solver="cholesky")
+    assert explicit.certificate.estimates is None and np.allclose(explicit.coef, ref.coef, rtol=1e-10, atol=1e-12)
