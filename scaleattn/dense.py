@@ -7,11 +7,12 @@ Why blocked. OpenBLAS's threaded ``dpotrf`` with its AVX-512 (SkylakeX) kernels 
 own threaded ``dsyrk`` at psi = 16,896 (d = 32; OpenBLAS issues 1413 and 1643 show the same code path failing
 on large orders), while the same call with one thread, or with the Haswell kernels, works. Its GEMM is the best
 exercised routine of the library. :func:`blocked_cholesky` is the left-looking block algorithm ([GVL13]
-Alg. 4.2.2 by blocks): per block column of width ``nb`` one GEMM ``A[j:, J] -= L[j:, :j] L[J, :j]^T``
-(numpy's ``matmul`` on views of the array, into one ``psi x nb`` buffer), one LAPACK ``dpotrf`` of the
-``nb x nb`` diagonal block and one ``dtrsm`` of the panel below it. All ``psi^3 / 3`` flops but the small
-diagonal blocks' are GEMM flops; ``dsyrk`` and a large ``dpotrf`` are never called. The factor is the same as
-LAPACK's to round-off (both are backward stable; blocking changes only the order of the sums).
+Alg. 4.2.2 by blocks): per block column of width ``nb`` one GEMM ``A[j:, J] -= L[j:, :j] L[J, :j]^T``, one
+LAPACK ``dpotrf`` of the ``nb x nb`` diagonal block and one ``dtrsm`` of the panel below it, all in place on the
+array (scipy's BLAS and LAPACK called on views with their leading dimension: no copy, no buffer). All
+``psi^3 / 3`` flops but the small diagonal blocks' are GEMM flops; ``dsyrk`` and a large ``dpotrf`` are never
+called. The factor is the same as LAPACK's to round-off (both are backward stable; blocking changes only the
+order of the sums).
 
 Why block Krylov. The certificate needs the largest eigenvalues of ``Gs``, ``G``, ``Gs^-1`` and ``G^-1``
 (:func:`scaleattn.spectrum.cholesky_factor`). One product with a psi x psi array reads psi^2 doubles from
@@ -36,7 +37,7 @@ import numpy as np
 from .gram_operator import blas_single_thread
 from .lanczos import EPS, EigenEstimate
 
-__all__ = ["blocked_cholesky", "zero_upper", "gemm", "largest_eigenvalues", "CHOLESKY_BLOCK"]
+__all__ = ["blocked_cholesky", "gemm", "largest_eigenvalues", "CHOLESKY_BLOCK"]
 
 #: width of the diagonal blocks :func:`blocked_cholesky` hands to LAPACK: far below the orders at which OpenBLAS's
 #: threaded dpotrf fails (16,896 and up), wide enough that the GEMM updates run at their full rate. Measured at
@@ -76,7 +77,7 @@ def _at(a: np.ndarray, i: int, j: int):
 _C = {c: ctypes.c_char_p(c.encode()) for c in "NTLUR"}
 
 
-def _gemm_tn(a, m: int, n: int, k: int, alpha: float, pa, pb, beta: float, pc, ld: int) -> None:
+def _gemm_tn(m: int, n: int, k: int, alpha: float, pa, pb, beta: float, pc, ld: int) -> None:
     """Fortran ``C := alpha A^T B + beta C`` (``A`` k x m, ``B`` k x n, ``C`` m x n, all with leading dim ld)."""
     _routine("cython_blas", "dgemm")(_C["T"], _C["N"], _i(m), _i(n), _i(k), _d(alpha), pa, _i(ld), pb, _i(ld),
                                       _d(beta), pc, _i(ld))
@@ -91,18 +92,6 @@ def _potrf_upper(L: np.ndarray, j: int, b: int) -> None:
         raise np.linalg.LinAlgError(f"{j + info.value}-th leading minor of the array is not positive definite")
     if info.value < 0:  # pragma: no cover - an argument error of ours
         raise ValueError(f"dpotrf: illegal value in argument {-info.value}")
-
-
-def zero_upper(a: np.ndarray, block: int = CHOLESKY_BLOCK) -> np.ndarray:
-    """Set the strict upper triangle of the square C-ordered ``a`` to 0 in place (by row blocks: no psi^2 index
-    arrays)."""
-    n = a.shape[0]
-    for j in range(0, n, block):
-        e = min(j + block, n)
-        a[j:e, e:] = 0.0
-        blk = a[j:e, j:e]
-        blk[np.triu_indices(e - j, 1)] = 0.0
-    return a
 
 
 def blocked_cholesky(a, *, overwrite_a: bool = False, block: int = CHOLESKY_BLOCK) -> np.ndarray:
@@ -159,7 +148,7 @@ def blocked_cholesky(a, *, overwrite_a: bool = False, block: int = CHOLESKY_BLOC
         e = min(j + block, n)
         b = e - j
         if j:  # (Fortran view, transposed) A[J, j:] -= L[:j, J]^T L[:j, j:]
-            _gemm_tn(L, b, n - j, j, -1.0, _at(L, j, 0), _at(L, j, 0), 1.0, _at(L, j, j), n)
+            _gemm_tn(b, n - j, j, -1.0, _at(L, j, 0), _at(L, j, 0), 1.0, _at(L, j, j), n)
         _potrf_upper(L, j, b)
         if e < n:  # (Fortran view) A[J, e:] := U_JJ^-T A[J, e:]
             _routine("cython_blas", "dtrsm")(_C["L"], _C["U"], _C["T"], _C["N"], _i(b), _i(n - e), _d(1.0),
