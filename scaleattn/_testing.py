@@ -6,13 +6,15 @@ worker processes and CLI subprocesses. Library code calls these hooks at fixed p
   groups have been computed and checkpointed in this run, as a crash would.
 - ``SCALEATTN_TEST_READ_FAILURES=K``: the first K dataset reads of each process raise ``ConnectionError``
   (a flaky store), to exercise the retry policy.
+- ``SCALEATTN_TEST_SOLVE_FAILURE=1``: the solve step of a fit raises ``RuntimeError`` as it starts (after the
+  build), as a solver failure would.
 """
 from __future__ import annotations
 
 import os
 import time
 
-__all__ = ["before_task", "before_read", "stop_after_groups", "crash"]
+__all__ = ["before_task", "before_read", "before_solve", "stop_after_groups", "crash"]
 
 #: exit code of a process stopped by :func:`crash`
 CRASH_EXIT = 75
@@ -34,6 +36,12 @@ def before_read(url: str) -> None:
     if k and _reads[0] < int(k):
         _reads[0] += 1
         raise ConnectionError(f"injected failure {_reads[0]} of {k} reading {url}")
+
+
+def before_solve() -> None:
+    """Called as the solve step of a fit starts (:func:`scaleattn.pipeline.fit`)."""
+    if os.environ.get("SCALEATTN_TEST_SOLVE_FAILURE"):
+        raise RuntimeError("injected solver failure (SCALEATTN_TEST_SOLVE_FAILURE)")
 
 
 def stop_after_groups() -> int | None:

@@ -27,6 +27,7 @@ from .features import phi as features_phi
 from .gram_operator import GramOperator
 from .krylov import krylov_solve
 from .spectrum import (
+    EIGH_FALLBACK_PSI,
     CholeskyFactor,
     Spectrum,
     _eigvalsh,
@@ -257,7 +258,7 @@ def certificate_from_factor(f: CholeskyFactor, cutoff_rtol: float, n_rows: int) 
     """The certificate of the Cholesky path (full rank; the extreme eigenvalues only)."""
     psi = f.G.shape[0]
     return Certificate(n_rows, psi, psi, cutoff_rtol, f.lam_min, f.lam_max, f.w_min, f.w_max / f.w_min,
-                       np.array([f.w_min, f.w_max]), None)
+                       np.array([f.w_min, f.w_max]), None, converged=f.settled(SETTLE_FACTOR * cutoff_rtol))
 
 
 def certificate_from_krylov(spec, n_rows: int) -> Certificate:
@@ -356,6 +357,9 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         f = cholesky_factor(G, rtol, stats.n_rows)
         if f is not None:
             return certificate_from_factor(f, rtol, stats.n_rows)
+        if solver == "auto" and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: krylov, not hours of eigh
+            return certificate_from_krylov(krylov_solve(operator_of(stats), None, rtol=rtol, **(krylov or {})),
+                                           stats.n_rows)
     return certificate_from_spectrum(G, scaled_spectrum(G, rtol), stats.n_rows)
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import time
 import warnings
 
+from . import _testing
 from . import report as _text
 from ._backend import check_device
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
@@ -34,7 +35,15 @@ from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
-from .preflight import after_failed_build, holding, kept_hint, open_input, preflight, run_locations
+from .preflight import (
+    after_failed_build,
+    holding,
+    open_input,
+    preflight,
+    rerun_command,
+    run_locations,
+    solve_hint,
+)
 from .progress import as_reporter
 from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
@@ -249,6 +258,10 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
             after_failed_build(e, ckpt, new_ckpt)
             raise
         times = {"statistics": time.perf_counter() - t}
+        if ckpt is not None:  # said before the solve: a native crash there (no Python error) leaves only this line
+            rerun = rerun_command(ds.url, out_label, ckpt, checkpoint is not None)
+            reporter.line(f"statistics of all {build.get('groups', 'the')} row groups are kept in {ckpt.url} until"
+                          f" the fit is written; should the solve fail, `{rerun}` solves again from them")
         try:
             opts = _SolveOptions(heads, cutoff_rtol, ridge, solver, certificate, heads_budget)
             result = _finish(ds, stats, client, reporter, times, build, opts, exact_mse,
@@ -264,7 +277,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                     result.out = out_label
         except BaseException as e:
             if ckpt is not None:
-                with_hint(e, kept_hint(ckpt, "all row groups"))
+                with_hint(e, solve_hint(ckpt, rerun))
             raise
         finally:  # Tc held on the workers (a cluster krylov fit) is freed as the fit ends, failed or not
             stats.release()
@@ -296,6 +309,7 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     t = time.perf_counter()
     stats = stats.to_numpy()
     with reporter.phase("solve", f"psi {stats.psi:,}"):
+        _testing.before_solve()
         G = shared_gram(stats, solver)  # expanded once (the krylov path: the operator): solve, heads, witness
         sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
     times["solve"] = time.perf_counter() - t

@@ -6,6 +6,7 @@ interrupted build leaves behind (a checkpoint worth resuming, with its hint, or 
 from __future__ import annotations
 
 import contextlib
+import shlex
 
 from ._outputs import (
     check_companions,
@@ -106,6 +107,20 @@ def kept_hint(ckpt: Location, what: str | None = None) -> str:
     n = _done_groups(ckpt)
     held = what or ("nothing" if n is None else f"{n[0]} of {n[1]} row groups")
     return f"the checkpoint {ckpt.url} keeps {held}: run the same command with --resume to continue"
+
+
+def rerun_command(dataset_url: str, out: str | None, ckpt: Location, checkpoint_given: bool) -> str:
+    """The command that solves again from a kept checkpoint without rebuilding any row group:
+    ``scaleattn fit DATASET --out OUT [--checkpoint CKPT] --resume`` (the run's other options go with it)."""
+    cmd = ["scaleattn", "fit", dataset_url] + (["--out", out] if out else [])
+    cmd += ["--checkpoint", ckpt.url] if checkpoint_given or not out else []
+    return shlex.join(cmd + ["--resume"])
+
+
+def solve_hint(ckpt: Location, command: str) -> str:
+    """The hint of a fit that failed after its build: where the statistics are and how to solve again."""
+    return (f"the checkpoint {ckpt.url} keeps all row groups: `{command}` (with this run's other options, or"
+            " another --solver) solves again from them without rebuilding any")
 
 
 def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) -> None:

@@ -24,9 +24,10 @@ from .certificate import (
     gram_for,
     operator_of,
 )
+from .dense import blocked_cholesky
 from .errors import ParameterError
 from .krylov import krylov_solve
-from .spectrum import cholesky_factor, default_rtol, scaled_spectrum, solver_path
+from .spectrum import EIGH_FALLBACK_PSI, cholesky_factor, default_rtol, scaled_spectrum, solver_path
 
 __all__ = ["Solution", "solve", "shared_gram"]
 
@@ -46,14 +47,14 @@ def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> So
     if ridge > 0:  # D^-1/2 chol(G + ridge diag G) is the factor of Gs + ridge I; it reuses the factor's memory
         f.L[...] = G
         f.L[np.diag_indices(psi)] += ridge * np.diag(G)
-        f.L = scipy.linalg.cholesky(f.L, lower=True, overwrite_a=True, check_finite=False)
+        f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.dense)
         f.L *= f.scale[:, None]
     cs = f.solve(rhs)
     if refine:
         cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)
     dof = float(psi)
     if ridge > 0:
-        Linv, info = scipy.linalg.lapack.dtrtri(f.L, lower=1, overwrite_c=1)
+        Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
         dof = float(psi - ridge * np.einsum("ij,ij->", Linv, Linv))  # tr (Gs + lambda I)^-1 = ||L^-1||_F^2
     c = f.scale[:, None] * cs
     return Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, G), float(ridge), dof)
@@ -186,6 +187,9 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         sol = _solve_large(stats, G, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, refine, ridge)
         if sol is not None:
             return sol
+        if solver == "auto" and ridge == 0 and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: a full
+            return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, 0.0,
+                                 krylov)  # eigh would take hours here; krylov finds the null space too
     B = np.asarray(stats.moments)
     spec = scaled_spectrum(G, cutoff_rtol)
     null = spec.null_basis()

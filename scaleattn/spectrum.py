@@ -1,9 +1,9 @@
 """Spectra and factorisations of the feature Gram matrix ``G`` (layer L2; DESIGN §4).
 
 The machinery the certificate and the solver share: the relative eigenvalue cutoff, the Jacobi-scaled
-eigendecomposition (:class:`Spectrum`), and for large psi a Cholesky factor of the scaled Gram with Lanczos
-estimates of its extreme eigenvalues (:class:`CholeskyFactor`), so that no psi x psi eigendecomposition is
-needed. Which path runs is :func:`solver_path`.
+eigendecomposition (:class:`Spectrum`), and for large psi a Cholesky factor of the scaled Gram with block
+Krylov estimates of its extreme eigenvalues (:class:`CholeskyFactor`, :mod:`scaleattn.dense`), so that no
+psi x psi eigendecomposition is needed. Which path runs is :func:`solver_path`.
 
 Numerics: Jacobi scaling ``Gs = D^-1/2 G D^-1/2`` (``D = diag G``) makes the rank decision independent of the
 units of the features; eigenvalues at or below ``cutoff_rtol * lambda_max(Gs)`` are dropped, with
@@ -16,10 +16,12 @@ import dataclasses
 import numpy as np
 
 from ._params import choice
+from .dense import blocked_cholesky, gemm, largest_eigenvalues
 from .errors import ParameterError
 
 __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
-           "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX"]
+           "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "EIGH_FALLBACK_PSI", "SYEVD_MAX",
+           "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER"]
 
 #: numpy's eigh (LAPACK syevd) sizes its workspace with 32-bit integers: 1 + 6n + 2n^2 overflows near 32,767
 SYEVD_MAX = 30_000
@@ -31,12 +33,23 @@ CUSOLVER_SYEVD_MAX = 26_000
 #: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
 #: numerically positive definite falls back to eigh (which finds the null space).
 LARGE_PSI = 2_000
+#: above this psi, ``solver="auto"`` falls back to the krylov path (ridge 0) instead of a full eigh when the
+#: Gram is not positive definite: eigh costs ~9 psi^3 flops at memory speed (minutes at d = 24, hours at d = 32)
+EIGH_FALLBACK_PSI = 8_000
 #: above this psi, ``solver="auto"`` takes the krylov path (:mod:`scaleattn.krylov`, no psi x psi array), and
 #: below it whenever the dense path does not fit in the memory there is (:func:`solver_path` with ``fits``).
 #: Cholesky's cost is fixed (psi^3 / 3); krylov's grows with the conditioning, worst with few rows per feature:
 #: at d = 32 on 1.2 rows per feature (``scaleattn bench krylov``) Cholesky is the faster, so it stays the
 #: default wherever it fits, up to d = 32
 KRYLOV_PSI = 20_000
+#: the Cholesky path's extreme eigenvalues (:func:`cholesky_factor`): the estimated relative error of the smallest
+#: (``residual^2 / gap`` of its Ritz pair; measured errors are 1-100x below it; the largest, well separated, run
+#: to 1e-4 of it), the vectors per operator of their block Krylov runs and the products at most. The smallest
+#: eigenvalues of the scaled Gram of realizable data crowd together (relative gaps ~1e-3): their runs take ~20
+#: products of 16 vectors at d = 24 (ARPACK with single vectors took 80)
+EIG_RTOL = 1e-8
+EIG_BLOCK = 16
+EIG_MAXITER = 60
 #: the solver paths (``--solver``)
 SOLVERS = ("auto", "eigh", "cholesky", "krylov")
 
@@ -204,17 +217,6 @@ def lambda_min_full_rank(spec: Spectrum) -> float:
     return float(1.0 / smax**2)
 
 
-def _extreme_eig(matvec, n: int, tol: float = 1e-10) -> float:
-    """Largest eigenvalue of a symmetric PSD operator by Lanczos (ARPACK)."""
-    from scipy.sparse.linalg import LinearOperator, eigsh
-
-    if n <= 2:
-        return float(np.linalg.eigvalsh(np.column_stack([matvec(e) for e in np.eye(n)]))[-1])
-    op = LinearOperator((n, n), matvec=matvec, dtype=np.float64)
-    v0 = np.random.default_rng(0).standard_normal(n)  # fixed start: reruns give the same numbers
-    return float(eigsh(op, k=1, which="LA", tol=tol, v0=v0, ncv=min(n - 1, 40), return_eigenvectors=False)[0])
-
-
 @dataclasses.dataclass
 class CholeskyFactor:
     """Cholesky factor ``L`` of the Jacobi-scaled Gram ``Gs = D^-1/2 G D^-1/2 = L L^T`` and Lanczos estimates of
@@ -228,46 +230,76 @@ class CholeskyFactor:
     w_max: float = 0.0
     lam_min: float = 0.0
     lam_max: float = 0.0
+    #: the :class:`scaleattn.lanczos.EigenEstimate` of ``lambda_max(Gs)``, ``lambda_max(Gs^-1)``, ``lambda_max(G)``
+    #: and ``lambda_max(G^-1)`` (keys ``lambda_max_scaled``, ``lambda_min_scaled_inverse``, ``lambda_max``,
+    #: ``lambda_min_inverse``)
+    estimates: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        """Every extreme eigenvalue met its relative accuracy."""
+        return all(e.converged for e in self.estimates.values())
+
+    def settled(self, threshold: float) -> bool:
+        """Whether ``w_min / w_max >= threshold`` is decided: every estimate converged, or the ratio is on the
+        same side of ``threshold`` at both ends of the eigenvalues' intervals."""
+        if self.converged or not self.estimates:
+            return True
+        top, inv = self.estimates["lambda_max_scaled"], self.estimates["lambda_min_scaled_inverse"]
+        low, high = 1.0 / inv.upper / top.upper, 1.0 / max(inv.lower, 1e-300) / max(top.lower, 1e-300)
+        return (low >= threshold) == (high >= threshold)
 
     def scaled_matvec(self, x: np.ndarray) -> np.ndarray:
         """``Gs x`` without forming ``Gs``."""
-        s = self.scale if x.ndim == 1 else self.scale[:, None]
-        return s * (self.G @ (s * x))
+        if x.ndim == 1:
+            return self.scaled_matvec(x[:, None])[:, 0]
+        return self.scale[:, None] * gemm(self.G, self.scale[:, None] * x)  # scipy's BLAS, as the solves
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
         """``Gs^-1 rhs`` through the factor."""
         from scipy.linalg import cho_solve
 
+        if self.L.flags.c_contiguous:  # (blocked_cholesky) L in C order is the upper factor L^T in Fortran's
+            return cho_solve((self.L.T, False), rhs, check_finite=False)
         return cho_solve((self.L, True), rhs, check_finite=False)
 
 
-def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int) -> CholeskyFactor | None:
+def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol: float = EIG_RTOL,
+                    block: int = EIG_BLOCK) -> CholeskyFactor | None:
     """Factor the Jacobi-scaled Gram; None when it is not numerically positive definite beyond the cutoff (the
     caller then falls back to eigh, which finds the null space).
 
-    ``G`` is factored as is and the factor's rows scaled by ``D^-1/2`` (``D^-1/2 L`` is the Cholesky factor of
+    ``G`` is factored as is (:func:`scaleattn.dense.blocked_cholesky`: LAPACK only on small diagonal blocks,
+    GEMM for the rest) and the factor's rows scaled by ``D^-1/2`` (``D^-1/2 L`` is the Cholesky factor of
     ``Gs``; Cholesky is unaffected by diagonal scaling, van der Sluis), so ``G`` stays intact for the heads and
-    the witness. One Cholesky (``psi^3 / 3`` flops; memory ``G`` and its factor), then Lanczos on ``Gs``, ``G``
-    and their inverses through the factor for the extreme eigenvalues ([Y25] Lemma 2.3 needs ``lambda_min``).
+    the witness. One Cholesky (``psi^3 / 3`` flops; memory ``G`` and its factor), then block Krylov
+    (:func:`scaleattn.dense.largest_eigenvalues`) for the extreme eigenvalues ([Y25] Lemma 2.3 needs
+    ``lambda_min``): ``Gs`` and ``G`` side by side on products with ``G``, ``Gs^-1`` and ``G^-1`` side by side
+    on solves with the factor, ``block`` vectors each, until the estimated error of each smallest eigenvalue is
+    ``eig_rtol`` of its value (``1e-4 eig_rtol`` for the largest: they take a few passes).
+    ``estimates`` keeps the four :class:`scaleattn.lanczos.EigenEstimate` (value, residual, interval, passes).
     """
-    import scipy.linalg
-
     psi = G.shape[0]
     diag = np.diag(G).copy()
     if not np.all(diag > 0):
         return None  # an all-zero feature: G is singular
     scale = 1.0 / np.sqrt(diag)
     try:
-        L = scipy.linalg.cholesky(G, lower=True, overwrite_a=False, check_finite=False)
+        L = blocked_cholesky(G)
     except np.linalg.LinAlgError:
         return None
     L *= scale[:, None]
     f = CholeskyFactor(G, L, scale)
-    f.w_max = _extreme_eig(f.scaled_matvec, psi)
-    f.w_min = 1.0 / _extreme_eig(f.solve, psi)
+    # the largest eigenvalues are well separated (a few passes): 1e-4 eig_rtol; the smallest crowd: eig_rtol
+    opts = dict(block=block, maxiter=EIG_MAXITER)
+    w_max, g_max = largest_eigenvalues(lambda X: gemm(G, X), psi, [scale, None], rtol=1e-4 * eig_rtol, **opts)
+    w_inv, g_inv = largest_eigenvalues(f.solve, psi, [None, scale], rtol=eig_rtol, **opts)
+    f.w_max, f.w_min = w_max.value, 1.0 / w_inv.value
+    f.estimates = {"lambda_max_scaled": w_max, "lambda_min_scaled_inverse": w_inv, "lambda_max": g_max,
+                   "lambda_min_inverse": g_inv}
     if not f.w_min > cutoff_rtol * f.w_max:
         return None  # rank-deficient beyond the cutoff: needs the eigh path (null basis, min-norm)
     n = max(n_rows, 1)
-    f.lam_max = _extreme_eig(lambda x: G @ x, psi) / n
-    f.lam_min = 1.0 / _extreme_eig(lambda x: scale * f.solve(scale * x), psi) / n
+    f.lam_max = g_max.value / n
+    f.lam_min = 1.0 / g_inv.value / n
     return f

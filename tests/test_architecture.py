@@ -19,8 +19,10 @@ CONTRACT = [
     # L1: features and datasets
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
-    "_kernel_compiled", "kernel", "statistics", "spectrum",
-    "gram_operator", "lanczos", "krylov",  # the matrix-free Gram operator and the krylov solver (needs spectrum)
+    "_kernel_compiled", "kernel", "statistics",
+    "gram_operator", "lanczos",  # the matrix-free Gram operator and its eigenvalue estimates
+    "dense",  # the blocked Cholesky and block Krylov extreme eigenvalues of the dense path (needs lanczos)
+    "spectrum", "krylov",  # the dense spectra and factor (needs dense); the krylov solver (needs spectrum)
     "certificate", "solver", "heads", "head_fit", "head_bounds",
     "head_search", "model",
     "qr",  # the QR certificate's local algebra (needs certificate and solver)
@@ -33,7 +35,8 @@ CONTRACT = [
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
-    "bench", "bench.workers", "bench.build", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu", "bench.adamw",
+    "bench", "bench.workers", "bench.build", "bench.solve", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu",
+    "bench.adamw",
     "cli.parser", "cli.commands", "cli", "cli.__main__",
     "job", "cluster", "memory",
 ]

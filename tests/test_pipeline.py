@@ -57,3 +57,50 @@ def test_fit_writes_run_and_evaluates(tmp_path, client):
     assert st.n_rows == 200 and np.array_equal(st.gram_compact, res.statistics.gram_compact)
     with pytest.raises(FileExistsError):
         fit(ds, tmp_path / "run")
+
+
+
+def _failed_solve(tmp_path, monkeypatch, capsys):
+    """A CLI fit whose solve fails (injected, scaleattn._testing): (dataset, its stderr, the rerun command)."""
+    from scaleattn.cli import main
+
+    ds = generate_mhla(tmp_path / "d.zarr", d=2, heads=1, length=8, samples=24, causal=True, chunk_samples=8)
+    monkeypatch.setenv("SCALEATTN_TEST_SOLVE_FAILURE", "1")
+    capsys.readouterr()
+    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--local", "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    monkeypatch.delenv("SCALEATTN_TEST_SOLVE_FAILURE")
+    return ds, err, err.rsplit("`", 2)[-2]  # the error line's hint: `scaleattn fit ... --resume`
+
+
+def test_failed_solve_keeps_the_build_and_names_the_rerun_command(tmp_path, monkeypatch, capsys):
+    """The finished build stays in the checkpoint; the fit says where before the solve starts (all a native crash
+    leaves), and the error names the command that solves again."""
+    import shlex
+
+    _, err, command = _failed_solve(tmp_path, monkeypatch, capsys)
+    ckpt = f"{tmp_path / 'run'}.checkpoint.zarr"
+    assert "injected solver failure" in err and not (tmp_path / "run").exists()
+    assert f"row groups are kept in {ckpt}" in err.splitlines()[-2]  # said before the solve started
+    assert shlex.split(command) == ["scaleattn", "fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"),
+                                    "--resume"]
+    assert "keeps all row groups" in err.splitlines()[-1] and command in err.splitlines()[-1]
+    assert (tmp_path / "run.checkpoint.zarr").exists()
+
+
+def test_rerun_command_of_a_failed_solve_recomputes_no_row_group(tmp_path, monkeypatch, capsys):
+    """The rerun (``--resume`` after a complete build) takes every row group from the checkpoint and gives the
+    fit of a clean run."""
+    import json
+    import shlex
+
+    from scaleattn.cli import main
+
+    ds, _, command = _failed_solve(tmp_path, monkeypatch, capsys)
+    assert main([*shlex.split(command)[1:], "--local", "--no-plots", "--json"]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert (resumed["groups_computed"], resumed["groups_resumed"]) == (0, resumed["groups"]) and resumed["groups"] > 1
+    assert not (tmp_path / "run.checkpoint.zarr").exists()  # removed once the fit is written
+    clean = fit(ds, plots=False).report  # no checkpoint: built from scratch
+    for k in ("lambda_min", "lambda_max", "rank", "train_mse", "lstsq_train_mse_stats", "n_rows"):
+        assert resumed[k] == clean[k], k

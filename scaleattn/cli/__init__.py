@@ -58,6 +58,19 @@ def _hint(e: BaseException) -> str:
     return f"; {h}" if h else ""
 
 
+def _enable_faulthandler() -> None:
+    """A native crash (SIGSEGV in BLAS, say) prints the Python traceback on stderr: the step that died (the solve:
+    ``_finish``, ``cholesky_factor``, ...) instead of nothing. A stderr without a file descriptor (captured in a
+    test) cannot take it."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable(file=sys.stderr)
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError and a ValueError
+            pass
+
+
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
     an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
@@ -66,6 +79,7 @@ def main(argv=None) -> int:
 
     started = _command_start(argv)
     args = build_parser().parse_args(argv)
+    _enable_faulthandler()
     if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     args.started = started

@@ -191,6 +191,8 @@ def _cmd_bench(args) -> int:
         from ..bench.krylov import run
     elif args.suite == "gpu":
         from ..bench.gpu import run
+    elif args.suite == "solve":
+        from ..bench.solve import run
     else:
         from ..bench.core import run
     if args.only is not None and (args.suite != "krylov" or args.vs):

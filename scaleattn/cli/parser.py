@@ -209,10 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default), tensor attention, gpu kernels,"
                                      " or --vs adamw")
-    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu", "krylov"],
+    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu", "krylov", "solve"],
                    help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
                         " gpu: the same kernels on a CUDA device (needs the gpu extra); krylov: the matrix-free"
-                        " solver against Cholesky at d = 32 and the heads step at d = 44")
+                        " solver against Cholesky at d = 32 and the heads step at d = 44; solve: the dense solve"
+                        " against psi^3/3 at the DGEMM rate (d = 24, 32) and the d = 32 factorisation with"
+                        " OpenBLAS's own kernel choice (numpy's, scipy's and ours, each in a fresh process)")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
     b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit"], default=None,

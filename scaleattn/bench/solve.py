@@ -1,0 +1,221 @@
+"""Benchmark of the dense solve against its floor and of the large factorisation's crash immunity (issue 19 part 3).
+
+``run(out_dir, quick=False)`` (``scaleattn bench solve``) writes ``bench-solve.json`` and ``bench-solve.md``:
+
+- :func:`solve_floor` at d = 24 (16,000 causal rows) and d = 32 (20,000 rows): the Cholesky path's whole solve
+  (expansion of ``Tc`` to ``G``, blocked factor, block Krylov extreme eigenvalues, solve with refinement, SSE)
+  against ``psi^3 / 3`` flops at the DGEMM rate measured in the same process, with its breakdown;
+- :func:`factorisation_check` at d = 32 (psi = 16,896): numpy's and scipy's plain ``cholesky`` and ours
+  (:func:`scaleattn.dense.blocked_cholesky`), each in a fresh process whose environment lacks
+  ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (so OpenBLAS picks its kernels for the CPU, AVX-512
+  SkylakeX ones on most servers, where its threaded ``dpotrf`` dies with SIGSEGV at this size): the kernel
+  architecture picked (threadpoolctl), whether the process died of a signal, the time and the rate.
+
+Quick mode: d = 16 and d = 20 floors, the factorisation check at d = 20 (a smoke test, about a minute). The
+machine may be shared: the load average is recorded with every figure.
+
+:func:`solve_floor` is self-contained so that the main ``scaleattn bench`` run can call it (it accepts
+statistics already built).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["run", "solve_floor", "factorisation_check", "dgemm_rate", "markdown", "ROWS", "CLEARED_ENV"]
+
+#: causal rows of the statistics :func:`solve_floor` builds per d (a realizable 2-head teacher, d_out = 1)
+ROWS = {16: 6_000, 20: 10_000, 24: 16_000, 32: 20_000}
+#: what the factorisation check removes from the environment: this project's machines pin Haswell kernels and
+#: their L2 size through them, which hides the SkylakeX failure
+CLEARED_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def dgemm_rate(n: int = 4000, repeats: int = 3) -> float:
+    """Best of ``repeats`` float64 GEMMs of order ``n`` through scipy's BLAS (the dense path's): flop/s."""
+    from scaleattn.dense import gemm
+
+    a = np.random.default_rng(0).standard_normal((n, n))
+    gemm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        gemm(a, a)
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+def _stats(d: int, rows: int):
+    from scaleattn.generate import make_mhla
+    from scaleattn.statistics import statistics_from_arrays
+
+    length = 100 if rows >= 10_000 else 50
+    D = make_mhla(d=d, heads=2, length=length, samples=max(rows // length, 1), causal=True, d_out=1, seed=0)
+    return statistics_from_arrays(D["tokens"], D["targets"])
+
+
+def solve_floor(d: int, rows: int | None = None, stats=None) -> dict:
+    """The Cholesky path's whole solve at ``d`` against ``psi^3 / 3`` flops at the measured DGEMM rate.
+
+    Parameters
+    ----------
+    d : int
+        Token dimension (psi = d^2 (d + 1) / 2).
+    rows : int, optional
+        Causal rows of the statistics built here (default :data:`ROWS`, else 1.2 psi).
+    stats : Statistics, optional
+        Statistics already built (then ``d`` and ``rows`` are theirs).
+
+    Returns
+    -------
+    dict
+        ``d``, ``psi``, ``rows``, ``dgemm_gflops``, ``floor_s`` (``psi^3 / 3`` at that rate), ``seconds`` (the
+        breakdown: ``expand``, ``factor``, ``eigenvalues``, ``solve_and_sse`` (the rest: scaling, the solve
+        with one refinement step, the SSE), ``total``), ``floor_ratio`` (total over floor), ``factor_ratio``,
+        the eigenvalue runs' ``eig_passes`` and whether they ``converged``, the certificate's ``verdict``,
+        ``lambda_min``, ``lambda_max`` and ``condition_number``, the ``load_average`` before and after.
+    """
+    import scaleattn.spectrum as spectrum
+    from scaleattn.solver import solve
+
+    st = _stats(d, rows or ROWS.get(d, int(1.2 * d * d * (d + 1) / 2))) if stats is None else stats.to_numpy()
+    psi = st.psi
+    load0 = os.getloadavg()
+    rate = dgemm_rate()
+    seconds, passes, converged = {"factor": 0.0, "eigenvalues": 0.0}, [], []
+    factor, eigs = spectrum.blocked_cholesky, spectrum.largest_eigenvalues
+
+    def timed_factor(*a, **k):
+        t = time.perf_counter()
+        try:
+            return factor(*a, **k)
+        finally:
+            seconds["factor"] += time.perf_counter() - t
+
+    def timed_eigs(*a, **k):
+        t = time.perf_counter()
+        try:
+            out = eigs(*a, **k)
+        finally:
+            seconds["eigenvalues"] += time.perf_counter() - t
+        passes.append(max(e.iterations for e in out))
+        converged.extend(e.converged for e in out)
+        return out
+
+    spectrum.blocked_cholesky, spectrum.largest_eigenvalues = timed_factor, timed_eigs
+    try:
+        t = time.perf_counter()
+        G = st.gram()
+        seconds["expand"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sol = solve(st, solver="cholesky", gram=G)
+        solve_s = time.perf_counter() - t
+    finally:
+        spectrum.blocked_cholesky, spectrum.largest_eigenvalues = factor, eigs
+    seconds["solve_and_sse"] = solve_s - seconds["factor"] - seconds["eigenvalues"]
+    seconds["total"] = seconds["expand"] + solve_s
+    floor = psi**3 / 3 / rate
+    c = sol.certificate
+    return {"d": st.d, "psi": psi, "rows": st.n_rows, "dgemm_gflops": rate / 1e9, "floor_s": floor,
+            "seconds": seconds, "floor_ratio": seconds["total"] / floor, "factor_ratio": seconds["factor"] / floor,
+            "eig_passes": passes, "eig_converged": bool(all(converged)), "verdict": c.verdict,
+            "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "condition_number": c.condition_number,
+            "load_average": [load0[0], os.getloadavg()[0]]}
+
+
+_FACTOR_CHILD = r"""
+import json, sys, time
+import numpy as np
+import scipy.linalg
+from threadpoolctl import threadpool_info
+how, n = sys.argv[1], int(sys.argv[2])
+from scaleattn.bench.solve import dgemm_rate
+from scaleattn.dense import blocked_cholesky
+rate = dgemm_rate()
+rng = np.random.default_rng(0)
+a = rng.random((n, n))
+a += a.T
+a[np.diag_indices(n)] += 3.0 * n  # diagonally dominant: positive definite, made in O(n^2)
+arch = sorted({f"{i['internal_api']} {i.get('architecture')} ({i['filepath'].rsplit('/', 1)[-1]})"
+               for i in threadpool_info() if i["user_api"] == "blas"})
+print(json.dumps({"architectures": arch, "dgemm_gflops": rate / 1e9, "started": True}), flush=True)
+f = {"numpy": np.linalg.cholesky, "scipy": lambda x: scipy.linalg.cholesky(x, lower=True, check_finite=False),
+     "scaleattn": blocked_cholesky}[how]
+t = time.perf_counter()
+L = f(a)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "floor_ratio": dt / (n**3 / 3 / rate),
+                  "residual": float(abs(L[-1] @ L[-1] - a[-1, -1]) / a[-1, -1])}), flush=True)
+"""
+
+
+def factorisation_check(d: int = 32, timeout: float = 1800.0) -> list[dict]:
+    """numpy's, scipy's and our Cholesky of a psi x psi SPD matrix, each in a fresh process without
+    :data:`CLEARED_ENV` (module docstring). One dict per factorisation: ``how``, ``psi``, ``returncode``
+    (negative: killed by that signal), ``crashed``, ``signal``, ``architectures`` (OpenBLAS kernels picked),
+    ``seconds``, ``floor_ratio`` (seconds over ``psi^3 / 3`` flops at the child's DGEMM rate), ``load_average``."""
+    import signal
+
+    psi = d * d * (d + 1) // 2
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED_ENV}
+    out = []
+    for how in ("numpy", "scipy", "scaleattn"):
+        load = os.getloadavg()[0]
+        t = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, "-c", _FACTOR_CHILD, how, str(psi)], capture_output=True, text=True,
+                               env=env, timeout=timeout)
+            rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, stdout, stderr = None, e.stdout or "", "timed out"
+        r = {"how": how, "psi": psi, "returncode": rc, "crashed": rc is not None and rc < 0,
+             "signal": signal.Signals(-rc).name if rc is not None and rc < 0 else None,
+             "wall_s": time.perf_counter() - t, "load_average": [load, os.getloadavg()[0]]}
+        for line in (stdout if isinstance(stdout, str) else stdout.decode()).splitlines():
+            try:
+                r.update(json.loads(line))
+            except ValueError:
+                pass
+        if rc and not r["crashed"]:
+            r["stderr_tail"] = (stderr if isinstance(stderr, str) else stderr.decode())[-500:]
+        out.append(r)
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The tables of :func:`run`'s result."""
+    lines = ["## The dense solve against psi^3/3 flops at the DGEMM rate", "",
+             "| d | psi | rows | DGEMM GF/s | floor s | expand | factor | eigenvalues (passes) | solve+SSE | total s"
+             " | x floor | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["floors"]:
+        s = r["seconds"]
+        lines.append(f"| {r['d']} | {r['psi']:,} | {r['rows']:,} | {r['dgemm_gflops']:.0f} | {r['floor_s']:.2f} |"
+                     f" {s['expand']:.2f} | {s['factor']:.2f} | {s['eigenvalues']:.2f} ({'+'.join(map(str, r['eig_passes']))})"
+                     f" | {s['solve_and_sse']:.2f} | {s['total']:.2f} | {r['floor_ratio']:.2f} |"
+                     f" {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} |")
+    lines += ["", "## Large factorisation, OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (fresh process each)", "",
+              "| how | psi | kernels | result | seconds | x floor | load |", "|---|---|---|---|---|---|---|"]
+    for r in result["factorisations"]:
+        res = f"crashed ({r['signal']})" if r["crashed"] else "ok" if r["returncode"] == 0 else f"rc {r['returncode']}"
+        secs = f"{r['seconds']:.1f}" if "seconds" in r else "-"
+        rate = f"{r['floor_ratio']:.2f}" if "floor_ratio" in r else "-"
+        lines.append(f"| {r['how']} | {r['psi']:,} | {'; '.join(r.get('architectures', []))} | {res} | {secs} |"
+                     f" {rate} | {r['load_average'][0]:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(out_dir, quick: bool = False) -> dict:
+    """Both parts (module docstring); writes ``bench-solve.json`` and ``bench-solve.md`` into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    ds = (16, 20) if quick else (24, 32)
+    result = {"floors": [solve_floor(d) for d in ds], "factorisations": factorisation_check(ds[-1])}
+    with open(os.path.join(out_dir, "bench-solve.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    with open(os.path.join(out_dir, "bench-solve.md"), "w") as f:
+        f.write(markdown(result))
+    return result

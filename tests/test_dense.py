@@ -1,0 +1,112 @@
+"""The dense path's algebra (:mod:`scaleattn.dense`): the blocked Cholesky against scipy's one-call LAPACK
+factor, the block Krylov extreme eigenvalues and the Cholesky path's certificate against dense ``eigvalsh``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+
+from scaleattn.certificate import certify
+from scaleattn.dense import blocked_cholesky, gemm, largest_eigenvalues
+from scaleattn.generate import make_mhla
+from scaleattn.spectrum import EIG_RTOL, cholesky_factor, default_rtol
+from scaleattn.statistics import statistics_from_arrays
+
+
+def _spd(n, seed=0, cond=1e3):
+    x = np.random.default_rng(seed).standard_normal((n + 10, n))
+    return x.T @ x / n + np.eye(n) * (4.0 / cond)
+
+
+@pytest.mark.parametrize("n,block", [(1, 16), (7, 16), (100, 16), (257, 64), (300, 300), (301, 300), (520, 128)])
+def test_blocked_cholesky_is_scipys_factor(n, block):
+    a = _spd(n, seed=n)
+    ref = scipy.linalg.cholesky(a, lower=True)
+    L = blocked_cholesky(a, block=block)
+    assert L.flags.c_contiguous and np.array_equal(np.triu(L, 1), np.zeros((n, n)))
+    assert np.abs(L - ref).max() <= 1e-13 * np.abs(ref).max()
+    assert np.abs(L @ L.T - a).max() <= 1e-14 * n * np.abs(a).max()
+    b = a.copy()
+    assert blocked_cholesky(b, block=block, overwrite_a=True) is b  # in place: its memory becomes L
+    assert np.array_equal(b, L)
+
+
+def test_blocked_cholesky_refuses_what_scipy_refuses():
+    a = _spd(200, cond=1e2)
+    a[150, 150] = -1.0  # the leading minor of order 151 is indefinite
+    with pytest.raises(np.linalg.LinAlgError) as ours:
+        blocked_cholesky(a, block=64)
+    with pytest.raises(np.linalg.LinAlgError) as theirs:
+        scipy.linalg.cholesky(a, lower=True)
+    assert str(ours.value) == str(theirs.value) == "151-th leading minor of the array is not positive definite"
+    # numerically singular (rank 150 of 200): refused by both, and the Cholesky path says None (falls back)
+    x = np.random.default_rng(1).standard_normal((150, 200))
+    g = x.T @ x
+    for f in (lambda: blocked_cholesky(g, block=64), lambda: scipy.linalg.cholesky(g, lower=True)):
+        with pytest.raises(np.linalg.LinAlgError):
+            f()
+    assert cholesky_factor(g, default_rtol(200), 150) is None
+    with pytest.raises(ValueError, match="square"):
+        blocked_cholesky(np.ones((3, 4)))
+
+
+def test_gemm_is_matmul():
+    rng = np.random.default_rng(2)
+    a, x = rng.standard_normal((50, 40)), rng.standard_normal((40, 3))
+    assert np.allclose(gemm(a, x), a @ x, rtol=1e-14, atol=1e-13)
+    assert np.allclose(gemm(a, rng.standard_normal((50, 2)), trans=True).shape, (40, 2))
+    y = rng.standard_normal((50, 2))
+    assert np.allclose(gemm(a, y, trans=True), a.T @ y, rtol=1e-14, atol=1e-13)
+
+
+def test_largest_eigenvalues_against_eigvalsh():
+    a = _spd(300, seed=3, cond=1e4)
+    s = np.random.default_rng(4).uniform(0.1, 10.0, 300)
+    ests = largest_eigenvalues(lambda X: a @ X, 300, [None, s], block=8, rtol=1e-12)
+    for e, ref in zip(ests, (np.linalg.eigvalsh(a)[-1], np.linalg.eigvalsh(s[:, None] * a * s[None, :])[-1])):
+        assert e.converged and e.value == pytest.approx(ref, rel=1e-10)
+        assert e.lower * (1 - 1e-12) <= ref <= e.upper * (1 + 1e-12)  # the interval holds the true value
+
+
+@pytest.mark.parametrize("d", [8, 10])
+def test_cholesky_certificate_against_dense_eigvalsh(d):
+    D = make_mhla(d=d, heads=2, length=20, samples=60 if d == 8 else 90, causal=True, seed=d)
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    G = st.gram()
+    n = st.n_rows
+    lam = np.linalg.eigvalsh(G / n)
+    sc = 1.0 / np.sqrt(np.diag(G))
+    w = np.linalg.eigvalsh(G * sc[:, None] * sc[None, :])
+    c = certify(st, solver="cholesky")
+    assert c.rank == st.psi and c.converged and c.eigenvalues is None
+    tol = 100 * EIG_RTOL  # the estimated error is ~100x the measured one: this bounds it with room
+    assert c.lambda_max == pytest.approx(lam[-1], rel=tol)
+    assert c.lambda_min == pytest.approx(lam[0], rel=1e3 * tol)  # eigvalsh(G) resolves it to eps * lambda_max
+    assert c.lambda_min_scaled == pytest.approx(w[0], rel=tol)
+    assert c.spectrum_scaled[-1] == pytest.approx(w[-1], rel=tol)
+    assert c.condition_number == pytest.approx(w[-1] / w[0], rel=2 * tol)
+    f = cholesky_factor(G, default_rtol(st.psi), n)
+    e = f.estimates
+    assert e["lambda_max_scaled"].lower * (1 - 1e-12) <= w[-1] <= e["lambda_max_scaled"].upper * (1 + 1e-12)
+    assert e["lambda_min_scaled_inverse"].lower * (1 - 1e-12) <= 1 / w[0]
+    assert 1 / w[0] <= e["lambda_min_scaled_inverse"].upper * (1 + 1e-12)
+
+
+def test_auto_falls_back_to_krylov_not_eigh_past_the_fallback_size(monkeypatch):
+    """A Gram that is not positive definite on the Cholesky path: auto takes krylov past EIGH_FALLBACK_PSI (a
+    full eigh would take hours at d = 32), an explicit solver="cholesky" still falls back to eigh."""
+    import scaleattn.certificate
+    import scaleattn.solver
+    from scaleattn.solver import solve
+
+    D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    ref = solve(st, solver="eigh")
+    for mod in (scaleattn.solver, scaleattn.certificate):
+        monkeypatch.setattr(mod, "EIGH_FALLBACK_PSI", 10)
+    auto = solve(st, large_psi=10)
+    assert auto.certificate.estimates["solver"] == "krylov" and auto.rank == ref.rank < st.psi
+    assert np.abs(auto.coef - ref.coef).max() <= 1e-6 * np.abs(ref.coef).max()
+    assert certify(st, large_psi=10).estimates["solver"] == "krylov"
+    explicit = solve(st, solver="cholesky")
+    assert explicit.certificate.estimates is None and np.allclose(explicit.coef, ref.coef, rtol=1e-10, atol=1e-12)
