@@ -32,6 +32,7 @@ import numpy as np
 
 from scaleattn._version import __version__
 from scaleattn.bench import build as build_bench
+from scaleattn.bench import solve as solve_bench
 from scaleattn.bench import workers as workers_bench
 from scaleattn.bench.build import gemm_rate
 from scaleattn.features import n_features, n_pairs, phi, row_targets, token_features
@@ -257,6 +258,10 @@ def run(out_dir, quick: bool = False) -> dict:
              + f" (in process, 1 thread: {res['workers']['in_process']['build_s']:.1f} s)")
         sizes = [(4, 200, 100, True), (8, 200, 100, True), (16, samples, 100, True)]
         res["d_scaling"] = d_scaling(sizes, rate)
+        # the dense (Cholesky) solve against psi^3/3 flops at the DGEMM rate of the library it calls
+        res["solve_floor"] = [solve_bench.solve_floor(d) for d in ((16,) if quick else (24, 32))]
+        _say("solve: " + "; ".join(f"d={r['d']} {r['seconds']['total']:.1f} s = {r['floor_ratio']:.2f} x floor"
+                                   for r in res["solve_floor"]))
         _say("d: " + "; ".join(f"{o['d']}: build {o['build_s']:.2f} s, solve {o['solve_s']:.2f} s" for o in res["d_scaling"]))
         gemm_after = gemm_rate(1500 if quick else 2500)
         res["gemm_gflops_end"] = gemm_after / 1e9
@@ -343,6 +348,9 @@ def markdown(res) -> str:
     L += [f"| {o['d']} | {o['psi']:,} | {o['rows']:,} | {o['build_s']:.2f} | {o['build_vs_floor']:.2f} | {o['solve_s']:.2f} |"
           f" {o['solver_path']} | {o['solver_memory_estimate_gib']:.2f} | {o['identifiable']} | {o['coef_err_vs_teacher']:.1e} |"
           for o in res["d_scaling"]]
+    L += ["", "## The dense solve against psi^3/3 flops at the DGEMM rate", "",
+          *solve_bench.floors_markdown(res["solve_floor"]), "", "Target: total <= 2 x floor at d = 24 and 32 (expansion and certificate included). The crash check of"
+          " the large factorisation (OPENBLAS_CORETYPE unset) is `scaleattn bench solve`."]
     return "\n".join(L) + "\n"
 
 

@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-__all__ = ["run", "solve_floor", "factorisation_check", "dgemm_rate", "markdown", "ROWS", "CLEARED_ENV"]
+__all__ = ["run", "solve_floor", "factorisation_check", "dgemm_rate", "markdown", "floors_markdown", "ROWS",
+           "CLEARED_ENV"]
 
 #: causal rows of the statistics :func:`solve_floor` builds per d (a realizable 2-head teacher, d_out = 1)
 ROWS = {16: 6_000, 20: 10_000, 24: 16_000, 32: 20_000}
@@ -187,17 +188,22 @@ def factorisation_check(d: int = 32, timeout: float = 1800.0) -> list[dict]:
     return out
 
 
-def markdown(result: dict) -> str:
-    """The tables of :func:`run`'s result."""
-    lines = ["## The dense solve against psi^3/3 flops at the DGEMM rate", "",
-             "| d | psi | rows | DGEMM GF/s | floor s | expand | factor | eigenvalues (passes) | solve+SSE | total s"
+def floors_markdown(floors: list[dict]) -> list[str]:
+    """The table of :func:`solve_floor` results (lines)."""
+    lines = ["| d | psi | rows | DGEMM GF/s | floor s | expand | factor | eigenvalues (passes) | solve+SSE | total s"
              " | x floor | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["floors"]:
+    for r in floors:
         s = r["seconds"]
         lines.append(f"| {r['d']} | {r['psi']:,} | {r['rows']:,} | {r['dgemm_gflops']:.0f} | {r['floor_s']:.2f} |"
                      f" {s['expand']:.2f} | {s['factor']:.2f} | {s['eigenvalues']:.2f} ({'+'.join(map(str, r['eig_passes']))})"
                      f" | {s['solve_and_sse']:.2f} | {s['total']:.2f} | {r['floor_ratio']:.2f} |"
                      f" {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """The tables of :func:`run`'s result."""
+    lines = ["## The dense solve against psi^3/3 flops at the DGEMM rate", "", *floors_markdown(result["floors"])]
     lines += ["", "## Large factorisation, OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (fresh process each)", "",
               "| how | psi | kernels | result | seconds | x floor | load |", "|---|---|---|---|---|---|---|"]
     for r in result["factorisations"]:
