@@ -36,8 +36,11 @@ SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2, "krylov": 0}
 
 #: buffers from this size on are mmapped and given back to the OS when freed (glibc otherwise raises the
 #: threshold to 32 MB after the first free, and freed 10-30 MB partials then fragment the heap: a fit's peak
-#: RSS grew 18% from N to 4N rows at d = 16; with the fixed threshold 1%)
-MMAP_THRESHOLD = 1 << 20
+#: RSS grew 18% from N to 4N rows at d = 16; with the fixed threshold 1%). 8 MiB, not 1 MiB: a block's feature
+#: arrays (about 5 MB each, BLOCK_BYTES in all) then come from the heap instead of fresh page-faulted mappings
+#: every block (1 MiB cost an in-process build 8-10% at d = 16, and made a Dask worker's build slower than the
+#: in-process one: docs/performance.md), while the partials (10 MB and up at d >= 16) are still given back
+MMAP_THRESHOLD = 1 << 23
 
 
 def release_large_buffers() -> None:
