@@ -30,7 +30,7 @@ from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buf
 from .distributed.operator import remote_statistics
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
-from .features import coef_distance
+from .features import coef_distance, n_features
 from .head_search import DEFAULT_BUDGET
 from .heads import Heads, coef_from_heads
 from .model import MHLAModel, heads_are_exact, model_from_statistics
@@ -51,7 +51,7 @@ from .solver import Solution, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
-__all__ = ["fit", "certify_dataset", "FitResult"]
+__all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI"]
 
 
 @dataclasses.dataclass
@@ -116,6 +116,12 @@ class FitResult:
         mse = r.get("relative_train_mse")
         return (f"FitResult({r.get('dataset', '')!r}: {verdict}; {self.model.n_heads} heads; relative train MSE"
                 f" {'n/a' if mse is None else format(mse, '.3g')})")
+
+
+#: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
+#: its solve, where the finished build is kept and how to solve again from it; a smaller solve is over before the
+#: line could help
+SAY_KEPT_PSI = 2_000
 
 
 def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | None = None, ridge: float = 0.0,
@@ -258,10 +264,12 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
             after_failed_build(e, ckpt, new_ckpt)
             raise
         times = {"statistics": time.perf_counter() - t}
-        if ckpt is not None:  # said before the solve: a native crash there (no Python error) leaves only this line
-            rerun = rerun_command(ds.url, out_label, ckpt, checkpoint is not None)
-            reporter.line(f"statistics of all {build.get('groups', 'the')} row groups are kept in {ckpt.url} until"
-                          f" the fit is written; should the solve fail, `{rerun}` solves again from them")
+        rerun = None if ckpt is None else rerun_command(ds.url, out_label, ckpt, checkpoint is not None)
+        if ckpt is not None and n_features(ds.d) >= SAY_KEPT_PSI:  # before the solve: all a native crash there leaves
+            groups = build.get("groups", 0)
+            reporter.line(f"statistics of all {groups} row group{'s' if groups != 1 else ''} are kept in {ckpt.url}"
+                          f" until the fit is written; should the solve fail, `{rerun}` (with this run's other"
+                          " options) solves again from them")
         try:
             opts = _SolveOptions(heads, cutoff_rtol, ridge, solver, certificate, heads_budget)
             result = _finish(ds, stats, client, reporter, times, build, opts, exact_mse,

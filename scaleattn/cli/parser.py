@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                         " against psi^3/3 at the DGEMM rate (d = 24, 32) and the d = 32 factorisation with"
                         " OpenBLAS's own kernel choice (numpy's, scipy's and ours, each in a fresh process)")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
-    b.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    b.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes for core on 2 cores)")
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
                         " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44)")
