@@ -422,6 +422,19 @@ class Witness:
                 "coef_distance": coef_distance(self.coef_a, self.coef_b)}
 
 
+def _least_direction(Nb, M, gram_norm: float):
+    """The direction ``Nb u`` with the smallest ``u^T M u`` (``M = Nb^T G Nb``), chosen as a function of the
+    subspace, not of round-off: when several eigenvalues of ``M`` tie at the bottom within the Gram's round-off
+    (``psi eps ||G||``; data exactly on a subspace make the whole null basis tie), the tied eigenvectors span
+    a subspace that round-off does not move while their basis within it is arbitrary, so the direction is the
+    projection of the null basis' first column onto that subspace (the eigenvector alone when it is unique)."""
+    w, U = np.linalg.eigh(M)
+    tol = Nb.shape[0] * np.finfo(np.float64).eps * float(gram_norm) if np.isfinite(gram_norm) else 0.0
+    k = int(np.sum(w <= w[0] + tol))
+    u = U[:, :k] @ U[0, :k] if k > 1 else U[:, 0]
+    return Nb @ (u if np.linalg.norm(u) > 1e-8 else U[:, 0])
+
+
 def ambiguity_witness(solution, stats, gram=None, length: int | None = None, candidates: int = 16,
                       seed: int = 0, loss_rtol: float = 1e-12) -> Witness | None:
     """Witness of non-identifiability ([Y25] Lemma 2.3 fails; DESIGN §4): ``None`` when identifiable.
@@ -447,8 +460,7 @@ def ambiguity_witness(solution, stats, gram=None, length: int | None = None, can
         R11, z = factor.R[: Nb.shape[0], : Nb.shape[0]], factor.R[: Nb.shape[0], Nb.shape[0]:]
         n = Nb @ np.linalg.svd(R11 @ Nb)[2][-1]
     else:
-        w, U = np.linalg.eigh(Nb.T @ (G @ Nb))
-        n = Nb @ U[:, 0]
+        n = _least_direction(Nb, Nb.T @ (G @ Nb), solution.certificate.lambda_max * max(stats.n_rows, 1))
     n /= np.linalg.norm(n)
     a = int(np.argmax(np.linalg.norm(c, axis=0)))
     T = d + 1 if length is None else int(length)
