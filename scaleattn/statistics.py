@@ -261,7 +261,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
-    kern = kernel_name(get_xp(tokens, stats.gram_compact), kernel)
+    kern = kernel_name(xp, kernel)
     if kern == "numba" and d < BLAS_MIN_D and is_numpy(xp):  # one fused compiled pass per block (bits: shapes only)
         # no feature buffers per block: only the float64 copies of its tokens and targets
         step = max(1, int(BLOCK_BYTES // (16 * T * d)))

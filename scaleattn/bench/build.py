@@ -51,11 +51,13 @@ def _best(f, repeats: int) -> float:
     return best
 
 
-def gemm_rate(n: int = 2000, repeats: int = 3) -> float:
-    """float64 GEMM rate (FLOP/s) of an ``n x n`` numpy product on all BLAS threads, best of ``repeats``."""
+def gemm_rate(n: int = 2000, repeats: int = 3, product=None) -> float:
+    """float64 GEMM rate (FLOP/s) of an ``n x n`` product, best of ``repeats``: numpy's ``@`` on all BLAS threads,
+    or ``product(a, a)`` (the dense solve times scipy's BLAS, the library it calls: :mod:`scaleattn.bench.solve`)."""
     a = np.random.default_rng(0).standard_normal((n, n))
-    a @ a
-    return 2.0 * n**3 / _best(lambda: a @ a, repeats)
+    product = np.matmul if product is None else product
+    product(a, a)
+    return 2.0 * n**3 / _best(lambda: product(a, a), repeats)
 
 
 def copy_bandwidth(nbytes: float = 80e6, repeats: int = 3) -> float:

@@ -25,8 +25,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 __all__ = ["run", "solve_floor", "factorisation_check", "dgemm_rate", "markdown", "floors_markdown", "ROWS",
            "CLEARED_ENV"]
 
@@ -39,16 +37,10 @@ CLEARED_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 def dgemm_rate(n: int = 4000, repeats: int = 3) -> float:
     """Best of ``repeats`` float64 GEMMs of order ``n`` through scipy's BLAS (the dense path's): flop/s."""
+    from scaleattn.bench.build import gemm_rate
     from scaleattn.dense import gemm
 
-    a = np.random.default_rng(0).standard_normal((n, n))
-    gemm(a, a)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        gemm(a, a)
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    return gemm_rate(n, repeats, product=gemm)
 
 
 def _stats(d: int, rows: int):
