@@ -370,7 +370,7 @@ def markdown(res) -> str:
         L += ["", "## One product G X of the operator: numpy path vs compiled kernel", "",
               "| d | psi | k | numpy s | compiled s | numpy G MAC/s | compiled G MAC/s | ratio |", "|---|---|---|---|---|---|---|---|"]
         for p in res["products"]:
-            for key in sorted(k for k in p if k.startswith("numba_k")):
+            for key in sorted((k for k in p if k.startswith("numba_k")), key=lambda k: int(k[7:])):
                 a, b = p["numpy" + key[5:]], p[key]
                 L.append(f"| {p['d']} | {p['psi']:,} | {key[7:]} | {a['best_s']:.3f} | {b['best_s']:.3f} | {a['gmacs']:.2f}"
                          f" | {b['gmacs']:.2f} | {a['best_s'] / b['best_s']:.2f}x |")
