@@ -30,9 +30,11 @@ import os
 
 import numpy as np
 
+from . import _gram_compiled
 from ._backend import get_xp, is_numpy
 from .errors import ParameterError
 from .features import n_features, n_pairs, triu_index
+from .kernel import kernel_name
 
 __all__ = ["GramOperator", "BlockJacobi", "tile_matmat", "tile_diagonal", "tile_token_columns", "tile_segments",
            "blas_single_thread"]
@@ -136,7 +138,8 @@ def tile_matmat(tile, c0: int, d: int, X, out=None):
         if out.shape[0] != psi or out.reshape(psi, -1).shape[1] != k:
             raise ParameterError(f"out has shape {tuple(out.shape)}, expected {tuple(X.shape)}")
         Y = out.reshape(psi, k)
-    _apply_segments(tile, tile_segments(d, int(c0), int(c0) + int(tile.shape[0])), d, X2, Y)
+    segs = tile_segments(d, int(c0), int(c0) + int(tile.shape[0]))
+    (_gram_compiled.matmat_into if kernel_name(xp) == "numba" else _apply_segments)(tile, segs, d, X2, Y)
     if out is not None:
         return out
     return Y.reshape(psi) if vec else Y
@@ -169,11 +172,6 @@ def _apply_segments(tile, segments, d: int, X, Y) -> None:
             skip = 1 if qa == p else 0  # the diagonal block (p, p) is counted once
             if nb > skip:
                 Y3[qa + skip : qa + nb] += (E[skip * d :] @ X3[p]).reshape(nb - skip, d, k)  # Y[q] += M_pq X[p]
-
-
-def _apply_segments_grouped(items, d: int, X, Y) -> None:
-    for tile, seg in items:
-        _apply_segments(tile, (seg,), d, X, Y)
 
 
 #: below this many entries of Tc times m (about the multiply-adds of one product) the operator runs on one thread
@@ -338,18 +336,20 @@ class GramOperator:
     def matmat(self, X):
         """``G X`` for X (psi, k) or (psi,): the sum of :func:`tile_matmat` over the tiles.
 
-        numpy: the segments run on ``threads`` threads, each summing into its own psi x k buffer, with every
-        BLAS call on one thread (many small GEMMs: threaded BLAS only adds contention); the buffers are then
-        added in a fixed order, so the bits do not depend on timing.
+        numpy: the segments run on ``threads`` threads, each summing into its own psi x k buffer (the compiled
+        kernel of :mod:`scaleattn._gram_compiled` unless :func:`scaleattn.kernel.kernel_name` says numpy, else
+        BLAS GEMMs on one thread each); the buffers are added in a fixed order: the bits do not depend on timing.
         """
-        xp = self.xp
+        xp, fast = self.xp, kernel_name(self.xp) == "numba"
         if X.shape[0] != self.psi:
             raise ParameterError(f"X has {X.shape[0]} rows, expected psi = {self.psi} for d = {self.d}")
         X2 = xp.asarray(X, dtype=xp.float64).reshape(self.psi, -1)
-        outs = [xp.zeros(X2.shape, dtype=xp.float64) for _ in self._groups]
+        Xin = _gram_compiled.padded(X2, self.d) if fast else X2
+        outs = [xp.zeros(Xin.shape, dtype=xp.float64) for _ in self._groups]
 
         def run(i):
-            _apply_segments_grouped(self._groups[i], self.d, X2, outs[i])
+            for t, seg in self._groups[i]:
+                (_gram_compiled.apply_segments if fast else _apply_segments)(t, (seg,), self.d, Xin, outs[i])
 
         if not is_numpy(xp):
             run(0)
@@ -368,6 +368,7 @@ class GramOperator:
         Y = outs[0]
         for o in outs[1:]:
             Y += o
+        Y = _gram_compiled.unpadded(Y, self.d) if fast else Y
         self.products += int(X2.shape[1])
         self.passes += 1
         return Y.reshape(X.shape)

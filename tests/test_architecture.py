@@ -20,6 +20,7 @@ CONTRACT = [
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
     "_kernel_compiled", "kernel", "statistics",
+    "_gram_compiled",  # the compiled product of the Gram operator (numba)
     "gram_operator", "lanczos",  # the matrix-free Gram operator and its eigenvalue estimates
     "dense",  # the blocked Cholesky and block Krylov extreme eigenvalues of the dense path (needs lanczos)
     "spectrum", "krylov",  # the dense spectra and factor (needs dense); the krylov solver (needs spectrum)

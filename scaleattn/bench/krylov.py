@@ -21,7 +21,10 @@
   realizable 2-head teacher with d_out = 1, one ``scaleattn fit --local --solver krylov`` process: its wall
   time, peak RSS against ``Tc + one data block`` and the coefficients' distance to the teacher's.
 
-``only`` (``scaleattn bench krylov --only PART``) runs one part: solvers, heads, cluster or fit.
+- one product ``G X`` of the operator at d = 32 and d = 44 (k = 1, 7, 16; random ``Tc``, 0.6 and 3.9 GB):
+  the numpy path (np.take expansion + BLAS) against the compiled kernel, seconds and G-multiply-adds per second.
+
+``only`` (``scaleattn bench krylov --only PART``) runs one part: solvers, heads, cluster, fit or products.
 
 Quick mode: d = 16 (3,000 and 9,000 rows), d = 20 heads and a d = 12 fit in their place (a smoke test of the benchmark, a minute or
 two). Ratios are taken within the run, but the machine may be shared: the load average is recorded at the start
@@ -225,8 +228,43 @@ def whole_fit(tmp, d: int, samples: int, length: int = 100) -> dict:
     return r
 
 
+def operator_products(d: int, ks=(1, 7, 16), repeats: int = 3) -> dict:
+    """One product ``G X`` of :class:`~scaleattn.gram_operator.GramOperator` (default threads) on a random
+    ``Tc`` (the time does not depend on the values), the numpy path against the compiled kernel
+    (:data:`scaleattn.kernel.KERNEL`): best and median wall seconds of ``repeats``, CPU seconds, and
+    G-multiply-adds per second ``psi^2 k / best``."""
+    import scaleattn.kernel as kernel
+    from scaleattn.features import n_features, n_pairs
+    from scaleattn.gram_operator import GramOperator
+
+    m, psi = n_pairs(d), n_features(d)
+    Tc = np.empty((m * (m + 1) // 2, m))
+    np.random.default_rng(0).random(out=Tc)
+    op, X0 = GramOperator.from_compact(Tc, d), np.random.default_rng(1).standard_normal((psi, max(ks)))
+    r, saved = {"d": d, "psi": psi, "compact_gram_bytes": Tc.nbytes, "threads": op.threads}, kernel.KERNEL
+    try:
+        for k in ks:
+            X = np.ascontiguousarray(X0[:, :k])
+            for name in ("numpy", "numba"):
+                kernel.KERNEL = name
+                op @ X[:, :1]  # compile on first use
+                walls, cpus = [], []
+                for _ in range(repeats):
+                    t, c = time.perf_counter(), time.process_time()
+                    op @ X
+                    walls.append(time.perf_counter() - t)
+                    cpus.append(time.process_time() - c)
+                walls.sort()
+                r[f"{name}_k{k}"] = {"best_s": walls[0], "median_s": walls[len(walls) // 2], "cpu_s": min(cpus),
+                                     "gmacs": psi**2 * k / walls[0] / 1e9}
+                _say(f"  d = {d}, k = {k}, {name}: {walls[0]:.3f} s, {psi**2 * k / walls[0] / 1e9:.2f} G MAC/s")
+    finally:
+        kernel.KERNEL = saved
+    return r
+
+
 #: the parts of the benchmark, for ``--only``
-PARTS = ("solvers", "heads", "cluster", "fit")
+PARTS = ("solvers", "heads", "cluster", "fit", "products")
 
 
 def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
@@ -249,6 +287,9 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
             res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
         if "cluster" in want:
             res["cluster"] = cluster_products(tmp, 16, 30) if quick else cluster_products(tmp, 32, 200)
+        if "products" in want:  # one product of the operator, numpy path vs compiled kernel
+            res["products"] = [operator_products(16, repeats=2)] if quick else [operator_products(32),
+                                                                                operator_products(44)]
         if "fit" in want:  # issue 15's d = 44: about 60,000 causal rows of a realizable teacher, d_out = 1
             res["fit"] = whole_fit(tmp, 12, 40) if quick else whole_fit(tmp, 44, 600)
     res["load_avg_end"] = os.getloadavg()
@@ -325,6 +366,14 @@ def markdown(res) -> str:
               f" {_yn(met['krylov_wall'])} / {_yn(met['krylov_cpu'])}, eig_budget=full {_yn(met['krylov_full_wall'])}"
               f" / {_yn(met['krylov_full_cpu'])}; with 3x the rows {_yn(met['krylov_more_rows_wall'])} /"
               f" {_yn(met['krylov_more_rows_cpu'])}."]
+    if "products" in res:
+        L += ["", "## One product G X of the operator: numpy path vs compiled kernel", "",
+              "| d | psi | k | numpy s | compiled s | numpy G MAC/s | compiled G MAC/s | ratio |", "|---|---|---|---|---|---|---|---|"]
+        for p in res["products"]:
+            for key in sorted((k for k in p if k.startswith("numba_k")), key=lambda k: int(k[7:])):
+                a, b = p["numpy" + key[5:]], p[key]
+                L.append(f"| {p['d']} | {p['psi']:,} | {key[7:]} | {a['best_s']:.3f} | {b['best_s']:.3f} | {a['gmacs']:.2f}"
+                         f" | {b['gmacs']:.2f} | {a['best_s'] / b['best_s']:.2f}x |")
     h = res.get("heads")
     if h:
         L += ["", f"## Heads step, d = {h['d']} (psi = {h['psi']:,}), 2-head teacher, d_out = 1", "",

@@ -217,9 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                         " OpenBLAS's own kernel choice (numpy's, scipy's and ours, each in a fresh process)")
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
     b.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes for core on 2 cores)")
-    b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit"], default=None,
+    b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit", "products"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
-                        " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44)")
+                        " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44;"
+                        " products: one product G X of the operator, numpy path vs compiled kernel, d = 32 and 44)")
     b.add_argument("--vs", choices=["adamw"], default=None,
                    help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
 

@@ -39,3 +39,17 @@ def test_krylov_whole_fit_tiny(tmp_path):
     r = krylov.whole_fit(str(tmp_path), 3, 40, length=10)
     assert r["report"]["verdict"] == "identifiable" and r["coef_rel_err_vs_teacher"] < 1e-8
     assert r["peak_rss_bytes"] > r["compact_gram_bytes"] and np.isfinite(r["peak_vs_tc_plus_block"])
+
+
+def test_krylov_operator_products_tiny():
+    import scaleattn.kernel as kernel
+
+    saved = kernel.KERNEL
+    r = krylov.operator_products(4, ks=(1, 3), repeats=1)
+    assert kernel.KERNEL == saved  # the switch is restored
+    for key in ("numpy_k1", "numba_k1", "numpy_k3", "numba_k3"):
+        k = int(key[-1])
+        assert r[key]["best_s"] > 0 and r[key]["gmacs"] == pytest.approx(r["psi"] ** 2 * k / r[key]["best_s"] / 1e9)
+    md = krylov.markdown({"quick": True, "machine": {"cores": 2, "memory_gib": 1.0, "load_avg": (0.0,)},
+                          "load_avg_end": (0.0,), "seconds": 1.0, "products": [r]})
+    assert "| 4 | 40 | 3 |" in md
