@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["compiled", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel", "piece_stats",
            "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES",
-           "MAX_PARTIAL_BYTES"]
+           "MAX_PARTIAL_BYTES", "STAGE_SAMPLES"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -49,6 +49,9 @@ MAX_PIECES, MIN_PIECE_ROWS = 4, 8192
 PIECE_MACS = 20_000_000
 MAX_SAMPLE_PIECES = 64
 MAX_PARTIAL_BYTES = 32e6
+#: samples :func:`_piece` stages at a time from position-major input (:func:`_stage`): 64 x 100 tokens x d = 4
+#: float64 is 200 kB, in L2 alongside the chunk buffers
+STAGE_SAMPLES = 64
 
 
 def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
@@ -67,9 +70,10 @@ def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
 
 
 def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float) -> list[tuple[int, int]]:
-    """Sample ranges ``[i0, i1)`` of about equal rows that :func:`piece_stats` sums apart (added in this order):
-    a function of the rows of each sample and the shapes only (never of the thread count), so every piece, and
-    their sum in order, has the same bits on any number of threads.
+    """Sample ranges ``[i0, i1)`` of about equal rows that :func:`piece_stats` sums apart (added in this order;
+    a multiple of 4 of them from 4 on, bounded by the samples, :data:`MAX_SAMPLE_PIECES` and
+    :data:`MAX_PARTIAL_BYTES`): a function of the rows of each sample and the shapes only (never of the thread
+    count), so every piece, and their sum in order, has the same bits on any number of threads.
 
     Examples
     --------
@@ -78,8 +82,10 @@ def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float) ->
     """
     cum = np.cumsum(np.asarray(rows_per_sample, dtype=np.int64))
     n, rows = len(cum), int(cum[-1]) if len(cum) else 0
-    k = min(int(rows * macs_per_row // PIECE_MACS), MAX_SAMPLE_PIECES, int(MAX_PARTIAL_BYTES // max(partial_bytes, 1)))
-    k = max(1, min(k, n))
+    k = int(rows * macs_per_row // PIECE_MACS)
+    k = k if k < 4 else -(-k // 4) * 4  # a multiple of 4: equal shares on 2 or 4 threads (13 equal pieces on 2
+    # threads leave one thread idle through the 13th)
+    k = max(1, min(k, n, MAX_SAMPLE_PIECES, int(MAX_PARTIAL_BYTES // max(partial_bytes, 1))))
     edges = sorted({0, n, *(int(np.searchsorted(cum, rows * i / k, side="right")) for i in range(1, k))})
     return list(zip(edges[:-1], edges[1:]))
 
@@ -256,64 +262,86 @@ def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cov
     return yy
 
 
-def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk):  # pragma: no cover - compiled
+def _stage(src, lens, g0, g1, buf):  # pragma: no cover - compiled
+    """Copy the valid positions of samples ``[g0, g1)`` of a position-major ``src`` (n, T, k) (its stride along
+    T larger than along the samples, as an einsum's output) into ``buf[: g1 - g0]`` in ``src``'s memory order:
+    each position's samples are one contiguous run, so the copy streams where a sample-by-sample read would miss
+    the cache once per token (measured: gathering make_mhla's position-major targets 0.029 s per 1M causal rows
+    more than C-ordered ones at d = 4)."""
+    T, k = src.shape[1], src.shape[2]
+    for t in range(T):
+        for i in range(g0, g1):
+            if t < lens[i]:
+                for a in range(k):
+                    buf[i - g0, t, a] = src[i, t, a]
+
+
+def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk, stage_z, stage_tg):  # pragma: no cover - compiled
     """The statistics of the samples ``[i0, i1)`` in one pass over their tokens, ``chunk`` rows at a time in
     cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
     and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
     (restarting per sample, so a piece of whole samples is independent); last-token: ``s = vech(Z^T Z)`` per
     sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per
-    position, else one row per sample. Returns ``sum y^2`` of the piece's rows."""
+    position, else one row per sample. With ``stage_z`` / ``stage_tg`` (position-major ``z`` / ``tg``) the
+    samples are first copied :data:`STAGE_SAMPLES` at a time by :func:`_stage` (the same values, so the same
+    bits). Returns ``sum y^2`` of the piece's rows."""
     n, T, d = z.shape
     k_out = tg.shape[2]
     mp = mom.shape[0]
     S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
     V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
     start, carry = np.zeros(chunk if causal else 0, dtype=np.bool_), np.zeros(mp)
+    G = STAGE_SAMPLES
+    Zb = np.zeros((G if stage_z else 0, T, d), dtype=z.dtype)
+    Tb = np.zeros((G if stage_tg else 0, tg.shape[1], k_out), dtype=tg.dtype)
+    Zt = np.zeros((d, T))
     R, yy = 0, 0.0
-    if causal:
-        i, t = i0, 0
-        while i < i1:
+    for g0 in range(i0, i1, G):
+        g1 = min(i1, g0 + G)
+        if stage_z:
+            _stage(z, lens, g0, g1, Zb)
+        if stage_tg:
+            _stage(tg, lens, g0, g1, Tb)
+        for i in range(g0, g1):
             L = min(max(lens[i], 0), T)
-            if t >= L:
-                i, t = i + 1, 0
-                continue
-            cnt = min(L - t, chunk - R)
-            for j in range(cnt):
-                start[R + j] = False
-            start[R] = t == 0
-            zi, ti = z[i], tg[i]
-            for j in range(cnt):
+            zi = Zb[i - g0] if stage_z else z[i]
+            ti = Tb[i - g0] if stage_tg else tg[i]
+            if causal:
+                t = 0
+                while t < L:
+                    cnt = min(L - t, chunk - R)
+                    for j in range(cnt):
+                        start[R + j] = False
+                    start[R] = t == 0
+                    for j in range(cnt):
+                        for a in range(d):
+                            X[a, R + j] = zi[t + j, a]
+                        for a in range(k_out):
+                            Y[a, R + j] = ti[t + j, a]
+                    R, t = R + cnt, t + cnt
+                    if R == chunk:
+                        yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                        R = 0
+            else:
+                for t in range(L):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
+                    for a in range(d):
+                        Zt[a, t] = zi[t, a]
+                k = 0
                 for a in range(d):
-                    X[a, R + j] = zi[t + j, a]
+                    for b in range(a, d):
+                        c = 0.0
+                        for t in range(L):
+                            c += Zt[a, t] * Zt[b, t]
+                        S[k, R] = c
+                        k += 1
+                for a in range(d):
+                    X[a, R] = zi[L - 1, a] if L > 0 else 0.0
                 for a in range(k_out):
-                    Y[a, R + j] = ti[t + j, a]
-            R, t = R + cnt, t + cnt
-            if R == chunk:
-                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
-                R = 0
-    else:
-        Zt = np.zeros((d, T))
-        for i in range(i0, i1):
-            L, zi = min(max(lens[i], 0), T), z[i]
-            for t in range(L):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
-                for a in range(d):
-                    Zt[a, t] = zi[t, a]
-            k = 0
-            for a in range(d):
-                for b in range(a, d):
-                    c = 0.0
-                    for t in range(L):
-                        c += Zt[a, t] * Zt[b, t]
-                    S[k, R] = c
-                    k += 1
-            for a in range(d):
-                X[a, R] = z[i, L - 1, a] if L > 0 else 0.0
-            for a in range(k_out):
-                Y[a, R] = tg[i, 0, a]
-            R += 1
-            if R == chunk:
-                yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
-                R = 0
+                    Y[a, R] = ti[0, a]
+                R += 1
+                if R == chunk:
+                    yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
+                    R = 0
     if R:
         yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
     return yy
@@ -327,7 +355,7 @@ def _compile():
     import numba
 
     opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-    for name in ("_acc", "_flush"):  # the callers resolve these from the globals when compiled
+    for name in ("_acc", "_flush", "_stage"):  # the callers resolve these from the globals when compiled
         globals()[name] = numba.njit(**opts)(globals()[name])
     return (numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel),
             numba.njit(**opts)(_piece))
@@ -370,9 +398,17 @@ def tc_panel(out, sT, xT, c0: int, c1: int, rows: tuple[int, int] | None = None,
 def piece_stats(z, lens, tg, causal: bool, i0: int, i1: int, c0: int, c1: int, tc, mom, chunk: int | None = None):
     """Add samples ``[i0, i1)`` to the piece partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp) (padded to
     multiples of 4 rows, 2 columns; zero on entry) in one fused pass (:func:`_piece`); ``z`` (n, T, d) and
-    ``tg`` (n, T or 1, d_out) float64 C-contiguous, ``lens`` (n,) int64; returns ``sum y^2``."""
+    ``tg`` (n, T or 1, d_out) float32 or float64 in any strides (read in place, each value converted to float64),
+    ``lens`` (n,) int64; returns ``sum y^2``."""
     P, Q = _pairs(z.shape[2] * (z.shape[2] + 1) // 2, c0, c1)
-    return compiled()[3](z, lens, tg, bool(causal), int(i0), int(i1), P, Q, tc, mom, int(chunk or CHUNK_ROWS))
+    return compiled()[3](z, lens, tg, bool(causal), int(i0), int(i1), P, Q, tc, mom, int(chunk or CHUNK_ROWS),
+                         _position_major(z), _position_major(tg))
+
+
+def _position_major(a) -> bool:
+    """Whether ``a`` (n, T, k) is laid out position-major (stride along T above the stride along samples):
+    :func:`_piece` then stages its samples (:func:`_stage`)."""
+    return a.shape[0] > 1 and a.shape[1] > 1 and abs(a.strides[1]) > abs(a.strides[0])
 
 
 def moments_panel(moments, sT, xT, y, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:

@@ -146,3 +146,29 @@ def test_sample_pieces_cover_the_samples_in_order():
         p = kc.sample_pieces(np.full(n, rows), 10**6, 8)
         assert p[0][0] == 0 and p[-1][1] == n and all(a[1] == b[0] and a[0] < a[1] for a, b in zip(p, p[1:]))
         assert len(p) <= kc.MAX_SAMPLE_PIECES
+    p = kc.sample_pieces(np.full(1000, 100), 550, 8)  # 1000 x 100 x 550 / PIECE_MACS = 2.75 -> 2 pieces
+    big = kc.sample_pieces(np.full(10_000, 100), 550, 8)  # 27.5 -> 28: a multiple of 4 (equal thread shares)
+    assert len(p) == 2 and len(big) == 28
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_pass_reads_any_layout_and_float32_in_place(causal):
+    """Position-major tokens and targets (an einsum's layout: staged by the pass, more samples than
+    ``STAGE_SAMPLES``) and float32 ones (converted as read) give the bits of C-ordered float64 input, and the
+    numpy kernel's sums to 1e-14."""
+    n = 2 * kc.STAGE_SAMPLES + 11
+    tokens, targets, lengths = _data(3, causal, 2, n=n, T=9, seed=5)
+    ref = _build("numba", tokens, targets, lengths, causal)
+    pm = lambda a: np.ascontiguousarray(np.swapaxes(a, 0, 1)).swapaxes(0, 1) if a.ndim == 3 else a.T.copy().T
+    assert kc._position_major(pm(tokens)) and not kc._position_major(tokens)
+    for tok, tg in ((pm(tokens), pm(targets)), (pm(tokens), targets), (tokens, pm(targets))):
+        got = _build("numba", tok, tg, lengths, causal)
+        assert np.array_equal(got.gram_compact, ref.gram_compact) and np.array_equal(got.moments, ref.moments)
+        assert got.yy == ref.yy
+    t32, y32 = tokens.astype(np.float32), targets.astype(np.float32)
+    a = _build("numba", t32, y32, lengths, causal)
+    b = _build("numba", t32.astype(np.float64), y32.astype(np.float64), lengths, causal)
+    assert np.array_equal(a.gram_compact, b.gram_compact) and np.array_equal(a.moments, b.moments)
+    assert np.array_equal(_build("numba", pm(t32), pm(y32), lengths, causal).gram_compact, a.gram_compact)
+    c = _build("numpy", pm(tokens), pm(targets), lengths, causal)
+    assert _rel(ref.gram_compact, c.gram_compact) <= 1e-14 and _rel(ref.moments, c.moments) <= 1e-14

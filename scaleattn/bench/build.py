@@ -51,6 +51,18 @@ def _best(f, repeats: int) -> float:
     return best
 
 
+def _settle(max_s: float = 1.0, step: float = 0.02) -> None:
+    """Wait (at most ``max_s``) until this process is idle: after a threaded BLAS call (the loop, SYRK, the GEMM
+    rate) OpenBLAS's helper threads spin for about 0.1 s (measured: 0.05-0.07 s of CPU in a 0.3 s sleep after a
+    2-thread GEMM, whatever the BLAS thread limit), taking a core from the build timed next."""
+    end = time.perf_counter() + max_s
+    while time.perf_counter() < end:
+        cpu = time.process_time()
+        time.sleep(step)
+        if time.process_time() - cpu < 0.1 * step:
+            return
+
+
 def gemm_rate(n: int = 2000, repeats: int = 3, product=None) -> float:
     """float64 GEMM rate (FLOP/s) of an ``n x n`` product, best of ``repeats``: numpy's ``@`` on all BLAS threads,
     or ``product(a, a)`` (the dense solve times scipy's BLAS, the library it calls: :mod:`scaleattn.bench.solve`)."""
@@ -139,6 +151,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
                 syrk_s = _best(lambda: f.T @ f, 1)
                 del f
         for kern in (KERNELS if kernels is None else kernels):
+            _settle()
+
             def build():
                 accumulate(Statistics.zeros(d, targets.shape[-1]), tokens, targets, lengths, causal, kernel=kern)
             accumulate(Statistics.zeros(d, targets.shape[-1]), tokens[:2], targets[:2],
