@@ -146,3 +146,28 @@ def test_sample_pieces_cover_the_samples_in_order():
         p = kc.sample_pieces(np.full(n, rows), 10**6, 8)
         assert p[0][0] == 0 and p[-1][1] == n and all(a[1] == b[0] and a[0] < a[1] for a, b in zip(p, p[1:]))
         assert len(p) <= kc.MAX_SAMPLE_PIECES
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 8])
+def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d):
+    """The compiled expansion, the numpy row-group one and the array-API gather (strict arrays) give the same
+    bits, and the definition ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]`` entry by entry."""
+    import array_api_strict as xs
+
+    from scaleattn._backend import to_numpy
+    from scaleattn.features import expand_compact_gram, triu_index
+
+    m = n_pairs(d)
+    Tc = np.random.default_rng(d).standard_normal((n_pairs(m), n_pairs(d)))
+    _, _, pp = triu_index(m)
+    _, _, lp = triu_index(d)
+    ref = np.array([[Tc[pp[P, Q], lp[l, k]] for Q in range(m) for k in range(d)] for P in range(m) for l in range(d)])
+    gather = to_numpy(expand_compact_gram(xs.asarray(Tc), d))
+    np.testing.assert_array_equal(gather, ref)
+    np.testing.assert_array_equal(expand_compact_gram(Tc, d), ref)
+    for threads in (1, 3):
+        G = kernel.expand_gram(Tc, d, threads=threads, kernel="numba")
+        assert G.flags.c_contiguous
+        np.testing.assert_array_equal(G, ref)
+    np.testing.assert_array_equal(kernel.expand_gram(Tc, d, kernel="numpy"), ref)
+    np.testing.assert_array_equal(kernel.expand_gram(np.asfortranarray(Tc), d, threads=2), ref)
