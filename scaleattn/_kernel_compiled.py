@@ -28,9 +28,11 @@ import threading
 
 import numpy as np
 
-__all__ = ["compiled", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel", "piece_stats",
-           "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES",
-           "MAX_PARTIAL_BYTES", "STAGE_SAMPLES"]
+from .features import n_pairs, triu_index
+
+__all__ = ["compiled", "expand_rows", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel",
+           "piece_stats", "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS",
+           "MAX_SAMPLE_PIECES", "MAX_PARTIAL_BYTES", "STAGE_SAMPLES"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -347,6 +349,19 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk, stage_z, stage_tg)
     return yy
 
 
+def _expand(tc, ppos, lpos, G, p0, p1):
+    """Rows ``(P, l)``, ``p0 <= P < p1``, of ``G``: ``G[P d + l, Q d + k] = tc[ppos[P, Q], lpos[l, k]]`` (a copy:
+    each row of ``G`` is written once, in order; the ``Tc`` row it gathers from is 4 KB at d = 32, in cache)."""
+    m, d = ppos.shape[0], lpos.shape[0]
+    for P in range(p0, p1):
+        for l in range(d):
+            r = P * d + l
+            for Q in range(m):
+                t = tc[ppos[P, Q]]
+                for k in range(d):
+                    G[r, Q * d + k] = t[lpos[l, k]]
+
+
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -358,11 +373,11 @@ def _compile():
     for name in ("_acc", "_flush", "_stage"):  # the callers resolve these from the globals when compiled
         globals()[name] = numba.njit(**opts)(globals()[name])
     return (numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel),
-            numba.njit(**opts)(_piece))
+            numba.njit(**opts)(_piece), numba.njit(**opts)(_expand))
 
 
 def compiled():
-    """The njit-compiled functions ``(features, tc_panel, moments_panel, piece)`` (numba imported here, once;
+    """The njit-compiled functions ``(features, tc_panel, moments_panel, piece, expand)`` (numba imported here, once;
     the first call may come from several kernel threads at once, hence the lock)."""
     with _COMPILE_LOCK:
         return _compile()
@@ -409,6 +424,14 @@ def _position_major(a) -> bool:
     """Whether ``a`` (n, T, k) is laid out position-major (stride along T above the stride along samples):
     :func:`_piece` then stages its samples (:func:`_stage`)."""
     return a.shape[0] > 1 and a.shape[1] > 1 and abs(a.strides[1]) > abs(a.strides[0])
+
+
+def expand_rows(tc, d: int, G, p0: int, p1: int) -> None:
+    """Rows ``(P, l)``, ``p0 <= P < p1`` (pairs ``P`` of ``vech`` positions), of ``G`` (psi, psi) float64
+    C-contiguous from the compact Gram ``tc`` (m(m+1)/2, d(d+1)/2) float64 C-contiguous, in place: the same
+    values as :func:`scaleattn.features.expand_compact_gram` (a copy, so the same bits)."""
+    ppos, lpos = triu_index(n_pairs(d))[2], triu_index(d)[2]
+    compiled()[4](tc, ppos, lpos, G, int(p0), int(p1))
 
 
 def moments_panel(moments, sT, xT, y, rows: tuple[int, int] | None = None, chunk: int | None = None) -> None:

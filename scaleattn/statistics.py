@@ -23,13 +23,12 @@ from ._storage import resolve
 from .dataset import check_arrays
 from .errors import ParameterError
 from .features import (
-    expand_compact_gram,
     n_features,
     n_pairs,
     row_targets,
     token_features,
 )
-from .kernel import BLAS_MIN_D, fused_update, gram_update, kernel_name
+from .kernel import BLAS_MIN_D, expand_gram, fused_update, gram_update, kernel_name
 
 __all__ = ["Statistics", "accumulate", "statistics_from_arrays", "block_samples", "block_bytes_per_sample",
            "BLOCK_BYTES"]
@@ -116,8 +115,9 @@ class Statistics:
                           self.yy + other.yy, self.n_rows + other.n_rows, self.d)
 
     def gram(self):
-        """The feature Gram ``G = sum phi phi^T`` (psi, psi), expanded from the compact form."""
-        return expand_compact_gram(self.gram_compact, self.d)
+        """The feature Gram ``G = sum phi phi^T`` (psi, psi), expanded from the compact form
+        (:func:`scaleattn.kernel.expand_gram`: compiled on numpy, the array-API gather elsewhere)."""
+        return expand_gram(self.gram_compact, self.d)
 
     def second_moment(self):
         """``Lambda_D = G / N`` (psi, psi): the uncentred second moment of the features ([Y25] Lemma 2.3)."""

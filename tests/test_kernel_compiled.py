@@ -172,3 +172,30 @@ def test_fused_pass_reads_any_layout_and_float32_in_place(causal):
     assert np.array_equal(_build("numba", pm(t32), pm(y32), lengths, causal).gram_compact, a.gram_compact)
     c = _build("numpy", pm(tokens), pm(targets), lengths, causal)
     assert _rel(ref.gram_compact, c.gram_compact) <= 1e-14 and _rel(ref.moments, c.moments) <= 1e-14
+
+
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 8])
+def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d):
+    """The compiled expansion, the numpy row-group one and the array-API gather (strict arrays) give the same
+    bits, and the definition ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]`` entry by entry."""
+    import array_api_strict as xs
+
+    from scaleattn._backend import to_numpy
+    from scaleattn.features import expand_compact_gram, triu_index
+
+    m = n_pairs(d)
+    Tc = np.random.default_rng(d).standard_normal((n_pairs(m), n_pairs(d)))
+    _, _, pp = triu_index(m)
+    _, _, lp = triu_index(d)
+    ref = np.array([[Tc[pp[P, Q], lp[l, k]] for Q in range(m) for k in range(d)] for P in range(m) for l in range(d)])
+    gather = to_numpy(expand_compact_gram(xs.asarray(Tc), d))
+    np.testing.assert_array_equal(gather, ref)
+    np.testing.assert_array_equal(expand_compact_gram(Tc, d), ref)
+    for threads in (1, 3):
+        G = kernel.expand_gram(Tc, d, threads=threads, kernel="numba")
+        assert G.flags.c_contiguous
+        np.testing.assert_array_equal(G, ref)
+    np.testing.assert_array_equal(kernel.expand_gram(Tc, d, kernel="numpy"), ref)
+    np.testing.assert_array_equal(kernel.expand_gram(np.asfortranarray(Tc), d, threads=2), ref)
