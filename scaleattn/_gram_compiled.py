@@ -31,6 +31,8 @@ import threading
 
 import numpy as np
 
+from ._kernel_compiled import njit_module
+
 __all__ = ["compiled", "padded", "unpadded", "apply_segments", "matmat_into", "PAD"]
 
 #: the vectors' token axis is padded to a multiple of this (the rows ``b`` go in blocks of 4)
@@ -107,12 +109,7 @@ _COMPILE_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def _compile():
-    import numba
-
-    opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-    for name in ("_expand", "_apply1", "_apply2"):  # the caller resolves these from the globals when compiled
-        globals()[name] = numba.njit(**opts)(globals()[name])
-    return numba.njit(**opts)(_segments)
+    return njit_module(globals(), ("_expand", "_apply1", "_apply2"), ("_segments",))[0]
 
 
 def compiled():

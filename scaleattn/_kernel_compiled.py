@@ -365,15 +365,26 @@ def _expand(tc, ppos, lpos, G, p0, p1):
 _COMPILE_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
-def _compile():
+#: numba options of every compiled kernel: no GIL (our own threads run them), the on-disk cache, and of fastmath
+#: only reassociation and contraction (FMA); no ``parallel`` (its thread pool is not safe under Dask's threads)
+NJIT_OPTS = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
+
+
+def njit_module(namespace: dict, helpers, kernels) -> tuple:
+    """Compile a module's kernels with :data:`NJIT_OPTS` (numba imported here): each of ``helpers`` is replaced
+    in ``namespace`` (the kernels resolve them from their globals when compiled); the ``kernels``, compiled, are
+    returned in order."""
     import numba
 
-    opts = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-    for name in ("_acc", "_flush", "_stage"):  # the callers resolve these from the globals when compiled
-        globals()[name] = numba.njit(**opts)(globals()[name])
-    return (numba.njit(**opts)(_features), numba.njit(**opts)(_tc_panel), numba.njit(**opts)(_moments_panel),
-            numba.njit(**opts)(_piece), numba.njit(**opts)(_expand))
+    for name in helpers:
+        namespace[name] = numba.njit(**NJIT_OPTS)(namespace[name])
+    return tuple(numba.njit(**NJIT_OPTS)(namespace[name]) for name in kernels)
+
+
+@functools.lru_cache(maxsize=1)
+def _compile():
+    return njit_module(globals(), ("_acc", "_flush", "_stage"),
+                       ("_features", "_tc_panel", "_moments_panel", "_piece", "_expand"))
 
 
 def compiled():
