@@ -230,12 +230,25 @@ def test_sandbox_isolates_the_pods_as_their_manifest_says(sandbox):
     assert seccomp == "2" and got["unshare"] != "0", got  # RuntimeDefault refuses unshare
 
 
+#: log lines from which a pod is being shut down: the runner's shutdown of the cluster, or the operator's SIGTERM
+_SHUTDOWN = ("Reason: scheduler-close", "Received signal SIGTERM")
+
+
+def _before_shutdown(log: str) -> str:
+    """The part of a pod's log before its shutdown began. Once the scheduler closes, distributed can log the
+    CommClosedError of a heartbeat or batched send still in flight (seen 1 in 4 runs on 2 loaded cores); a
+    traceback in that window is not a crash."""
+    cut = min((i for i in (log.find(m) for m in _SHUTDOWN) if i >= 0), default=len(log))
+    return log[:cut]
+
+
 def test_happy_path(sandbox):
     job, out = job_for("happy")
     res = run_job(sandbox, job)
     rep = _assert_complete(sandbox, out, res)
     assert rep["groups_computed"] == rep["groups"] == N_SAMPLES // CHUNK // 2 and rep["groups_resumed"] == 0
-    bad = {k: t[max(0, t.index("Traceback") - 300):][:3000] for k, t in res["logs"].items() if "Traceback" in t}
+    bad = {k: t[max(0, t.index("Traceback") - 300):][:3000] for k, t in res["logs"].items()
+           if "Traceback" in _before_shutdown(t)}
     assert not bad, f"a worker or the scheduler crashed: {bad}"
     assert not any(res["restarts"].values()), res["restarts"]
 
