@@ -35,7 +35,7 @@ def _numpy_product(Tc, d, X, tile_rows):
     return Y.reshape(X.shape)
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 8, pytest.param(16, marks=pytest.mark.slow)])  # d = 16: 8 s each
 @pytest.mark.parametrize("causal", [True, False])
 def test_compiled_product_matches_dense_and_numpy(d, causal, monkeypatch):
     monkeypatch.setattr(kernel, "KERNEL", "numba")
