@@ -37,7 +37,7 @@ def _data(d, causal, variable, samples=40, length=9, seed=0):
 
 
 # ---- part 1: the operator ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("d", [4, 8, 16])
+@pytest.mark.parametrize("d", [4, 8, pytest.param(16, marks=pytest.mark.slow)])  # d = 16: 2 s each
 @pytest.mark.parametrize("causal,variable", [(True, True), (False, True), (True, False)])
 def test_operator_matches_dense_product(d, causal, variable):
     D, st = _data(d, causal, variable, samples=12 if d == 16 else 40)

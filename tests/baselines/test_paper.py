@@ -47,6 +47,7 @@ def test_assoc_truth_and_figure2b_closed_form():
     assert all(len(r["distance"]) == 3 for r in res["runs"])
 
 
+@pytest.mark.slow  # trains AdamW models: 3 s
 def test_figure1_small_and_table():
     res = B.figure1(dims=((2, 24),), heads=(1, 2), seeds=2, epochs=2, lrs=(1e-2, 1e-3), length=10)
     rows = B.figure1_table(res)

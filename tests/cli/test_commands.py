@@ -185,6 +185,7 @@ def test_write_files_puts_old_files_back_and_refuses_a_directory_in_the_way(tmp_
     assert not (tmp_path / "fresh" / "new").exists()
 
 
+@pytest.mark.slow  # a whole CLI fit first: 3 s
 def test_cli_plot_into_a_directory_in_the_way_exits_2(cli, tmp_path, causal_ds):
     out = tmp_path / "run"
     cli("fit", causal_ds.url, "--out", out, "--local", "--no-plots")

@@ -7,12 +7,9 @@ import json
 
 import pytest
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
+from tests.helpers import moto_s3, s3_env  # moto_s3 skips without s3fs / moto: not imported at collection
 
-from tests.helpers import moto_s3, s3_env  # noqa: E402
-
-from .conftest import FIT, dataset, error_line, expect, run_cli, same_stats  # noqa: E402
+from .conftest import FIT, dataset, error_line, expect, run_cli, same_stats
 
 pytestmark = pytest.mark.slow
 BUCKET = "integrity"
