@@ -1,9 +1,10 @@
 """Spectra and factorisations of the feature Gram matrix ``G`` (layer L2; DESIGN §4).
 
 The machinery the certificate and the solver share: the relative eigenvalue cutoff, the Jacobi-scaled
-eigendecomposition (:class:`Spectrum`), and for large psi a Cholesky factor of the scaled Gram with block
-Krylov estimates of its extreme eigenvalues (:class:`CholeskyFactor`, :mod:`scaleattn.dense`), so that no
-psi x psi eigendecomposition is needed. Which path runs is :func:`solver_path`.
+eigendecomposition (:class:`Spectrum`), and for large psi a Cholesky factor of ``G`` (that of the scaled Gram
+up to a diagonal scaling, applied to vectors) with block Krylov estimates of the extreme eigenvalues
+(:class:`CholeskyFactor`, :mod:`scaleattn.dense`), so that no psi x psi eigendecomposition is needed. Which
+path runs is :func:`solver_path`.
 
 Numerics: Jacobi scaling ``Gs = D^-1/2 G D^-1/2`` (``D = diag G``) makes the rank decision independent of the
 units of the features; eigenvalues at or below ``cutoff_rtol * lambda_max(Gs)`` are dropped, with
