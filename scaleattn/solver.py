@@ -48,14 +48,14 @@ def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> So
         f.L[...] = G
         f.L[np.diag_indices(psi)] += ridge * np.diag(G)
         f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.dense)
-        f.L *= f.scale[:, None]
     cs = f.solve(rhs)
     if refine:
         cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)
     dof = float(psi)
     if ridge > 0:
         Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
-        dof = float(psi - ridge * np.einsum("ij,ij->", Linv, Linv))  # tr (Gs + lambda I)^-1 = ||L^-1||_F^2
+        # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
+        dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, np.diag(G)))
     c = f.scale[:, None] * cs
     return Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, G), float(ridge), dof)
 

@@ -59,6 +59,23 @@ def test_gemm_is_matmul():
     assert np.allclose(gemm(a, y, trans=True), a.T @ y, rtol=1e-14, atol=1e-13)
 
 
+def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
+    """The factor kept is that of G itself (no pass scaling it); solve() is Gs^-1 and gram_solve() G^-1 (dense
+    references), so the Jacobi scaling lives in O(psi) vector scalings only."""
+    d = np.geomspace(1e-3, 1e3, 150)  # feature scales over six decades: Jacobi scaling matters
+    G = d[:, None] * _spd(150, seed=5, cond=1e4) * d[None, :]
+    f = cholesky_factor(G, default_rtol(150), 100)
+    assert np.abs(f.L @ f.L.T - G).max() <= 1e-13 * np.abs(G).max()
+    sc = 1.0 / np.sqrt(np.diag(G))
+    Gs = G * sc[:, None] * sc[None, :]
+    rhs = np.random.default_rng(6).standard_normal((150, 3))
+    for got, ref in ((f.solve(rhs), np.linalg.solve(Gs, rhs)), (f.solve(rhs[:, 0]), np.linalg.solve(Gs, rhs[:, 0])),
+                     (f.gram_solve(rhs), np.linalg.solve(G, rhs))):
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
+    w = np.linalg.eigvalsh(Gs)
+    assert f.w_min == pytest.approx(w[0], rel=EIG_RTOL) and f.w_max == pytest.approx(w[-1], rel=EIG_RTOL)
+
+
 def test_largest_eigenvalues_against_eigvalsh():
     a = _spd(300, seed=3, cond=1e4)
     s = np.random.default_rng(4).uniform(0.1, 10.0, 300)
