@@ -1,5 +1,5 @@
 """The distributed statistics build (layer L3; DESIGN §6): row groups x column tiles as Dask tasks, each
-streaming whole Zarr chunks into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
+streaming its rows chunk by chunk into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
 finished partial checkpointed (:mod:`.checkpoint`). Without a client the same tasks and tree run in process.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ log = logging.getLogger("scaleattn")
 
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
                      cols: tuple[int, int] | None = None, kernel: str | None = None) -> Statistics:
-    """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task).
+    """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task;
+    :meth:`~scaleattn.dataset.Dataset.read_chunks`: a chunk cut by the range is read whole and checked).
 
     ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
     ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
@@ -48,9 +49,7 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
         sl = slice(int(cols[0]), int(cols[1]))
         stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
                            xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
-    for a in range(start, stop, dataset.chunk_samples):
-        b = min(stop, a + dataset.chunk_samples)
-        tok, lens, y = dataset.read(a, b, targets=targets)
+    for tok, lens, y in dataset.read_chunks(start, stop, targets=targets):
         if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
         accumulate(stats, tok, y, lens, dataset.causal, cols=sl, kernel=kernel)
@@ -128,8 +127,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     targets : bool
         False builds only the Gram (enough for the certificate).
     group_samples : int, optional
-        Samples per row group (rounded to whole chunks); default from ``row_groups`` (at most
-        ``TILED_MAX_GROUPS`` groups when tiled).
+        Samples per row group (exactly; chunks cut where they fall); default: groups of equal rows from
+        :func:`~scaleattn.distributed.partition.row_groups` (at most ``TILED_MAX_GROUPS`` when tiled).
     split_every : int
         Partials combined per reduction task.
     device : {"auto", "cpu", "gpu"}
