@@ -21,6 +21,7 @@ from ..kernel import kernel_name
 from ..progress import as_reporter
 from ..statistics import Statistics, accumulate
 from .checkpoint import Checkpoint
+from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, run_trees
 
@@ -76,8 +77,10 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     is read back when it is bound to the input rows as they are now (``source``, from
     :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
     or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
-    worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`); bad data fails the task
-    once. ``kernel``: the client's statistics kernel (the checkpoint's, when there is one)."""
+    worker, with this process's glibc thresholds set (:func:`~.memory.release_large_buffers`: a Dask nanny's
+    64 KiB trim threshold made a worker's build slower than the in-process one). Store hiccups are retried here
+    (:func:`~scaleattn._storage.with_retries`); bad data fails the task once. ``kernel``: the client's
+    statistics kernel (the checkpoint's, when there is one)."""
     dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
         part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
@@ -88,6 +91,7 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
                         stop, ti, why)
         ckpt.forget(gi, ti)
     _testing.before_task()
+    release_large_buffers()  # glibc thresholds of this worker, whatever its cluster's environment (cheap)
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols,
                         ckpt.kernel if ckpt is not None else kernel)
     if ckpt is not None:
