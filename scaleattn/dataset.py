@@ -157,31 +157,9 @@ class Dataset:
         read whole are checked against the manifest (an :class:`IntegrityError` names the array and the sample
         range of a chunk that is missing, changed or damaged).
         """
-        g = self.group()
-        manifest = self.manifest()
-
-        def get(name):
-            try:
-                _testing.before_read(self.url)
-                values = np.asarray(g[name][start:stop])
-            except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
-                access = access_error(self.url, e)
-                if access is not None:  # the store is unreachable, not the data bad: keep it resumable
-                    raise access from None
-                if _integrity.checksum_failure(e):
-                    raise IntegrityError(f"{name}: samples [{start}, {stop}) of {self.url} are damaged: a stored"
-                                         " chunk fails its crc32c checksum") from None
-                raise IntegrityError(
-                    f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
-                ) from None
-            if check and manifest is not None:
-                _integrity.verify_rows(manifest["arrays"][name], name, values, start, self.url,
-                                       missing=functools.partial(chunk_absent, self.store, g[name]))
-            return values
-
-        tok = get("tokens")
-        lens = get("lengths") if self.has_lengths else None
-        y = get("targets") if (targets and self.has_targets) else None
+        tok = self._rows("tokens", start, stop, check)
+        lens = self._rows("lengths", start, stop, check) if self.has_lengths else None
+        y = self._rows("targets", start, stop, check) if (targets and self.has_targets) else None
         if check:
             check_values("tokens", tok, start)
             if lens is not None:
@@ -189,6 +167,54 @@ class Dataset:
             if y is not None:
                 check_values("targets", y, start)
         return tok, lens, y
+
+    def read_lengths(self, start: int, stop: int) -> np.ndarray:
+        """The lengths of samples ``[start, stop)`` (int64; T for a dataset without lengths), checked as
+        :meth:`read` checks them (manifest, ``1 <= length <= T``; raises as it does)."""
+        if not self.has_lengths:
+            return np.full(stop - start, self.length, dtype=np.int64)
+        lens = self._rows("lengths", start, stop, True)
+        check_lengths(lens, start, self.length)
+        return lens.astype(np.int64, copy=False)
+
+    def _rows(self, name: str, start: int, stop: int, check: bool) -> np.ndarray:
+        """Samples ``[start, stop)`` of array ``name``, the whole chunks among them checked against the manifest
+        (with ``check``); a damaged, missing or unreadable chunk is one error naming the array and the samples."""
+        g = self.group()
+        manifest = self.manifest()
+        try:
+            _testing.before_read(self.url)
+            values = np.asarray(g[name][start:stop])
+        except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
+            access = access_error(self.url, e)
+            if access is not None:  # the store is unreachable, not the data bad: keep it resumable
+                raise access from None
+            if _integrity.checksum_failure(e):
+                raise IntegrityError(f"{name}: samples [{start}, {stop}) of {self.url} are damaged: a stored"
+                                     " chunk fails its crc32c checksum") from None
+            raise IntegrityError(
+                f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
+            ) from None
+        if check and manifest is not None:
+            _integrity.verify_rows(manifest["arrays"][name], name, values, start, self.url,
+                                   missing=functools.partial(chunk_absent, self.store, g[name]))
+        return values
+
+    def read_chunks(self, start: int, stop: int, targets: bool = True):
+        """Samples ``[start, stop)`` chunk by chunk: yields ``(tokens, lengths, targets)`` (numpy, as
+        :meth:`read`) of each Zarr chunk's part of the range, in order.
+
+        A chunk only partly in the range (a row group's bound cuts it, DESIGN §6) is read whole, so that its
+        manifest checksum is checked as for any other chunk, and sliced (views): a chunk shared by two groups
+        is read and decompressed by both, never half-verified. Raises as :meth:`read`.
+        """
+        c = self.chunk_samples
+        for k in range(start // c, math.ceil(stop / c)):
+            a, b = k * c, min(self.n_samples, (k + 1) * c)
+            lo, hi = max(start, a), min(stop, b)
+            arrays = self.read(a, b, targets=targets)
+            yield arrays if (lo, hi) == (a, b) else tuple(None if t is None else t[lo - a : hi - a]
+                                                          for t in arrays)
 
     def teacher(self):
         """Ground-truth heads ``(V (H, d_out, d), Q (H, d, d))`` of a generated dataset, or None."""

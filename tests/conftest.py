@@ -68,7 +68,7 @@ def causal_ds(datasets_dir):
 
 @pytest.fixture(scope="session")
 def causal_groups_ds(datasets_dir):
-    """Realizable causal MHLA data in 8 row groups: d = 3, two heads, N = 64, T = 10, chunks of 8 samples."""
+    """Realizable causal MHLA data in 16 row groups: d = 3, two heads, N = 64, T = 10, chunks of 8 samples."""
     return helpers.write_small_dataset("causal_groups", datasets_dir / "causal_groups.zarr")
 
 

@@ -97,7 +97,7 @@ DATASETS = {
     "last_token": dict(d=2, heads=1, length=12, samples=64, chunk_samples=16, seed=2),
     # realizable, causal (every prefix a row): psi = 6, 960 rows in 6 row groups
     "causal": dict(d=2, heads=1, length=10, samples=96, causal=True, chunk_samples=16, seed=0),
-    # realizable, causal, 8 row groups of 8 samples (for interrupting and resuming): psi = 18, 640 rows
+    # realizable, causal, 8 chunks of 8 samples, 16 row groups of 4 (for interrupting and resuming): psi = 18, 640 rows
     "causal_groups": dict(d=3, heads=2, length=10, samples=64, causal=True, chunk_samples=8, seed=1),
     # realizable, causal, variable lengths, d_out != d: psi = 18
     "causal_varlen": dict(d=3, heads=2, length=8, samples=40, d_out=2, causal=True, variable_lengths=True,

@@ -30,9 +30,9 @@ from .test_submit import EXAMPLE_DATASET, EXAMPLE_OUT, K8S, rendered_job  # noqa
 
 SECRET = "scaleattn-s3"
 BUCKET = EXAMPLE_DATASET.split("/")[2]
-N_SAMPLES, LENGTH, D, CHUNK = 8192, 32, 6, 512  # 16 chunks -> 8 row groups
+N_SAMPLES, LENGTH, D, CHUNK = 8192, 32, 6, 512  # 16 chunks -> 16 row groups (MIN_GROUPS, one chunk each)
 # the SIGTERM scenario slows every task down (the package's test hook, env of the worker pods) so that the signal
-# lands between the first finished row group and the last: 2 workers x 2 threads, 8 groups -> 2 waves
+# lands between the first finished row group and the last: 2 workers x 2 threads, 16 groups -> 4 waves
 TASK_DELAY = 4
 SCHEDULER_DELAY = 60.0
 TEST_WORKER_TIMEOUT = 20  # the no-workers scenario shortens the manifest's bound to this
@@ -246,7 +246,7 @@ def test_happy_path(sandbox):
     job, out = job_for("happy")
     res = run_job(sandbox, job)
     rep = _assert_complete(sandbox, out, res)
-    assert rep["groups_computed"] == rep["groups"] == N_SAMPLES // CHUNK // 2 and rep["groups_resumed"] == 0
+    assert rep["groups_computed"] == rep["groups"] == N_SAMPLES // CHUNK and rep["groups_resumed"] == 0
     bad = {k: t[max(0, t.index("Traceback") - 300):][:3000] for k, t in res["logs"].items()
            if "Traceback" in _before_shutdown(t)}
     assert not bad, f"a worker or the scheduler crashed: {bad}"
@@ -315,5 +315,5 @@ def test_sigterm_to_every_pod_keeps_the_checkpoint_and_a_rerun_resumes(sandbox):
     # the same manifest again (kubectl apply after the DaskJob is deleted): it continues from the checkpoint
     res2 = run_job(sandbox, job)
     rep = _assert_complete(sandbox, out, res2)
-    assert rep["groups"] == 8 and rep["groups_resumed"] == got["checkpoint_done"], rep
-    assert rep["groups_computed"] == 8 - got["checkpoint_done"], rep
+    assert rep["groups"] == 16 and rep["groups_resumed"] == got["checkpoint_done"], rep
+    assert rep["groups_computed"] == 16 - got["checkpoint_done"], rep

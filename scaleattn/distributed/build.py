@@ -1,5 +1,5 @@
 """The distributed statistics build (layer L3; DESIGN §6): row groups x column tiles as Dask tasks, each
-streaming whole Zarr chunks into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
+streaming its rows chunk by chunk into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
 finished partial checkpointed (:mod:`.checkpoint`). Without a client the same tasks and tree run in process.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..kernel import kernel_name
 from ..progress import as_reporter
 from ..statistics import Statistics, accumulate
 from .checkpoint import Checkpoint
+from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, run_trees
 
@@ -31,7 +32,8 @@ log = logging.getLogger("scaleattn")
 
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
                      cols: tuple[int, int] | None = None, kernel: str | None = None) -> Statistics:
-    """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task).
+    """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task;
+    :meth:`~scaleattn.dataset.Dataset.read_chunks`: a chunk cut by the range is read whole and checked).
 
     ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
     ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
@@ -48,9 +50,7 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
         sl = slice(int(cols[0]), int(cols[1]))
         stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
                            xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
-    for a in range(start, stop, dataset.chunk_samples):
-        b = min(stop, a + dataset.chunk_samples)
-        tok, lens, y = dataset.read(a, b, targets=targets)
+    for tok, lens, y in dataset.read_chunks(start, stop, targets=targets):
         if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
         accumulate(stats, tok, y, lens, dataset.causal, cols=sl, kernel=kernel)
@@ -77,8 +77,10 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     is read back when it is bound to the input rows as they are now (``source``, from
     :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
     or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
-    worker. Store hiccups are retried here (:func:`~scaleattn._storage.with_retries`); bad data fails the task
-    once. ``kernel``: the client's statistics kernel (the checkpoint's, when there is one)."""
+    worker, with this process's glibc thresholds set (:func:`~.memory.release_large_buffers`: a Dask nanny's
+    64 KiB trim threshold made a worker's build slower than the in-process one). Store hiccups are retried here
+    (:func:`~scaleattn._storage.with_retries`); bad data fails the task once. ``kernel``: the client's
+    statistics kernel (the checkpoint's, when there is one)."""
     dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
         part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
@@ -89,6 +91,7 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
                         stop, ti, why)
         ckpt.forget(gi, ti)
     _testing.before_task()
+    release_large_buffers()  # glibc thresholds of this worker, whatever its cluster's environment (cheap)
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols,
                         ckpt.kernel if ckpt is not None else kernel)
     if ckpt is not None:
@@ -128,8 +131,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     targets : bool
         False builds only the Gram (enough for the certificate).
     group_samples : int, optional
-        Samples per row group (rounded to whole chunks); default from ``row_groups`` (at most
-        ``TILED_MAX_GROUPS`` groups when tiled).
+        Samples per row group (exactly; chunks cut where they fall); default: groups of equal rows from
+        :func:`~scaleattn.distributed.partition.row_groups` (at most ``TILED_MAX_GROUPS`` when tiled).
     split_every : int
         Partials combined per reduction task.
     device : {"auto", "cpu", "gpu"}

@@ -17,8 +17,7 @@ __all__ = ["evaluate", "group_errors"]
 def group_errors(dataset, start: int, stop: int, coef) -> np.ndarray:
     """``[sum of squared residuals, sum y^2, count of target entries]`` of samples ``[start, stop)``."""
     tot = np.zeros(3)
-    for a in range(start, stop, dataset.chunk_samples):
-        tok, lens, y = dataset.read(a, min(stop, a + dataset.chunk_samples))
+    for tok, lens, y in dataset.read_chunks(start, stop):
         s, x = token_features(tok, lens, dataset.causal)
         yr = row_targets(y, lens, dataset.causal)
         r = yr - predict_rows(coef, s, x)

@@ -27,7 +27,8 @@ from ..statistics import BLOCK_BYTES, block_bytes_per_sample
 from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
-           "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS"]
+           "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
+           "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
@@ -43,23 +44,37 @@ SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2, "krylov": 0}
 MMAP_THRESHOLD = 1 << 23
 
 
+#: the heap's free top is given back to the OS only above this (glibc's own ratio to the mmap threshold when it
+#: adjusts both itself): Dask's nanny sets MALLOC_TRIM_THRESHOLD_ = 64 KiB in its workers, and a fixed mmap
+#: threshold leaves glibc's default of 128 KiB, so each block's feature arrays, freed at the top of the heap, were
+#: returned and page-faulted again on the next block (docs/performance.md, "The Dask path")
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+
+
 def release_large_buffers() -> None:
-    """Make this process return large freed buffers to the OS (glibc ``mallopt(M_MMAP_THRESHOLD)``). A no-op
-    where glibc is absent. Worker processes get the same through :func:`worker_config`."""
+    """Make this process return large freed buffers to the OS, and keep a block's worth of heap (glibc
+    ``mallopt``: ``M_MMAP_THRESHOLD`` = :data:`MMAP_THRESHOLD`, ``M_TRIM_THRESHOLD`` = :data:`TRIM_THRESHOLD`).
+    A no-op where glibc is absent. Called by a fit in process and by every statistics task on a worker (any
+    cluster, whatever its environment); the embedded cluster's workers also start with it
+    (:func:`worker_config`)."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         return
 
 
 def worker_config() -> dict:
     """Dask config for the embedded cluster's worker processes (``dask.config.set(worker_config())`` around
-    their start): the glibc threshold of :func:`release_large_buffers`, set before they spawn."""
-    return {"distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    their start): the glibc thresholds of :func:`release_large_buffers` as environment variables, set before
+    they spawn (they replace the nanny's ``MALLOC_TRIM_THRESHOLD_ = 65536``). A cluster of your own gets the same
+    from the statistics tasks themselves, or from these keys in its Dask config (docs/performance.md)."""
+    env = "distributed.nanny.pre-spawn-environ."
+    return {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 
 def parse_bytes(value) -> float:

@@ -33,8 +33,7 @@ def group_r(dataset, start: int, stop: int, targets: bool = True) -> QRFactor:
     (4, 0)
     """
     f = QRFactor.zeros(dataset.d, dataset.d_out if targets else 0)
-    for a in range(start, stop, dataset.chunk_samples):
-        tok, lens, y = dataset.read(a, min(stop, a + dataset.chunk_samples), targets=targets)
+    for tok, lens, y in dataset.read_chunks(start, stop, targets=targets):
         f = accumulate_r(f, tok, y, lens, dataset.causal)
     return f
 

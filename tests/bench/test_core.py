@@ -29,7 +29,11 @@ def test_workers_scaling_tiny(tmp_path):
     assert r["in_process"]["rows"] == 256 and all(o["rows"] == 256 for o in r["workers"])
     two = r["workers"][1]
     assert two["seconds_by_kind"]["partial"] > 0 and len(two["busy_s_per_worker"]) <= 2
-    assert sum(two["partials_per_worker"]) == -(-32 // ds.chunk_samples)  # one partial per chunk (row group)
+    assert sum(two["partials_per_worker"]) == two["groups"] == 16  # one partial per row group (equal rows)
+    assert sum(two["rows_per_worker"]) == 256 and two["group_rows"] == [16, 16] and two["imbalance"] >= 0
+    assert r["in_process"]["read_s"] > 0 and r["in_process"]["read_once_s"] > 0
+    old = workers.workers_scaling(ds.url, split="chunks")
+    assert old["workers"][1]["groups"] == sum(old["workers"][1]["partials_per_worker"]) == 4  # one per chunk
     assert r["speedup_2_workers"] == pytest.approx(r["workers"][0]["build_s"] / two["build_s"])
     assert "| 2 worker(s) |" in "\n".join(workers.markdown(r))
 

@@ -114,10 +114,10 @@ def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     with pytest.raises(FileExistsError, match="--resume"):
         fit(data, out, exact_mse=False, plots=False)
     res = fit(data, out, exact_mse=False, plots=False, resume=True, keep_checkpoint=True)
-    assert res.report["groups_computed"] == 0 and res.report["groups_resumed"] == res.report["groups"] == 8
+    assert res.report["groups_computed"] == 0 and res.report["groups_resumed"] == res.report["groups"] == 16
     assert res.report["checkpoint"] == ck and os.path.exists(ck)
     res2 = fit(data, out, exact_mse=False, plots=False, overwrite=True)  # starts over, then cleans up
-    assert res2.report["groups_computed"] == 8 and res2.report["groups_resumed"] == 0
+    assert res2.report["groups_computed"] == 16 and res2.report["groups_resumed"] == 0
     assert not os.path.exists(ck)
     assert_same_stats(res.statistics, res2.statistics)
 
@@ -128,7 +128,7 @@ def test_killed_fit_process_resumes_with_identical_statistics(causal_groups_ds, 
     out = str(tmp_path / "run")
     ck = out + ".checkpoint.zarr"
     args = ["fit", ds.url, "--out", out, "--local", "--no-exact-mse", "--no-plots", "--quiet"]
-    r = cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 8 groups
+    r = cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 16 groups
     assert r.returncode == 75, r.stderr
     assert not os.path.exists(out) and os.path.exists(ck)
     assert zarr.open_group(ck, mode="r")["done"][...].all(axis=1).sum() == 3
@@ -137,7 +137,7 @@ def test_killed_fit_process_resumes_with_identical_statistics(causal_groups_ds, 
     r = cli_process(*args, "--resume", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert (report["groups"], report["groups_computed"], report["groups_resumed"]) == (8, 5, 3)
+    assert (report["groups"], report["groups_computed"], report["groups_resumed"]) == (16, 13, 3)
     assert not os.path.exists(ck)  # removed after success
     assert_same_stats(Statistics.load(os.path.join(out, "stats.zarr")), compute_statistics(ds))  # uninterrupted build
 

@@ -31,3 +31,38 @@ def test_fit_refuses_before_building(tmp_path, monkeypatch):
     with pytest.raises(InsufficientMemoryError, match="GiB available"):
         fit(ds, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_worker_config_keeps_a_block_of_heap():
+    """The embedded cluster's workers keep the heap of a block of features (the nanny's 64 KiB trim threshold
+    gave every block's 5 MB arrays back to the OS, page-faulted again on the next block) and mmap the partials."""
+    from scaleattn.distributed.memory import MMAP_THRESHOLD, TRIM_THRESHOLD, release_large_buffers, worker_config
+    from scaleattn.statistics import BLOCK_BYTES
+
+    env = {k.rsplit(".", 1)[1]: int(v) for k, v in worker_config().items()}
+    assert env == {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD}
+    assert 5e6 < MMAP_THRESHOLD < 10e6 and TRIM_THRESHOLD >= BLOCK_BYTES / 2 > 65536
+    release_large_buffers()  # (a no-op without glibc; never raises)
+
+
+@pytest.mark.slow
+def test_embedded_workers_start_with_the_thresholds():
+    """In a fresh process, as a user starts one (earlier clusters of this test session may leave the nanny's
+    environment in ``os.environ``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from scaleattn.distributed.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+    code = ("import json, os\nfrom scaleattn.distributed.cluster import connect\n"
+            "if __name__ == '__main__':\n"
+            "    with connect(workers=1, quiet=True) as c:\n"
+            "        print(json.dumps(next(iter(c.run(lambda: {k: os.environ.get(k) for k in"
+            " ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')}).values()))))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}

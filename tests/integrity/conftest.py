@@ -93,7 +93,7 @@ def _default_sigint():
 
 
 def dataset(path, samples=32, chunk=8, seed=1, causal=True, **kw):
-    """A small dataset written by scaleattn (manifest, crc32c): d = 2, T = 6, 4 row groups of one chunk."""
+    """A small dataset written by scaleattn (manifest, crc32c): d = 2, T = 6, 4 chunks, 16 row groups of 2 samples."""
     return generate_mhla(str(path), d=2, heads=1, length=6, samples=samples, causal=causal, chunk_samples=chunk,
                          seed=seed, **kw)
 

@@ -68,7 +68,7 @@ def test_foreign_store_edited_in_place_recomputes_the_changed_group(w, capsys):
     rc, err = _resume(w, "foreign.zarr", capsys)
     assert rc == 0, err
     rep = _report(w)
-    assert (rep["groups_resumed"], rep["groups_computed"]) == (3, 1)
+    assert (rep["groups_resumed"], rep["groups_computed"]) == (12, 4)  # the 4 groups of 2 samples in [8, 16)
     same_stats(stats_of(w / "run"), _reference(w, "foreign.zarr", capsys))
 
 
@@ -81,7 +81,7 @@ def test_own_store_edited_behind_its_manifest_fails_as_an_uninterrupted_fit_does
     assert rc == 2
     line = error_line(err)
     expect(line, r"tokens: samples \[8, 16\) of \S*own\.zarr: the values do not match the checksum recorded")
-    expect(line, r"the checkpoint \S*ck\.zarr keeps 3 of 4 row groups: run the same command with --resume")
+    expect(line, r"the checkpoint \S*ck\.zarr keeps 15 of 16 row groups: run the same command with --resume")
     rc, err = run_main(["fit", "own.zarr", "--out", "ref", *FIT], capsys, cwd=w)
     assert rc == 2 and "tokens: samples [8, 16)" in error_line(err)
     inputs.unchanged()
@@ -129,7 +129,7 @@ def test_damaged_partials_are_recomputed_bit_identically(w, damage, capsys):
     rc, err = _resume(w, "own.zarr", capsys)
     assert rc == 0, err
     rep = _report(w)
-    assert rep["groups_computed"] == 1 and rep["groups_resumed"] == 3
+    assert rep["groups_computed"] == 1 and rep["groups_resumed"] == 15
     same_stats(stats_of(w / "run"), _reference(w, "own.zarr", capsys))
     inputs.unchanged()
 
@@ -146,7 +146,7 @@ def test_old_checkpoints_are_refused_clearly(w, capsys):
 
 @pytest.mark.slow
 def test_killed_fit_resumes_bit_identically_after_its_stale_lock(w):
-    """A fit killed after 2 of 4 groups (no cleanup: its lock file stays) is resumed by the next run, which
+    """A fit killed after 2 of 16 groups (no cleanup: its lock file stays) is resumed by the next run, which
     takes over the dead process's lock, and gives the statistics of an uninterrupted fit."""
     args = ["fit", "own.zarr", "--out", "run", *FIT]
     r = run_cli(args, cwd=w, env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "2"})
@@ -155,7 +155,7 @@ def test_killed_fit_resumes_bit_identically_after_its_stale_lock(w):
     r = run_cli(args + ["--resume", "--json"], cwd=w)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert (rep["groups_resumed"], rep["groups_computed"]) == (2, 2)
+    assert (rep["groups_resumed"], rep["groups_computed"]) == (2, 14)
     ref = w / "ref"
     shutil.copytree(w / "own.zarr", w / "copy.zarr")
     assert run_cli(["fit", "copy.zarr", "--out", ref, *FIT], cwd=w).returncode == 0
