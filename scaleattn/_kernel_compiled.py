@@ -32,7 +32,7 @@ from .features import n_pairs, triu_index
 
 __all__ = ["compiled", "expand_rows", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel",
            "piece_stats", "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS",
-           "MAX_SAMPLE_PIECES", "MAX_PARTIAL_BYTES", "STAGE_SAMPLES"]
+           "MAX_SAMPLE_PIECES", "MAX_PARTIAL_BYTES", "STAGE_SAMPLES", "TOKEN_MACS"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -50,6 +50,10 @@ MAX_PIECES, MIN_PIECE_ROWS = 4, 8192
 #: :data:`MAX_SAMPLE_PIECES` pieces per call, their partials :data:`MAX_PARTIAL_BYTES` at most together
 PIECE_MACS = 20_000_000
 MAX_SAMPLE_PIECES = 64
+#: a last-token row's cost per token (its copy and its share of ``vech(Z^T Z)``) for :func:`sample_pieces` and the
+#: kernel's threads, in multiply-adds per entry of ``(s, x)`` (m + d): measured at d = 4 on one thread, about
+#: 6 ns per token against 0.085 ns per multiply-add of a causal row (a 100-token row costs as much as 13 causal rows)
+TOKEN_MACS = 5
 MAX_PARTIAL_BYTES = 32e6
 #: samples :func:`_piece` stages at a time from position-major input (:func:`_stage`): 64 x 100 tokens x d = 4
 #: float64 is 200 kB, in L2 alongside the chunk buffers
@@ -71,24 +75,30 @@ def row_pieces(rows: int, panels: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float) -> list[tuple[int, int]]:
-    """Sample ranges ``[i0, i1)`` of about equal rows that :func:`piece_stats` sums apart (added in this order;
-    a multiple of 4 of them from 4 on, bounded by the samples, :data:`MAX_SAMPLE_PIECES` and
-    :data:`MAX_PARTIAL_BYTES`): a function of the rows of each sample and the shapes only (never of the thread
-    count), so every piece, and their sum in order, has the same bits on any number of threads.
+def sample_pieces(rows_per_sample, macs_per_row: float, partial_bytes: float, tokens_per_sample=None,
+                  macs_per_token: float = 0.0) -> list[tuple[int, int]]:
+    """Sample ranges ``[i0, i1)`` of about equal cost (``rows x macs_per_row``, plus ``tokens x macs_per_token``
+    where ``tokens_per_sample`` is given: a last-token row reads all of its sample's tokens) that
+    :func:`piece_stats` sums apart (added in this order; an even number of them from 2 on, a multiple of 4 from
+    4 on, bounded by the samples, :data:`MAX_SAMPLE_PIECES` and :data:`MAX_PARTIAL_BYTES`): a function of the
+    rows and tokens of each sample and the shapes only (never of the thread count), so every piece, and their sum
+    in order, has the same bits on any number of threads.
 
     Examples
     --------
     >>> sample_pieces(np.full(4, 10_000), 5500, 5000)
     [(0, 1), (1, 2), (2, 3), (3, 4)]
     """
-    cum = np.cumsum(np.asarray(rows_per_sample, dtype=np.int64))
-    n, rows = len(cum), int(cum[-1]) if len(cum) else 0
-    k = int(rows * macs_per_row // PIECE_MACS)
-    k = k if k < 4 else -(-k // 4) * 4  # a multiple of 4: equal shares on 2 or 4 threads (13 equal pieces on 2
-    # threads leave one thread idle through the 13th)
+    cost = np.asarray(rows_per_sample, dtype=np.int64) * float(macs_per_row)
+    if tokens_per_sample is not None:
+        cost = cost + np.asarray(tokens_per_sample, dtype=np.int64) * float(macs_per_token)
+    cum = np.cumsum(cost)
+    n, total = len(cum), float(cum[-1]) if len(cum) else 0.0
+    k = int(total // PIECE_MACS)
+    k = k if k < 3 else -(-k // 4) * 4  # 2, or a multiple of 4: equal shares on 2 or 4 threads (13 or 3 equal
+    # pieces on 2 threads leave one thread idle through the last)
     k = max(1, min(k, n, MAX_SAMPLE_PIECES, int(MAX_PARTIAL_BYTES // max(partial_bytes, 1))))
-    edges = sorted({0, n, *(int(np.searchsorted(cum, rows * i / k, side="right")) for i in range(1, k))})
+    edges = sorted({0, n, *(int(np.searchsorted(cum, total * i / k, side="right")) for i in range(1, k))})
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -212,12 +222,14 @@ def _moments_panel(sT, xT, y, out, chunk, lo, hi):  # pragma: no cover - compile
 
 def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cover - compiled
     """Add one chunk of ``R`` rows (feature-major ``X`` (d, chunk), ``Y`` (d_out, chunk)) to ``tc`` (wp, nvp) and
-    ``mom`` (mp, nbp): ``v = vech(x x^T)`` formed once in ``V`` (mp, chunk); with ``start`` (causal) ``S`` is
-    its running sum along the rows, restarting where ``start[r]`` (a sample's first token) and carried from the
-    last chunk in ``carry``, else ``S`` (mp, chunk) is given; ``u`` is formed four columns at a time in ``U``
-    (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments' ``x (x) y``
-    in ``XY``. Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same loops in an
-    order fixed by ``R`` and the sample starts. Returns the chunk's ``sum y^2``."""
+    ``mom`` (nbp, mq), ``B`` transposed: ``v = vech(x x^T)`` formed once in ``V`` (mp, chunk); with ``start``
+    (causal) ``S`` is its running sum along the rows, restarting where ``start[r]`` (a sample's first token) and
+    carried from the last chunk in ``carry``, else ``S`` (mp, chunk) is given; ``u`` is formed four columns at a
+    time in ``U`` (4, chunk; stays in L1) just before :func:`_acc` runs them against all of ``v``; the moments'
+    ``x (x) y`` in ``XY`` (nbp, chunk), run as the micro-kernel's ``A`` against ``s`` (its ``m`` rows padded to 2,
+    not 4: 160 rather than 192 multiply-adds per row at d = 4 with 4 targets; the same sums, so the same bits).
+    Padding rows of ``S``, ``V``, ``XY`` are zero, so every entry is summed by the same loops in an order fixed by
+    ``R`` and the sample starts. Returns the chunk's ``sum y^2``."""
     d, k_out = X.shape[0], Y.shape[0]
     w, wp, nvp, mp = P.shape[0], tc.shape[0], tc.shape[1], S.shape[0]
     k = 0
@@ -256,7 +268,7 @@ def _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry):  # pragma: no cov
             for a in range(k_out):
                 for r in range(R):
                     XY[l * k_out + a, r] = X[l, r] * Y[a, r]
-        _acc(S, XY, mom, mp, mom.shape[1], R)
+        _acc(XY, S, mom, mom.shape[0], mom.shape[1], R)
     yy = 0.0
     for a in range(k_out):  # vectorised (a serial sum per row would cost a 4-cycle latency per target)
         for r in range(R):
@@ -281,17 +293,18 @@ def _stage(src, lens, g0, g1, buf):  # pragma: no cover - compiled
 def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk, stage_z, stage_tg):  # pragma: no cover - compiled
     """The statistics of the samples ``[i0, i1)`` in one pass over their tokens, ``chunk`` rows at a time in
     cache-sized buffers, each full chunk added by :func:`_flush` to the piece's own partials ``tc`` (wp, nvp)
-    and ``mom`` (mp, nbp). Causal: the tokens are copied feature-major and ``s`` is the running sum of ``v``
-    (restarting per sample, so a piece of whole samples is independent); last-token: ``s = vech(Z^T Z)`` per
-    sample, each entry one vectorised sum over its tokens. ``tg`` (n, T or 1, d_out): causal targets per
+    and ``mom`` (nbp, mq) (``B`` transposed). Causal: the tokens are copied feature-major and ``s`` is the
+    running sum of ``v`` (restarting per sample, so a piece of whole samples is independent); last-token:
+    ``s = vech(Z^T Z)`` per sample, its tokens copied feature-major, a row at a time, then each entry one
+    vectorised sum over them. ``tg`` (n, T or 1, d_out): causal targets per
     position, else one row per sample. With ``stage_z`` / ``stage_tg`` (position-major ``z`` / ``tg``) the
     samples are first copied :data:`STAGE_SAMPLES` at a time by :func:`_stage` (the same values, so the same
     bits). Returns ``sum y^2`` of the piece's rows."""
     n, T, d = z.shape
     k_out = tg.shape[2]
-    mp = mom.shape[0]
+    mp = d * (d + 1) // 2 + (-(d * (d + 1) // 2)) % 4
     S, X, Y = np.zeros((mp, chunk)), np.zeros((d, chunk)), np.zeros((k_out, chunk))
-    V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[1], chunk))
+    V, U, XY = np.zeros((mp, chunk)), np.zeros((4, chunk)), np.zeros((mom.shape[0], chunk))
     start, carry = np.zeros(chunk if causal else 0, dtype=np.bool_), np.zeros(mp)
     G = STAGE_SAMPLES
     Zb = np.zeros((G if stage_z else 0, T, d), dtype=z.dtype)
@@ -325,8 +338,8 @@ def _piece(z, lens, tg, causal, i0, i1, P, Q, tc, mom, chunk, stage_z, stage_tg)
                         yy += _flush(S, X, Y, V, U, XY, P, Q, tc, mom, R, start, carry)
                         R = 0
             else:
-                for t in range(L):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
-                    for a in range(d):
+                for a in range(d):  # the sample's tokens feature-major, then s = vech(Z^T Z) by vectorised sums
+                    for t in range(L):
                         Zt[a, t] = zi[t, a]
                 k = 0
                 for a in range(d):
@@ -422,10 +435,10 @@ def tc_panel(out, sT, xT, c0: int, c1: int, rows: tuple[int, int] | None = None,
 
 
 def piece_stats(z, lens, tg, causal: bool, i0: int, i1: int, c0: int, c1: int, tc, mom, chunk: int | None = None):
-    """Add samples ``[i0, i1)`` to the piece partials ``tc`` (wp, nvp) and ``mom`` (mp, nbp) (padded to
-    multiples of 4 rows, 2 columns; zero on entry) in one fused pass (:func:`_piece`); ``z`` (n, T, d) and
-    ``tg`` (n, T or 1, d_out) float32 or float64 in any strides (read in place, each value converted to float64),
-    ``lens`` (n,) int64; returns ``sum y^2``."""
+    """Add samples ``[i0, i1)`` to the piece partials ``tc`` (wp, nvp) and ``mom`` (nbp, mq), ``B``
+    transposed (padded to multiples of 4 rows, 2 columns; zero on entry) in one fused pass (:func:`_piece`);
+    ``z`` (n, T, d) and ``tg`` (n, T or 1, d_out) float32 or float64 in any strides (read in place, each value
+    converted to float64), ``lens`` (n,) int64; returns ``sum y^2``."""
     P, Q = _pairs(z.shape[2] * (z.shape[2] + 1) // 2, c0, c1)
     return compiled()[3](z, lens, tg, bool(causal), int(i0), int(i1), P, Q, tc, mom, int(chunk or CHUNK_ROWS),
                          _position_major(z), _position_major(tg))

@@ -312,16 +312,19 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     w, nb = c1 - c0, d * k_out
-    shape_tc, shape_mom = (w + (-w) % 4, m + m % 2), (m + (-m) % 4, nb + nb % 2)
+    shape_tc, shape_mom = (w + (-w) % 4, m + m % 2), (nb + (-nb) % 4, m + m % 2)
     rows = lens if causal else np.ones(n, dtype=np.int64)
-    mm = n_pairs(m)  # the pieces of the whole Tc, with or without targets: a tile, or Tc built without B, has
-    pieces = kc.sample_pieces(rows, mm * m, 8.0 * (mm + 3) * (m + 1))  # the same bits as the full build
+    # the pieces of the whole Tc, with or without targets (a tile, or Tc built without B, has the same bits as the
+    # full build); a last-token row reads all of its sample's tokens, so their cost counts too
+    mm, per_token = n_pairs(m), kc.TOKEN_MACS * (m + d)
+    pieces = kc.sample_pieces(rows, mm * m, 8.0 * (mm + 3) * (m + 1), None if causal else lens, per_token)
     parts = [(np.zeros(shape_tc), np.zeros(shape_mom), [0.0]) for _ in pieces]
 
     def job(i0, i1, tc, mom, yy):
         yy[0] = kc.piece_stats(z, lens, tg, causal, i0, i1, c0, c1, tc, mom)
 
-    jobs = [(int(rows[i0:i1].sum()) * (w * m + m * nb), functools.partial(job, i0, i1, *part))
+    jobs = [(int(rows[i0:i1].sum()) * (w * m + m * nb) + (0 if causal else int(lens[i0:i1].sum()) * per_token),
+             functools.partial(job, i0, i1, *part))
             for (i0, i1), part in zip(pieces, parts)]
     small = sum(c for c, _ in jobs) < MIN_THREAD_MACS
     if getattr(_IN_KERNEL, "active", False) or (threads or _blas_threads()) <= 1 or len(jobs) == 1 or small:
@@ -335,7 +338,7 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     for tc, mom, y2 in parts:  # in piece order
         gram += tc[:w, :m]
         if k_out:
-            moments += mom[:m, :nb].reshape(m * d, k_out)
+            moments += mom[:nb, :m].T.reshape(m * d, k_out)
         yy += y2[0]
     return yy, int(rows.sum())
 

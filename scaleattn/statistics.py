@@ -263,8 +263,10 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     n, T, d = tokens.shape
     kern = kernel_name(xp, kernel)
     if kern == "numba" and d < BLAS_MIN_D and is_numpy(xp):  # one fused compiled pass per block (bits: shapes only)
-        # no feature buffers per block: only the float64 copies of its tokens and targets
-        step = max(1, int(BLOCK_BYTES // (16 * T * d)))
+        # no feature buffers per block (tokens and targets are read in place): a block is BLOCK_BYTES of float64
+        # tokens and targets (last-token targets are one row per sample: twice the samples of a causal block)
+        d_out = 0 if targets is None else targets.shape[-1]
+        step = max(1, int(BLOCK_BYTES // (8 * (T * d + (T if causal else 1) * d_out))))
         step = step if block_rows is None else block_samples(d, T, causal, block_rows)
         for a in range(0, n, step):
             b = min(n, a + step)

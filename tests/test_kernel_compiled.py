@@ -149,6 +149,10 @@ def test_sample_pieces_cover_the_samples_in_order():
     p = kc.sample_pieces(np.full(1000, 100), 550, 8)  # 1000 x 100 x 550 / PIECE_MACS = 2.75 -> 2 pieces
     big = kc.sample_pieces(np.full(10_000, 100), 550, 8)  # 27.5 -> 28: a multiple of 4 (equal thread shares)
     assert len(p) == 2 and len(big) == 28
+    ones, tokens = np.ones(10_000, dtype=np.int64), np.full(10_000, 100)  # last-token rows: their tokens count
+    assert len(kc.sample_pieces(ones, 550, 8)) == 1  # 5.5e6 multiply-adds: one piece
+    last = kc.sample_pieces(ones, 550, 8, tokens, 70)  # + 7e7 for the tokens: 3.8 -> 4 (3 would idle a thread)
+    assert len(last) == 4 and [b - a for a, b in last] == [2500] * 4
 
 
 @pytest.mark.parametrize("causal", [False, True])
