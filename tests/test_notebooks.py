@@ -23,7 +23,7 @@ EXPECT = {
 #: HTML each notebook must render: the cards of its results (scaleattn.report) and the live progress lines
 HTML = {
     "quickstart": ['class="scaleattn-fit"', 'data-verdict="identifiable"', 'class="scaleattn-spectrum"',
-                   'class="scaleattn-progress" data-name="statistics"', "rows/s", "8/8 groups",
+                   'class="scaleattn-progress" data-name="statistics"', "rows/s", "16/16 groups",
                    'scaleattn-card scaleattn-model', 'scaleattn-card scaleattn-statistics'],
     "identifiability": ['data-verdict="not-identifiable"', "largest dropped"],
     "real_data": ['class="scaleattn-fit"', 'data-verdict="not-identifiable"', "scaleattn-witness"],

@@ -8,6 +8,7 @@ import pytest
 from scaleattn.dataset import open_dataset
 from scaleattn.features import phi, token_features
 from scaleattn.model import MHLAModel
+from scaleattn.spectrum import EIG_TOP_RTOL
 
 
 @pytest.mark.slow
@@ -82,9 +83,10 @@ def test_solver_paths_agree_at_d16(cli, tmp_path):
     tok, _, _ = open_dataset(data).read(0, 3000)
     P = phi(*token_features(tok))
     lam = np.linalg.eigvalsh(P.T @ P / len(P))
-    for cert in (chol, eigh):
+    # the Cholesky path stops its largest eigenvalues at an estimated EIG_TOP_RTOL; eigh is exact to round-off
+    for cert, top_rtol in ((chol, EIG_TOP_RTOL), (eigh, 1e-8)):
         assert cert["psi"] == 2176 and cert["identifiable"]
-        assert cert["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
+        assert cert["lambda_max"] == pytest.approx(lam[-1], rel=top_rtol)
         assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
 
 

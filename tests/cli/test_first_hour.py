@@ -118,10 +118,10 @@ def test_resume_of_a_finished_run_says_nothing_to_resume(causal_ds, tmp_path, cl
 @pytest.mark.slow
 def test_resumed_groups_are_shown_as_such(causal_groups_ds, tmp_path, cli_process):
     args = ("fit", causal_groups_ds.url, "--out", tmp_path / "res", "--local", "--no-plots")
-    cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 8 groups
+    cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 16 groups
     r = cli_process(*args, "--resume")
-    assert "statistics: 3 of 8 row groups resumed from the checkpoint" in r.stderr
-    assert re.search(r"statistics .* 640/640 rows [\d,]+ rows/s 8/8 groups", r.stderr), r.stderr
+    assert "statistics: 3 of 16 row groups resumed from the checkpoint" in r.stderr
+    assert re.search(r"statistics .* 640/640 rows [\d,]+ rows/s 16/16 groups", r.stderr), r.stderr
 
 
 def test_reporters_count_rows_rate_and_groups(monkeypatch):

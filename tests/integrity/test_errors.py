@@ -229,7 +229,7 @@ def test_ctrl_c_says_what_was_kept_and_resume_is_bit_identical(tmp_path):
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130
-    expect(error_line(err), r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps [123] of 4 row groups:"
+    expect(error_line(err), r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps [123] of 16 row groups:"
                             r" run the same command with --resume to continue$")
     r = run_cli(args + ["--resume"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
