@@ -88,12 +88,14 @@ def _row_bounds(dataset, n: int) -> list[int]:
                     dtype=np.int64)
     before = np.concatenate([[0], np.cumsum(sums)])  # rows before each chunk
     total = int(before[-1])
-    bounds = []
+    bounds, last, cum = [], -1, None
     for k in range(1, n):
         want = k * total / n
         c = min(int(np.searchsorted(before, want, side="right")) - 1, len(sums) - 1)
         a = c * chunk
-        cum = before[c] + np.concatenate([[0], np.cumsum(dataset.read_lengths(a, min(N, a + chunk)))])
+        if c != last:  # bounds ascend: several falling in one chunk read it once
+            cum = before[c] + np.concatenate([[0], np.cumsum(dataset.read_lengths(a, min(N, a + chunk)))])
+            last = c
         i = int(np.argmin(np.abs(cum - want)))  # first of the nearest: deterministic
         bounds.append(a + i)
     return bounds
