@@ -1,8 +1,11 @@
 """Real data: the built-in digits dataset imports with its shape and fits with a real error and a failed
 certificate."""
+import pytest
+
 from scaleattn.pipeline import fit
 
 
+@pytest.mark.slow
 def test_real_digits_dataset(tmp_path):
     from scaleattn.importers import load_digits_dataset
 

@@ -137,7 +137,8 @@ def _dense_spectra(st):
     return np.linalg.eigvalsh(G * s[:, None] * s[None, :]), np.linalg.eigvalsh(G / st.n_rows)
 
 
-@pytest.mark.parametrize("d,samples", [(8, 100), pytest.param(16, 60, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("d,samples", [pytest.param(8, 100, marks=pytest.mark.slow),
+                                       pytest.param(16, 60, marks=pytest.mark.slow)])
 def test_krylov_fit_realizable_matches_dense(tmp_path, d, samples):
     """DESIGN §9 setup (V, Q ~ N(0,1)/sqrt(d), Z ~ N(0,1)/sqrt(T), T = 100, all prefixes): the krylov fit has the
     dense path's coefficients to 1e-8, an exact training MSE (data pass) <= 1e-20 relative, and a certificate
@@ -316,6 +317,7 @@ def test_auto_path_and_memory_know_three_paths():
         check_fit_memory(64, 0, memory_limit="24GiB", what="certificate")
 
 
+@pytest.mark.slow
 def test_cli_fit_and_certify_with_krylov(tmp_path):
     import json
 

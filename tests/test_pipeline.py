@@ -37,6 +37,7 @@ def test_certify_dataset_needs_no_targets(tmp_path):
     assert cert.lambda_min == pytest.approx(direct.lambda_min, rel=1e-10)
 
 
+@pytest.mark.slow
 def test_fit_writes_run_and_evaluates(tmp_path, client):
     ds = generate_mhla(tmp_path / "d.zarr", d=2, heads=2, length=30, samples=200, noise=0.01, seed=1)
     res = fit(ds, tmp_path / "run", client=client)
@@ -89,6 +90,7 @@ def test_failed_solve_keeps_the_build_and_names_the_rerun_command(tmp_path, monk
     assert (tmp_path / "run.checkpoint.zarr").exists()
 
 
+@pytest.mark.slow
 def test_rerun_command_of_a_failed_solve_recomputes_no_row_group(tmp_path, monkeypatch, capsys):
     """The rerun (``--resume`` after a complete build) takes every row group from the checkpoint and gives the
     fit of a clean run."""

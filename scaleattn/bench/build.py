@@ -3,9 +3,13 @@
 :func:`build_table` measures, in one run (the machine may be shared: every ratio is taken within the run):
 
 - ``floor_macs_s``: ``2 x rows x m(m+1)/2 x d(d+1)/2`` (the compact Gram's multiply-adds, DESIGN §3) over the
-  float64 GEMM rate (a square ``numpy`` product on all BLAS threads, measured here unless given);
+  float64 GEMM rate (a square ``numpy`` product on all BLAS threads);
 - ``floor_bytes_s``: the bytes of the tokens over the memory bandwidth (``np.copyto`` of 80 MB: bytes read
   plus written per second), the floor where the per-row work is small;
+- both rates are measured right before and right after each size's builds and the larger of the two is used
+  (unless given): on a shared machine the rate drifts by 10-30 % within a run (55.7-74.8 GFLOP/s measured on
+  one VM), so a rate taken minutes away would move every ratio with the machine, not with the code; the larger
+  one keeps the floor strict. ``vs_best`` is the ratio against the fastest rates measured anywhere in the run;
 - ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics.statistics_from_arrays` (features,
   ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.kernel.KERNELS`), best of ``repeats``;
 - ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
@@ -108,8 +112,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         of 100 tokens; with ``variable_lengths`` the sequences have lengths uniform in [1, 100] (causal: about
         half the rows).
     rate, bandwidth : float, optional
-        GEMM rate (FLOP/s) and memory bandwidth (bytes/s); measured here (:func:`gemm_rate`,
-        :func:`copy_bandwidth`) when not given.
+        GEMM rate (FLOP/s) and memory bandwidth (bytes/s) for every size; when not given, measured
+        (:func:`gemm_rate`, :func:`copy_bandwidth`) before and after each size's builds, the larger used.
     kernels : sequence of str, optional
         Default :data:`scaleattn.kernel.KERNELS`.
     repeats : int
@@ -121,18 +125,24 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     Returns
     -------
     list of dict
-        Keys ``d, rows, causal, variable_lengths, kernel, build_s, floor_macs_s, floor_bytes_s, floor_s,
-        build_vs_floor, loop_s, speedup_vs_loop, syrk_s, rate_gflops, bandwidth_gbs, load_avg``.
+        Keys ``d, rows, causal, variable_lengths, kernel, build_s, macs, token_bytes, floor_macs_s,
+        floor_bytes_s, floor_s, build_vs_floor, vs_best, loop_s, speedup_vs_loop, syrk_s, rate_gflops,
+        bandwidth_gbs`` (the rates this size's floor used), ``load_avg``.
     """
     from scaleattn.features import n_features, n_pairs, phi, token_features
     from scaleattn.generate import make_mhla
     from scaleattn.kernel import KERNELS
     from scaleattn.statistics import Statistics, accumulate
 
-    rate = gemm_rate() if rate is None else float(rate)
-    bandwidth = copy_bandwidth() if bandwidth is None else float(bandwidth)
+    fixed_rate, fixed_bandwidth = rate, bandwidth
+
+    def rates():  # (GEMM rate, bandwidth) now, or the given ones
+        _settle()
+        return (gemm_rate() if fixed_rate is None else float(fixed_rate),
+                copy_bandwidth() if fixed_bandwidth is None else float(fixed_bandwidth))
     out = []
     for d, rows, causal, *var in sizes:
+        rate, bandwidth = rates()
         T, var = 100, bool(var and var[0])
         n = max(1, rows // T) if causal else rows
         D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, variable_lengths=var, seed=0)
@@ -140,9 +150,7 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         nrows = int(lengths.sum()) if causal and var else (n * T if causal else n)
         m = n_pairs(d)
         psi = n_features(d)
-        floor_macs = 2.0 * nrows * (m * (m + 1) // 2) * n_pairs(d) / rate
-        floor_bytes = tokens.nbytes / bandwidth
-        floor = max(floor_macs, floor_bytes)
+        macs, nbytes = nrows * (m * (m + 1) // 2) * n_pairs(d), tokens.nbytes
         loop_s = syrk_s = None
         if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:
             loop_s = _best(lambda: _loop(tokens, targets, causal, lengths), 1)
@@ -150,6 +158,7 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
                 f = phi(*token_features(tokens, lengths, causal))
                 syrk_s = _best(lambda: f.T @ f, 1)
                 del f
+        size_rows = []
         for kern in (KERNELS if kernels is None else kernels):
             _settle()
 
@@ -158,31 +167,49 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
             accumulate(Statistics.zeros(d, targets.shape[-1]), tokens[:2], targets[:2],
                        None if lengths is None else lengths[:2], causal, kernel=kern)
             t = _best(build, repeats)
-            out.append({"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
-                        "build_s": t,
-                        "floor_macs_s": floor_macs, "floor_bytes_s": floor_bytes, "floor_s": floor,
-                        "build_vs_floor": t / floor, "loop_s": loop_s,
-                        "speedup_vs_loop": None if loop_s is None else loop_s / t, "syrk_s": syrk_s,
-                        "rate_gflops": rate / 1e9, "bandwidth_gbs": bandwidth / 1e9, "load_avg": os.getloadavg()[0]})
+            size_rows.append({"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
+                              "build_s": t, "loop_s": loop_s, "speedup_vs_loop": None if loop_s is None else loop_s / t,
+                              "syrk_s": syrk_s, "macs": macs, "token_bytes": nbytes, "load_avg": os.getloadavg()[0]})
+        after = rates()
+        rate, bandwidth = max(rate, after[0]), max(bandwidth, after[1])
+        for r in size_rows:
+            r.update(_floors(r, rate, bandwidth), rate_gflops=rate / 1e9, bandwidth_gbs=bandwidth / 1e9)
+        out += size_rows
+    best_rate, best_bw = (max(r[k] for r in out) for k in ("rate_gflops", "bandwidth_gbs"))
+    for r in out:
+        r["vs_best"] = r["build_s"] / _floors(r, best_rate * 1e9, best_bw * 1e9)["floor_s"]
     return out
+
+
+def _floors(r: dict, rate: float, bandwidth: float) -> dict:
+    """The multiply-add floor, the bytes floor, their max and the build's ratio to it at these rates."""
+    f = {"floor_macs_s": 2.0 * r["macs"] / rate, "floor_bytes_s": r["token_bytes"] / bandwidth}
+    f["floor_s"] = max(f.values())
+    f["build_vs_floor"] = r["build_s"] / f["floor_s"]
+    return f
 
 
 def markdown(table: list[dict]) -> str:
     """The table as markdown (times in seconds)."""
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
-    lines = ["| d | rows | rows of | kernel | build s | floor s (macs / bytes) | build / floor (target) | loop s |"
-             f" vs loop (target >= {TARGET_VS_LOOP:g}) | SYRK s | load |", "|" + "---|" * 11]
+    lines = ["| d | rows | rows of | kernel | build s | floor s (macs / bytes) | build / floor (target) |"
+             " vs run's best rates | GEMM GF/s, copy GB/s | loop s |"
+             f" vs loop (target >= {TARGET_VS_LOOP:g}) | SYRK s | load |", "|" + "---|" * 13]
     for r in table:
         kind = ("prefixes" if r["causal"] else "last tokens") + (", variable lengths" if r.get("variable_lengths")
                                                                  else "")
         lines.append(f"| {r['d']} | {r['rows']:,} | {kind} | {r['kernel']} | {f(r['build_s'])} |"
                      f" {f(r['floor_s'], 4)} ({f(r['floor_macs_s'], 4)} / {f(r['floor_bytes_s'], 4)}) |"
                      f" {f(r['build_vs_floor'], 2)} ({_met(r['build_vs_floor'], target_vs_floor(r['d']), le=True)}) |"
+                     f" {f(r['vs_best'], 2)} | {r['rate_gflops']:.1f}, {r['bandwidth_gbs']:.1f} |"
                      f" {f(r['loop_s'])} | {f(r['speedup_vs_loop'], 2)}"
                      f" ({_met(r['speedup_vs_loop'], TARGET_VS_LOOP, le=False)}) |"
                      f" {f(r['syrk_s'])} | {r['load_avg']:.2f} |")
     if table:
-        lines.append(f"\nGEMM {table[0]['rate_gflops']:.1f} GFLOP/s, copy {table[0]['bandwidth_gbs']:.1f} GB/s.")
+        lo, hi = min(r["rate_gflops"] for r in table), max(r["rate_gflops"] for r in table)
+        lines.append(f"\nEach size's floor uses the larger of the GEMM rate and copy bandwidth measured right before"
+                     f" and after its builds (GEMM {lo:.1f}-{hi:.1f} GFLOP/s in this run); 'vs run's best rates'"
+                     f" divides by the floor at the fastest rates measured anywhere in the run.")
     return "\n".join(lines)
 
 

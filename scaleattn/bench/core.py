@@ -246,8 +246,9 @@ def run(out_dir, quick: bool = False) -> dict:
         c = res["core"]
         _say(f"core d={c['d']}: build {c['build_s']:.2f} s = {c['build_vs_floor']:.2f} x floor"
              + (f", {c['speedup_vs_numpy_syrk']:.2f} x faster than SYRK" if "speedup_vs_numpy_syrk" in c else ""))
-        res["build_table"] = build_bench.build_table(build_bench.QUICK_SIZES if quick else build_bench.SIZES, rate,
-                                                     bandwidth=bandwidth, repeats=1 if quick else 2)
+        # each size's floor uses the rates measured right around its builds (the machine drifts within a run)
+        res["build_table"] = build_bench.build_table(build_bench.QUICK_SIZES if quick else build_bench.SIZES,
+                                                     repeats=1 if quick else 2)
         _say("build: " + "; ".join(f"d={r['d']} {r['kernel']} {r['build_vs_floor']:.2f} x floor"
                                    for r in res["build_table"]))
         res["rows_scaling"] = rows_scaling(tmp, 16 if not quick else 8, samples if not quick else 100, 100)

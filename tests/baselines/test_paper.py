@@ -21,6 +21,7 @@ def test_icl_generator_and_references():
         make_icl_regression(3, 0, 5)
 
 
+@pytest.mark.slow
 def test_closed_form_not_worse_than_one_step_gd():
     # the one-step GD predictor x_q^T Gamma (1/n) sum y_i x_i is inside the MHLA class for a fixed n
     # (sum y_i x_i is a block of Z^T Z): train error exactly <=; test error <= up to the estimation

@@ -10,6 +10,7 @@ from scaleattn.dataset_writer import write_dataset  # noqa: E402
 from scaleattn.generate import make_mhla  # noqa: E402
 
 
+@pytest.mark.slow
 def test_adamw_decreases_loss_and_never_beats_the_fit():
     # noisy data: the fit's floor is ~noise^2, which AdamW can approach but (same function class) never pass
     tr = make_mhla(2, 1, 20, 96, causal=True, noise=0.02, seed=0)

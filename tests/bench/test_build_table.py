@@ -14,3 +14,16 @@ def test_build_table_keys_and_ratios():
     md = markdown(t)
     assert "| 2 | 200 | prefixes | numba |" in md and "| 3 | 50 | last tokens | numpy |" in md
     assert "prefixes, variable lengths" in md and ("<= 3: met" in md or "<= 3: NO" in md)
+    # the floor from first principles: d = 2 has m = 3 pairs, u = vech(s s^T) 6 entries, v = vech(x x^T) 3
+    assert t[0]["macs"] == 200 * 6 * 3 and t[0]["floor_macs_s"] == 2.0 * 200 * 18 / 1e10
+    assert t[0]["token_bytes"] == 2 * 100 * 2 * 8 and t[0]["floor_bytes_s"] == 3200 / 1e10
+    assert all(r["vs_best"] == r["build_vs_floor"] for r in t)  # one given rate: the run's best is the same
+
+
+def test_build_table_measures_the_rates_around_each_size():
+    t = build_table([(2, 200, True), (3, 50, False)], kernels=("numpy",), loop=False, repeats=1)
+    for r in t:
+        assert r["rate_gflops"] > 0.1 and r["bandwidth_gbs"] > 0.1
+        assert abs(r["floor_macs_s"] - 2.0 * r["macs"] / (r["rate_gflops"] * 1e9)) < 1e-12 * r["floor_macs_s"]
+        assert r["vs_best"] >= r["build_vs_floor"] * (1 - 1e-12)  # the best rates give the strictest floor
+    assert "GEMM" in markdown(t) and "vs run's best rates" in markdown(t)

@@ -118,7 +118,7 @@ def test_cli_fit_minimal_witness_and_compare(cli, tmp_path):
     cli("compare", r1 / "model.zarr", tmp_path / "nothing.zarr", "--quiet", rc=2)
 
 
-@pytest.mark.parametrize("command", ["fit", "generate"])
+@pytest.mark.parametrize("command", [pytest.param("fit", marks=pytest.mark.slow), "generate"])
 def test_an_interrupt_after_the_write_says_the_output_is_complete(cli, tmp_path, monkeypatch, causal_ds, command):
     """Ctrl-C after the output was committed (while the summary prints or the cluster closes) must not claim
     that nothing was written: the output is there, complete, and the message says so."""

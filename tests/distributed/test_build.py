@@ -38,7 +38,8 @@ def test_tile_bounds_cover_tc_and_bound_memory():
     assert tile_bounds(64, max_tile_bytes=None) == [(0, 2080 * 2081 // 2)]
 
 
-@pytest.mark.parametrize("tile_rows,group_samples", [(None, None), (5, 160), (7, 32), (20, 16), (54, 48), (55, 160)])
+@pytest.mark.parametrize("tile_rows,group_samples", [(None, None), pytest.param(5, 160, marks=pytest.mark.slow),
+                                                     (7, 32), (20, 16), (54, 48), (55, 160)])
 def test_tiled_statistics_match_untiled_and_dense(rel_err, data, tile_rows, group_samples):
     ds, G, B, yy, N = data
     base = compute_statistics(ds)
@@ -60,6 +61,7 @@ def test_tile_partial_holds_only_its_rows(rel_err, data):
     assert rel_err(t.gram_compact, full.gram_compact[20:40], np.inf) <= 1e-13
 
 
+@pytest.mark.slow
 def test_small_max_tile_bytes_turns_tiling_on(rel_err, data):
     ds, G, *_ = data
     info = {}
