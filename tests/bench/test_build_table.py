@@ -9,6 +9,7 @@ def test_build_table_keys_and_ratios():
         assert r["floor_s"] == max(r["floor_macs_s"], r["floor_bytes_s"])
         assert abs(r["build_vs_floor"] - r["build_s"] / r["floor_s"]) < 1e-12
         assert r["speedup_vs_loop"] == r["loop_s"] / r["build_s"] and r["syrk_s"] is not None
+        assert abs(r["loop_vs_floor"] - r["loop_s"] / r["floor_s"]) < 1e-12 * r["loop_vs_floor"]
     assert t[0]["rows"] == 200 and t[2]["rows"] == 50
     assert 4 <= t[4]["rows"] < 400 and t[4]["variable_lengths"]  # the rows are the valid prefixes only
     md = markdown(t)
