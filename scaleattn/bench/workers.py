@@ -19,7 +19,9 @@ that the VM's drift hits them alike:
   work), the time from the last partial to the root (the reduction's tail) and from the root to the client's
   return (gather, the end-of-build checks). Per worker: its busy time, the feature rows of the groups it ran,
   and the imbalance (busiest / mean - 1: the time a worker idles while another finishes); the in-process child
-  also times the reads (a chunk cut by a group bound is read by both groups) against reading every chunk once.
+  also times the reads as the tasks do them (a chunk cut by group bounds read and checked once per process and
+  build), as they did before (read by every group it is in) and every chunk read once; the workers count the cut
+  chunks they kept (hits) and read.
 
 Ratios: ``worker_vs_in_process`` = 1-worker build / in-process build (target <= 1.05) and
 ``speedup_2_workers`` = 1-worker / 2-worker build (target >= 1.8), both from the fastest builds of one run.
@@ -54,6 +56,10 @@ def _env():  # what decides a build's speed in this process: glibc and BLAS vari
     out = {v: os.environ.get(v) for v in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_NUM_THREADS")}
     blas = [int(c.num_threads) for c in k._blas_controller().lib_controllers]
     return {**out, "kernel_threads": k._blas_threads(), "blas_threads": blas}
+
+def _kept():  # look-ups of this process's cut chunks (hits: reads saved)
+    from scaleattn.dataset import CUT_CHUNKS
+    return CUT_CHUNKS.hits, CUT_CHUNKS.misses
 
 def _stream(ts, t0, t1, rows):
     busy, parts, n_parts, n_rows = (collections.defaultdict(float), collections.defaultdict(float),
@@ -103,18 +109,18 @@ if __name__ == "__main__":
             t = time.perf_counter()
             st = compute_statistics(ds, group_samples=gs)
             times.append(time.perf_counter() - t)
-        # the reads as the tasks do them (a chunk cut by a group bound is read whole by both groups) against
-        # every chunk read once: what cutting chunks costs
-        t = time.perf_counter()
-        for a, b in groups:
-            for _ in ds.read_chunks(a, b):
-                pass
-        read = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in ds.read_chunks(0, ds.n_samples):
-            pass
-        print(json.dumps({"build_s": min(times), "builds_s": times, "rows": st.n_rows, **common, "read_s": read,
-                          "read_once_s": time.perf_counter() - t, "env": _env()}))
+        # what cutting chunks costs: the reads as the tasks do them (a chunk cut by a group bound read and checked
+        # once, kept for the next group), as they did before (read whole by every group it is in), every chunk once
+        reads = {}
+        for name, ranges, reuse in (("read_s", groups, "bench"), ("read_every_group_s", groups, None),
+                                    ("read_once_s", [(0, ds.n_samples)], None)):
+            t = time.perf_counter()
+            for a, b in ranges:
+                for _ in ds.read_chunks(a, b, reuse=reuse):
+                    pass
+            reads[name] = time.perf_counter() - t
+        print(json.dumps({"build_s": min(times), "builds_s": times, "rows": st.n_rows, **common, **reads,
+                          "env": _env()}))
         sys.exit(0)
     from distributed import get_task_stream
     from scaleattn.distributed.cluster import connect
@@ -124,11 +130,15 @@ if __name__ == "__main__":
         compute_statistics(ds, client, group_samples=gs)  # warm, as in process (zarr opened on every worker...)
         runs = []
         for _ in range(repeats):
+            before = client.run(_kept)
             with get_task_stream(client) as ts:
                 t0 = time.time()
                 st = compute_statistics(ds, client, group_samples=gs)
                 t1 = time.time()
-            runs.append({"build_s": t1 - t0, **_stream(ts.data, t0, t1, rows)})
+            after = client.run(_kept)
+            kept = [[x - y for x, y in zip(after[w], before[w])] for w in sorted(after)]
+            runs.append({"build_s": t1 - t0, **_stream(ts.data, t0, t1, rows),
+                         "cut_chunk_hits_misses": [sum(k[0] for k in kept), sum(k[1] for k in kept)]})
     best = min(runs, key=lambda r: r["build_s"])
     print(json.dumps({**best, "builds_s": [r["build_s"] for r in runs], "rows": st.n_rows, **common, "env": env}))
 """
@@ -228,9 +238,12 @@ def markdown(res: dict) -> list[str]:
           f" build. Threads: in process {ip.get('env', {}).get('kernel_threads', '?')} kernel /"
           f" {ip.get('env', {}).get('blas_threads', '?')} BLAS, a worker {env.get('kernel_threads', '?')} /"
           f" {env.get('blas_threads', '?')}.",
-          "", f"Row groups: {res.get('split', 'rows')} split. Reading every group's rows as the tasks do (a chunk cut"
-          f" by a group bound is read whole by both groups): {ip['read_s']:.3f} s, every chunk once:"
-          f" {ip['read_once_s']:.3f} s. Worker environment: {env}.",
+          "", f"Row groups: {res.get('split', 'rows')} split. Reading every group's rows in process as the tasks do"
+          f" (a chunk cut by a group bound read and checked once, kept for the next group): {ip['read_s']:.3f} s;"
+          f" read whole by every group it is in: {ip.get('read_every_group_s', float('nan')):.3f} s; every chunk"
+          f" once: {ip['read_once_s']:.3f} s. Cut chunks kept / read by the workers (hits / misses): "
+          + ", ".join(f"{o['workers']}: {' / '.join(map(str, o.get('cut_chunk_hits_misses', [])))}"
+                      for o in res["workers"]) + f". Worker environment: {env}.",
           "", f"1 worker / in process: {res['worker_vs_in_process']:.3f} (target <= {TARGETS['worker_vs_in_process']},"
           f" met: {yn[res['met']['worker_vs_in_process']]}); 1 -> 2 workers: {res['speedup_2_workers']:.2f} x"
           f" (target >= {TARGETS['speedup_2_workers']}, met: {yn[res['met']['speedup_2_workers']]})."]
