@@ -17,10 +17,12 @@ ever opened read-only. Layer L1.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import math
+import threading
 
 import numpy as np
 
@@ -40,7 +42,7 @@ from .datacheck import (
 )
 from .errors import DatasetError, IntegrityError
 
-__all__ = ["Dataset", "DatasetError", "open_dataset", "check_arrays", "DIMS"]
+__all__ = ["Dataset", "DatasetError", "open_dataset", "check_arrays", "DIMS", "ChunkCache", "CUT_CHUNKS"]
 
 FORMAT, FORMAT_VERSION = _formats.DATASET
 DIMS = {
@@ -200,21 +202,36 @@ class Dataset:
                                    missing=functools.partial(chunk_absent, self.store, g[name]))
         return values
 
-    def read_chunks(self, start: int, stop: int, targets: bool = True):
+    def read_chunks(self, start: int, stop: int, targets: bool = True, reuse=None):
         """Samples ``[start, stop)`` chunk by chunk: yields ``(tokens, lengths, targets)`` (numpy, as
         :meth:`read`) of each Zarr chunk's part of the range, in order.
 
         A chunk only partly in the range (a row group's bound cuts it, DESIGN §6) is read whole, so that its
-        manifest checksum is checked as for any other chunk, and sliced (views): a chunk shared by two groups
-        is read and decompressed by both, never half-verified. Raises as :meth:`read`.
+        manifest checksum is checked as for any other chunk, and sliced: never half-verified. With ``reuse`` (a
+        token, e.g. one per statistics build) and a manifest, such a cut chunk, once read and checked, is kept
+        in this process (:data:`CUT_CHUNKS`, keyed by the store, its fingerprint, ``reuse``, the chunk and
+        ``targets``; a few chunks, bounded bytes, thread-safe) and the next range of the same ``reuse`` that
+        cuts it slices the kept arrays instead of reading, decompressing and checking it again; what it yields
+        of a kept chunk are copies (the kept arrays are read-only and never handed out). Without ``reuse``
+        every chunk is read; a store without a manifest is always read (its values are all its reads check).
+        Raises as :meth:`read`.
         """
         c = self.chunk_samples
+        keep = reuse is not None and self.manifest() is not None
         for k in range(start // c, math.ceil(stop / c)):
             a, b = k * c, min(self.n_samples, (k + 1) * c)
             lo, hi = max(start, a), min(stop, b)
-            arrays = self.read(a, b, targets=targets)
-            yield arrays if (lo, hi) == (a, b) else tuple(None if t is None else t[lo - a : hi - a]
-                                                          for t in arrays)
+            if (lo, hi) == (a, b):
+                yield self.read(a, b, targets=targets)
+                continue
+            if not keep:
+                yield tuple(None if t is None else t[lo - a : hi - a] for t in self.read(a, b, targets=targets))
+                continue
+            key = (self.url, _freeze(self.storage_options), self.fingerprint, reuse, k, bool(targets))
+            arrays = CUT_CHUNKS.get(key)
+            if arrays is None:
+                arrays = CUT_CHUNKS.put(key, self.read(a, b, targets=targets))
+            yield tuple(None if t is None else np.array(t[lo - a : hi - a]) for t in arrays)
 
     def teacher(self):
         """Ground-truth heads ``(V (H, d_out, d), Q (H, d, d))`` of a generated dataset, or None."""
@@ -233,6 +250,58 @@ class Dataset:
     @property
     def attrs(self) -> dict:
         return dict(self.group().attrs)
+
+
+class ChunkCache:
+    """The chunks that row-group bounds cut, as read and checked (:meth:`Dataset.read_chunks` with ``reuse``):
+    at most ``entries`` chunks and ``max_bytes`` in all, the least recently used dropped first; a chunk larger
+    than ``max_bytes`` is not kept. Thread-safe (a worker's threads share it); ``hits`` / ``misses`` count the
+    look-ups (the benchmark reports them)."""
+
+    def __init__(self, entries: int, max_bytes: float):
+        self.entries, self.max_bytes = int(entries), float(max_bytes)
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        with self._lock:
+            arrays = self._items.get(key)
+            if arrays is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return arrays
+
+    def put(self, key, arrays: tuple) -> tuple:
+        """Keep ``arrays`` (made read-only) under ``key``; returns them."""
+        n = sum(int(t.nbytes) for t in arrays if t is not None)
+        for t in arrays:
+            if t is not None:
+                t.setflags(write=False)
+        with self._lock:
+            if n <= self.max_bytes and key not in self._items:
+                self._items[key] = arrays
+                self._bytes += n
+                while len(self._items) > self.entries or self._bytes > self.max_bytes:
+                    _, old = self._items.popitem(last=False)
+                    self._bytes -= sum(int(t.nbytes) for t in old if t is not None)
+        return arrays
+
+    def forget(self, reuse) -> None:
+        """Drop the chunks kept for ``reuse`` (a build that finished)."""
+        with self._lock:
+            for key in [k for k in self._items if k[3] == reuse]:
+                old = self._items.pop(key)
+                self._bytes -= sum(int(t.nbytes) for t in old if t is not None)
+
+
+#: this process's cut chunks (:meth:`Dataset.read_chunks`): groups run in order, so the next group of a process
+#: (in process the next one, on a worker of two usually the next but one) starts in the chunk the last one cut;
+#: two entries for a worker's second thread (or a tile's task without targets)
+CUT_CHUNKS = ChunkCache(entries=2, max_bytes=256 * 2**20)
 
 
 def _freeze(opts):

@@ -80,3 +80,36 @@ def test_stores_hold_no_object_or_pickled_data(tmp_path):
         for _, a in g.arrays():
             assert a.dtype.kind in "fiub", (store, a.name, a.dtype)
     assert n >= 8
+
+
+def test_chunk_cache_bounds_order_and_forget():
+    from scaleattn.dataset import ChunkCache
+
+    c = ChunkCache(entries=2, max_bytes=100)
+    a, b, big = np.zeros(4), np.ones(4), np.zeros(20)  # 32, 32 and 160 bytes
+    assert c.put(("u", None, "f", 1, 0, True), (a, None)) == (a, None) and not a.flags.writeable
+    c.put(("u", None, "f", 1, 1, True), (b, None))
+    assert c.get(("u", None, "f", 1, 0, True))[0] is a  # now the most recent: chunk 1 goes first
+    c.put(("u", None, "f", 2, 2, True), (np.zeros(4),))
+    assert c.get(("u", None, "f", 1, 1, True)) is None and c.get(("u", None, "f", 1, 0, True)) is not None
+    c.put(("u", None, "f", 2, 3, True), (big,))  # larger than the bound: not kept, nothing dropped for it
+    assert c.get(("u", None, "f", 2, 3, True)) is None and len(c._items) == 2 and c._bytes == 64
+    c.forget(1)
+    assert [k[3] for k in c._items] == [2] and c._bytes == 32
+    assert (c.hits, c.misses) == (2, 2)
+
+
+def test_a_store_without_manifest_keeps_no_chunk(tmp_path):
+    from scaleattn.dataset import CUT_CHUNKS
+
+    tok, y, _ = _data(N=20)
+    write_dataset(str(tmp_path / "n.zarr"), tok, y, chunk_samples=8)
+    g = zarr.open_group(str(tmp_path / "n.zarr"), mode="r+")
+    for key in ("manifest", "format", "format_version"):  # as a store another tool wrote
+        del g.attrs[key]
+    ds = open_dataset(str(tmp_path / "n.zarr"))
+    assert ds.manifest() is None
+    misses = CUT_CHUNKS.misses
+    got = np.concatenate([t for t, _, _ in ds.read_chunks(3, 13, reuse="x")])
+    np.testing.assert_array_equal(got, tok[3:13])
+    assert CUT_CHUNKS.misses == misses  # never looked up, never kept

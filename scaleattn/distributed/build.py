@@ -15,6 +15,7 @@ from .. import _testing
 from .._backend import array_module, check_device, is_numpy
 from .._storage import Location, resolve, with_retries
 from ..datacheck import expected_rows, row_bindings
+from ..dataset import CUT_CHUNKS
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
 from ..kernel import kernel_name
@@ -23,7 +24,7 @@ from ..statistics import Statistics, accumulate
 from .checkpoint import Checkpoint
 from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
-from .reduction import SPLIT_EVERY, TreeReducer, run_trees
+from .reduction import SPLIT_EVERY, TreeReducer, leaf_places, run_trees
 
 __all__ = ["compute_statistics", "group_statistics"]
 
@@ -31,7 +32,7 @@ log = logging.getLogger("scaleattn")
 
 
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
-                     cols: tuple[int, int] | None = None, kernel: str | None = None) -> Statistics:
+                     cols: tuple[int, int] | None = None, kernel: str | None = None, reuse=None) -> Statistics:
     """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task;
     :meth:`~scaleattn.dataset.Dataset.read_chunks`: a chunk cut by the range is read whole and checked).
 
@@ -40,7 +41,9 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
     ((c1 - c0, d(d+1)/2); memory bounded by the tile and one block of rows, DESIGN §6); ``B``, ``yy`` and
     ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile). ``kernel``: the
     statistics kernel (:func:`scaleattn.kernel.kernel_name`; the client's, so that every worker uses it).
-    Raises :class:`~scaleattn.dataset.DatasetError` on bad values (naming the array and the sample).
+    ``reuse``: the build's token for the chunks its bounds cut (read and checked once per process, not once per
+    group: :meth:`~scaleattn.dataset.Dataset.read_chunks`). Raises :class:`~scaleattn.dataset.DatasetError` on
+    bad values (naming the array and the sample).
     """
     xp = array_module(device)
     if cols is None:
@@ -50,7 +53,7 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
         sl = slice(int(cols[0]), int(cols[1]))
         stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
                            xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
-    for tok, lens, y in dataset.read_chunks(start, stop, targets=targets):
+    for tok, lens, y in dataset.read_chunks(start, stop, targets=targets, reuse=reuse):
         if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
         accumulate(stats, tok, y, lens, dataset.causal, cols=sl, kernel=kernel)
@@ -72,7 +75,7 @@ def _add_all(*parts: Statistics, inplace: bool = False) -> Statistics:
 
 
 def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bool, device: str, ckpt, source=0,
-             kernel: str | None = None):
+             kernel: str | None = None, reuse=None):
     """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
     is read back when it is bound to the input rows as they are now (``source``, from
     :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
@@ -80,7 +83,8 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     worker, with this process's glibc thresholds set (:func:`~.memory.release_large_buffers`: a Dask nanny's
     64 KiB trim threshold made a worker's build slower than the in-process one). Store hiccups are retried here
     (:func:`~scaleattn._storage.with_retries`); bad data fails the task once. ``kernel``: the client's
-    statistics kernel (the checkpoint's, when there is one)."""
+    statistics kernel (the checkpoint's, when there is one); ``reuse``: the build's token for its cut chunks
+    (:func:`group_statistics`)."""
     dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
     if ckpt is not None and ckpt.is_done(gi, ti):
         part, why = ckpt.verified(gi, ti, source, expected_rows(dataset, start, stop))
@@ -93,7 +97,7 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     _testing.before_task()
     release_large_buffers()  # glibc thresholds of this worker, whatever its cluster's environment (cheap)
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols,
-                        ckpt.kernel if ckpt is not None else kernel)
+                        ckpt.kernel if ckpt is not None else kernel, reuse)
     if ckpt is not None:
         with_retries(ckpt.write, gi, ti, part, source)
     return part
@@ -214,16 +218,25 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     # the bar counts rows, and row groups done (tasks, groups x tiles, when the Gram is tiled)
     steps, step_unit = (len(groups), "groups") if len(tiles) == 1 else (done.size, "tasks")
     steps_done = n_resumed if len(tiles) == 1 else int(done.sum())
+    # this build's token for the chunks its group bounds cut: each is read and checked once per process (the
+    # next group there slices the kept copy), never shared with another build (which checks them anew)
+    reuse = secrets.token_hex(8)
     with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note, steps=steps, step_unit=step_unit,
                       steps_done=steps_done) as advance:
         if client is None:
-            result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
-                                        lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
-                                                                            device, ckpt, sources[gi], kernel))
+            try:
+                result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
+                                            lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
+                                                                                device, ckpt, sources[gi], kernel,
+                                                                                reuse))
+            finally:  # (a worker keeps its last cut chunks until later builds' push them out: bounded)
+                CUT_CHUNKS.forget(reuse)
         else:
             tag = f"{dataset.fingerprint}-{int(targets)}-{kernel}-{'' if ckpt is None else _url_token(ckpt.url)}"
+            places = leaf_places(client, len(groups))  # a group's tiles on one worker, groups in runs
             futs = [[client.submit(_partial, dataset, gi, ti, a, b, cols, targets, device, ckpt, sources[gi], kernel,
-                                   key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}-{sources[gi]:x}")
+                                   reuse, key=f"stats-part-{tag}-{a}-{b}-{cols[0]}-{cols[1]}-{sources[gi]:x}",
+                                   **places[gi])
                      for ti, cols in enumerate(tiles)] for gi, (a, b) in enumerate(groups)]  # retries: in the task
             # a leaf read back from the checkpoint weighs 0 rows and is no new step (the bar started with it done)
             weights = {futs[gi][ti].key: (rows[gi] / len(tiles) if not done[gi, ti] else 0)

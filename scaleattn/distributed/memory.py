@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 from ..certificate import DENSE_GRAM_MAX_PSI
+from ..dataset import CUT_CHUNKS
 from ..errors import InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
 from ..kernel import PANEL_COLS, PANEL_ROWS
@@ -28,7 +29,7 @@ from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
            "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
-           "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+           "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL"]
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
@@ -68,13 +69,21 @@ def release_large_buffers() -> None:
         return
 
 
+#: sampling interval of the embedded cluster's worker profiler (the dashboard's profile page): Dask's 10 ms
+#: sampling walks the stacks on the worker's event loop, holding the GIL, 100 times a second: 1.8 s of a one-worker
+#: build's 20 s (that thread's CPU time; 0.8 s with the profiler off, docs/performance.md)
+PROFILE_INTERVAL = "100ms"
+
+
 def worker_config() -> dict:
     """Dask config for the embedded cluster's worker processes (``dask.config.set(worker_config())`` around
     their start): the glibc thresholds of :func:`release_large_buffers` as environment variables, set before
     they spawn (they replace the nanny's ``MALLOC_TRIM_THRESHOLD_ = 65536``). A cluster of your own gets the same
-    from the statistics tasks themselves, or from these keys in its Dask config (docs/performance.md)."""
+    from the statistics tasks themselves, or from these keys in its Dask config (docs/performance.md). Also the
+    workers' statistical profiler at :data:`PROFILE_INTERVAL` instead of Dask's 10 ms."""
     env = "distributed.nanny.pre-spawn-environ."
-    return {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+    return {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+            "distributed.worker.profile.interval": PROFILE_INTERVAL}
 
 
 def parse_bytes(value) -> float:
@@ -150,12 +159,14 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
 
 def chunk_bytes(dataset, targets: bool = True) -> float:
     """Peak bytes a task holds for one chunk of ``dataset``'s rows as read (tokens, lengths, targets as stored,
-    and their float64 copies), besides the features of :func:`fit_memory`."""
+    and their float64 copies), besides the features of :func:`fit_memory`, plus the cut chunks its process keeps
+    for the next row group (:data:`scaleattn.dataset.CUT_CHUNKS`, as stored)."""
     T, d = dataset.length, dataset.d
     per = 8.0 * T * d + 8.0 * dataset.has_lengths
     if targets and dataset.has_targets:
         per += 8.0 * dataset.d_out * (T if dataset.causal else 1)
-    return 2 * per * min(dataset.chunk_samples, dataset.n_samples)
+    one = per * min(dataset.chunk_samples, dataset.n_samples)
+    return 2 * one + min(CUT_CHUNKS.entries * one, CUT_CHUNKS.max_bytes)
 
 
 def available_memory(memory_limit=None) -> float:

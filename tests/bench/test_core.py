@@ -24,15 +24,26 @@ def test_workers_scaling_tiny(tmp_path):
 
     ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=8, samples=32, causal=True, seed=0,
                       chunk_samples=8)
-    r = workers.workers_scaling(ds.url)
-    assert [o["workers"] for o in r["workers"]] == [1, 2]
+    r = workers.workers_scaling(ds.url, rounds=2)
+    assert [o["workers"] for o in r["workers"]] == [1, 2] and r["rounds"] == 2
+    for o in (r["in_process"], *r["workers"]):  # the fastest of the rounds, every build warm and on one thread
+        assert len(o["builds_s"]) == 2 and o["build_s"] == min(o["builds_s"])
+        assert o["env"]["kernel_threads"] == 1 and set(o["env"]["blas_threads"]) == {1}
     assert r["in_process"]["rows"] == 256 and all(o["rows"] == 256 for o in r["workers"])
     two = r["workers"][1]
     assert two["seconds_by_kind"]["partial"] > 0 and len(two["busy_s_per_worker"]) <= 2
     assert sum(two["partials_per_worker"]) == two["groups"] == 16  # one partial per row group (equal rows)
     assert sum(two["rows_per_worker"]) == 256 and two["group_rows"] == [16, 16] and two["imbalance"] >= 0
+    w = two["waits_s"]  # the wall time no worker computes, in parts: all of it within the build's wall time
+    assert min(w["start"], w["after_last_partial"], w["finish"], *w["idle_per_worker"]) >= 0
+    assert w["start"] + w["after_last_partial"] + w["finish"] <= two["build_s"]
     assert r["in_process"]["read_s"] > 0 and r["in_process"]["read_once_s"] > 0
-    old = workers.workers_scaling(ds.url, split="chunks")
+    assert r["in_process"]["read_every_group_s"] > 0
+    # 16 groups of 2 samples in 4 chunks of 8: every group reads one cut chunk, each process reads it once
+    assert r["workers"][0]["cut_chunk_hits_misses"] == [12, 4]
+    hits, misses = two["cut_chunk_hits_misses"]  # (a stolen task may read a chunk once more)
+    assert hits + misses == 16 and misses >= 4
+    old = workers.workers_scaling(ds.url, split="chunks", rounds=1)
     assert old["workers"][1]["groups"] == sum(old["workers"][1]["partials_per_worker"]) == 4  # one per chunk
     assert r["speedup_2_workers"] == pytest.approx(r["workers"][0]["build_s"] / two["build_s"])
     assert "| 2 worker(s) |" in "\n".join(workers.markdown(r))

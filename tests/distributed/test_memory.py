@@ -39,8 +39,10 @@ def test_worker_config_keeps_a_block_of_heap():
     from scaleattn.distributed.memory import MMAP_THRESHOLD, TRIM_THRESHOLD, release_large_buffers, worker_config
     from scaleattn.statistics import BLOCK_BYTES
 
-    env = {k.rsplit(".", 1)[1]: int(v) for k, v in worker_config().items()}
+    cfg = worker_config()
+    env = {k.rsplit(".", 1)[1]: int(v) for k, v in cfg.items() if ".pre-spawn-environ." in k}
     assert env == {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD}
+    assert cfg["distributed.worker.profile.interval"] == "100ms"  # Dask's 10 ms sampling costs a worker ~9%
     assert 5e6 < MMAP_THRESHOLD < 10e6 and TRIM_THRESHOLD >= BLOCK_BYTES / 2 > 65536
     release_large_buffers()  # (a no-op without glibc; never raises)
 
@@ -59,10 +61,13 @@ def test_embedded_workers_start_with_the_thresholds():
     code = ("import json, os\nfrom scaleattn.distributed.cluster import connect\n"
             "if __name__ == '__main__':\n"
             "    with connect(workers=1, quiet=True) as c:\n"
-            "        print(json.dumps(next(iter(c.run(lambda: {k: os.environ.get(k) for k in"
-            " ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')}).values()))))\n")
+            "        import dask\n"
+            "        print(json.dumps(next(iter(c.run(lambda: {**{k: os.environ.get(k) for k in"
+            " ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')},"
+            " 'profile': dask.config.get('distributed.worker.profile.interval')}).values()))))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got == {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+    assert got == {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+                   "profile": "100ms"}

@@ -128,3 +128,43 @@ def test_cut_groups_on_a_cluster_are_bit_identical_to_in_process(tmp_path, clien
     np.testing.assert_array_equal(two.gram_compact, local.gram_compact)
     np.testing.assert_array_equal(two.moments, local.moments)
     assert two.yy == local.yy and two.n_rows == local.n_rows
+
+
+def test_a_cut_chunk_is_read_and_checked_once_per_build(tmp_path, monkeypatch):
+    from scaleattn.dataset import CUT_CHUNKS, Dataset
+
+    ds, _ = _write(tmp_path / "o.zarr", samples=70, chunk=9, seed=3)
+    groups = row_groups(ds)
+    cut = {b // 9 for _, b in groups[:-1] if b % 9}
+    assert cut and len(groups) > ds.n_chunks  # several groups per chunk: chunks cut, some more than once
+    reads, read = [], Dataset.read
+
+    def counting(self, start, stop, *args, **kwargs):
+        reads.append((start, stop))
+        return read(self, start, stop, *args, **kwargs)
+
+    monkeypatch.setattr(Dataset, "read", counting)
+    st = compute_statistics(ds)
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == ds.n_chunks  # each chunk read (and checked) once
+    assert not any(k[3] for k in CUT_CHUNKS._items if k[0] == ds.url)  # the build let go of its chunks
+    reads.clear()
+    again = compute_statistics(ds)  # a new build reads (and checks) every chunk anew
+    assert len(reads) == ds.n_chunks
+    np.testing.assert_array_equal(again.gram_compact, st.gram_compact)
+    monkeypatch.setattr(Dataset, "read", read)
+    g = zarr.open_group(ds.url, mode="r+")  # a cut chunk changed behind the manifest's back after a build
+    k = min(cut)
+    g["tokens"][9 * k : 9 * k + 9] = np.asarray(g["tokens"][9 * k : 9 * k + 9]) * 2.0
+    with pytest.raises(IntegrityError, match=rf"tokens: samples \[{9 * k}, {9 * k + 9}\)"):
+        compute_statistics(ds)
+
+
+def test_kept_cut_chunks_are_never_handed_out(tmp_path):
+    ds, _ = _write(tmp_path / "h.zarr", samples=20, chunk=8, seed=5)
+    plain = [t for t, _, _ in ds.read_chunks(3, 13)]
+    first = [t for t, _, _ in ds.read_chunks(3, 13, reuse="t")]
+    first[0][...] = 7.0  # a caller writing into what it got
+    second = [t for t, _, _ in ds.read_chunks(2, 13, reuse="t")]  # chunk 0 kept from the first read
+    np.testing.assert_array_equal(second[0][1:], plain[0])
+    np.testing.assert_array_equal(second[1], plain[1])
+    assert all(t.flags.writeable for t in second)

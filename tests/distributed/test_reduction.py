@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from scaleattn.distributed.reduction import run_trees, tree_reduce
+from scaleattn.distributed.reduction import leaf_places, run_trees, tree_reduce
 from scaleattn.progress import Reporter
 
 
@@ -21,6 +21,24 @@ def test_streaming_tree_reduction_has_the_level_by_level_shape(split_every):
         assert tree_reduce(iter(parts), lambda *p: f"({','.join(p)})", split_every) == level_by_level(parts)
     with pytest.raises(ValueError):
         tree_reduce([], lambda *p: p)
+
+
+class _Info:
+    def __init__(self, threads):
+        self.workers = {f"tcp://w{i}": {"nthreads": t} for i, t in enumerate(threads)}
+
+    def scheduler_info(self):
+        return {"workers": self.workers}
+
+
+def test_leaves_prefer_one_worker_per_run_of_neighbours():
+    got = leaf_places(_Info([1, 1]), 16)  # two workers: groups 0-7 on one, 8-15 on the other
+    assert [p["workers"] for p in got] == [["tcp://w0"]] * 8 + [["tcp://w1"]] * 8
+    assert all(p["allow_other_workers"] for p in got)  # a preference: stealing and lost workers still work
+    runs = [p["workers"][0] for p in leaf_places(_Info([2, 1, 1]), 10)]  # by threads: 2 + 1 + 1 of 4 slots
+    assert runs == ["tcp://w0"] * 5 + ["tcp://w1"] * 3 + ["tcp://w2"] * 2
+    assert runs == sorted(runs)  # consecutive leaves share a worker: the tree's low levels combine there
+    assert leaf_places(_Info([4]), 5) == [{}] * 5 and leaf_places(_Info([]), 2) == [{}] * 2
 
 
 class _Recorder(Reporter):
