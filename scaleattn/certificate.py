@@ -39,8 +39,8 @@ from .spectrum import (
 )
 
 __all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
-           "Witness", "gram_for", "operator_of", "DENSE_GRAM_MAX_PSI",
-           "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
+           "Witness", "gram_for", "operator_of", "factor_gram", "DENSE_GRAM_MAX_PSI", "ambiguity_witness",
+           "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
 
 #: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
 #: (eigenvalues of the Jacobi-scaled Gram for ``method="gram"``, singular values of the scaled R for ``"qr"``).
@@ -50,12 +50,10 @@ __all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_f
 SETTLE_FACTOR = 10.0
 #: the three verdicts of :attr:`Certificate.verdict`
 VERDICTS = ("identifiable", "not identifiable", "not settled")
-#: a witness is presented as proof of ambiguity only when its two predictions differ by at least this fraction
-#: of the prediction scale: a smaller gap means the step along the null direction had to be shrunk to keep the
-#: training losses equal, i.e. the loss does change along it and the pair only reflects the loss's round-off
+#: a witness proves ambiguity only when its predictions differ by at least this fraction of the prediction scale:
+#: a smaller gap means the step along the null direction was shrunk to keep the losses equal (the loss changes)
 WITNESS_MIN_GAP = 0.1
 #: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
-#: when no dense Gram is at hand: psi^2 memory avoided (15 GB at d = 44)
 DENSE_GRAM_MAX_PSI = 4_096
 
 
@@ -66,9 +64,7 @@ def gram_for(stats):
     if getattr(stats, "operator", None) is not None:  # statistics whose Tc is held on the workers
         return stats.operator
     stats = stats.to_numpy()
-    if stats.psi <= DENSE_GRAM_MAX_PSI:
-        return stats.gram()
-    return GramOperator.from_compact(stats.gram_compact, stats.d)
+    return stats.gram() if stats.psi <= DENSE_GRAM_MAX_PSI else operator_of(stats)
 
 
 def operator_of(stats) -> GramOperator:
@@ -256,7 +252,7 @@ def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
 
 def certificate_from_factor(f: CholeskyFactor, cutoff_rtol: float, n_rows: int) -> Certificate:
     """The certificate of the Cholesky path (full rank; the extreme eigenvalues only)."""
-    psi = f.G.shape[0]
+    psi = f.L.shape[0]
     return Certificate(n_rows, psi, psi, cutoff_rtol, f.lam_min, f.lam_max, f.w_min, f.w_max / f.w_min,
                        np.array([f.w_min, f.w_max]), None, converged=f.settled(SETTLE_FACTOR * cutoff_rtol))
 
@@ -308,8 +304,8 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         :func:`~scaleattn.spectrum.solver_path`.
     large_psi : int, optional
         Where ``"auto"`` switches to Cholesky.
-    gram : array (psi, psi), optional
-        ``stats.gram()`` if the caller has it already (not modified).
+    gram : array (psi, psi) or GramOperator, optional
+        ``stats.gram()`` if the caller has it already (not modified), or :func:`gram_for`'s operator.
     krylov : dict, optional
         Options of :func:`scaleattn.krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
         ``seed``).
@@ -352,15 +348,25 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         op = operator_of(stats)
         return certificate_from_krylov(krylov_solve(op, None, rtol=rtol, **(krylov or {})), stats.n_rows)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
-    G = stats.gram() if gram is None else gram
     if path == "cholesky":
-        f = cholesky_factor(G, rtol, stats.n_rows)
+        f = factor_gram(stats, gram, rtol)
         if f is not None:
             return certificate_from_factor(f, rtol, stats.n_rows)
         if solver == "auto" and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: krylov, not hours of eigh
             return certificate_from_krylov(krylov_solve(operator_of(stats), None, rtol=rtol, **(krylov or {})),
                                            stats.n_rows)
+    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
     return certificate_from_spectrum(G, scaled_spectrum(G, rtol), stats.n_rows)
+
+
+def factor_gram(stats, gram, cutoff_rtol: float) -> CholeskyFactor | None:
+    """:func:`~scaleattn.spectrum.cholesky_factor` of host statistics' Gram: a caller's dense ``gram`` is kept (the
+    factor is a copy); else ``G`` is expanded and factored in place, later products on ``Tc`` (``gram`` or
+    :func:`operator_of`): one psi x psi array, not two (DESIGN §4)."""
+    if isinstance(gram, np.ndarray):
+        return cholesky_factor(gram, cutoff_rtol, stats.n_rows)
+    op = gram if gram is not None else operator_of(stats)
+    return cholesky_factor(stats.gram(), cutoff_rtol, stats.n_rows, overwrite_g=True, gram=op)
 
 
 @dataclasses.dataclass

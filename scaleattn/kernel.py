@@ -356,19 +356,27 @@ def _float_input(a):
 EXPAND_PAIRS = 16
 
 
-def expand_gram(gram_compact, d: int, *, threads: int | None = None, kernel: str | None = None):
+def expand_gram(gram_compact, d: int, *, threads: int | None = None, kernel: str | None = None, out=None):
     """The feature Gram ``G`` (psi, psi) from the compact ``Tc``: :func:`scaleattn.features.expand_compact_gram`,
     on numpy with the ``"numba"`` kernel (:func:`kernel_name`) by the compiled copy
-    (:func:`scaleattn._kernel_compiled.expand_rows`) into one new C-ordered array, jobs of
-    :data:`EXPAND_PAIRS` row groups on the kernel's threads (``threads``, default the BLAS thread count). The
-    same bits either way (a copy); the compiled one runs at memory speed (measured at d = 32, 2.3 GB: about 1.2 s
-    on one thread of 2 shared cores, the array-API gather 7.8 s)."""
+    (:func:`scaleattn._kernel_compiled.expand_rows`) into one new C-ordered array (or into ``out``, a
+    C-contiguous (psi, psi) float64 array, e.g. memory already touched: a fresh 2.3 GB array costs this VM 1-4 s
+    of page faults), jobs of :data:`EXPAND_PAIRS` row groups on the kernel's threads (``threads``, default the
+    BLAS thread count). The same bits either way (a copy); the compiled one runs at memory speed (measured at
+    d = 32, 2.3 GB: about 1.2 s on one thread of 2 shared cores, the array-API gather 7.8 s)."""
     xp = get_xp(gram_compact)
-    if not is_numpy(xp) or kernel_name(xp, kernel) != "numba":
-        return expand_compact_gram(gram_compact, d)
-    tc = np.ascontiguousarray(gram_compact, dtype=np.float64)
     m, psi = n_pairs(d), n_features(d)
-    G = np.empty((psi, psi))
+    if out is not None and (not is_numpy(xp) or out.shape != (psi, psi) or out.dtype != np.float64
+                            or not out.flags.c_contiguous):
+        raise ParameterError(f"expand_gram: out must be a C-contiguous ({psi}, {psi}) float64 numpy array")
+    if not is_numpy(xp) or kernel_name(xp, kernel) != "numba":
+        G = expand_compact_gram(gram_compact, d)
+        if out is None:
+            return G
+        out[...] = G
+        return out
+    tc = np.ascontiguousarray(gram_compact, dtype=np.float64)
+    G = np.empty((psi, psi)) if out is None else out
     jobs = [((min(p + EXPAND_PAIRS, m) - p) * d * psi,
              functools.partial(_kernel_compiled.expand_rows, tc, d, G, p, min(p + EXPAND_PAIRS, m)))
             for p in range(0, m, EXPAND_PAIRS)]

@@ -21,32 +21,38 @@ from .certificate import (
     certificate_from_krylov,
     certificate_from_spectrum,
     check_cutoff,
+    factor_gram,
     gram_for,
     operator_of,
 )
 from .dense import blocked_cholesky
 from .errors import ParameterError
 from .krylov import krylov_solve
-from .spectrum import EIGH_FALLBACK_PSI, cholesky_factor, default_rtol, scaled_spectrum, solver_path
+from .spectrum import EIGH_FALLBACK_PSI, default_rtol, scaled_spectrum, solver_path
 
 __all__ = ["Solution", "solve", "shared_gram"]
 
 
-def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
+def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
     """[Y25] Alg. 1 by Cholesky of the Jacobi-scaled Gram (full rank only): ``c = D^-1/2 Gs^-1 D^-1/2 B``
     with one refinement step; ridge: ``(Gs + lambda I)``, effective dof ``psi - lambda tr (Gs + lambda I)^-1``.
-    ``G`` is not modified. None when ``G`` is not positive definite beyond the cutoff."""
+    A dense ``gram`` is not modified; without one ``G`` is expanded into the factor's memory and the products
+    after the factor (refinement, SSE) go to the operator on ``Tc`` (:func:`~scaleattn.certificate.factor_gram`).
+    None when ``G`` is not positive definite beyond the cutoff."""
     import scipy.linalg
 
-    f = cholesky_factor(G, cutoff_rtol, stats.n_rows)
+    f = factor_gram(stats, gram, cutoff_rtol)
     if f is None:
         return None
     cert = certificate_from_factor(f, cutoff_rtol, stats.n_rows)
-    psi = G.shape[0]
+    psi = f.L.shape[0]
     rhs = f.scale[:, None] * np.asarray(stats.moments)
     if ridge > 0:  # D^-1/2 chol(G + ridge diag G) is the factor of Gs + ridge I; it reuses the factor's memory
-        f.L[...] = G
-        f.L[np.diag_indices(psi)] += ridge * np.diag(G)
+        if isinstance(f.G, np.ndarray):
+            f.L[...] = f.G
+        else:  # the factor took G's memory: expand it again
+            stats.gram(out=f.L)
+        f.L[np.diag_indices(psi)] += ridge * f.diag
         f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.dense)
     cs = f.solve(rhs)
     if refine:
@@ -55,9 +61,9 @@ def _solve_large(stats, G, cutoff_rtol: float, refine: bool, ridge: float) -> So
     if ridge > 0:
         Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
         # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
-        dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, np.diag(G)))
+        dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
     c = f.scale[:, None] * cs
-    return Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, G), float(ridge), dof)
+    return Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof)
 
 
 @dataclasses.dataclass
@@ -133,8 +139,9 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         saying how settled it is).
     large_psi : int, optional
         Where ``"auto"`` switches to Cholesky.
-    gram : array (psi, psi), optional
-        ``stats.gram()`` if the caller has it already (it is not modified).
+    gram : array (psi, psi) or GramOperator, optional
+        ``stats.gram()`` if the caller has it already (it is not modified), or :func:`shared_gram`'s operator:
+        the Cholesky path then expands ``G`` into its factor's memory (one psi x psi array, not two).
     krylov : dict, optional
         Options of :func:`scaleattn.krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
         ``block``, ``seed``).
@@ -182,14 +189,15 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     if path == "krylov":
         return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, ridge, krylov)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
-    G = stats.gram() if gram is None else gram
     if path == "cholesky":
-        sol = _solve_large(stats, G, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, refine, ridge)
+        sol = _solve_large(stats, gram, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, refine,
+                           ridge)
         if sol is not None:
             return sol
         if solver == "auto" and ridge == 0 and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: a full
             return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, 0.0,
                                  krylov)  # eigh would take hours here; krylov finds the null space too
+    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
     B = np.asarray(stats.moments)
     spec = scaled_spectrum(G, cutoff_rtol)
     null = spec.null_basis()
@@ -227,9 +235,10 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
 
 
 def shared_gram(stats, solver: str = "auto", large_psi: int | None = None):
-    """The ``G`` a fit's solve, heads step and witness share: the dense Gram on the eigh and Cholesky paths (they
-    factor it anyway), on the krylov path :func:`~scaleattn.certificate.gram_for` (the matrix-free operator past
-    ``DENSE_GRAM_MAX_PSI`` features: no psi x psi array on that path)."""
-    if solver_path(stats.psi, solver, large_psi) == "krylov":
-        return gram_for(stats)
-    return stats.to_numpy().gram()
+    """The ``G`` a fit's solve, heads step and witness share: the dense Gram on the eigh path (it factors it
+    anyway), on the Cholesky and krylov paths :func:`~scaleattn.certificate.gram_for` (the matrix-free operator
+    past ``DENSE_GRAM_MAX_PSI`` features: the Cholesky solve then expands ``G`` into its factor's memory, and
+    the heads and the witness take ``G @ c`` from ``Tc``)."""
+    if solver_path(stats.psi, solver, large_psi) == "eigh":
+        return stats.to_numpy().gram()
+    return gram_for(stats)

@@ -29,8 +29,9 @@ __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "
 SYEVD_MAX = 30_000
 #: cuSOLVER's syevd workspace (32-bit) overflows near n = 26,700 (DESIGN §4); a GPU eigh must stay below this
 CUSOLVER_SYEVD_MAX = 26_000
-#: above this psi, ``solver="auto"`` solves by Cholesky + Lanczos (``psi^3 / 3`` flops, 2 psi x psi arrays)
-#: instead of a full eigh (~9 psi^3 flops, ~5 arrays, and memory-bound): at d = 16 (psi = 2,176) about 1 s
+#: above this psi, ``solver="auto"`` solves by Cholesky + Lanczos (``psi^3 / 3`` flops, 1 psi x psi array: the
+#: factor takes ``G``'s memory) instead of a full eigh (~9 psi^3 flops, ~5 arrays, and memory-bound): at d = 16
+#: (psi = 2,176) about 1 s
 #: instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The certificate then has
 #: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
 #: numerically positive definite falls back to eigh (which finds the null space).
@@ -239,11 +240,15 @@ class CholeskyFactor:
     Jacobi-scaled ``Gs = D^-1/2 G D^-1/2`` (``w_min``, ``w_max``) and of ``Lambda_D = G / N`` (``lam_min``,
     ``lam_max``). ``D^-1/2 L`` is the factor of ``Gs`` (Cholesky commutes with diagonal scaling); it is never
     formed: :meth:`solve` applies ``D^1/2`` to the right-hand side and the solution, O(psi) per column instead
-    of a pass over the psi x psi factor. ``G`` itself is kept unmodified (callers reuse it)."""
+    of a pass over the psi x psi factor. ``G`` is the dense Gram, unmodified (callers reuse it), or, when the
+    factor took the Gram's memory (``cholesky_factor(..., overwrite_g=True)``), an operator with ``G @ X``
+    (:class:`scaleattn.gram_operator.GramOperator` on ``Tc``) for the products still needed; ``diag`` is
+    ``diag G``."""
 
-    G: np.ndarray
+    G: object
     L: np.ndarray
     scale: np.ndarray
+    diag: np.ndarray | None = None
     w_min: float = 0.0
     w_max: float = 0.0
     lam_min: float = 0.0
@@ -271,7 +276,9 @@ class CholeskyFactor:
         """``Gs x`` without forming ``Gs``."""
         if x.ndim == 1:
             return self.scaled_matvec(x[:, None])[:, 0]
-        return self.scale[:, None] * gemm(self.G, self.scale[:, None] * x)  # scipy's BLAS, as the solves
+        y = self.scale[:, None] * x
+        # scipy's BLAS on a dense G, as the solves; the operator's own product on Tc otherwise
+        return self.scale[:, None] * (gemm(self.G, y) if isinstance(self.G, np.ndarray) else np.asarray(self.G @ y))
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
         """``Gs^-1 rhs = D^1/2 G^-1 D^1/2 rhs`` through the factor of ``G``."""
@@ -289,7 +296,8 @@ class CholeskyFactor:
 
 def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol: float = EIG_RTOL,
                     block: int = EIG_BLOCK, top_rtol: float = EIG_TOP_RTOL,
-                    top_block: int = EIG_TOP_BLOCK) -> CholeskyFactor | None:
+                    top_block: int = EIG_TOP_BLOCK, overwrite_g: bool = False,
+                    gram=None) -> CholeskyFactor | None:
     """Factor the Gram and estimate the extreme eigenvalues the certificate needs; None when ``G`` is not
     numerically positive definite beyond the cutoff (the caller then falls back to eigh, which finds the null
     space).
@@ -297,7 +305,7 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     Parameters
     ----------
     G : array (psi, psi) float64
-        Symmetric; not modified (the heads and the witness reuse it).
+        Symmetric; not modified (the heads and the witness reuse it) unless ``overwrite_g``.
     cutoff_rtol : float
         Relative eigenvalue cutoff of the scaled Gram: ``w_min <= cutoff_rtol * w_max`` returns None.
     n_rows : int
@@ -307,6 +315,13 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         their vectors per operator (:data:`EIG_RTOL`, :data:`EIG_BLOCK`).
     top_rtol, top_block : float, int
         The same for the largest (:data:`EIG_TOP_RTOL`, :data:`EIG_TOP_BLOCK`).
+    overwrite_g : bool
+        Factor ``G`` in place when it is a C-contiguous writeable float64 array (its memory becomes ``L``: one
+        psi x psi array instead of two, and no fresh 2.3 GB at d = 32 to page in). ``G``'s values are then
+        lost: it holds ``L``, or part of a factor when None is returned.
+    gram : object with ``G @ X``, optional
+        What the factor's later products with ``G`` use (:meth:`CholeskyFactor.scaled_matvec`, the caller's
+        refinement and SSE): required with ``overwrite_g`` (the matrix-free operator on ``Tc``), default ``G``.
 
     Returns
     -------
@@ -319,24 +334,27 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     ``G`` itself is factored (:func:`scaleattn.dense.blocked_cholesky`: LAPACK only on small diagonal blocks,
     GEMM for the rest): ``D^-1/2 L`` is the Cholesky factor of ``Gs`` (Cholesky commutes with diagonal
     scaling, van der Sluis; [GVL13] §4.2.9), applied as ``D^1/2`` around solves with ``L``. One Cholesky
-    (``psi^3 / 3`` flops; memory ``G`` and its factor), then block Krylov
+    (``psi^3 / 3`` flops; memory ``G`` and its factor, or ``G`` alone with ``overwrite_g``), then block Krylov
     (:func:`scaleattn.dense.largest_eigenvalues`) for the extreme eigenvalues ([Y25] Lemma 2.3 needs
     ``lambda_min``): ``Gs = D^-1/2 G D^-1/2`` and ``G`` side by side on products with ``G``, ``Gs^-1 = D^1/2
     G^-1 D^1/2`` and ``G^-1`` side by side on solves with ``L``, until the estimated error of each
-    ([P98] §11.7) is ``eig_rtol`` (smallest) or ``top_rtol`` (largest) of its value.
+    ([P98] §11.7) is ``eig_rtol`` (smallest) or ``top_rtol`` (largest) of its value. The products with ``G``
+    run before the factorisation, so that ``G`` may then become its factor (``overwrite_g``).
     """
+    if overwrite_g and gram is None:
+        raise ParameterError("cholesky_factor(overwrite_g=True) needs gram= (the products after the factor)")
     psi = G.shape[0]
     diag = np.diag(G).copy()
     if not np.all(diag > 0):
         return None  # an all-zero feature: G is singular
     scale = 1.0 / np.sqrt(diag)
-    try:
-        L = blocked_cholesky(G)
-    except np.linalg.LinAlgError:
-        return None
-    f = CholeskyFactor(G, L, scale)
     w_max, g_max = largest_eigenvalues(lambda X: gemm(G, X), psi, [scale, None], rtol=top_rtol, block=top_block,
                                        maxiter=EIG_MAXITER)
+    try:
+        L = blocked_cholesky(G, overwrite_a=overwrite_g)
+    except np.linalg.LinAlgError:
+        return None
+    f = CholeskyFactor(G if gram is None else gram, L, scale, diag)
     # Gs^-1 = D^1/2 G^-1 D^1/2: the scale goes to the vectors (O(psi) each), not to the factor
     w_inv, g_inv = largest_eigenvalues(f.gram_solve, psi, [np.sqrt(diag), None], rtol=eig_rtol, block=block,
                                        maxiter=EIG_MAXITER)

@@ -114,10 +114,11 @@ class Statistics:
         return Statistics(self.gram_compact + other.gram_compact, self.moments + other.moments,
                           self.yy + other.yy, self.n_rows + other.n_rows, self.d)
 
-    def gram(self):
+    def gram(self, out=None):
         """The feature Gram ``G = sum phi phi^T`` (psi, psi), expanded from the compact form
-        (:func:`scaleattn.kernel.expand_gram`: compiled on numpy, the array-API gather elsewhere)."""
-        return expand_gram(self.gram_compact, self.d)
+        (:func:`scaleattn.kernel.expand_gram`: compiled on numpy, the array-API gather elsewhere), into a new
+        array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
+        return expand_gram(self.gram_compact, self.d, out=out)
 
     def second_moment(self):
         """``Lambda_D = G / N`` (psi, psi): the uncentred second moment of the features ([Y25] Lemma 2.3)."""

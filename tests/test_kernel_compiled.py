@@ -203,3 +203,18 @@ def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d):
         np.testing.assert_array_equal(G, ref)
     np.testing.assert_array_equal(kernel.expand_gram(Tc, d, kernel="numpy"), ref)
     np.testing.assert_array_equal(kernel.expand_gram(np.asfortranarray(Tc), d, threads=2), ref)
+
+
+def test_expand_gram_into_a_given_array():
+    """``out=``: the same bits into the caller's array (what the Cholesky path factors in place), on both kernels;
+    an array of the wrong shape, dtype or order is refused."""
+    d = 4
+    Tc = np.random.default_rng(7).standard_normal((n_pairs(n_pairs(d)), n_pairs(d)))
+    ref = kernel.expand_gram(Tc, d)
+    for k in ("numba", "numpy"):
+        out = np.full_like(ref, np.nan)
+        assert kernel.expand_gram(Tc, d, kernel=k, out=out) is out
+        np.testing.assert_array_equal(out, ref)
+    for bad in (np.empty((ref.shape[0], ref.shape[0] + 1)), np.empty(ref.shape, np.float32), np.asfortranarray(ref)):
+        with pytest.raises(ParameterError, match="out must be"):
+            kernel.expand_gram(Tc, d, out=bad)

@@ -228,3 +228,39 @@ def test_ridge_against_dense_solution(rel_err):
     assert solve(st, ridge=0.1).sse > base.sse  # ridge trades training loss for a smaller model
     with pytest.raises(ValueError, match="ridge"):
         solve(st, ridge=-1.0)
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-3])
+def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
+    """The Cholesky path factors ``G`` in its own memory when it expands it (no ``gram``, or the operator of
+    ``shared_gram`` past DENSE_GRAM_MAX_PSI) and takes the products after the factor (refinement, SSE, heads)
+    from ``Tc``: the same certificate bits and coefficients to round-off as on a caller's dense ``G``, which
+    is left unmodified."""
+    import scaleattn.certificate
+    from scaleattn.gram_operator import GramOperator
+    from scaleattn.model import model_from_statistics
+    from scaleattn.spectrum import cholesky_factor
+
+    D = make_mhla(d=4, heads=2, length=20, samples=60, causal=True, noise=0.1, seed=4)
+    st = statistics_from_arrays(D["tokens"], D["targets"])  # psi = 40
+    G = st.gram()
+    G0 = G.copy()
+    a = solve(st, solver="cholesky", ridge=ridge, gram=G)
+    assert np.array_equal(G, G0)  # the caller's G: the factor is a copy
+    ref = solve(st, solver="eigh", ridge=ridge)
+    monkeypatch.setattr(scaleattn.certificate, "DENSE_GRAM_MAX_PSI", 10)  # shared_gram: the operator from here
+    op = solver.shared_gram(st, "cholesky")
+    assert isinstance(op, GramOperator) and isinstance(solver.shared_gram(st, "eigh"), np.ndarray)
+    for b in (solve(st, solver="cholesky", ridge=ridge), solve(st, solver="cholesky", ridge=ridge, gram=op)):
+        ca, cb = a.certificate, b.certificate
+        for k in ("lambda_min", "lambda_max", "lambda_min_scaled", "condition_number", "verdict"):
+            assert getattr(cb, k) == getattr(ca, k), k  # the same eigenvalue runs, on the same numbers
+        assert np.abs(b.coef - a.coef).max() <= 1e-12 * np.abs(a.coef).max()
+        assert np.abs(b.coef - ref.coef).max() <= 1e-10 * np.abs(ref.coef).max()  # and the eigh path's
+        assert b.sse == pytest.approx(a.sse, rel=1e-9) and b.effective_dof == pytest.approx(a.effective_dof)
+    model, sol, h = model_from_statistics(st, causal=True, ridge=ridge, solver="cholesky")  # heads: G @ c on Tc
+    assert np.abs(sol.coef - a.coef).max() <= 1e-12 * np.abs(a.coef).max() and h.residual < 1e-6
+    f = cholesky_factor(G, default_rtol(st.psi), st.n_rows, overwrite_g=True, gram=op)
+    assert np.shares_memory(f.L, G) and f.G is op  # G's memory became L
+    with pytest.raises(ValueError, match="needs gram="):
+        cholesky_factor(G0, default_rtol(st.psi), st.n_rows, overwrite_g=True)

@@ -4,7 +4,8 @@
 The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and, on the dense
 paths, expands them to the psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays
 at its peak (``G``, the Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2
-workspace), the Cholesky path two (``G`` scaled in place and its factor). The krylov path
+workspace), the Cholesky path one past ``DENSE_GRAM_MAX_PSI`` features (``G``, factored in place; the products
+after the factor use ``Tc``) and two up to it (the dense ``G`` the fit shares and the factor's copy). The krylov path
 (:mod:`scaleattn.krylov`) none: beyond ``Tc`` it holds the token-diagonal columns of ``Tc`` (m(m+1)/2 x d),
 the block-Jacobi inverses (d x m x m), one segment expansion per operator thread and a few hundred psi-vectors
 (Lanczos bases, LOBPCG and CG blocks), :func:`krylov_bytes`. Each worker holds one partial ``Tc`` tile per task,
@@ -33,7 +34,7 @@ __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", 
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
-SOLVER_ARRAYS = {"eigh": 5, "cholesky": 2, "krylov": 0}
+SOLVER_ARRAYS = {"eigh": 5, "cholesky": 1, "krylov": 0}
 
 
 #: buffers from this size on are mmapped and given back to the OS when freed (glibc otherwise raises the
@@ -128,7 +129,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
 
     Returns a dict: ``psi``, ``path`` ("eigh", "cholesky" or "krylov", :func:`scaleattn.spectrum.solver_path`;
     with ``available`` bytes, ``solver="auto"`` takes krylov when the dense path it would pick does not fit),
-    ``gram_bytes`` (one psi x psi float64 array), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
+    ``gram_bytes`` (one psi x psi float64 array), ``gram_arrays`` (how many the dense path holds at its peak,
+    :data:`SOLVER_ARRAYS`), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
     node's peak: the path's psi x psi arrays, or :func:`krylov_bytes`, plus ``Tc`` twice, as received and
     concatenated, plus ``B``), ``paths`` (``solver_bytes`` of every path), ``worker_bytes`` (one worker's
     peak: ``split_every + 2`` tiles while combining, plus one block of features and the kernel's panels).
@@ -142,9 +144,11 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     gram = 8.0 * psi * psi
     compact = 8.0 * n_pairs(m) * dv
     moments = 8.0 * psi * max(d_out, 1)
-    dense_g = 6 * gram * (psi <= DENSE_GRAM_MAX_PSI) + (3 * gram if heads != "svd" and not remote else 0.0)
+    small = psi <= DENSE_GRAM_MAX_PSI
+    dense_g = 6 * gram * small + (3 * gram if heads != "svd" and not remote else 0.0)
+    arrays = dict(SOLVER_ARRAYS, cholesky=SOLVER_ARRAYS["cholesky"] + small)  # up to it, the shared G and a copy
     paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote) + dense_g) + 2 * compact * (
-        p != "krylov" or not remote) + 2 * moments for p, n in SOLVER_ARRAYS.items()}
+        p != "krylov" or not remote) + 2 * moments for p, n in arrays.items()}
     path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available),
                        dense=dense)
     c0, c1 = tile_bounds(d, None, MAX_TILE_BYTES if max_tile_bytes is None else max_tile_bytes)[0]
@@ -152,7 +156,7 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     # one block of features (accumulate sizes it to BLOCK_BYTES; an explicit block_rows at its per-row bytes)
     block = float(BLOCK_BYTES) if block_rows is None else block_rows * block_bytes_per_sample(d, 1, True)
     panels = 8.0 * threads * PANEL_ROWS * PANEL_COLS
-    return {"psi": psi, "path": path, "gram_bytes": gram, "compact_bytes": compact,
+    return {"psi": psi, "path": path, "gram_bytes": gram, "gram_arrays": arrays[path], "compact_bytes": compact,
             "solver_bytes": paths[path], "paths": paths,
             "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
 
@@ -225,7 +229,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
             f" one block of features and the solver); this machine has {have / GIB:.2f} GiB available. Use a"
             f" machine with more memory{hint}.")
     if need > have:
-        parts = (f"{SOLVER_ARRAYS[est['path']]} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays + statistics"
+        parts = (f"{est['gram_arrays']} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays + statistics"
                  if est["path"] != "krylov" else "preconditioner and Krylov vectors" if client is not None else
                  f"compact Gram {est['compact_bytes'] / GIB:.2f} GiB twice + preconditioner and Krylov vectors")
         raise InsufficientMemoryError(

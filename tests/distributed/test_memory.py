@@ -11,7 +11,9 @@ def test_memory_estimate_and_refusal():
         parse_bytes("lots")
     e32 = fit_memory(32, 32)
     assert e32["psi"] == 16_896 and e32["path"] == "cholesky"
-    assert e32["gram_bytes"] == 8 * 16_896**2 and e32["solver_bytes"] > 2 * e32["gram_bytes"]
+    # one psi x psi array past 4,096 features (G factored in place), two up to it (the shared G and a copy)
+    assert e32["gram_bytes"] == 8 * 16_896**2 and e32["gram_bytes"] < e32["solver_bytes"] < 2 * e32["gram_bytes"]
+    assert e32["gram_arrays"] == 1 and fit_memory(16, 16)["gram_arrays"] == 2
     assert fit_memory(32, 32, solver="eigh")["solver_bytes"] > e32["solver_bytes"]
     assert fit_memory(16, 16)["solver_bytes"] < 1e9  # d = 16 fits anywhere
     # psi = 133,120 (d = 64): 142 GB per Gram; refused with the size of machine it needs
