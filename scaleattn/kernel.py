@@ -203,6 +203,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2), C-contiguous
     sT = xp.ascontiguousarray(s.T, dtype=xp.float64)  # (m, rows): u panels are built column-major, one contiguous
     # run per pair; the numba kernel forms them compiled (the same products, so the same bits as pair_products)
+    pq = _kernel_compiled.pair_columns(sT.shape[0], c0, c1) if compiled_u else None
     jobs = [(cost, ("call", f)) for cost, f in extra]
     jobs += [(rows * (b - a) * v.shape[1], ("panel", (a, b)))
              for a, b in ((a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols))]
@@ -214,7 +215,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
             for a, b in panels:
                 out = buf[: sr.shape[0] * (b - a)].reshape(b - a, sr.shape[0])  # its .T: (rows', width), F-ordered
                 if compiled_u:
-                    _kernel_compiled.u_panel(out, sT, a, b, r)
+                    _kernel_compiled.u_panel(out, sT, pq[0][a - c0 : b - c0], pq[1][a - c0 : b - c0], r)
                 else:
                     pair_products(sr, slice(a, b), out.T)
                 _gemm_acc(gram[a - c0 : b - c0], out.T, v[r : r + panel_rows])

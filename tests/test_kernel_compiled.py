@@ -72,7 +72,7 @@ def test_compiled_u_panels_give_the_blas_kernels_bits():
     s, x = rng.standard_normal((300, 14)), rng.standard_normal((300, kernel.BLAS_MIN_D))
     mm, nv = n_pairs(14), n_pairs(kernel.BLAS_MIN_D)
     out = np.empty((40, 100))
-    kc.u_panel(out, np.ascontiguousarray(s.T), 17, 57, 150)
+    kc.u_panel(out, np.ascontiguousarray(s.T), *kc.pair_columns(14, 17, 57), 150)
     assert np.array_equal(out.T, pair_products(s[150:250], slice(17, 57)))
     ref = pair_products(s).T @ pair_products(x)
     for cols in (None, slice(13, 90)):
