@@ -61,6 +61,30 @@ def test_kernels_agree_where_numba_uses_blas():
     assert _rel(a.gram_compact, b.gram_compact) <= 1e-14 and _rel(a.moments, b.moments) <= 1e-14
 
 
+def test_compiled_u_panels_give_the_blas_kernels_bits():
+    """From ``BLAS_MIN_D`` on, the numba kernel forms the ``u`` panels compiled (:func:`kc.u_panel`) for the same
+    BLAS GEMMs: the same products as :func:`pair_products`, so ``Tc`` is bit-identical to the numpy kernel's on
+    the same ``s``, ``x`` (panels and tiles not aligned to the pairs, several row panels, 1 and 3 threads), and
+    both match a dense ``u^T v``."""
+    from scaleattn.features import pair_products
+
+    rng = np.random.default_rng(5)
+    s, x = rng.standard_normal((300, 14)), rng.standard_normal((300, kernel.BLAS_MIN_D))
+    mm, nv = n_pairs(14), n_pairs(kernel.BLAS_MIN_D)
+    out = np.empty((40, 100))
+    kc.u_panel(out, np.ascontiguousarray(s.T), *kc.pair_columns(14, 17, 57), 150)
+    assert np.array_equal(out.T, pair_products(s[150:250], slice(17, 57)))
+    ref = pair_products(s).T @ pair_products(x)
+    for cols in (None, slice(13, 90)):
+        w = mm if cols is None else cols.stop - cols.start
+        kw = dict(cols=cols, panel_rows=128, panel_cols=23)
+        a = kernel.gram_update(np.zeros((w, nv)), s, x, kernel="numpy", threads=1, **kw)
+        assert _rel(a, ref[cols or slice(None)]) <= 1e-14
+        for threads in (1, 3):
+            b = kernel.gram_update(np.zeros((w, nv)), s, x, kernel="numba", threads=threads, **kw)
+            assert np.array_equal(a, b), (cols, threads)
+
+
 @pytest.mark.parametrize("kern", ["numba", "numpy"])
 def test_each_kernel_is_deterministic_for_any_thread_count(kern, monkeypatch):
     from threadpoolctl import threadpool_limits
