@@ -112,6 +112,7 @@ def test_deprecated_names_still_work_and_warn(small):
         scaleattn.solve(new.statistics, cutoff_rtol=1e-9, rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_combine_tasks_have_no_dask_retries(small, client, monkeypatch):
     calls = []
     real = client.submit

@@ -225,6 +225,7 @@ def test_every_option_has_help_naming_its_default():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_write_says_the_output_is_complete(cli, tmp_path, monkeypatch, causal_ds):
     from scaleattn.cli import Terminated, commands
 

@@ -109,6 +109,7 @@ def test_install_hints_follow_the_installation(monkeypatch):
         fs_for("s3://b/x.zarr")
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_says_nothing_to_resume(causal_ds, tmp_path, cli):
     cli("fit", causal_ds.url, "--out", tmp_path / "done", "--local", "--quiet", "--no-plots")
     r = cli("fit", causal_ds.url, "--out", tmp_path / "done", "--local", "--resume", rc=2)
