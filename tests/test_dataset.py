@@ -61,6 +61,7 @@ def test_misaligned_block_writes_are_refused(tmp_path):
         create_dataset(str(tmp_path / "e.zarr"), 30, 4, 2, chunk_samples=4, shard_samples=6)
 
 
+@pytest.mark.slow
 def test_stores_hold_no_object_or_pickled_data(tmp_path):
     """Every array the package writes is a plain numeric dtype with no pickle/object codec."""
     tok, y, lens = _data(N=12)

@@ -213,6 +213,7 @@ def test_report_text_for_each_verdict():
 
 
 # ---- the witness: round-off gaps are not proofs ------------------------------------------------------------------
+@pytest.mark.slow
 def test_gram_only_witness_on_lauchli_is_inconclusive(tmp_path):
     tok, y = lauchli(2, 4000, 6, 1e-3, noise=0.05)
     ds = scaleattn.write_dataset(tmp_path / "l.zarr", tok, y, chunk_samples=500)

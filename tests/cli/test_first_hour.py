@@ -51,6 +51,7 @@ def test_a_line_before_the_cluster_starts_and_none_on_bad_input(causal_ds, tmp_p
     assert "starting" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_integer_tokens_are_converted_and_csv_errors_name_the_column(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
     rng = np.random.default_rng(0)

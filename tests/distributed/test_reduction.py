@@ -59,6 +59,7 @@ class _Recorder(Reporter):
         return cm()
 
 
+@pytest.mark.slow
 def test_reporter_counts_rows_weighted_by_task(client):
     futs = [client.submit(time.sleep, 0.01, key=f"nap-{i}", pure=False) for i in range(6)]
     rec = _Recorder()
