@@ -41,6 +41,7 @@ def run(tmp_path_factory, causal_varlen_ds):
     return tmp, ds, res
 
 
+@pytest.mark.slow
 def test_dataset_store(run):
     tmp, ds, _ = run
     x = _check_store(ds.url, "scaleattn-dataset")

@@ -477,6 +477,7 @@ def test_submit_bad_options_exit_2(capsys):
     assert err.startswith("scaleattn submit: ") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_submit_without_cluster_is_a_clear_error(tmp_path, monkeypatch, capsys):
     pytest.importorskip("kr8s", reason="kr8s talks to the Kubernetes API (pip install kr8s)")
     kubeconfig = tmp_path / "kubeconfig"

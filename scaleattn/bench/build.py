@@ -103,7 +103,7 @@ def _loop(tokens, targets, causal: bool, lengths=None, chunk_bytes: float = 32e6
 
 def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | None = None,
                 kernels=None, repeats: int = 2, loop: bool = True, max_phi_bytes: float = 2e9,
-                loop_max_s: float = 60.0) -> list[dict]:
+                loop_max_s: float = 60.0, gemm_n: int = 2000) -> list[dict]:
     """The build against its floors and the numpy baselines, one row per (size, kernel).
 
     Parameters
@@ -119,6 +119,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         Default :data:`scaleattn.kernel.KERNELS`.
     repeats : int
         Best of this many builds.
+    gemm_n : int
+        Size of the square product that measures the GEMM rate.
     loop : bool
         Also time the chunked loop and SYRK (skipped where the loop's flops alone would exceed ``loop_max_s``
         at ``rate``, or ``phi`` would exceed ``max_phi_bytes``: then ``None``).
@@ -140,7 +142,7 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
 
     def rates():  # (GEMM rate, bandwidth) now, or the given ones
         _settle()
-        return (gemm_rate() if fixed_rate is None else float(fixed_rate),
+        return (gemm_rate(gemm_n) if fixed_rate is None else float(fixed_rate),
                 copy_bandwidth() if fixed_bandwidth is None else float(fixed_bandwidth))
     out = []
     for d, rows, causal, *var in sizes:

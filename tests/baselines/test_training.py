@@ -36,6 +36,7 @@ def test_fit_at_float64_floor_on_realizable_data():
     assert cf["certificate"].identifiable
 
 
+@pytest.mark.slow
 def test_softmax_transformer_trains_with_padding():
     D = make_mhla(2, 1, 8, 64, causal=False, variable_lengths=True, seed=2)
     r = B.train_adamw("full", D, epochs=6, lr=3e-3, batch_size=16, width=16, heads=2)
