@@ -86,29 +86,12 @@ def solve_floor(d: int, rows: int | None = None, stats=None) -> dict:
     seconds, passes, converged = {"expand": 0.0, "factor": 0.0, "eigenvalues": 0.0}, [], []
     factor, eigs, expand = spectrum.blocked_cholesky, spectrum.largest_eigenvalues, statistics.expand_gram
 
-    def timed_expand(*a, **k):
-        t = time.perf_counter()
-        try:
-            return expand(*a, **k)
-        finally:
-            seconds["expand"] += time.perf_counter() - t
-
-    def timed_factor(*a, **k):
-        t = time.perf_counter()
-        try:
-            return factor(*a, **k)
-        finally:
-            seconds["factor"] += time.perf_counter() - t
-
-    def timed_eigs(*a, **k):
-        t = time.perf_counter()
-        try:
-            out = eigs(*a, **k)
-        finally:
-            seconds["eigenvalues"] += time.perf_counter() - t
+    def count_passes(out):
         passes.append(max(e.iterations for e in out))
         converged.extend(e.converged for e in out)
-        return out
+
+    timed_expand, timed_factor = _timed(expand, seconds, "expand"), _timed(factor, seconds, "factor")
+    timed_eigs = _timed(eigs, seconds, "eigenvalues", count_passes)
 
     expand(np.zeros((6, 3)), 2)  # the compiled copy loaded (a fit's build has done it): not counted as expansion
     spectrum.blocked_cholesky, spectrum.largest_eigenvalues, statistics.expand_gram = (timed_factor, timed_eigs,
@@ -128,6 +111,20 @@ def solve_floor(d: int, rows: int | None = None, stats=None) -> dict:
             "lambda_min": c.lambda_min, "lambda_max": c.lambda_max, "condition_number": c.condition_number,
             "load_average": [load0[0], os.getloadavg()[0]]}
 
+
+
+def _timed(fn, seconds: dict, key: str, then=None):
+    """``fn`` that adds its wall time to ``seconds[key]`` (raised or not) and passes its result to ``then``."""
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            out = fn(*a, **k)
+        finally:
+            seconds[key] += time.perf_counter() - t
+        if then is not None:
+            then(out)
+        return out
+    return timed
 
 _FACTOR_CHILD = r"""
 import json, sys, time
