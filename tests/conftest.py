@@ -84,3 +84,9 @@ def noisy_causal_arrays():
     from scaleattn.generate import make_mhla
 
     return make_mhla(d=4, heads=2, length=12, samples=60, causal=True, noise=0.05, seed=3)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (stable otherwise): under ``pytest -n`` (pytest-xdist) the long ones then start early on
+    every worker and the short ones fill the gaps, instead of one worker finishing a 3-minute test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
