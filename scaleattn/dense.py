@@ -160,9 +160,11 @@ def blocked_cholesky(a, *, overwrite_a: bool = False, block: int = CHOLESKY_BLOC
 
 
 #: at most this many columns, :func:`gemm` hands ``a`` to BLAS as Fortran's ``A`` operand (the one OpenBLAS packs
-#: in blocks down its columns), not as ``B``: a 32-column product with a psi = 7,200 Gram 81 ms against 96 ms
-#: (16: 65 against 78; 64: 136 against 156), and ``Q^T C`` / ``Q^T y`` against a 304 x 7,200 basis on one
-#: thread 2x / 3.7x faster. Wider products (the square GEMM of the measured rate) keep the other orientation
+#: in blocks down its columns), not as ``B``. Measured at psi = 7,200 on 2 cores: ``gemm(G, X, trans=True)`` (``A``
+#: untransposed; ``G X`` for the symmetric Gram) with 32 columns 81 ms against 96 ms the other way (16: 65 / 78,
+#: 64: 136 / 156; ``trans=False``, ``A`` transposed, 94 ms), and ``Q^T C`` / ``Q^T y`` against a 304 x 7,200
+#: basis on one thread 2x / 3.7x faster. Wider products (the square GEMM of the measured rate) keep the other
+#: orientation
 NARROW = 256
 
 
@@ -226,7 +228,9 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         (One, or one per operator.) An operator's run stops when the error estimate ``residual^2 / gap`` of its
         top Ritz value (``gap`` to the next Ritz value, [P98] §11.7), or the residual ``||A u - theta u||``
         itself, is at most ``rtol * theta``. The interval reported is the rigorous one, ``theta <= lambda_max <= theta +
-        residual`` ([P98] Thm 4.5.1).
+        residual`` ([P98] Thm 4.5.1). The residual is formed from the stored basis and its products (two passes
+        over them) only at steps where its block Krylov stand-in ``||W y_V||`` (``W`` the next block before its
+        QR, ``y_V`` the Ritz vector's last block) meets the rule; the formed one alone decides and is reported.
     maxiter : int
         Steps (products) at most; a run that did not meet ``rtol`` by then says ``converged=False``.
     seed : int
