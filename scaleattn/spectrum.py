@@ -278,7 +278,9 @@ class CholeskyFactor:
             return self.scaled_matvec(x[:, None])[:, 0]
         y = self.scale[:, None] * x
         # scipy's BLAS on a dense G, as the solves; the operator's own product on Tc otherwise
-        return self.scale[:, None] * (gemm(self.G, y) if isinstance(self.G, np.ndarray) else np.asarray(self.G @ y))
+        # (G symmetric: G^T y, the orientation of :func:`gemm` that streams G fastest)
+        return self.scale[:, None] * (gemm(self.G, y, trans=True) if isinstance(self.G, np.ndarray)
+                                      else np.asarray(self.G @ y))
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
         """``Gs^-1 rhs = D^1/2 G^-1 D^1/2 rhs`` through the factor of ``G``."""
@@ -348,8 +350,9 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     if not np.all(diag > 0):
         return None  # an all-zero feature: G is singular
     scale = 1.0 / np.sqrt(diag)
-    w_max, g_max = largest_eigenvalues(lambda X: gemm(G, X), psi, [scale, None], rtol=top_rtol, block=top_block,
-                                       maxiter=EIG_MAXITER)
+    # (G symmetric: G^T X is G X, and the orientation of gemm that streams G fastest)
+    w_max, g_max = largest_eigenvalues(lambda X: gemm(G, X, trans=True), psi, [scale, None], rtol=top_rtol,
+                                       block=top_block, maxiter=EIG_MAXITER)
     try:
         L = blocked_cholesky(G, overwrite_a=overwrite_g)
     except np.linalg.LinAlgError:

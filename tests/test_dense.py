@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 
 from scaleattn.certificate import certify
-from scaleattn.dense import blocked_cholesky, gemm, largest_eigenvalues
+from scaleattn.dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
 from scaleattn.generate import make_mhla
 from scaleattn.spectrum import EIG_MAXITER, EIG_RTOL, cholesky_factor, default_rtol
 from scaleattn.statistics import statistics_from_arrays
@@ -57,6 +57,66 @@ def test_gemm_is_matmul():
     assert np.allclose(gemm(a, rng.standard_normal((50, 2)), trans=True).shape, (40, 2))
     y = rng.standard_normal((50, 2))
     assert np.allclose(gemm(a, y, trans=True), a.T @ y, rtol=1e-14, atol=1e-13)
+
+
+@pytest.mark.parametrize("k", [0, 1, 16, NARROW, NARROW + 1])
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+def test_gemm_both_orientations_and_layouts(k, layout):
+    """Narrow products put ``a`` in BLAS's A operand (Fortran result), wide ones in B (C result): both against
+    numpy's matmul, for ``x`` C-ordered, Fortran-ordered and a strided view, with and without ``trans``."""
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((70, 45))
+    for trans, rows in ((False, 45), (True, 70)):
+        x = rng.standard_normal((rows, 2 * k + 1))[:, ::2][:, :k] if layout == "strided" else \
+            np.asarray(rng.standard_normal((rows, k)), order=layout)
+        ref = (a.T if trans else a) @ x
+        y = gemm(a, x, trans=trans)
+        assert y.shape == ref.shape and np.allclose(y, ref, rtol=1e-13, atol=1e-13)
+        assert (y.flags.f_contiguous if k <= NARROW else y.flags.c_contiguous)
+    assert gemm(a[:, :0], np.ones((0, 3))).shape == (70, 3) and not gemm(a[:, :0], np.ones((0, 3))).any()
+
+
+def _reference_krylov(A, X, rtol, maxiter):
+    """The block Krylov run in plain numpy, the residual ``||A u - theta u||`` formed every step: (value,
+    residual, steps) at the same stopping rule."""
+    Q = np.linalg.qr(X)[0]
+    basis, V = np.zeros((A.shape[0], 0)), Q
+    for step in range(1, maxiter + 1):
+        basis = np.hstack([basis, V])
+        H = basis.T @ A @ basis
+        w, U = np.linalg.eigh((H + H.T) / 2)
+        u = basis @ U[:, -1]
+        res = np.linalg.norm(A @ u - w[-1] * u)
+        gap = w[-1] - w[-2] if w.size > 1 else w[-1]
+        if res * min(res / max(gap, res), 1.0) <= rtol * w[-1]:
+            return w[-1], res, step
+        W = A @ V
+        for _ in range(2):
+            W -= basis @ (basis.T @ W)
+        V = np.linalg.qr(W)[0]
+    return w[-1], res, maxiter
+
+
+@pytest.mark.parametrize("rtol", [1e-6, 1e-10])
+def test_largest_eigenvalues_match_a_plain_numpy_run(rtol):
+    """The runs decide convergence on a cheap residual stand-in and form the residual from the stored basis only
+    then: the same values, residuals and steps as a numpy run forming ``A u - theta u`` every step (two
+    operators side by side, the scaled one with a crowded top, as ``Gs^-1`` has it), and each interval holds
+    eigvalsh's value."""
+    n, k, seed = 400, 8, 7
+    rng = np.random.default_rng(1)
+    q = np.linalg.qr(rng.standard_normal((n, n)))[0]
+    a = (q * np.concatenate([np.geomspace(1e-2, 1.0, n - 40), np.linspace(1.0, 1.02, 40)])) @ q.T
+    a = (a + a.T) / 2
+    s = rng.uniform(0.5, 2.0, n)
+    ests = largest_eigenvalues(lambda X: a @ X, n, [None, s], block=k, rtol=rtol, maxiter=40, seed=seed)
+    starts = np.random.default_rng(seed)
+    for e, op in zip(ests, (a, s[:, None] * a * s[None, :])):
+        value, res, steps = _reference_krylov(op, starts.standard_normal((n, k)), rtol, 40)
+        assert e.converged and e.iterations == steps
+        assert e.value == pytest.approx(value, rel=1e-12) and e.residual == pytest.approx(res, rel=1e-3, abs=1e-12)
+        ref = np.linalg.eigvalsh(op)[-1]
+        assert e.lower * (1 - 1e-12) <= ref <= e.upper * (1 + 1e-12)
 
 
 def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
