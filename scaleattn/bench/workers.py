@@ -21,9 +21,10 @@ that the VM's drift hits them alike:
   and the imbalance (busiest / mean - 1: the time a worker idles while another finishes); the in-process child
   also times the reads as the tasks do them (a chunk cut by group bounds read and checked once per process and
   build), as they did before (read by every group it is in) and every chunk read once; the workers count the cut
-  chunks they kept (hits) and read. CPU beside the tasks: the client process's CPU time (scheduler, nannies,
-  client) plus each worker's beyond its busy time (event loop: heartbeats, profiler, memory checks, messages), in
-  a build where every core runs a worker taken from the tasks (``cpu_s``).
+  chunks they kept (hits) and read. CPU beside the tasks (``cpu_s``): the client process's CPU time (scheduler,
+  nannies, client) plus each worker's beyond its task thread (event loop: heartbeats, profiler, memory checks,
+  messages), which, where every core runs a worker, the tasks wait for: ``tasks_waited`` = the tasks' busy time
+  minus their threads' CPU time.
 
 Ratios: ``worker_vs_in_process`` = 1-worker build / in-process build (target <= 1.05) and
 ``speedup_2_workers`` = 1-worker / 2-worker build (target >= 1.8), both from the fastest builds of one run.
@@ -59,8 +60,17 @@ def _env():  # what decides a build's speed in this process: glibc and BLAS vari
     blas = [int(c.num_threads) for c in k._blas_controller().lib_controllers]
     return {**out, "kernel_threads": k._blas_threads(), "blas_threads": blas}
 
-def _cpu():  # this process's CPU seconds (all its threads: a worker's task thread and its event loop)
-    return time.process_time()
+def _cpu():  # CPU seconds of this process and of its Dask task threads (Linux /proc; None elsewhere)
+    import threading
+    tick, tasks = os.sysconf("SC_CLK_TCK"), 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("Dask-Default-Threads"):
+            try:
+                f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                return time.process_time(), None
+            tasks += (int(f[11]) + int(f[12])) / tick  # utime + stime
+    return time.process_time(), tasks
 
 def _kept():  # look-ups of this process's cut chunks (hits: reads saved)
     from scaleattn.dataset import CUT_CHUNKS
@@ -145,12 +155,15 @@ if __name__ == "__main__":
             after, cpu1 = client.run(_kept), client.run(_cpu)
             kept = [[x - y for x, y in zip(after[w], before[w])] for w in sorted(after)]
             # CPU beside the tasks: the client's process (scheduler, nannies, client) and each worker's beyond
-            # its tasks' busy time (its event loop: heartbeats, profiler, memory checks, messages), on the same
-            # cores as the tasks when every core runs a worker
+            # its task thread (its event loop: heartbeats, profiler, memory checks, messages); ``tasks_waited``:
+            # the tasks' busy time not on a core (other threads and processes had it)
             s = _stream(ts.data, t0, t1, rows)
-            wcpu = [cpu1[w] - cpu0[w] for w in sorted(cpu1)]
-            cpu = {"client_process": c1 - c0, "workers": wcpu,
-                   "beside_tasks": c1 - c0 + sum(wcpu) - sum(s["busy_s_per_worker"])}
+            ws = sorted(cpu1)
+            wcpu = [cpu1[w][0] - cpu0[w][0] for w in ws]
+            tcpu = None if any(cpu1[w][1] is None for w in ws) else [cpu1[w][1] - cpu0[w][1] for w in ws]
+            cpu = {"client_process": c1 - c0, "workers": wcpu, "task_threads": tcpu,
+                   "beside_tasks": None if tcpu is None else c1 - c0 + sum(wcpu) - sum(tcpu),
+                   "tasks_waited": None if tcpu is None else sum(s["busy_s_per_worker"]) - sum(tcpu)}
             runs.append({"build_s": t1 - t0, **s, "cpu_s": cpu,
                          "cut_chunk_hits_misses": [sum(k[0] for k in kept), sum(k[1] for k in kept)]})
     best = min(runs, key=lambda r: r["build_s"])
@@ -194,7 +207,8 @@ def workers_scaling(path, split: str = "rows", rounds: int = 2) -> dict:
         deserialize..., busy_s_per_worker, partials_per_worker, rows_per_worker, imbalance = busiest / mean
         busy - 1, overhead_s = wall - busiest, waits_s: {start, idle_per_worker, after_last_partial, finish},
         env: the workers' glibc and BLAS variables and their kernel / BLAS thread counts), all of the fastest
-        build, and ``cpu_s`` ({client_process, workers: per worker, beside_tasks}; in process: its CPU seconds);
+        build, and ``cpu_s`` ({client_process, workers, task_threads: CPU s per worker, beside_tasks, tasks_waited};
+        None where /proc is absent; in process: its CPU seconds);
         ``worker_vs_in_process``, ``speedup_2_workers``, ``targets``, ``met``.
 
     Raises
@@ -249,12 +263,12 @@ def markdown(res: dict) -> list[str]:
     if one > 0:  # the same tasks: what two at once cost each (cores and memory shared), whatever the split
         L += ["", f"The partial tasks of 2 workers take {100 * (two / one - 1):.0f}% longer in sum than on 1 worker"
               f" (both at once on this machine); 2-worker speed-up bound by that alone: {2 * one / two:.2f} x."]
-    if all("cpu_s" in o for o in res["workers"]):  # the cluster's own work, on the cores the tasks need
-        L += ["", "CPU beside the tasks (the client's process: scheduler, nannies, client; each worker's CPU beyond"
-              " its busy time): " + "; ".join(
+    if all((o.get("cpu_s") or {}).get("beside_tasks") is not None for o in res["workers"]):
+        L += ["", "CPU beside the tasks (the client's process: scheduler, nannies, client; each worker beyond its task"
+              " thread) / the tasks' busy time not on a core: " + "; ".join(
                   f"{o['workers']} worker(s) {o['cpu_s']['beside_tasks']:.2f} s (client's process"
-                  f" {o['cpu_s']['client_process']:.2f} s, workers {' / '.join(f'{c:.2f}' for c in o['cpu_s']['workers'])} s)"
-                  for o in res["workers"])
+                  f" {o['cpu_s']['client_process']:.2f} s) / {o['cpu_s']['tasks_waited']:.2f} s of"
+                  f" {sum(o['busy_s_per_worker']):.2f} s" for o in res["workers"])
               + (f"; in process {ip['cpu_s']:.2f} s of CPU for its {ip['build_s']:.2f} s build." if "cpu_s" in ip else ".")]
     L += ["", f"Best of {res.get('rounds', 1)} interleaved rounds, each build in a fresh process after one untimed"
           f" build. Threads: in process {ip.get('env', {}).get('kernel_threads', '?')} kernel /"

@@ -39,10 +39,12 @@ def test_workers_scaling_tiny(tmp_path):
     assert w["start"] + w["after_last_partial"] + w["finish"] <= two["build_s"]
     assert r["in_process"]["read_s"] > 0 and r["in_process"]["read_once_s"] > 0
     assert r["in_process"]["read_every_group_s"] > 0
-    for o in r["workers"]:  # the cluster's own CPU: every process measured, per worker one figure
+    for o in r["workers"]:  # the cluster's own CPU: every process and task thread measured, per worker one figure
         c = o["cpu_s"]
-        assert c["client_process"] > 0 and len(c["workers"]) == o["workers"] and min(c["workers"]) > 0
-        assert c["beside_tasks"] == pytest.approx(c["client_process"] + sum(c["workers"]) - sum(o["busy_s_per_worker"]))
+        assert c["client_process"] > 0 and len(c["workers"]) == len(c["task_threads"]) == o["workers"]
+        assert all(w >= t >= 0 for w, t in zip(c["workers"], c["task_threads"])) and min(c["workers"]) > 0
+        assert c["beside_tasks"] == pytest.approx(c["client_process"] + sum(c["workers"]) - sum(c["task_threads"]))
+        assert c["tasks_waited"] == pytest.approx(sum(o["busy_s_per_worker"]) - sum(c["task_threads"]))
     assert r["in_process"]["cpu_s"] > 0
     # 16 groups of 2 samples in 4 chunks of 8: every group reads one cut chunk, each process reads it once
     assert r["workers"][0]["cut_chunk_hits_misses"] == [12, 4]
