@@ -64,7 +64,7 @@ def _cpu():  # CPU seconds of this process and of its Dask task threads (Linux /
     import threading
     tick, tasks = os.sysconf("SC_CLK_TCK"), 0.0
     for t in threading.enumerate():
-        if t.name.startswith("Dask-Default-Threads"):
+        if "Dask-Default-Threads" in t.name:  # the worker's executor ("0-Dask-Default-Threads-<pid>-0")
             try:
                 f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
