@@ -21,7 +21,10 @@ that the VM's drift hits them alike:
   and the imbalance (busiest / mean - 1: the time a worker idles while another finishes); the in-process child
   also times the reads as the tasks do them (a chunk cut by group bounds read and checked once per process and
   build), as they did before (read by every group it is in) and every chunk read once; the workers count the cut
-  chunks they kept (hits) and read.
+  chunks they kept (hits) and read. CPU beside the tasks (``cpu_s``): the client process's CPU time (scheduler,
+  nannies, client) plus each worker's beyond its task thread (event loop: heartbeats, profiler, memory checks,
+  messages), which, where every core runs a worker, the tasks wait for: ``tasks_waited`` = the tasks' busy time
+  minus their threads' CPU time.
 
 Ratios: ``worker_vs_in_process`` = 1-worker build / in-process build (target <= 1.05) and
 ``speedup_2_workers`` = 1-worker / 2-worker build (target >= 1.8), both from the fastest builds of one run.
@@ -56,6 +59,18 @@ def _env():  # what decides a build's speed in this process: glibc and BLAS vari
     out = {v: os.environ.get(v) for v in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_NUM_THREADS")}
     blas = [int(c.num_threads) for c in k._blas_controller().lib_controllers]
     return {**out, "kernel_threads": k._blas_threads(), "blas_threads": blas}
+
+def _cpu():  # CPU seconds of this process and of its Dask task threads (Linux /proc; None elsewhere)
+    import threading
+    tick, tasks = os.sysconf("SC_CLK_TCK"), 0.0
+    for t in threading.enumerate():
+        if "Dask-Default-Threads" in t.name:  # the worker's executor ("0-Dask-Default-Threads-<pid>-0")
+            try:
+                f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                return time.process_time(), None
+            tasks += (int(f[11]) + int(f[12])) / tick  # utime + stime
+    return time.process_time(), tasks
 
 def _kept():  # look-ups of this process's cut chunks (hits: reads saved)
     from scaleattn.dataset import CUT_CHUNKS
@@ -104,11 +119,12 @@ if __name__ == "__main__":
         # warm as the workers are (a whole build first: imports, kernel cache, zarr opened, identity checked,
         # first-touch of the buffers), then the same build timed ``repeats`` times
         compute_statistics(ds, group_samples=gs)
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             st = compute_statistics(ds, group_samples=gs)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
         # what cutting chunks costs: the reads as the tasks do them (a chunk cut by a group bound read and checked
         # once, kept for the next group), as they did before (read whole by every group it is in), every chunk once
         reads = {}
@@ -119,7 +135,8 @@ if __name__ == "__main__":
                 for _ in ds.read_chunks(a, b, reuse=reuse):
                     pass
             reads[name] = time.perf_counter() - t
-        print(json.dumps({"build_s": min(times), "builds_s": times, "rows": st.n_rows, **common, **reads,
+        print(json.dumps({"build_s": min(times), "builds_s": times, "cpu_s": cpu[times.index(min(times))],
+                          "rows": st.n_rows, **common, **reads,
                           "env": _env()}))
         sys.exit(0)
     from distributed import get_task_stream
@@ -130,14 +147,24 @@ if __name__ == "__main__":
         compute_statistics(ds, client, group_samples=gs)  # warm, as in process (zarr opened on every worker...)
         runs = []
         for _ in range(repeats):
-            before = client.run(_kept)
+            before, cpu0 = client.run(_kept), client.run(_cpu)
             with get_task_stream(client) as ts:
-                t0 = time.time()
+                t0, c0 = time.time(), time.process_time()
                 st = compute_statistics(ds, client, group_samples=gs)
-                t1 = time.time()
-            after = client.run(_kept)
+                t1, c1 = time.time(), time.process_time()
+            after, cpu1 = client.run(_kept), client.run(_cpu)
             kept = [[x - y for x, y in zip(after[w], before[w])] for w in sorted(after)]
-            runs.append({"build_s": t1 - t0, **_stream(ts.data, t0, t1, rows),
+            # CPU beside the tasks: the client's process (scheduler, nannies, client) and each worker's beyond
+            # its task thread (its event loop: heartbeats, profiler, memory checks, messages); ``tasks_waited``:
+            # the tasks' busy time not on a core (other threads and processes had it)
+            s = _stream(ts.data, t0, t1, rows)
+            ws = sorted(cpu1)
+            wcpu = [cpu1[w][0] - cpu0[w][0] for w in ws]
+            tcpu = None if any(cpu1[w][1] is None for w in ws) else [cpu1[w][1] - cpu0[w][1] for w in ws]
+            cpu = {"client_process": c1 - c0, "workers": wcpu, "task_threads": tcpu,
+                   "beside_tasks": None if tcpu is None else c1 - c0 + sum(wcpu) - sum(tcpu),
+                   "tasks_waited": None if tcpu is None else sum(s["busy_s_per_worker"]) - sum(tcpu)}
+            runs.append({"build_s": t1 - t0, **s, "cpu_s": cpu,
                          "cut_chunk_hits_misses": [sum(k[0] for k in kept), sum(k[1] for k in kept)]})
     best = min(runs, key=lambda r: r["build_s"])
     print(json.dumps({**best, "builds_s": [r["build_s"] for r in runs], "rows": st.n_rows, **common, "env": env}))
@@ -180,7 +207,9 @@ def workers_scaling(path, split: str = "rows", rounds: int = 2) -> dict:
         deserialize..., busy_s_per_worker, partials_per_worker, rows_per_worker, imbalance = busiest / mean
         busy - 1, overhead_s = wall - busiest, waits_s: {start, idle_per_worker, after_last_partial, finish},
         env: the workers' glibc and BLAS variables and their kernel / BLAS thread counts), all of the fastest
-        build; ``worker_vs_in_process``, ``speedup_2_workers``, ``targets``, ``met``.
+        build, and ``cpu_s`` ({client_process, workers, task_threads: CPU s per worker, beside_tasks, tasks_waited};
+        None where /proc is absent; in process: its CPU seconds);
+        ``worker_vs_in_process``, ``speedup_2_workers``, ``targets``, ``met``.
 
     Raises
     ------
@@ -234,6 +263,13 @@ def markdown(res: dict) -> list[str]:
     if one > 0:  # the same tasks: what two at once cost each (cores and memory shared), whatever the split
         L += ["", f"The partial tasks of 2 workers take {100 * (two / one - 1):.0f}% longer in sum than on 1 worker"
               f" (both at once on this machine); 2-worker speed-up bound by that alone: {2 * one / two:.2f} x."]
+    if all((o.get("cpu_s") or {}).get("beside_tasks") is not None for o in res["workers"]):
+        L += ["", "CPU beside the tasks (the client's process: scheduler, nannies, client; each worker beyond its task"
+              " thread) / the tasks' busy time not on a core: " + "; ".join(
+                  f"{o['workers']} worker(s) {o['cpu_s']['beside_tasks']:.2f} s (client's process"
+                  f" {o['cpu_s']['client_process']:.2f} s) / {o['cpu_s']['tasks_waited']:.2f} s of"
+                  f" {sum(o['busy_s_per_worker']):.2f} s" for o in res["workers"])
+              + (f"; in process {ip['cpu_s']:.2f} s of CPU for its {ip['build_s']:.2f} s build." if "cpu_s" in ip else ".")]
     L += ["", f"Best of {res.get('rounds', 1)} interleaved rounds, each build in a fresh process after one untimed"
           f" build. Threads: in process {ip.get('env', {}).get('kernel_threads', '?')} kernel /"
           f" {ip.get('env', {}).get('blas_threads', '?')} BLAS, a worker {env.get('kernel_threads', '?')} /"

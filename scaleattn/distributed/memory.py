@@ -30,7 +30,7 @@ from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
            "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
-           "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL"]
+           "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL", "TICK_INTERVAL", "MONITOR_INTERVAL"]
 
 GIB = 2.0**30
 #: psi x psi float64 arrays alive at the solver's peak, per path (see the module docstring)
@@ -76,15 +76,35 @@ def release_large_buffers() -> None:
 PROFILE_INTERVAL = "100ms"
 
 
+#: event-loop health check of every Dask server of the embedded cluster (scheduler, nannies, workers, client;
+#: ``distributed.admin.tick.interval``): Dask's 20 ms wakes each loop 50 times a second only to time itself (a
+#: warning past ``tick.limit``, 3 s, still fires at 500 ms; Dask's own test clusters run at 500 ms). Measured on 2
+#: vCPUs, 2 workers idle: 1.43 s of CPU per 10 s with 20 ms, 0.75 s with 500 ms; during a 2-worker build the
+#: compute threads waited for a core 0.57-0.97 s of their 4.3 s, 0.30-0.43 s with this and MONITOR_INTERVAL
+#: (docs/performance.md, "The Dask path: the cluster's own CPU")
+TICK_INTERVAL = "500ms"
+
+#: the nanny's and the worker's memory checks (spill, pause, terminate; ``distributed.worker.memory.
+#: monitor-interval``, Dask's 100 ms): a psutil read of the worker's RSS each time; 0.75 -> 0.47 s of idle CPU per
+#: 10 s with 1 s (2 workers, TICK_INTERVAL as above); 500 ms still stops a worker within half a second of its limit
+MONITOR_INTERVAL = "500ms"
+
+
 def worker_config() -> dict:
-    """Dask config for the embedded cluster's worker processes (``dask.config.set(worker_config())`` around
-    their start): the glibc thresholds of :func:`release_large_buffers` as environment variables, set before
-    they spawn (they replace the nanny's ``MALLOC_TRIM_THRESHOLD_ = 65536``). A cluster of your own gets the same
-    from the statistics tasks themselves, or from these keys in its Dask config (docs/performance.md). Also the
-    workers' statistical profiler at :data:`PROFILE_INTERVAL` instead of Dask's 10 ms."""
+    """Dask config for the embedded cluster (``dask.config.set(worker_config())`` around its start, so that the
+    scheduler, the nannies and the client in this process and the worker processes they spawn all read it): the
+    glibc thresholds of :func:`release_large_buffers` as environment variables of the workers, set before they
+    spawn (they replace the nanny's ``MALLOC_TRIM_THRESHOLD_ = 65536``); the workers' statistical profiler at
+    :data:`PROFILE_INTERVAL` instead of Dask's 10 ms; every server's event-loop check at :data:`TICK_INTERVAL`
+    and the memory checks at :data:`MONITOR_INTERVAL` instead of Dask's 20 ms and 100 ms (on a machine whose
+    every core runs a worker, this background work takes its time from the statistics tasks). A cluster of your
+    own gets the thresholds from the statistics tasks themselves, or the same keys in its Dask config
+    (docs/performance.md)."""
     env = "distributed.nanny.pre-spawn-environ."
     return {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
-            "distributed.worker.profile.interval": PROFILE_INTERVAL}
+            "distributed.worker.profile.interval": PROFILE_INTERVAL,
+            "distributed.admin.tick.interval": TICK_INTERVAL,
+            "distributed.worker.memory.monitor-interval": MONITOR_INTERVAL}
 
 
 def parse_bytes(value) -> float:

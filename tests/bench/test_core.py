@@ -39,6 +39,13 @@ def test_workers_scaling_tiny(tmp_path):
     assert w["start"] + w["after_last_partial"] + w["finish"] <= two["build_s"]
     assert r["in_process"]["read_s"] > 0 and r["in_process"]["read_once_s"] > 0
     assert r["in_process"]["read_every_group_s"] > 0
+    for o in r["workers"]:  # the cluster's own CPU: every process and task thread measured, per worker one figure
+        c = o["cpu_s"]
+        assert c["client_process"] > 0 and len(c["workers"]) == len(c["task_threads"]) == o["workers"]
+        assert all(w >= t > 0 for w, t in zip(c["workers"], c["task_threads"]))  # (task threads found)
+        assert c["beside_tasks"] == pytest.approx(c["client_process"] + sum(c["workers"]) - sum(c["task_threads"]))
+        assert c["tasks_waited"] == pytest.approx(sum(o["busy_s_per_worker"]) - sum(c["task_threads"]))
+    assert r["in_process"]["cpu_s"] > 0
     # 16 groups of 2 samples in 4 chunks of 8: every group reads one cut chunk, each process reads it once
     assert r["workers"][0]["cut_chunk_hits_misses"] == [12, 4]
     hits, misses = two["cut_chunk_hits_misses"]  # (a stolen task may read a chunk once more)
@@ -46,7 +53,8 @@ def test_workers_scaling_tiny(tmp_path):
     old = workers.workers_scaling(ds.url, split="chunks", rounds=1)
     assert old["workers"][1]["groups"] == sum(old["workers"][1]["partials_per_worker"]) == 4  # one per chunk
     assert r["speedup_2_workers"] == pytest.approx(r["workers"][0]["build_s"] / two["build_s"])
-    assert "| 2 worker(s) |" in "\n".join(workers.markdown(r))
+    md = "\n".join(workers.markdown(r))
+    assert "| 2 worker(s) |" in md and "CPU beside the tasks" in md
 
 
 @pytest.mark.slow

@@ -45,6 +45,9 @@ def test_worker_config_keeps_a_block_of_heap():
     env = {k.rsplit(".", 1)[1]: int(v) for k, v in cfg.items() if ".pre-spawn-environ." in k}
     assert env == {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "MALLOC_TRIM_THRESHOLD_": TRIM_THRESHOLD}
     assert cfg["distributed.worker.profile.interval"] == "100ms"  # Dask's 10 ms sampling costs a worker ~9%
+    # the cluster's own event-loop checks and memory polls, slower than Dask's 20 ms / 100 ms, but set
+    assert cfg["distributed.admin.tick.interval"] == "500ms"
+    assert cfg["distributed.worker.memory.monitor-interval"] == "500ms"
     assert 5e6 < MMAP_THRESHOLD < 10e6 and TRIM_THRESHOLD >= BLOCK_BYTES / 2 > 65536
     release_large_buffers()  # (a no-op without glibc; never raises)
 
@@ -66,10 +69,11 @@ def test_embedded_workers_start_with_the_thresholds():
             "        import dask\n"
             "        print(json.dumps(next(iter(c.run(lambda: {**{k: os.environ.get(k) for k in"
             " ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')},"
-            " 'profile': dask.config.get('distributed.worker.profile.interval')}).values()))))\n")
+            " 'profile': dask.config.get('distributed.worker.profile.interval'),"
+            " 'tick': dask.config.get('distributed.admin.tick.interval')}).values()))))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got == {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
-                   "profile": "100ms"}
+                   "profile": "100ms", "tick": "500ms"}
