@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from ._params import choice
-from .dense import blocked_cholesky, gemm, largest_eigenvalues
+from .dense import blocked_cholesky, largest_eigenvalues, symmetric_product
 from .errors import ParameterError
 
 __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
@@ -278,8 +278,7 @@ class CholeskyFactor:
             return self.scaled_matvec(x[:, None])[:, 0]
         y = self.scale[:, None] * x
         # scipy's BLAS on a dense G, as the solves; the operator's own product on Tc otherwise
-        # (G symmetric: G^T y, the orientation of :func:`gemm` that streams G fastest)
-        return self.scale[:, None] * (gemm(self.G, y, trans=True) if isinstance(self.G, np.ndarray)
+        return self.scale[:, None] * (symmetric_product(self.G, y) if isinstance(self.G, np.ndarray)
                                       else np.asarray(self.G @ y))
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
@@ -350,8 +349,7 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     if not np.all(diag > 0):
         return None  # an all-zero feature: G is singular
     scale = 1.0 / np.sqrt(diag)
-    # (G symmetric: G^T X is G X, and the orientation of gemm that streams G fastest)
-    w_max, g_max = largest_eigenvalues(lambda X: gemm(G, X, trans=True), psi, [scale, None], rtol=top_rtol,
+    w_max, g_max = largest_eigenvalues(lambda X: symmetric_product(G, X), psi, [scale, None], rtol=top_rtol,
                                        block=top_block, maxiter=EIG_MAXITER)
     try:
         L = blocked_cholesky(G, overwrite_a=overwrite_g)
