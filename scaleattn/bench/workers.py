@@ -161,9 +161,11 @@ if __name__ == "__main__":
             ws = sorted(cpu1)
             wcpu = [cpu1[w][0] - cpu0[w][0] for w in ws]
             tcpu = None if any(cpu1[w][1] is None for w in ws) else [cpu1[w][1] - cpu0[w][1] for w in ws]
-            cpu = {"client_process": c1 - c0, "workers": wcpu, "task_threads": tcpu,
-                   "beside_tasks": None if tcpu is None else c1 - c0 + sum(wcpu) - sum(tcpu),
-                   "tasks_waited": None if tcpu is None else sum(s["busy_s_per_worker"]) - sum(tcpu)}
+            cpu = {"client_process": c1 - c0, "workers": wcpu, "task_threads": tcpu, "beside_tasks": None,
+                   "tasks_waited": None}
+            if tcpu is not None:
+                cpu.update(beside_tasks=c1 - c0 + sum(wcpu) - sum(tcpu),
+                           tasks_waited=sum(s["busy_s_per_worker"]) - sum(tcpu))
             runs.append({"build_s": t1 - t0, **s, "cpu_s": cpu,
                          "cut_chunk_hits_misses": [sum(k[0] for k in kept), sum(k[1] for k in kept)]})
     best = min(runs, key=lambda r: r["build_s"])
