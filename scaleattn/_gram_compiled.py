@@ -31,7 +31,7 @@ import threading
 
 import numpy as np
 
-from ._kernel_compiled import njit_module
+from ._jit import njit_module
 
 __all__ = ["compiled", "padded", "unpadded", "apply_segments", "matmat_into", "PAD"]
 

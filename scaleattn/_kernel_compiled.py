@@ -5,11 +5,12 @@ Why numba. The build's per-row work at small ``d`` (d = 4: 55 x 10 multiply-adds
 smaller than what a numpy call costs per row: the numpy kernel spends 48x the multiply-add floor at d = 4,
 mostly in ``pair_products``' temporaries, the moments' ``x (x) y`` temporary and skinny BLAS GEMMs (K = 1024,
 N = 10). A better numpy kernel cannot remove those passes over memory; a compiled loop can. numba is a wheel
-(no compiler at install, unlike Cython or pythran), LLVM-vectorises the loops below for the host CPU (AVX2 /
-AVX-512), releases the GIL (``nogil``) so the kernel's own thread pool runs them, and caches the machine code
-(``cache``) so Dask workers do not recompile. ``parallel=True`` is not used: numba's threading layers are not
-safe under Dask's worker threads; the threads are :mod:`scaleattn.kernel`'s. Measured (docs/performance.md,
-:mod:`scaleattn.bench.build`) on 2 AVX2 cores.
+(no compiler at install, unlike Cython or pythran), LLVM-vectorises the loops below for the host CPU (AVX2,
+or AVX-512 at its full width: :func:`wide_vectors`), releases the GIL (``nogil``) so the kernel's own thread
+pool runs them, and caches the machine code (``cache``) so Dask workers do not recompile. ``parallel=True`` is
+not used: numba's threading layers are not safe under Dask's worker threads; the threads are
+:mod:`scaleattn.kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2 cores and on
+2 AVX-512 (Emerald Rapids) cores.
 
 Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
 ``B``, ``yy``: the ``accumulate`` path below ``BLAS_MIN_D``, run on the kernel's threads by
@@ -28,11 +29,13 @@ import threading
 
 import numpy as np
 
+from ._jit import njit_module
 from .features import n_pairs, triu_index
 
 __all__ = ["compiled", "expand_rows", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel",
-           "piece_stats", "u_panel", "pair_columns", "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS", "MAX_PIECES",
-           "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES", "MAX_PARTIAL_BYTES", "STAGE_SAMPLES", "TOKEN_MACS"]
+           "piece_stats", "u_panel", "pair_columns", "CHUNK_ROWS", "PANEL_COLS", "MIN_PANELS",
+           "MAX_PIECES", "MIN_PIECE_ROWS", "PIECE_MACS", "MAX_SAMPLE_PIECES", "MAX_PARTIAL_BYTES", "STAGE_SAMPLES",
+           "TOKEN_MACS"]
 
 #: rows per chunk: u and v of a chunk are formed in (PANEL_COLS, CHUNK_ROWS) buffers and summed by the
 #: micro-kernel (its K; measured fastest of 64, 128, 256, 512 at d = 4 and 8)
@@ -136,33 +139,41 @@ def _features(z, lengths, causal, sT, xT):  # pragma: no cover - compiled
 
 
 def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
-    """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: a 4 x 2 register-blocked
-    micro-kernel, vectorised along ``r`` (LLVM's loop vectoriser; numba leaves its SLP vectoriser off, so a
-    block along ``j`` would run scalar). ``A``, ``B`` and ``out`` have a multiple of 4 (``A``, ``out``) and
-    of 2 (``B``, ``out``'s columns) rows, the padding rows zero, so every entry is summed by the same loop,
-    in an order fixed by ``R`` only."""
+    """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: a 4 x 4 register-blocked
+    micro-kernel (a 4 x 2 one for the last two columns when ``nb`` is 2 more than a multiple of 4), vectorised
+    along ``r`` (LLVM's loop vectoriser; numba leaves its SLP vectoriser off, so a block along ``j`` would run
+    scalar). 16 accumulators and 8 loads per 16 FMAs: FMA-bound at 512 bits (:func:`wide_vectors`; measured on
+    one Emerald Rapids core at the DGEMM's rate, 64.5 against 64.9 GFLOP/s; 4 x 2 blocks 44.6). ``A``, ``B``
+    and ``out`` have a multiple of 4 (``A``, ``out``) and of 2 (``B``, ``out``'s columns) rows, the padding
+    rows zero, so every entry is summed by the same loop, in an order fixed by ``R`` and ``nb`` only."""
+    n4 = nb - nb % 4
     for i in range(0, na, 4):
-        for j in range(0, nb, 2):
+        for j in range(0, n4, 4):
+            a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = 0.0
+            for r in range(R):
+                b0, b1, b2, b3 = B[j, r], B[j + 1, r], B[j + 2, r], B[j + 3, r]
+                u0, u1, u2, u3 = A[i, r], A[i + 1, r], A[i + 2, r], A[i + 3, r]
+                a0, a1, a2, a3 = a0 + u0 * b0, a1 + u1 * b0, a2 + u2 * b0, a3 + u3 * b0
+                c0, c1, c2, c3 = c0 + u0 * b1, c1 + u1 * b1, c2 + u2 * b1, c3 + u3 * b1
+                e0, e1, e2, e3 = e0 + u0 * b2, e1 + u1 * b2, e2 + u2 * b2, e3 + u3 * b2
+                f0, f1, f2, f3 = f0 + u0 * b3, f1 + u1 * b3, f2 + u2 * b3, f3 + u3 * b3
+            for k, (x0, x1, x2, x3) in enumerate(((a0, c0, e0, f0), (a1, c1, e1, f1), (a2, c2, e2, f2),
+                                                  (a3, c3, e3, f3))):
+                out[i + k, j] += x0
+                out[i + k, j + 1] += x1
+                out[i + k, j + 2] += x2
+                out[i + k, j + 3] += x3
+        if n4 < nb:
+            j = n4
             a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = 0.0
             for r in range(R):
                 b0, b1 = B[j, r], B[j + 1, r]
                 u0, u1, u2, u3 = A[i, r], A[i + 1, r], A[i + 2, r], A[i + 3, r]
-                a0 += u0 * b0
-                a1 += u1 * b0
-                a2 += u2 * b0
-                a3 += u3 * b0
-                c0 += u0 * b1
-                c1 += u1 * b1
-                c2 += u2 * b1
-                c3 += u3 * b1
-            out[i, j] += a0
-            out[i, j + 1] += c0
-            out[i + 1, j] += a1
-            out[i + 1, j + 1] += c1
-            out[i + 2, j] += a2
-            out[i + 2, j + 1] += c2
-            out[i + 3, j] += a3
-            out[i + 3, j + 1] += c3
+                a0, a1, a2, a3 = a0 + u0 * b0, a1 + u1 * b0, a2 + u2 * b0, a3 + u3 * b0
+                c0, c1, c2, c3 = c0 + u0 * b1, c1 + u1 * b1, c2 + u2 * b1, c3 + u3 * b1
+            for k, (x0, x1) in enumerate(((a0, c0), (a1, c1), (a2, c2), (a3, c3))):
+                out[i + k, j] += x0
+                out[i + k, j + 1] += x1
 
 
 def _tc_panel(sT, xT, P, Q, out, chunk, lo, hi):  # pragma: no cover - compiled
@@ -387,22 +398,6 @@ def _expand(tc, ppos, lpos, G, p0, p1):
 
 
 _COMPILE_LOCK = threading.Lock()
-
-
-#: numba options of every compiled kernel: no GIL (our own threads run them), the on-disk cache, and of fastmath
-#: only reassociation and contraction (FMA); no ``parallel`` (its thread pool is not safe under Dask's threads)
-NJIT_OPTS = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
-
-
-def njit_module(namespace: dict, helpers, kernels) -> tuple:
-    """Compile a module's kernels with :data:`NJIT_OPTS` (numba imported here): each of ``helpers`` is replaced
-    in ``namespace`` (the kernels resolve them from their globals when compiled); the ``kernels``, compiled, are
-    returned in order."""
-    import numba
-
-    for name in helpers:
-        namespace[name] = numba.njit(**NJIT_OPTS)(namespace[name])
-    return tuple(numba.njit(**NJIT_OPTS)(namespace[name]) for name in kernels)
 
 
 @functools.lru_cache(maxsize=1)

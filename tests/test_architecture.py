@@ -19,6 +19,7 @@ CONTRACT = [
     # L1: features and datasets
     "features", "datacheck", "dataset", "dataset_writer",
     # L2: pure computation, arrays in, arrays out
+    "_jit",  # numba's options and the host's full vector width, for the compiled kernels
     "_kernel_compiled", "kernel", "statistics",
     "_gram_compiled",  # the compiled product of the Gram operator (numba)
     "gram_operator", "lanczos",  # the matrix-free Gram operator and its eigenvalue estimates

@@ -242,3 +242,44 @@ def test_expand_gram_into_a_given_array():
     for bad in (np.empty((ref.shape[0], ref.shape[0] + 1)), np.empty(ref.shape, np.float32), np.asfortranarray(ref)):
         with pytest.raises(ParameterError, match="out must be"):
             kernel.expand_gram(Tc, d, out=bad)
+
+
+_WIDTH_CHILD = r"""
+import json, sys
+import numpy as np
+import scaleattn._kernel_compiled as kc
+from scaleattn._jit import wide_vectors
+kc.tc_panel(np.zeros((8, 10)), np.ones((10, 40)), np.ones((4, 40)), 0, 8)  # compiles the panel and micro-kernel
+asm = "".join(kc.compiled()[1].inspect_asm().values())
+import numba
+print(json.dumps({"width": wide_vectors(), "zmm": "zmm" in asm, "features": numba.config.CPU_FEATURES}))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_kernels_use_the_hosts_full_vector_width(tmp_path):
+    """On an AVX-512 host numba compiles our kernels at 512 bits (LLVM's prefer-256-bit tuning of Intel's server
+    cores lifted: the micro-kernel is FMA-bound), and its machine code uses zmm registers; a user's own
+    ``NUMBA_CPU_FEATURES`` is kept as given. Each in a fresh process (the setting is read once per process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as ll
+
+    host = ll.get_host_cpu_features()
+    # a cache of its own: numba shows no machine code of functions loaded from its cache
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"} | {"NUMBA_CACHE_DIR": str(tmp_path)}
+    out = json.loads(subprocess.run([sys.executable, "-c", _WIDTH_CHILD], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    if host.get("avx512f"):
+        assert out["width"] == 512 and out["zmm"] and out["features"].endswith(",-prefer-256-bit")
+    else:
+        assert out["width"] in (128, 256) and not out["zmm"] and out["features"] is None
+    own = host.flatten()  # the user's choice: kept, whatever it means for the width
+    out = json.loads(subprocess.run([sys.executable, "-c", _WIDTH_CHILD], env={**env, "NUMBA_CPU_FEATURES": own},
+                                    capture_output=True, text=True, check=True).stdout)
+    assert out["features"] == own
+    if host.get("avx512f"):
+        assert out["width"] == 256

@@ -1,0 +1,48 @@
+"""How the compiled kernels are compiled (layer L2, below :mod:`scaleattn._kernel_compiled` and
+:mod:`scaleattn._gram_compiled`): numba's options and the host's full vector width, in one place.
+
+numba is imported lazily, by :func:`njit_module` (it costs 0.5 s at start-up, as much as the rest of the
+package).
+"""
+from __future__ import annotations
+
+__all__ = ["NJIT_OPTS", "njit_module", "wide_vectors"]
+
+
+#: numba options of every compiled kernel: no GIL (our own threads run them), the on-disk cache, and of fastmath
+#: only reassociation and contraction (FMA); no ``parallel`` (its thread pool is not safe under Dask's threads)
+NJIT_OPTS = {"nogil": True, "cache": True, "fastmath": {"reassoc", "contract"}}
+
+
+def wide_vectors() -> int:
+    """Let LLVM vectorise our loops at the host's full width, 512 bits on AVX-512 hosts; returns the width (bits)
+    numba's JIT uses.
+
+    LLVM's tuning for Intel's AVX-512 server cores (Skylake-X to Emerald Rapids: ``prefer-256-bit``) vectorises
+    at 256 bits, half of what their FMA units take and of what OpenBLAS's kernels (the floor's GEMM rate) use.
+    The micro-kernel is FMA-bound, so the preference halves its rate (measured on one Emerald Rapids core, 4 x 4
+    blocks: 37.6 GFLOP/s at 256 bits, 64.5 at 512; the DGEMM 64.9). The host's own feature string with
+    ``-prefer-256-bit`` goes to numba (``numba.config.CPU_FEATURES``, read when numba first creates its JIT
+    target, so it holds for other numba code of this process too) unless the user set ``NUMBA_CPU_FEATURES``,
+    or numba compiled something before us (its target then keeps the width it has)."""
+    import llvmlite.binding as ll
+    from numba.core import config, registry
+
+    features = ll.get_host_cpu_features()
+    if not features.get("avx512f"):
+        return 256 if features.get("avx") else 128
+    if config.CPU_FEATURES is None and "_toplevel_target_context" not in vars(registry.cpu_target):
+        config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
+    return 512 if config.CPU_FEATURES and "-prefer-256-bit" in config.CPU_FEATURES else 256
+
+
+def njit_module(namespace: dict, helpers, kernels) -> tuple:
+    """Compile a module's kernels with :data:`NJIT_OPTS` (numba imported here) at the host's full vector width
+    (:func:`wide_vectors`): each of ``helpers`` is replaced in ``namespace`` (the kernels resolve them from
+    their globals when compiled); the ``kernels``, compiled, are returned in order."""
+    import numba
+
+    wide_vectors()
+    for name in helpers:
+        namespace[name] = numba.njit(**NJIT_OPTS)(namespace[name])
+    return tuple(numba.njit(**NJIT_OPTS)(namespace[name]) for name in kernels)
