@@ -16,19 +16,27 @@
 - ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
   at large ``d`` it runs a SYRK, ``psi^2/2`` multiply-adds per row against our ``psi^2/4``, so about 2x is
   the physical bound of ``speedup_vs_loop`` there;
-- ``syrk_s``: ``phi^T phi`` by numpy on a ready ``phi`` (when it fits in ``max_phi_bytes``).
+- ``syrk_s``: ``phi^T phi`` by numpy on a ready ``phi`` (when it fits in ``max_phi_bytes``);
+- the loop and SYRK run in a fresh process per size (:func:`run_child`), on the same data: OpenBLAS's threaded
+  SYRK with its AVX-512 (SkylakeX) kernels dies with SIGSEGV at psi = 16,896 (d = 32, 4,000 rows; the same
+  failure as its ``dpotrf``, :mod:`scaleattn.dense`), and a peer's crash is then a result of the table
+  (``syrk_failed``), not the end of the run.
 
 Example: ``python -m scaleattn.bench.build --quick`` prints the table (markdown).
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 
-__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_floor", "SIZES", "QUICK_SIZES",
-           "TARGET_VS_LOOP"]
+__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_floor", "run_child", "SIZES",
+           "QUICK_SIZES", "TARGET_VS_LOOP"]
 
 #: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
 TARGET_VS_LOOP = 3.0
@@ -101,6 +109,67 @@ def _loop(tokens, targets, causal: bool, lengths=None, chunk_bytes: float = 32e6
     return G, B
 
 
+def _data(d: int, rows: int, causal: bool, var: bool, T: int = 100):
+    """The table's data for one size (the same in the child that times the peers): tokens, targets, lengths and
+    the feature rows."""
+    from scaleattn.generate import make_mhla
+
+    n = max(1, rows // T) if causal else rows
+    D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, variable_lengths=var, seed=0)
+    nrows = int(D["lengths"].sum()) if causal and var else (n * T if causal else n)
+    return D["tokens"], D["targets"], D["lengths"], nrows
+
+
+def run_child(args, *, env=None, timeout: float = 1800.0) -> dict:
+    """Run ``python ARGS`` in a fresh process and collect what it reports: each stdout line that is a JSON object
+    is merged into the result, with ``returncode`` (negative: killed by that signal; None: timed out),
+    ``crashed``, ``signal`` (its name), ``wall_s`` and, for a failure that is not a crash, ``stderr_tail``.
+
+    For peers that may die inside a library, so that a crash is a measured result and the run goes on.
+
+    Examples
+    --------
+    >>> r = run_child(["-c", "print('{\\"x\\": 1}')"])
+    >>> r["x"], r["returncode"], r["crashed"]
+    (1, 0, False)
+    """
+    t = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = None, e.stdout or "", "timed out"
+    crashed = rc is not None and rc < 0
+    r = {"returncode": rc, "crashed": crashed, "signal": signal.Signals(-rc).name if crashed else None,
+         "wall_s": time.perf_counter() - t}
+    for line in (stdout if isinstance(stdout, str) else stdout.decode()).splitlines():
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(v, dict):
+            r.update(v)
+    if rc and not crashed:
+        r["stderr_tail"] = (stderr if isinstance(stderr, str) else stderr.decode())[-500:]
+    return r
+
+
+def _peers(d: int, rows: int, causal: bool, var: bool, max_phi_bytes: float) -> None:
+    """(In the child of :func:`build_table`.) The chunked loop, then numpy's SYRK on a ready ``phi`` where it fits
+    in ``max_phi_bytes``: one JSON line as each starts and ends."""
+    from scaleattn.features import n_features, phi, token_features
+
+    tokens, targets, lengths, nrows = _data(d, rows, causal, var)
+    print(json.dumps({"loop_s": _best(lambda: _loop(tokens, targets, causal, lengths), 1)}), flush=True)
+    if nrows * n_features(d) * 8 <= max_phi_bytes:
+        f = phi(*token_features(tokens, lengths, causal))
+        print(json.dumps({"syrk_started": True}), flush=True)
+        print(json.dumps({"syrk_s": _best(lambda: f.T @ f, 1)}), flush=True)
+
+
+_PEERS_CHILD = "import json, sys; from scaleattn.bench.build import _peers; _peers(*json.loads(sys.argv[1]))"
+
+
 def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | None = None,
                 kernels=None, repeats: int = 2, loop: bool = True, max_phi_bytes: float = 2e9,
                 loop_max_s: float = 60.0, gemm_n: int = 2000) -> list[dict]:
@@ -122,19 +191,19 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     gemm_n : int
         Size of the square product that measures the GEMM rate.
     loop : bool
-        Also time the chunked loop and SYRK (skipped where the loop's flops alone would exceed ``loop_max_s``
-        at ``rate``, or ``phi`` would exceed ``max_phi_bytes``: then ``None``).
+        Also time the chunked loop and SYRK, in a fresh process per size on the same data (skipped where the
+        loop's flops alone would exceed ``loop_max_s`` at ``rate``, or ``phi`` would exceed ``max_phi_bytes``:
+        then ``None``; ``loop_failed`` / ``syrk_failed`` name the signal or exit status of a peer that died).
 
     Returns
     -------
     list of dict
         Keys ``d, rows, causal, variable_lengths, kernel, build_s, macs, token_bytes, floor_macs_s,
         floor_bytes_s, floor_s, build_vs_floor, vs_best, loop_s, speedup_vs_loop, loop_vs_floor (the most
-        ``speedup_vs_loop`` a build at the floor could show), syrk_s, rate_gflops,
+        ``speedup_vs_loop`` a build at the floor could show), syrk_s, loop_failed, syrk_failed, rate_gflops,
         bandwidth_gbs`` (the rates this size's floor used), ``load_avg``.
     """
-    from scaleattn.features import n_features, n_pairs, phi, token_features
-    from scaleattn.generate import make_mhla
+    from scaleattn.features import n_features, n_pairs
     from scaleattn.kernel import KERNELS
     from scaleattn.statistics import Statistics, accumulate
 
@@ -147,21 +216,16 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     out = []
     for d, rows, causal, *var in sizes:
         rate, bandwidth = rates()
-        T, var = 100, bool(var and var[0])
-        n = max(1, rows // T) if causal else rows
-        D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, variable_lengths=var, seed=0)
-        tokens, targets, lengths = D["tokens"], D["targets"], D["lengths"]
-        nrows = int(lengths.sum()) if causal and var else (n * T if causal else n)
+        var = bool(var and var[0])
+        tokens, targets, lengths, nrows = _data(d, rows, causal, var)
         m = n_pairs(d)
         psi = n_features(d)
         macs, nbytes = nrows * (m * (m + 1) // 2) * n_pairs(d), tokens.nbytes
-        loop_s = syrk_s = None
-        if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:
-            loop_s = _best(lambda: _loop(tokens, targets, causal, lengths), 1)
-            if nrows * psi * 8 <= max_phi_bytes:
-                f = phi(*token_features(tokens, lengths, causal))
-                syrk_s = _best(lambda: f.T @ f, 1)
-                del f
+        peers = {}
+        if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:  # in a fresh process: a crash is a result
+            peers = run_child(["-c", _PEERS_CHILD, json.dumps([d, rows, causal, var, max_phi_bytes])])
+        loop_s, syrk_s = peers.get("loop_s"), peers.get("syrk_s")
+        failed = (peers.get("signal") or f"exit {peers['returncode']}") if peers.get("returncode") else None
         kerns = tuple(KERNELS if kernels is None else kernels)
 
         def build(kern):
@@ -178,7 +242,9 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
                 best[kern] = min(best[kern], _best(lambda: build(kern), 1))
         size_rows = [{"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
                       "build_s": t, "loop_s": loop_s, "speedup_vs_loop": None if loop_s is None else loop_s / t,
-                      "syrk_s": syrk_s, "macs": macs, "token_bytes": nbytes, "load_avg": os.getloadavg()[0]}
+                      "syrk_s": syrk_s, "macs": macs, "token_bytes": nbytes, "load_avg": os.getloadavg()[0],
+                      "loop_failed": failed if loop_s is None else None,  # (how the peer's process died)
+                      "syrk_failed": failed if peers.get("syrk_started") and syrk_s is None else None}
                      for kern, t in best.items()]
         after = rates()
         rate, bandwidth = max(rate, after[0]), max(bandwidth, after[1])
@@ -215,15 +281,22 @@ def markdown(table: list[dict]) -> str:
                      f" {f(r['floor_s'], 4)} ({f(r['floor_macs_s'], 4)} / {f(r['floor_bytes_s'], 4)}) |"
                      f" {f(r['build_vs_floor'], 2)} ({_met(r['build_vs_floor'], target_vs_floor(r['d']), le=True)}) |"
                      f" {f(r['vs_best'], 2)} | {r['rate_gflops']:.1f}, {r['bandwidth_gbs']:.1f} |"
-                     f" {f(r['loop_s'])} | {f(r['speedup_vs_loop'], 2)}"
+                     f" {_peer(r, 'loop')} | {f(r['speedup_vs_loop'], 2)}"
                      f" ({_met(r['speedup_vs_loop'], TARGET_VS_LOOP, le=False)}) | {f(r['loop_vs_floor'], 2)} |"
-                     f" {f(r['syrk_s'])} | {r['load_avg']:.2f} |")
+                     f" {_peer(r, 'syrk')} | {r['load_avg']:.2f} |")
     if table:
         lo, hi = min(r["rate_gflops"] for r in table), max(r["rate_gflops"] for r in table)
         lines.append(f"\nEach size's floor uses the larger of the GEMM rate and copy bandwidth measured right before"
                      f" and after its builds (GEMM {lo:.1f}-{hi:.1f} GFLOP/s in this run); 'vs run's best rates'"
                      f" divides by the floor at the fastest rates measured anywhere in the run.")
     return "\n".join(lines)
+
+
+def _peer(r: dict, name: str) -> str:
+    """A peer's seconds, ``crashed (SIGSEGV)`` where its process died in it, or '-' where it was not run."""
+    if r.get(f"{name}_failed"):
+        return f"crashed ({r[f'{name}_failed']})"
+    return "-" if r[f"{name}_s"] is None else f"{r[f'{name}_s']:.3f}"
 
 
 def _met(value, target, le: bool) -> str:

@@ -28,3 +28,31 @@ def test_build_table_measures_the_rates_around_each_size():
         assert abs(r["floor_macs_s"] - 2.0 * r["macs"] / (r["rate_gflops"] * 1e9)) < 1e-12 * r["floor_macs_s"]
         assert r["vs_best"] >= r["build_vs_floor"] * (1 - 1e-12)  # the best rates give the strictest floor
     assert "GEMM" in markdown(t) and "vs run's best rates" in markdown(t)
+
+
+def test_a_peer_that_dies_is_a_result_not_the_end_of_the_run(monkeypatch):
+    """The loop and SYRK run in a child per size: OpenBLAS's threaded SYRK with AVX-512 kernels dies with SIGSEGV
+    at psi = 16,896. Here the child reports the loop, starts SYRK and is killed the same way; the table says so,
+    and the builds are still timed."""
+    import scaleattn.bench.build as build
+
+    die = ("import json, os, signal; print(json.dumps({'loop_s': 0.5})); print(json.dumps({'syrk_started': True}),"
+           " flush=True); os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(build, "_PEERS_CHILD", die)
+    t = build.build_table([(2, 200, True)], rate=1e10, bandwidth=1e10, kernels=("numpy",), repeats=1)
+    assert t[0]["loop_s"] == 0.5 and t[0]["syrk_s"] is None and t[0]["syrk_failed"] == "SIGSEGV"
+    assert t[0]["loop_failed"] is None and t[0]["build_s"] > 0
+    assert "crashed (SIGSEGV)" in build.markdown(t)
+    monkeypatch.setattr(build, "_PEERS_CHILD", "import sys; sys.exit(3)")
+    t = build.build_table([(2, 200, True)], rate=1e10, bandwidth=1e10, kernels=("numpy",), repeats=1)
+    assert t[0]["loop_s"] is None and t[0]["loop_failed"] == "exit 3" and t[0]["syrk_failed"] is None
+
+
+def test_the_peers_child_reports_the_loop_and_syrk():
+    """The child times the loop and SYRK on the table's data and reports them as JSON lines (run_child)."""
+    import json
+
+    import scaleattn.bench.build as build
+
+    r = build.run_child(["-c", build._PEERS_CHILD, json.dumps([3, 300, True, True, 2e9])])
+    assert r["returncode"] == 0 and r["loop_s"] > 0 and r["syrk_s"] > 0 and not r["crashed"]
