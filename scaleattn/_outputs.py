@@ -15,6 +15,7 @@ once, all or nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -25,7 +26,7 @@ import uuid
 
 from . import _formats
 from ._storage import Location, remove
-from .errors import OutputExistsError, OutputInUseError, UnsafeOutputError
+from .errors import OutputExistsError, OutputInUseError, ScaleattnError, StorageError, UnsafeOutputError
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "relation", "owner_of",
            "check_replaceable", "hold", "atomic_output", "clean_leftovers", "lock_location", "companions",
@@ -344,6 +345,9 @@ def hold(loc: Location, role: str = "output"):
     ------
     OutputInUseError
         Another live run holds it (the message names its host, pid and start time).
+    StorageError
+        The file system refuses the lock next to it (a file where a folder must be, no permission, no such
+        place, disk full).
     """
     key = loc.url
     if key in _HELD:
@@ -354,13 +358,34 @@ def hold(loc: Location, role: str = "output"):
             _HELD[key][0] -= 1
         return
     lock = lock_location(loc)
-    release = (_acquire_remote if loc.is_remote else _acquire_local)(lock, role, loc)
+    try:
+        release = (_acquire_remote if loc.is_remote else _acquire_local)(lock, role, loc)
+    except OSError as e:  # the first write next to the output: a file in the way, no permission, no such place
+        if (err := _refused(e, loc, role, always=True)) is None:
+            raise
+        raise err from e
     _HELD[key] = [1, release]
     try:
         yield
     finally:
         del _HELD[key]
         release()
+
+
+#: errors of the file system that no code of ours causes: no space, over quota, read-only, no permission
+_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _refused(e: OSError, loc: Location, role: str, *, always: bool = False, inside: str | None = None):
+    """``e`` as a :class:`StorageError` naming the output (the CLI's one line, exit 2) when the file system
+    refused to create or write it: ``always`` (creating its place), a refusal errno, or a path inside ``inside``
+    (the output's temporary); else None (one of ours, or a bug: raised as it is)."""
+    if isinstance(e, ScaleattnError):
+        return None
+    if not (always or e.errno in _REFUSALS or (inside and str(e.filename or "").startswith(inside))):
+        return None
+    where = f" ({e.filename})" if e.filename and str(e.filename) != loc.url else ""
+    return StorageError(f"cannot write {role} {loc.url}: {e.strerror or e}{where}")
 
 
 # ---- all or nothing -----------------------------------------------------------------------------------
@@ -420,14 +445,18 @@ def atomic_output(loc: Location, overwrite: bool = False):
             return
         url = loc.url
         parent, prefix = _temporaries(loc)
-        os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f"{prefix}{uuid.uuid4().hex[:8]}")
         aside = f"{tmp}.old"
         try:
+            os.makedirs(parent, exist_ok=True)
             yield Location(tmp, loc.storage_options)
             if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
                 os.replace(url, aside)
             os.replace(tmp, url)
+        except OSError as e:  # disk full, read-only, ...: the output's problem, not a bug (nothing is left)
+            if (err := _refused(e, loc, "output", inside=tmp)) is None:
+                raise
+            raise err from e
         finally:
             remove(tmp)
             remove(aside)

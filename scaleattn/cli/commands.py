@@ -6,7 +6,7 @@ import sys
 import time
 
 from .._storage import parse_storage_options
-from ..errors import ParameterError
+from ..errors import ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
 
@@ -195,11 +195,16 @@ def _cmd_bench(args) -> int:
         from ..bench.solve import run
     else:
         from ..bench.core import run
-    if args.only is not None and (args.suite != "krylov" or args.vs):
-        raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
-    run(args.out, quick=args.quick, **({} if args.only is None else {"only": args.only}))
     import glob
     import os
+
+    if args.only is not None and (args.suite != "krylov" or args.vs):
+        raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
+    try:  # before minutes of work, not after
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot write --out {args.out}: {e.strerror or e}") from e
+    run(args.out, quick=args.quick, **({} if args.only is None else {"only": args.only}))
 
     for md in sorted(glob.glob(os.path.join(args.out, "*.md"))):  # the tables, also kept next to the JSON
         with open(md) as f:

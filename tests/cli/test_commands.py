@@ -236,3 +236,17 @@ def test_sigterm_after_the_write_says_the_output_is_complete(cli, tmp_path, monk
     out = str(tmp_path / "out")
     r = cli("fit", causal_ds.url, "--out", out, "--local", "--no-plots", rc=143)
     assert f"stopped by SIGTERM after it wrote {out} in full" in r.stderr and "--resume" not in r.stderr
+
+
+def test_the_command_clock_starts_with_the_process():
+    """'command X s until this report' counts from the process's start: never more than the process has run
+    (psutil's create_time rounds the boot time to whole seconds, up to 1 s early), never less than its sleep."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; time.sleep(0.5); from scaleattn.cli import _process_age; print(_process_age())"
+    t = time.perf_counter()
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    outside = time.perf_counter() - t
+    assert 0.5 <= age <= outside + 0.02

@@ -43,6 +43,7 @@ def base(tmp_path_factory):
     yb[30, 2, 1] = -1e200
     foreign(b / "big-targets.zarr", tok, yb)
     (b / "empty.csv").write_text("")
+    (b / "afile").write_text("a file where an output's folder would go\n")
     (b / "header.csv").write_text("a,b\n")
     (b / "series.csv").write_text("a,b\n" + "".join(f"{i % 5},{i % 3}\n" for i in range(30)))
     with open(b / "arrays.npy", "wb") as f:  # an .npz under an .npy name
@@ -95,6 +96,13 @@ CASES = [
     ("assoc-pairs-0", ["generate", "assoc", "o.zarr", "--pairs", "0"], r"pairs must be >= 1, got 0"),
     ("assoc-orthogonal", ["generate", "assoc", "o.zarr", "--pairs", "3", "--dim", "2", "--orthogonal"],
      r"orthogonal keys need pairs <= dim"),
+    # an output the file system refuses is the user's problem (exit 2), not a bug: a file where a folder goes, a
+    # place where nothing can be created
+    ("out-under-a-file", FIT_D[:3] + ["afile/run", *FIT], r"cannot write --out .*afile/run: (File exists|Not a dir)"),
+    ("generate-under-a-file", ["generate", "mhla", "afile/o.zarr"], r"cannot write output .*afile/o\.zarr: "),
+    ("import-under-a-file", ["import", "afile/o.zarr", "--npz", "arrays.npz"], r"cannot write output .*afile/o\.zarr"),
+    ("out-in-proc", FIT_D[:3] + ["/proc/scaleattn-run", *FIT], r"cannot write --out /proc/scaleattn-run: "),
+    ("bench-out-under-a-file", ["bench", "--quick", "--out", "afile/b"], r"cannot write --out afile/b: Not a dir"),
 ]
 
 
@@ -250,3 +258,23 @@ def test_ctrl_c_before_the_first_group_leaves_nothing(tmp_path):
     assert p.returncode == 130
     expect(error_line(err), r"fit: interrupted; no checkpoint was kept$")
     assert sorted(os.listdir(tmp_path)) == ["d.zarr"]
+
+
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A refusal of the file system while an output is written (no space, read-only, over quota) is the output's
+    StorageError naming it; the temporary is removed; any other OSError of the block is raised as it is."""
+    import errno
+
+    from scaleattn._outputs import atomic_output
+    from scaleattn._storage import Location
+    from scaleattn.errors import StorageError
+
+    out = Location(str(tmp_path / "o.zarr"))
+    with pytest.raises(StorageError, match=r"cannot write output .*o\.zarr: No space left on device"):
+        with atomic_output(out) as tmp:
+            os.makedirs(tmp.url)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError) as e, atomic_output(out):
+        raise FileNotFoundError(errno.ENOENT, "gone", str(tmp_path / "elsewhere"))
+    assert not isinstance(e.value, StorageError) and os.listdir(tmp_path) == []
