@@ -111,13 +111,14 @@ def _loop(tokens, targets, causal: bool, lengths=None, chunk_bytes: float = 32e6
 
 def _data(d: int, rows: int, causal: bool, var: bool, T: int = 100):
     """The table's data for one size (the same in the child that times the peers): tokens, targets, lengths and
-    the feature rows."""
+    the feature rows. C-ordered, as a dataset's reads hand them to the build (make_mhla's targets come out of an
+    einsum position-major, a layout no fit sees: the build would time a transposing copy of them as well)."""
     from scaleattn.generate import make_mhla
 
     n = max(1, rows // T) if causal else rows
     D = make_mhla(d=d, heads=2, length=T, samples=n, causal=causal, variable_lengths=var, seed=0)
     nrows = int(D["lengths"].sum()) if causal and var else (n * T if causal else n)
-    return D["tokens"], D["targets"], D["lengths"], nrows
+    return np.ascontiguousarray(D["tokens"]), np.ascontiguousarray(D["targets"]), D["lengths"], nrows
 
 
 def run_child(args, *, env=None, timeout: float = 1800.0) -> dict:
