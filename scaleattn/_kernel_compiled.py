@@ -6,10 +6,10 @@ smaller than what a numpy call costs per row: the numpy kernel spends 48x the mu
 mostly in ``pair_products``' temporaries, the moments' ``x (x) y`` temporary and skinny BLAS GEMMs (K = 1024,
 N = 10). A better numpy kernel cannot remove those passes over memory; a compiled loop can. numba is a wheel
 (no compiler at install, unlike Cython or pythran), LLVM-vectorises the loops below for the host CPU (AVX2,
-or AVX-512 at its full width: :func:`wide_vectors`), releases the GIL (``nogil``) so the kernel's own thread
-pool runs them, and caches the machine code (``cache``) so Dask workers do not recompile. ``parallel=True`` is
-not used: numba's threading layers are not safe under Dask's worker threads; the threads are
-:mod:`scaleattn.kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2 cores and on
+or AVX-512 at its full width: :func:`scaleattn._jit.wide_vectors`), releases the GIL (``nogil``) so the
+kernel's own thread pool runs them, and caches the machine code (``cache``) so Dask workers do not recompile.
+``parallel=True`` is not used: numba's threading layers are not safe under Dask's worker threads; the threads
+are :mod:`scaleattn.kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2 cores and on
 2 AVX-512 (Emerald Rapids) cores.
 
 Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
@@ -142,10 +142,12 @@ def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
     """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: a 4 x 4 register-blocked
     micro-kernel (a 4 x 2 one for the last two columns when ``nb`` is 2 more than a multiple of 4), vectorised
     along ``r`` (LLVM's loop vectoriser; numba leaves its SLP vectoriser off, so a block along ``j`` would run
-    scalar). 16 accumulators and 8 loads per 16 FMAs: FMA-bound at 512 bits (:func:`wide_vectors`; measured on
-    one Emerald Rapids core at the DGEMM's rate, 64.5 against 64.9 GFLOP/s; 4 x 2 blocks 44.6). ``A``, ``B``
-    and ``out`` have a multiple of 4 (``A``, ``out``) and of 2 (``B``, ``out``'s columns) rows, the padding
-    rows zero, so every entry is summed by the same loop, in an order fixed by ``R`` and ``nb`` only."""
+    scalar). 16 accumulators and 8 loads per 16 FMAs: FMA-bound at 512 bits
+    (:func:`scaleattn._jit.wide_vectors`; measured on one Emerald Rapids core at the DGEMM's rate, 64.5 against
+    64.9 GFLOP/s; 4 x 2 blocks 44.6). Callers pad:
+    ``na`` a multiple of 4 and ``nb`` even (``A``, ``out`` have ``na`` rows, ``B`` and ``out``'s columns ``nb``;
+    an odd ``nb`` would drop or overrun a column), the padding rows zero, so every entry is summed by the same
+    loop, in an order fixed by ``R`` and ``nb`` only."""
     n4 = nb - nb % 4
     for i in range(0, na, 4):
         for j in range(0, n4, 4):

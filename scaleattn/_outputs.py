@@ -297,8 +297,14 @@ def _acquire_local(lock: Location, role: str, loc: Location):
         if foreign:  # a file of the user's with our lock's name: never overwritten
             os.close(fd)
             raise UnsafeOutputError(f"{role} {loc.url}: {path} exists and is not a scaleattn lock; move it away")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_owner()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_owner()).encode(), 0)
+        except BaseException:  # a full disk: never keep the lock (and its descriptor) of an output we gave up
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os.close(fd)
+            raise
 
         def release(fd=fd):
             with contextlib.suppress(OSError):
@@ -372,17 +378,22 @@ def hold(loc: Location, role: str = "output"):
         release()
 
 
-#: errors of the file system that no code of ours causes: no space, over quota, read-only, no permission
-_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+#: errors of the file system that no code of ours causes while writing (no space, over quota, read-only): the
+#: output's, also without a path (a failed write()); a refused permission only on a path of the output's
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_DENIED = {errno.EACCES, errno.EPERM}
 
 
 def _refused(e: OSError, loc: Location, role: str, *, always: bool = False, inside: str | None = None):
     """``e`` as a :class:`StorageError` naming the output (the CLI's one line, exit 2) when the file system
-    refused to create or write it: ``always`` (creating its place), a refusal errno, or a path inside ``inside``
-    (the output's temporary); else None (one of ours, or a bug: raised as it is)."""
+    refused to create or write it: ``always`` (taking its place), a full or read-only file system, or a refused
+    permission on a path inside ``inside`` (the output's temporary); else None (another path's error, or a bug
+    of ours: raised as it is)."""
     if isinstance(e, ScaleattnError):
         return None
-    if not (always or e.errno in _REFUSALS or (inside and str(e.filename or "").startswith(inside))):
+    name = str(e.filename or "")
+    ours = bool(inside) and name.startswith(inside)
+    if not (always or (e.errno in _FULL and (not name or ours)) or (e.errno in _DENIED and ours)):
         return None
     where = f" ({e.filename})" if e.filename and str(e.filename) != loc.url else ""
     return StorageError(f"cannot write {role} {loc.url}: {e.strerror or e}{where}")

@@ -29,10 +29,14 @@ from .errors import ParameterError
 from .features import expand_compact_gram, n_features, n_pairs, pair_products
 
 __all__ = ["gram_update", "fused_update", "expand_gram", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS",
-           "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "EXPAND_PAIRS"]
+           "KERNEL_REVISIONS", "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "EXPAND_PAIRS"]
 
 #: the statistics kernels (:func:`kernel_name`)
 KERNELS = ("numba", "numpy")
+#: the arithmetic of each kernel: a checkpoint records it and a resume needs the same, since partials of another
+#: revision differ from this build's in the last bits. numba 2: the 4 x 4 micro-kernel at the host's full vector
+#: width (:func:`scaleattn._jit.wide_vectors`); 1: its 4 x 2 predecessor at 256 bits
+KERNEL_REVISIONS = {"numba": 2, "numpy": 1}
 #: module switch: ``"numba"``, ``"numpy"``, or None (then ``$SCALEATTN_KERNEL``, default ``"numba"``)
 KERNEL: str | None = None
 #: from this token dimension on, the numba kernel's ``Tc += u^T v`` is the BLAS GEMM of the numpy kernel (its
@@ -295,7 +299,8 @@ def _gram_update_compiled(gram, s, x, c0: int, c1: int, threads, extra):
 #: pair of lines the adjacent-line prefetcher moves together) is written by two kernel threads. The fused pass
 #: adds into its piece's partial once per chunk of rows; two threads whose partials were allocated side by side
 #: ran at 1.5x (d = 4) and 1.7x (d = 8) one thread's rate, 1.85x and 1.99x page-aligned (2 Emerald Rapids
-#: vCPUs; in the build's own allocation order the difference was within the VM's noise). The same bits
+#: vCPUs; in the build's own allocation order the difference was within the VM's noise). Alignment changes no
+#: sum, so not the bits
 PARTIAL_ALIGN = 4096
 
 
@@ -306,8 +311,8 @@ def _private_zeros(shapes) -> list[np.ndarray]:
     Examples
     --------
     >>> a, b = _private_zeros([(3, 2), (5,)])
-    >>> a.shape, b.shape, (b.ctypes.data - a.ctypes.data) % PARTIAL_ALIGN, float(a.sum() + b.sum())
-    ((3, 2), (5,), 0, 0.0)
+    >>> a.shape, b.shape, a.ctypes.data % PARTIAL_ALIGN, b.ctypes.data % PARTIAL_ALIGN, float(a.sum() + b.sum())
+    ((3, 2), (5,), 0, 0, 0.0)
     """
     step = PARTIAL_ALIGN // 8
     sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]

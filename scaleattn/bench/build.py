@@ -123,16 +123,17 @@ def _data(d: int, rows: int, causal: bool, var: bool, T: int = 100):
 
 def run_child(args, *, env=None, timeout: float = 1800.0) -> dict:
     """Run ``python ARGS`` in a fresh process and collect what it reports: each stdout line that is a JSON object
-    is merged into the result, with ``returncode`` (negative: killed by that signal; None: timed out),
-    ``crashed``, ``signal`` (its name), ``wall_s`` and, for a failure that is not a crash, ``stderr_tail``.
+    is merged into the result, then ``returncode`` (negative: killed by that signal; None: timed out),
+    ``crashed``, ``signal`` (its name), ``timed_out``, ``failure`` (``"SIGSEGV"``, ``"exit 3"``, ``"timed out"``
+    or None), ``wall_s`` and, for a failure that is not a crash, ``stderr_tail``.
 
     For peers that may die inside a library, so that a crash is a measured result and the run goes on.
 
     Examples
     --------
     >>> r = run_child(["-c", "print('{\\"x\\": 1}')"])
-    >>> r["x"], r["returncode"], r["crashed"]
-    (1, 0, False)
+    >>> r["x"], r["returncode"], r["crashed"], r["failure"]
+    (1, 0, False, None)
     """
     t = time.perf_counter()
     try:
@@ -140,9 +141,7 @@ def run_child(args, *, env=None, timeout: float = 1800.0) -> dict:
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, stdout, stderr = None, e.stdout or "", "timed out"
-    crashed = rc is not None and rc < 0
-    r = {"returncode": rc, "crashed": crashed, "signal": signal.Signals(-rc).name if crashed else None,
-         "wall_s": time.perf_counter() - t}
+    r = {}
     for line in (stdout if isinstance(stdout, str) else stdout.decode()).splitlines():
         try:
             v = json.loads(line)
@@ -150,22 +149,32 @@ def run_child(args, *, env=None, timeout: float = 1800.0) -> dict:
             continue
         if isinstance(v, dict):
             r.update(v)
+    crashed = rc is not None and rc < 0
+    try:
+        name = signal.Signals(-rc).name if crashed else None
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-rc}"
+    r.update(returncode=rc, crashed=crashed, signal=name, timed_out=rc is None, wall_s=time.perf_counter() - t,
+             failure=name or ("timed out" if rc is None else f"exit {rc}" if rc else None))
     if rc and not crashed:
         r["stderr_tail"] = (stderr if isinstance(stderr, str) else stderr.decode())[-500:]
     return r
 
 
-def _peers(d: int, rows: int, causal: bool, var: bool, max_phi_bytes: float) -> None:
+def _peers(d: int, rows: int, causal: bool, var: bool, max_phi_bytes: float, threads: int) -> None:
     """(In the child of :func:`build_table`.) The chunked loop, then numpy's SYRK on a ready ``phi`` where it fits
-    in ``max_phi_bytes``: one JSON line as each starts and ends."""
+    in ``max_phi_bytes``, on ``threads`` BLAS threads (the parent's): one JSON line as each starts and ends."""
+    from threadpoolctl import threadpool_limits
+
     from scaleattn.features import n_features, phi, token_features
 
     tokens, targets, lengths, nrows = _data(d, rows, causal, var)
-    print(json.dumps({"loop_s": _best(lambda: _loop(tokens, targets, causal, lengths), 1)}), flush=True)
-    if nrows * n_features(d) * 8 <= max_phi_bytes:
-        f = phi(*token_features(tokens, lengths, causal))
-        print(json.dumps({"syrk_started": True}), flush=True)
-        print(json.dumps({"syrk_s": _best(lambda: f.T @ f, 1)}), flush=True)
+    with threadpool_limits(threads, user_api="blas"):
+        print(json.dumps({"loop_s": _best(lambda: _loop(tokens, targets, causal, lengths), 1)}), flush=True)
+        if nrows * n_features(d) * 8 <= max_phi_bytes:
+            f = phi(*token_features(tokens, lengths, causal))
+            print(json.dumps({"syrk_started": True}), flush=True)
+            print(json.dumps({"syrk_s": _best(lambda: f.T @ f, 1)}), flush=True)
 
 
 _PEERS_CHILD = "import json, sys; from scaleattn.bench.build import _peers; _peers(*json.loads(sys.argv[1]))"
@@ -204,6 +213,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         ``speedup_vs_loop`` a build at the floor could show), syrk_s, loop_failed, syrk_failed, rate_gflops,
         bandwidth_gbs`` (the rates this size's floor used), ``load_avg``.
     """
+    from threadpoolctl import threadpool_info
+
     from scaleattn.features import n_features, n_pairs
     from scaleattn.kernel import KERNELS
     from scaleattn.statistics import Statistics, accumulate
@@ -224,9 +235,10 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         macs, nbytes = nrows * (m * (m + 1) // 2) * n_pairs(d), tokens.nbytes
         peers = {}
         if loop and 2.0 * nrows * psi * psi / 2 / rate <= loop_max_s:  # in a fresh process: a crash is a result
-            peers = run_child(["-c", _PEERS_CHILD, json.dumps([d, rows, causal, var, max_phi_bytes])])
+            threads = max([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] or [1])
+            peers = run_child(["-c", _PEERS_CHILD, json.dumps([d, rows, causal, var, max_phi_bytes, threads])])
         loop_s, syrk_s = peers.get("loop_s"), peers.get("syrk_s")
-        failed = (peers.get("signal") or f"exit {peers['returncode']}") if peers.get("returncode") else None
+        failed = peers.get("failure")
         kerns = tuple(KERNELS if kernels is None else kernels)
 
         def build(kern):
@@ -294,9 +306,11 @@ def markdown(table: list[dict]) -> str:
 
 
 def _peer(r: dict, name: str) -> str:
-    """A peer's seconds, ``crashed (SIGSEGV)`` where its process died in it, or '-' where it was not run."""
-    if r.get(f"{name}_failed"):
-        return f"crashed ({r[f'{name}_failed']})"
+    """A peer's seconds, ``crashed (SIGSEGV)`` where its process died of a signal in it, ``timed out`` /
+    ``exit N`` where it ended otherwise, or '-' where it was not run."""
+    failed = r.get(f"{name}_failed")
+    if failed:
+        return f"crashed ({failed})" if failed.startswith(("SIG", "signal")) else failed
     return "-" if r[f"{name}_s"] is None else f"{r[f'{name}_s']:.3f}"
 
 

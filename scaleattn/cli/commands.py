@@ -197,11 +197,14 @@ def _cmd_bench(args) -> int:
         from ..bench.core import run
     import glob
     import os
+    import tempfile
 
     if args.only is not None and (args.suite != "krylov" or args.vs):
         raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
-    try:  # before minutes of work, not after
+    try:  # before minutes of work, not after: the folder, and a file in it
         os.makedirs(args.out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=args.out, prefix=".probe-"):
+            pass
     except OSError as e:
         raise StorageError(f"cannot write --out {args.out}: {e.strerror or e}") from e
     run(args.out, quick=args.quick, **({} if args.only is None else {"only": args.only}))

@@ -20,8 +20,9 @@ the row-group and tile boundaries, the scaleattn version and the format version;
 of them (or a v1 checkpoint, whose partials cannot be verified) is refused with a
 :class:`~scaleattn.errors.CheckpointError`, never mixed in. The attribute ``kernel`` names the statistics kernel
 that built the partials (:func:`scaleattn.kernel.kernel_name`; a checkpoint without it was built by
-``"numpy"``, the only kernel then): a resume with the other kernel is refused too, since its partials would
-differ from a fresh build's in the last bits. Workers write their own partials (the client never
+``"numpy"``, the only kernel then), ``kernel_revision`` its arithmetic (:data:`scaleattn.kernel.KERNEL_REVISIONS`;
+none: revision 1): a resume with the other kernel, or another revision of it, is refused too, since its partials
+would differ from a fresh build's in the last bits. Workers write their own partials (the client never
 holds them all), after checking that the store they opened is the one the client created (its ``uid``);
 every write covers exactly one chunk of each array. Layer L3.
 """
@@ -38,7 +39,7 @@ from .._version import __version__
 from ..datacheck import here
 from ..errors import CheckpointError
 from ..features import n_features, n_pairs
-from ..kernel import kernel_name
+from ..kernel import KERNEL_REVISIONS, kernel_name
 from ..statistics import Statistics
 
 __all__ = ["Checkpoint", "partial_checksum"]
@@ -101,7 +102,8 @@ class Checkpoint:
         CheckpointError
             The store exists but was made from another dataset, chunking, grouping, tiling or version, by an
             older scaleattn (format v1), its creation was cut short, or it is not a checkpoint at all (the
-            message names the first field that differs); or it was built by the other statistics kernel.
+            message names the first field that differs); or it was built by the other statistics kernel, or by
+            another revision of this one.
         """
         url = store.url
         kernel = kernel_name(kernel=kernel)
@@ -132,9 +134,15 @@ class Checkpoint:
                 raise CheckpointError(
                     f"checkpoint {url!r} was built by the {built!r} statistics kernel, this build uses {kernel!r}: "
                     f"resume with SCALEATTN_KERNEL={built}, or start over with --overwrite")
+            revision = have.get("kernel_revision", 1)  # before the attribute, every kernel was at revision 1
+            if revision != KERNEL_REVISIONS[kernel]:
+                raise CheckpointError(
+                    f"checkpoint {url!r} was built by revision {revision} of the {kernel!r} statistics kernel (another"
+                    f" scaleattn), this one has revision {KERNEL_REVISIONS[kernel]}: their partials differ in the last"
+                    " bits and are never mixed; resume with the scaleattn that made it, or start over with --overwrite")
             return cls(*args, uid=str(have.get("uid", "")), kernel=kernel)
         ck = cls(*args, uid=uuid.uuid4().hex, kernel=kernel)
-        ck._create({**want, "kernel": kernel})
+        ck._create({**want, "kernel": kernel, "kernel_revision": KERNEL_REVISIONS[kernel]})
         return ck
 
     def _create(self, attrs: dict) -> None:

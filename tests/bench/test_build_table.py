@@ -46,6 +46,7 @@ def test_a_peer_that_dies_is_a_result_not_the_end_of_the_run(monkeypatch):
     monkeypatch.setattr(build, "_PEERS_CHILD", "import sys; sys.exit(3)")
     t = build.build_table([(2, 200, True)], rate=1e10, bandwidth=1e10, kernels=("numpy",), repeats=1)
     assert t[0]["loop_s"] is None and t[0]["loop_failed"] == "exit 3" and t[0]["syrk_failed"] is None
+    assert "| exit 3 |" in build.markdown(t) and "crashed" not in build.markdown(t)
 
 
 def test_the_peers_child_reports_the_loop_and_syrk():
@@ -54,5 +55,16 @@ def test_the_peers_child_reports_the_loop_and_syrk():
 
     import scaleattn.bench.build as build
 
-    r = build.run_child(["-c", build._PEERS_CHILD, json.dumps([3, 300, True, True, 2e9])])
-    assert r["returncode"] == 0 and r["loop_s"] > 0 and r["syrk_s"] > 0 and not r["crashed"]
+    r = build.run_child(["-c", build._PEERS_CHILD, json.dumps([3, 300, True, True, 2e9, 1])])
+    assert r["returncode"] == 0 and r["loop_s"] > 0 and r["syrk_s"] > 0 and not r["crashed"] and r["failure"] is None
+
+
+def test_run_child_names_every_way_a_child_can_end():
+    """A real-time signal has no name, a timeout no exit code; a child's JSON cannot overwrite how it ended."""
+    import scaleattn.bench.build as build
+
+    r = build.run_child(["-c", "import json, os; print(json.dumps({'returncode': 0, 'x': 1}), flush=True);"
+                               " os.kill(os.getpid(), 40)"])
+    assert r["x"] == 1 and r["returncode"] == -40 and r["crashed"] and r["failure"] == r["signal"] == "signal 40"
+    r = build.run_child(["-c", "import time; time.sleep(5)"], timeout=0.5)
+    assert r["returncode"] is None and r["timed_out"] and r["failure"] == "timed out" and not r["crashed"]

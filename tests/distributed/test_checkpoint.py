@@ -99,11 +99,29 @@ def test_resume_with_the_other_kernel_is_refused(data, tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     monkeypatch.setenv("SCALEATTN_KERNEL", "numba")
     assert_same_stats(compute_statistics(data, group_samples=16, checkpoint=ck), ref)
-    del zarr.open_group(ck, mode="r+").attrs["kernel"]  # as written before the attribute: a numpy build
+    attrs = zarr.open_group(ck, mode="r+").attrs
+    del attrs["kernel"], attrs["kernel_revision"]  # as written before the attributes: a numpy build
     with pytest.raises(CheckpointError, match="'numpy' statistics kernel, this build uses 'numba'"):
         compute_statistics(data, group_samples=16, checkpoint=ck)
     monkeypatch.setenv("SCALEATTN_KERNEL", "numpy")
     compute_statistics(data, group_samples=16, checkpoint=ck)  # accepted (the partials are reused as they are)
+
+
+def test_resume_with_another_revision_of_the_kernel_is_refused(data, tmp_path, monkeypatch):
+    """A checkpoint records its kernel's revision (one without it: revision 1, the numba kernel before its 4 x 4
+    micro-kernel); a resume by another revision is refused in one line, never mixed in."""
+    from scaleattn.errors import CheckpointError
+    from scaleattn.kernel import KERNEL_REVISIONS
+
+    ck = str(tmp_path / "ck.zarr")
+    monkeypatch.setenv("SCALEATTN_KERNEL", "numba")
+    ref = compute_statistics(data, group_samples=16, checkpoint=ck)
+    assert zarr.open_group(ck).attrs["kernel_revision"] == KERNEL_REVISIONS["numba"] == 2
+    assert_same_stats(compute_statistics(data, group_samples=16, checkpoint=ck), ref)  # the same revision: reused
+    del zarr.open_group(ck, mode="r+").attrs["kernel_revision"]  # as an earlier scaleattn wrote it
+    with pytest.raises(CheckpointError, match="revision 1 of the 'numba' statistics kernel .* revision 2") as e:
+        compute_statistics(data, group_samples=16, checkpoint=ck)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -260,9 +260,10 @@ def test_ctrl_c_before_the_first_group_leaves_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["d.zarr"]
 
 
-def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    """A refusal of the file system while an output is written (no space, read-only, over quota) is the output's
-    StorageError naming it; the temporary is removed; any other OSError of the block is raised as it is."""
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path):
+    """A full or read-only file system while an output is written, or a refused permission on the output's own
+    path, is the output's StorageError naming it; the temporary is removed. Any other OSError of the block (an
+    input that cannot be read, a missing path inside the output: a bug) is raised as it is."""
     import errno
 
     from scaleattn._outputs import atomic_output
@@ -275,6 +276,14 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path, monk
             os.makedirs(tmp.url)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert os.listdir(tmp_path) == []
-    with pytest.raises(FileNotFoundError) as e, atomic_output(out):
-        raise FileNotFoundError(errno.ENOENT, "gone", str(tmp_path / "elsewhere"))
-    assert not isinstance(e.value, StorageError) and os.listdir(tmp_path) == []
+    with pytest.raises(StorageError, match=r"cannot write output .*o\.zarr: Permission denied \(.*partial"):
+        with atomic_output(out) as tmp:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.path.join(tmp.url, "c/0"))
+    for e in (PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "input.zarr" / "0.0")),
+              FileNotFoundError(errno.ENOENT, "gone", None)):
+        with pytest.raises(type(e)) as got, atomic_output(out) as tmp:
+            if e.filename is None:
+                e.filename = os.path.join(tmp.url, "sub", "x")  # inside the output: a bug of the writer, not a refusal
+            raise e
+        assert type(got.value) is type(e)
+    assert os.listdir(tmp_path) == []
