@@ -12,7 +12,8 @@
   one keeps the floor strict. ``vs_best`` is the ratio against the fastest rates measured anywhere in the run;
 - ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics.statistics_from_arrays` (features,
   ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.kernel.KERNELS`), best of ``repeats`` rounds with
-  the kernels alternating;
+  the kernels alternating, more rounds (up to :data:`MAX_ROUNDS`) while a size's builds took under
+  ``min_time`` (1 s) in all: builds of 30 ms sample the machine's speed of one instant;
 - ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
   at large ``d`` it runs a SYRK, ``psi^2/2`` multiply-adds per row against our ``psi^2/4``, so about 2x is
   the physical bound of ``speedup_vs_loop`` there;
@@ -36,10 +37,12 @@ import time
 import numpy as np
 
 __all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_floor", "run_child", "SIZES",
-           "QUICK_SIZES", "TARGET_VS_LOOP"]
+           "QUICK_SIZES", "TARGET_VS_LOOP", "MAX_ROUNDS"]
 
 #: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
 TARGET_VS_LOOP = 3.0
+#: rounds of builds per size at most (:func:`build_table`'s ``min_time``)
+MAX_ROUNDS = 10
 
 
 def target_vs_floor(d: int) -> float | None:
@@ -182,7 +185,7 @@ _PEERS_CHILD = "import json, sys; from scaleattn.bench.build import _peers; _pee
 
 def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | None = None,
                 kernels=None, repeats: int = 2, loop: bool = True, max_phi_bytes: float = 2e9,
-                loop_max_s: float = 60.0, gemm_n: int = 2000) -> list[dict]:
+                loop_max_s: float = 60.0, gemm_n: int = 2000, min_time: float = 1.0) -> list[dict]:
     """The build against its floors and the numpy baselines, one row per (size, kernel).
 
     Parameters
@@ -197,7 +200,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     kernels : sequence of str, optional
         Default :data:`scaleattn.kernel.KERNELS`.
     repeats : int
-        Best of this many builds.
+        Best of at least this many builds of each kernel; more (at most :data:`MAX_ROUNDS`) while the size's
+        builds have taken under ``min_time`` seconds in all (``rounds`` in each row).
     gemm_n : int
         Size of the square product that measures the GEMM rate.
     loop : bool
@@ -248,14 +252,19 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
                        None if lengths is None else lengths[:2], causal, kernel=kern)
         # the kernels alternate, in reverse order every other round, so that none is always timed right after the
         # loop's threaded BLAS or after the other kernel (the machine drifts within seconds)
-        best = dict.fromkeys(kerns, float("inf"))
-        for i in range(max(1, repeats)):
-            for kern in (kerns if i % 2 == 0 else kerns[::-1]):
+        # more rounds (up to MAX_ROUNDS) while this size's builds took under min_time in all: a 30 ms build is a
+        # sample of the machine's speed in that instant (one VM's one-thread DGEMM moved 39-61 GFLOP/s in 30 s)
+        best, spent, rounds = dict.fromkeys(kerns, float("inf")), 0.0, 0
+        while rounds < max(1, repeats) or (spent < min_time and rounds < MAX_ROUNDS):
+            for kern in (kerns if rounds % 2 == 0 else kerns[::-1]):
                 _settle()
-                best[kern] = min(best[kern], _best(lambda: build(kern), 1))
+                t = _best(lambda: build(kern), 1)
+                best[kern], spent = min(best[kern], t), spent + t
+            rounds += 1
         size_rows = [{"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
                       "build_s": t, "loop_s": loop_s, "speedup_vs_loop": None if loop_s is None else loop_s / t,
                       "syrk_s": syrk_s, "macs": macs, "token_bytes": nbytes, "load_avg": os.getloadavg()[0],
+                      "rounds": rounds,
                       "loop_failed": failed if loop_s is None else None,  # (how the peer's process died)
                       "syrk_failed": failed if peers.get("syrk_started") and syrk_s is None else None}
                      for kern, t in best.items()]

@@ -1,5 +1,5 @@
 """scaleattn.bench.build: the build-vs-floor table has its keys and consistent ratios (tiny sizes)."""
-from scaleattn.bench.build import build_table, markdown
+from scaleattn.bench.build import MAX_ROUNDS, build_table, markdown
 
 
 def test_build_table_keys_and_ratios():
@@ -19,6 +19,7 @@ def test_build_table_keys_and_ratios():
     assert t[0]["macs"] == 200 * 6 * 3 and t[0]["floor_macs_s"] == 2.0 * 200 * 18 / 1e10
     assert t[0]["token_bytes"] == 2 * 100 * 2 * 8 and t[0]["floor_bytes_s"] == 3200 / 1e10
     assert all(r["vs_best"] == r["build_vs_floor"] for r in t)  # one given rate: the run's best is the same
+    assert all(r["rounds"] == MAX_ROUNDS for r in t)  # builds of microseconds: as many rounds as allowed
 
 
 def test_build_table_measures_the_rates_around_each_size():
