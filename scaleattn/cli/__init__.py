@@ -9,6 +9,7 @@ terminal unless ``--debug``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -58,10 +59,41 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (Kubernetes deletes the pod, a node drains): unwinds like Ctrl-C, not caught by ``except Exception``."""
 
 
-def _on_sigterm(signum, frame):
+#: seconds the clean-up after SIGTERM may take before the process leaves anyway (exit 143, the same line): below
+#: Kubernetes' default grace of 30 s, after which a pod is killed (exit 137, no line). The clean-up asks the
+#: scheduler to cancel the tasks; when the scheduler pod got its SIGTERM first, the client's calls wait for
+#: Dask's connect timeouts (30 s and more). The checkpoint holds every finished partial by then, an output is
+#: written all or nothing, and the kernel releases the locks
+TERM_CLEANUP_S = 20.0
+
+
+def _stopped_line(args) -> str:
+    """What a command stopped by SIGTERM says last (also when its clean-up ran out of time)."""
+    written = getattr(args, "written", None)  # set by a command once its output is complete
+    resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
+    return f"scaleattn {args.command}: stopped by SIGTERM" + (f" after it wrote {written} in full" if written else
+                                                             resume if args.command == "fit" else "")
+
+
+def _on_sigterm(signum, frame, args=None, timers=None):
+    """SIGTERM: unwind like Ctrl-C (:class:`Terminated`), with a deadline of :data:`TERM_CLEANUP_S` for the
+    clean-up and the interpreter's exit (distributed's atexit close of a client whose scheduler is gone waits too),
+    after which the process says the same line and leaves with 143. The timer is appended to ``timers`` (the
+    caller cancels it when ``main`` ran in its process, not as the ``scaleattn`` program)."""
     import signal
+    import threading
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process
+
+    def leave():  # the clean-up ran out of time: the same line and exit code, never a SIGKILL mid-way
+        print(_stopped_line(args), file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    if args is not None and timers is not None:
+        timer = threading.Timer(TERM_CLEANUP_S, leave)
+        timer.daemon = True  # the interpreter's exit never waits for it
+        timer.start()
+        timers.append(timer)
     raise Terminated()
 
 
@@ -101,11 +133,15 @@ def main(argv=None) -> int:
     args.started = started
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
         return _run(args)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    timers = []
+    previous = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, args=args, timers=timers))
     try:
         return _run(args)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if argv is not None:  # called in a process that goes on (tests, notebooks): no deadline left behind
+            for t in timers:
+                t.cancel()
 
 
 def _run(args) -> int:
@@ -119,11 +155,7 @@ def _run(args) -> int:
         print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated:
-        written = getattr(args, "written", None)  # set by a command once its output is complete
-        resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
-        print(f"scaleattn {args.command}: stopped by SIGTERM" + (f" after it wrote {written} in full" if written else
-                                                                 resume if args.command == "fit" else ""),
-              file=sys.stderr)
+        print(_stopped_line(args), file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:
         written = getattr(args, "written", None)  # set by a command once its output is complete

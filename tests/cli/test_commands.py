@@ -250,3 +250,35 @@ def test_the_command_clock_starts_with_the_process():
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     outside = time.perf_counter() - t
     assert 0.5 <= age <= outside + 0.02
+
+
+_HANGING_CLEANUP = r"""
+import os, signal, sys, time
+import scaleattn.cli as cli
+cli.TERM_CLEANUP_S = 1.0
+
+def fit(args):  # SIGTERM mid-command, then a clean-up that never ends (a client waiting on a dead scheduler)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    finally:
+        time.sleep(60)
+
+cli.COMMANDS["fit"] = fit
+sys.argv = ["scaleattn", "fit", "data.zarr", "--out", "run"]
+sys.exit(cli.main())
+"""
+
+
+def test_sigterm_leaves_within_its_deadline_even_when_the_clean_up_hangs():
+    """A pod gets SIGTERM, then SIGKILL after its grace (30 s): the command's own stop (143, the line naming
+    --resume) must come first, also when its clean-up waits on a scheduler that is already gone."""
+    import subprocess
+    import sys
+    import time
+
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", _HANGING_CLEANUP], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 143 and time.perf_counter() - t < 20, (p.returncode, p.stderr)
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("scaleattn fit: stopped by SIGTERM") and "--resume" in last
