@@ -26,7 +26,7 @@ from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .dataset import Dataset
 from .distributed.build import compute_statistics
 from .distributed.evaluate import evaluate
-from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers
+from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_statistics
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
@@ -264,6 +264,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
             after_failed_build(e, ckpt, new_ckpt)
             raise
         times = {"statistics": time.perf_counter() - t}
+        trim_heap()  # the build's freed buffers, before the solve's peak
         rerun = None if ckpt is None else rerun_command(ds.url, out_label, ckpt, checkpoint is not None)
         if ckpt is not None and n_features(ds.d) >= SAY_KEPT_PSI:  # before the solve: all a native crash there leaves
             groups = build.get("groups", 0)

@@ -29,7 +29,7 @@ from ..statistics import BLOCK_BYTES, block_bytes_per_sample
 from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
-           "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
+           "trim_heap", "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
            "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL", "TICK_INTERVAL", "MONITOR_INTERVAL"]
 
 GIB = 2.0**30
@@ -66,6 +66,21 @@ def release_large_buffers() -> None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return
+
+
+def trim_heap() -> None:
+    """Give every freed page of the C heap back to the OS now (glibc ``malloc_trim(0)``, what Dask's docs advise
+    for worker memory that is "not released back to the OS"). Called once between a fit's build and its solve: the
+    build's block buffers, freed below :data:`TRIM_THRESHOLD` or in the middle of the heap, otherwise stay resident
+    under the solve's psi x psi arrays, and there are more of them the more row groups were read (peak RSS
+    +10.8% from N to 4N rows at d = 16 without it). A no-op where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         return
 
