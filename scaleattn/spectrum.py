@@ -53,9 +53,15 @@ KRYLOV_PSI = 20_000
 #: smallest scaled eigenvalue is 1e-8 off at d = 24, 8e-9 at d = 32 (1e-10 at 1e-8), the unscaled 9e-9 and
 #: 3e-8); the rigorous intervals (``estimates``) are then ~1e-4 wide. The smallest eigenvalues of the scaled
 #: Gram of realizable data crowd together (relative gaps ~1e-3): at 1e-6 their runs take 19 products of 16
-#: vectors at d = 24 and 14 at d = 32 (22 and 17 at 1e-8; ARPACK with single vectors took 80)
+#: vectors at d = 24 and 14 at d = 32 (22 and 17 at 1e-8; ARPACK with single vectors took 80), 24 and 18 products
+#: of 8 vectors. 8, not 16: a solve with the factor reads it twice from memory whatever the vectors up to about 16
+#: in all (d = 24, 2 cores: 54 ms for 1 vector, 58 ms for 16, 83 ms for 32), so the two runs side by side with 8
+#: each cost little more per product than with 1, and the cheaper Rayleigh-Ritz steps on the smaller bases pay for
+#: the extra products: measured interleaved in one process (Emerald Rapids, 2 cores) the inverse runs took
+#: 1.54-1.67 s against 2.00-2.07 s at d = 24 and 7.0-7.4 s against 7.4-8.1 s at d = 32, errors 4e-8 (scaled) and
+#: 1.5e-8 (unscaled) at d = 24 against eigvalsh
 EIG_RTOL = 1e-6
-EIG_BLOCK = 16
+EIG_BLOCK = 8
 EIG_MAXITER = 60
 #: the same for the largest eigenvalues (of ``Gs`` and ``G``; products with ``G``). They need 4 digits (the
 #: printed ``lambda_max`` and condition number; the verdict's factor-10 margin needs far fewer): the estimate
