@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import DeviceMismatchError, MissingDependencyError, ParameterError
 
-__all__ = ["get_xp", "is_numpy", "device_of", "from_host", "on_device", "as_float64", "contiguous", "to_numpy",
+__all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "from_host", "on_device", "as_float64", "contiguous", "to_numpy",
            "have_cupy", "array_module", "check_device", "DEVICES"]
 
 #: the devices a statistics build can run on (``--device``)
@@ -85,6 +85,13 @@ def get_xp(*arrays):
 def is_numpy(xp) -> bool:
     """True for numpy's namespace (numpy itself or array_api_compat's wrapper): the host fast paths apply."""
     return xp is np or array_api_compat.is_numpy_namespace(xp)
+
+
+def numpy_or_cupy(a) -> bool:
+    """True for numpy and CuPy arrays (host array-likes included): the libraries the matrix-free operator and the
+    krylov solver are written for (:mod:`scaleattn.gram_operator`: ``take(out=)``, methods outside the standard);
+    other namespaces (torch, array-api-strict) reach them through the host (:func:`to_numpy`)."""
+    return not _is_foreign(a) or array_api_compat.is_cupy_array(a)
 
 
 def device_of(a):

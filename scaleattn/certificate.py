@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from . import report as _report
+from ._backend import numpy_or_cupy
 from ._params import no_other_kwargs, real, renamed
 from .errors import ParameterError
 from .features import coef_distance, predict_rows, token_features
@@ -344,8 +345,8 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         raise ParameterError("no rows: the statistics are empty")
     rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
     path = solver_path(stats.psi, solver, large_psi)
-    if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU)
-        op = operator_of(stats)
+    if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU); others via the host
+        op = operator_of(stats if numpy_or_cupy(stats.gram_compact) else stats.to_numpy())
         return certificate_from_krylov(krylov_solve(op, None, rtol=rtol, **(krylov or {})), stats.n_rows)
     stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
     if path == "cholesky":

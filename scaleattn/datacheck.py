@@ -15,9 +15,10 @@ import array_api_compat
 import numpy as np
 
 from . import _formats, _integrity
+from ._backend import get_xp
 from .errors import DatasetError, IntegrityError
 
-__all__ = ["check_arrays", "check_values", "check_lengths", "check_attrs", "check_chunks", "content_id",
+__all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings",
            "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
 
@@ -30,28 +31,38 @@ MAX_TARGET = 1e100
 
 
 def check_values(name: str, a, start: int) -> None:
-    """NaN/Inf, and values so large that the cubic features overflow float64, naming the first bad sample."""
+    """NaN/Inf, and values so large that the cubic features overflow float64, naming the first bad sample
+    (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one
+    transfer of a flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
         return
-    flat = a.reshape(a.shape[0], -1)
-    ok = np.isfinite(flat).all(axis=1)
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
-        raise DatasetError(f"{name}: sample {start + i} contains NaN or Inf")
+    xp = get_xp(a)
+    flat = xp.reshape(a, (a.shape[0], -1))
+    bad = ~xp.all(xp.isfinite(flat), axis=1)
+    if bool(xp.any(bad)):
+        raise DatasetError(f"{name}: sample {start + _first(bad, xp)} contains NaN or Inf")
+    if not flat.shape[1]:
+        return
     limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
-    big = np.abs(flat).max(axis=1) > limit if flat.shape[1] else np.zeros(flat.shape[0], bool)
-    if big.any():
-        i = int(np.flatnonzero(big)[0])
-        raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(np.abs(flat[i]).max()):.1e}:"
-                           f" its cubic features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale"
-                           " the data")
+    mag = xp.max(xp.abs(flat), axis=1)
+    if bool(xp.any(mag > limit)):
+        i = _first(mag > limit, xp)
+        raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
+                           f" features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
 
 
 def check_lengths(lens, start: int, T: int) -> None:
-    bad = np.flatnonzero((lens < 1) | (lens > T))
-    if bad.size:
-        i = int(bad[0])
+    """Every length in ``1 <= length <= T``, naming the first sample that is not (as :func:`check_values`)."""
+    xp = get_xp(lens)
+    bad = (lens < 1) | (lens > T)
+    if bool(xp.any(bad)):
+        i = _first(bad, xp)
         raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
+
+
+def _first(mask, xp) -> int:
+    """Index of the first True of a 1-D boolean array (``argmax`` returns the first maximum: array API)."""
+    return int(xp.argmax(xp.astype(mask, xp.int8)))
 
 
 def _dtype_is(a, kinds: tuple[str, ...]) -> bool:
@@ -68,7 +79,7 @@ def _dtype_is(a, kinds: tuple[str, ...]) -> bool:
         return bool(array_api_compat.array_namespace(a).isdtype(a.dtype, kinds))
 
 
-def _is_real(a) -> bool:
+def is_real(a) -> bool:
     """Real numbers: floating point or integer (read as float64); bool, complex, string and object refused."""
     return _dtype_is(a, ("real floating", "integral"))
 
@@ -87,7 +98,7 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
     """
     if tokens.ndim != 3:
         raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tokens.shape}")
-    if not _is_real(tokens):
+    if not is_real(tokens):
         raise DatasetError(f"tokens: expected a float (or integer) dtype, got {tokens.dtype}")
     N, T, d = (int(n) for n in tokens.shape)
     if N == 0 or T == 0 or d == 0:
@@ -99,7 +110,7 @@ def check_arrays(tokens, targets=None, lengths=None) -> tuple[int, int, int, int
             raise DatasetError(f"lengths: expected an integer dtype, got {lengths.dtype}")
     d_out, causal = 0, False
     if targets is not None:
-        if not _is_real(targets):
+        if not is_real(targets):
             raise DatasetError(f"targets: expected a float (or integer) dtype, got {targets.dtype}")
         if targets.ndim not in (2, 3):
             raise DatasetError(

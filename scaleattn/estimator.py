@@ -8,7 +8,8 @@ import numpy as np
 
 from ._params import choice, heads_spec, real
 from .certificate import check_cutoff
-from .dataset import check_arrays
+from ._backend import as_float64, get_xp, is_numpy, to_numpy
+from .datacheck import is_real, check_arrays, check_lengths, check_values
 from .errors import DatasetError
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
@@ -22,13 +23,27 @@ _DEPRECATED = "deprecated"
 
 
 def _as_float(name: str, a):
-    """``a`` as float64: integers are converted, booleans, complex, strings and objects refused."""
+    """``a`` as float64 in its own namespace and on its own device (numpy for host array-likes): integers are
+    converted, booleans, complex, strings and objects refused; NaN, Inf and overflowing magnitudes refused naming
+    the sample (:func:`scaleattn.datacheck.check_values`)."""
     if a is None:
         return None
-    a = np.asarray(a)
-    if a.dtype.kind not in "fiu":
-        raise DatasetError(f"{name}: expected a float (or integer) dtype, got {a.dtype}")
-    return a.astype(np.float64, copy=False)
+    xp = get_xp(a)
+    a = np.asarray(a) if is_numpy(xp) else a
+    if a.ndim == 0 or not is_real(a):
+        raise DatasetError(f"{name}: expected an array of a float (or integer) dtype, got {a.dtype}"
+                           + (" (a scalar)" if a.ndim == 0 else ""))
+    a = as_float64(a, xp)
+    check_values(name, a, 0)
+    return a
+
+
+def _as_lengths(lengths):
+    """``lengths`` as given when they are another library's array (the kernels move host lengths to the tokens'
+    device themselves), else a numpy array."""
+    if lengths is None or not is_numpy(get_xp(lengths)):
+        return lengths
+    return np.asarray(lengths)
 
 
 class MHLARegressor:
@@ -120,18 +135,16 @@ class MHLARegressor:
         """
         params = self._checked()
         tokens, targets = _as_float("tokens", tokens), _as_float("targets", targets)
-        lengths = None if lengths is None else np.asarray(lengths)
-        check_arrays(tokens, targets, lengths)
-        for name, a in (("tokens", tokens), ("targets", targets)):
-            bad = ~np.isfinite(a).reshape(a.shape[0], -1).all(axis=1)
-            if bad.any():
-                raise DatasetError(f"{name}: sample {int(np.flatnonzero(bad)[0])} contains NaN or Inf")
-        stats = statistics_from_arrays(tokens, targets, lengths)
+        lengths = _as_lengths(lengths)
+        T = check_arrays(tokens, targets, lengths)[1]
+        if lengths is not None:
+            check_lengths(lengths, 0, T)
+        stats = statistics_from_arrays(tokens, targets, lengths)  # on the arrays' device; solved on the host
         G = shared_gram(stats, params["solver"])
         sol = solve(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
         if needs_qr(params["certificate"], sol.certificate, stats.psi):  # the arrays are here: no second pass
-            sol = solve_from_r(factor_from_arrays(tokens, targets, lengths), params["cutoff_rtol"], params["ridge"],
-                               gram=sol.certificate)
+            host = [None if a is None else to_numpy(a) for a in (tokens, targets, lengths)]  # the QR runs on numpy
+            sol = solve_from_r(factor_from_arrays(*host), params["cutoff_rtol"], params["ridge"], gram=sol.certificate)
         self.model_, self.solution_, self.heads_result_ = model_from_statistics(
             stats, causal=targets.ndim == 3, heads=params["heads"], cutoff_rtol=params["cutoff_rtol"],
             ridge=params["ridge"], solver=params["solver"], gram=G, solution=sol)
@@ -141,14 +154,22 @@ class MHLARegressor:
         return self
 
     def predict(self, tokens, lengths=None):
-        """Predictions (n, d_out) or (n, T, d_out) of the fitted model."""
-        return self.model_.predict(_as_float("tokens", tokens), lengths)
+        """Predictions (n, d_out) or (n, T, d_out) of the fitted model, in the tokens' namespace and on their
+        device (numpy, CuPy, torch, ...). Raises :class:`~scaleattn.errors.DatasetError` for bad tokens or
+        lengths (naming the sample)."""
+        tokens, lengths = _as_float("tokens", tokens), _as_lengths(lengths)
+        T = check_arrays(tokens, None, lengths)[1]
+        if lengths is not None:
+            check_lengths(lengths, 0, T)
+        return self.model_.predict(tokens, lengths)
 
     def score(self, tokens, targets, lengths=None) -> float:
-        """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn)."""
-        y = np.asarray(targets, np.float64)
+        """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn), computed in
+        the arrays' namespace."""
+        y = _as_float("targets", targets)
+        xp = get_xp(y)
         r = y - self.predict(tokens, lengths)
-        return 1.0 - float((r * r).sum() / ((y - y.mean(axis=0)) ** 2).sum())
+        return 1.0 - float(xp.sum(r * r) / xp.sum((y - xp.mean(y, axis=0)) ** 2))
 
     def __repr__(self):
         shown = {k: v for k, v in self.get_params().items() if not (k == "rtol" and v == _DEPRECATED)}

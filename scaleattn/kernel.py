@@ -47,7 +47,8 @@ BLAS_MIN_D = 14
 
 def kernel_name(xp=np, kernel: str | None = None) -> str:
     """The kernel that builds statistics of ``xp`` arrays: ``kernel`` if given, else :data:`KERNEL`, else
-    ``$SCALEATTN_KERNEL``, else ``"numba"``; always ``"numpy"`` (the array path) for CuPy.
+    ``$SCALEATTN_KERNEL``, else ``"numba"``; always ``"numpy"`` (the array path) for any namespace but numpy's
+    (CuPy, torch, ...).
 
     Raises
     ------
@@ -62,7 +63,7 @@ def kernel_name(xp=np, kernel: str | None = None) -> str:
     name = kernel or KERNEL or os.environ.get("SCALEATTN_KERNEL") or "numba"
     if name not in KERNELS:
         raise ParameterError(f"kernel must be one of {', '.join(map(repr, KERNELS))} (SCALEATTN_KERNEL), got {name!r}")
-    return name if xp is np else "numpy"
+    return name if is_numpy(xp) else "numpy"  # numpy itself, or array_api_compat's wrapper on numpy < 2.1
 
 #: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
 #: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the

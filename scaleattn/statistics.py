@@ -13,11 +13,12 @@ import dataclasses
 import functools
 import math
 
+import array_api_compat
 import numpy as np
 
 from . import _formats, _integrity, _kernel_compiled
 from . import report as _report
-from ._backend import device_of, get_xp, is_numpy, to_numpy
+from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import resolve
 from .dataset import check_arrays
@@ -132,8 +133,14 @@ class Statistics:
         ``eps * yy``. Use a data pass (``evaluate``) or a QR of the features for errors below it.
         """
         G = self.gram() if gram is None else gram
-        c = np.asarray(coef)
-        return float(self.yy - 2 * np.sum(c * self.moments) + np.sum(c * (G @ c)))
+        c = self._coef(coef)
+        xp = get_xp(self.moments, c)
+        return float(self.yy - 2 * xp.sum(c * self.moments) + xp.sum(c * (G @ c)))
+
+    def _coef(self, coef):
+        """``coef`` in the statistics' namespace and on their device (host coefficients moved there)."""
+        xp = get_xp(self.moments)
+        return on_device(coef, xp, None if is_numpy(xp) else device_of(self.moments))
 
     def sse_floor(self, coef, gram=None) -> float:
         """Order of magnitude of the round-off in :meth:`sse` (DESIGN §3): ``eps * sum_a K_a^2`` with
@@ -153,9 +160,12 @@ class Statistics:
         True
         """
         G = self.gram() if gram is None else gram
-        dg = to_numpy(G.diagonal())  # an array's or the matrix-free operator's (krylov path) diagonal
-        k = np.sqrt(max(float(self.yy), 0.0)) + np.sqrt(np.maximum(dg, 0.0)) @ np.abs(np.asarray(coef))
-        return float(np.finfo(np.float64).eps * np.sum(k * k))
+        # an array's diagonal, or the matrix-free operator's (krylov path)
+        dg = get_xp(G).linalg.diagonal(G) if array_api_compat.is_array_api_obj(G) else G.diagonal()
+        c = self._coef(coef)
+        xp = get_xp(dg, c)
+        k = math.sqrt(max(float(self.yy), 0.0)) + xp.sqrt(xp.clip(dg, min=0.0)) @ xp.abs(c)
+        return float(np.finfo(np.float64).eps) * float(xp.sum(k * k))
 
     @property
     def target_mean_square(self) -> float:

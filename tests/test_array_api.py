@@ -2,10 +2,15 @@
 
 ``array_api_strict`` arrays have only the standard's functions and methods (no ``.reshape``, ``einsum``,
 ``out=``, out-of-bounds slices, implicit flat indexing), refuse to mix devices, and on a second simulated device
-(``Device("device1")``) refuse any conversion to numpy (``np.asarray`` raises, as for a GPU array). Each kernel
-runs on both devices and must return arrays on its input's device that agree with the numpy path (exactly where
-the arithmetic is the same, else to 1e-14 relative) and with an independent dense numpy computation.
+(``Device("device1")``) refuse any conversion to numpy (``np.asarray`` raises, as for a GPU array). An explicit
+copy to the host (``to_numpy``'s DLPack) is refused too while a kernel runs (:func:`no_host_copies`): on a GPU
+it would be a silent transfer. Each kernel runs on both devices and must return arrays on its input's device that
+agree with the numpy path (exactly where the arithmetic is the same, else to 1e-14 relative) and with an
+independent dense numpy computation. The solver node works on the host: what goes there (``certify``,
+``Statistics.to_numpy``) says so (:func:`host_allowed`).
 """
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -35,10 +40,38 @@ from scaleattn.tensor import (
     weight_grad,
 )
 
-xs = pytest.importorskip("array_api_strict")
+import array_api_strict as xs  # a test dependency: a missing one fails here, it does not skip the file
 
 DEVICES = [xs.Device("CPU_DEVICE"), xs.Device("device1")]
 NAMES = ("Q", "K1", "K2", "V1", "V2")
+
+
+_FROM_DLPACK = np.from_dlpack
+
+
+@pytest.fixture(autouse=True)
+def no_host_copies(monkeypatch):
+    """Code under test may not copy a strict array to numpy explicitly either (``to_numpy`` on an array API array
+    other than CuPy's and torch's goes through ``np.from_dlpack``); the tests' own comparisons use :func:`host`."""
+    def refuse(a, *args, **kwargs):
+        if isinstance(a, xs._array_object.Array):
+            raise AssertionError(f"a device array was copied to the host (np.from_dlpack) on {a.device}")
+        return _FROM_DLPACK(a, *args, **kwargs)
+
+    monkeypatch.setattr(np, "from_dlpack", refuse)
+
+
+@contextlib.contextmanager
+def host_allowed():
+    """The steps that run on the host by design (the solver node); refused again after the block."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(np, "from_dlpack", _FROM_DLPACK)
+        yield
+
+
+def host(a):
+    """The test's own copy of an array to numpy."""
+    return _FROM_DLPACK(a) if isinstance(a, xs._array_object.Array) else to_numpy(a)
 
 
 @pytest.fixture(params=DEVICES, ids=["cpu_device", "device1"])
@@ -53,7 +86,7 @@ def put(a, dev):
 def same(a, ref, dev, rtol=0.0):
     """``a`` is a strict array on ``dev``, float64, equal to the numpy ``ref`` (to ``rtol`` of its largest entry)."""
     assert isinstance(a, xs._array_object.Array) and a.device == dev
-    got = to_numpy(a)
+    got = host(a)
     assert got.shape == ref.shape
     if rtol == 0.0:
         np.testing.assert_array_equal(got, ref)
@@ -102,11 +135,34 @@ def test_device_mixing_raises(dev):
         attention(*args)
 
 
+def test_host_copies_are_caught(dev):
+    """The guard above: a kernel that copies explicitly to the host and back fails the tests."""
+    def round_trip(x):
+        return xs.asarray(to_numpy(x) * 2.0, device=x.device)
+
+    with pytest.raises(AssertionError, match="copied to the host"):
+        round_trip(put(np.ones(3), dev))
+
+
 def test_backend_helpers(dev):
     a = put(np.arange(6.0).reshape(2, 3), dev)
     assert get_xp(a, None, 2.0) is xs
-    np.testing.assert_array_equal(to_numpy(a), np.arange(6.0).reshape(2, 3))  # explicit copy (DLPack)
+    with host_allowed():
+        np.testing.assert_array_equal(to_numpy(a), np.arange(6.0).reshape(2, 3))  # explicit copy (DLPack)
     assert array_module("cpu") is np and get_xp(np.ones(2)) is np
+
+
+def test_kernel_choice_by_namespace():
+    """numpy itself and array_api_compat's wrapper of it (what ``get_xp`` returns on numpy < 2.1) get the compiled
+    kernel; any other namespace the array path."""
+    import array_api_compat
+
+    from scaleattn.kernel import kernel_name
+
+    wrapper = array_api_compat.array_namespace(np.empty(0))
+    assert wrapper is not np
+    assert kernel_name(np, "numba") == kernel_name(wrapper, "numba") == "numba"
+    assert kernel_name(xs, "numba") == "numpy"
 
 
 # ---- features --------------------------------------------------------------------------------------------------
@@ -185,8 +241,9 @@ def test_statistics_accumulation(dev, causal):
     P, y = phi(s, x), row_targets(D["targets"], D["lengths"], causal)
     same(expand_compact_gram(st.gram_compact, 3), P.T @ P, dev, rtol=1e-13)
     same(st.moments, P.T @ y, dev, rtol=1e-13)
-    host = st.to_numpy()
-    assert isinstance(host.gram_compact, np.ndarray) and (host + ref).n_rows == 2 * ref.n_rows
+    with host_allowed():
+        on_host = st.to_numpy()
+    assert isinstance(on_host.gram_compact, np.ndarray) and (on_host + ref).n_rows == 2 * ref.n_rows
 
 
 def test_statistics_float32_input(dev):
@@ -196,6 +253,59 @@ def test_statistics_float32_input(dev):
     ref = statistics_from_arrays(t32, y32, D["lengths"])
     assert st.gram_compact.dtype == xs.float64
     same(st.gram_compact, ref.gram_compact, dev, rtol=1e-14)
+
+
+@pytest.mark.parametrize("cols", [None, (3, 9)])
+def test_dask_task_moves_chunks_to_the_device(tmp_path, monkeypatch, cols):
+    """A statistics task of the Dask build (``group_statistics``) with the worker's namespace replaced by the strict
+    one (CuPy on a GPU worker): the chunks it reads go to the device, the partial is built there in float64 (also
+    a column tile), and equals the host task's."""
+    import scaleattn.distributed.build as build
+    from scaleattn.generate import generate_mhla
+    from scaleattn.statistics import Statistics
+
+    ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=10, samples=40, causal=True,
+                       variable_lengths=True, seed=1)
+    ref = build.group_statistics(ds, 0, 40, device="cpu", cols=cols)
+    monkeypatch.setattr(build, "array_module", lambda device="auto": xs)
+    monkeypatch.setattr(Statistics, "to_numpy", lambda self: self)  # keep the partial on the device to check it
+    st = build.group_statistics(ds, 0, 40, device="cpu", cols=cols)
+    for a, b in ((st.gram_compact, ref.gram_compact), (st.moments, ref.moments)):
+        assert a.dtype == xs.float64
+        same(a, b, xs.Device("CPU_DEVICE"), rtol=1e-14)
+    assert st.n_rows == ref.n_rows and st.yy == pytest.approx(ref.yy, rel=1e-14)
+
+
+def test_sse_on_the_device(dev):
+    """``Statistics.sse`` and ``sse_floor`` of device statistics (host or device coefficients) against the numpy
+    statistics and a dense residual."""
+    D = data(d=3)
+    ref = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"])
+    st = statistics_from_arrays(put(D["tokens"], dev), put(D["targets"], dev), put(D["lengths"], dev))
+    coef = np.random.default_rng(7).standard_normal((ref.psi, ref.d_out))
+    s, x = token_features(D["tokens"], D["lengths"], True)
+    r = phi(s, x) @ coef - row_targets(D["targets"], D["lengths"], True)
+    for c in (coef, put(coef, dev)):
+        assert st.sse(c) == pytest.approx(ref.sse(coef), rel=1e-12)
+        assert st.sse(c) == pytest.approx(float(np.sum(r * r)), rel=1e-10)
+        assert st.sse_floor(c) == pytest.approx(ref.sse_floor(coef), rel=1e-13)
+
+
+def test_certify_device_statistics(dev):
+    """The certificate of device statistics on every solver path (the solver node works on the host)."""
+    from scaleattn import certify
+
+    D = data(d=3)
+    ref_st = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"])
+    st = statistics_from_arrays(put(D["tokens"], dev), put(D["targets"], dev), put(D["lengths"], dev))
+    exact = np.linalg.eigvalsh(ref_st.gram())[0] / ref_st.n_rows  # lambda_min of Lambda_D, independently
+    for solver, rtol in (("eigh", 1e-9), ("cholesky", 1e-5), ("krylov", 1e-2)):  # each path's own accuracy
+        with host_allowed():
+            c = certify(st, solver=solver)
+        c_ref = certify(ref_st, solver=solver)
+        assert c.verdict == c_ref.verdict == "identifiable"
+        assert c.lambda_min == pytest.approx(c_ref.lambda_min, rel=1e-12)
+        assert c.lambda_min == pytest.approx(exact, rel=rtol)
 
 
 def test_expand_compact_gram(dev):
@@ -221,6 +331,36 @@ def test_predict_rows_and_model_predict(dev):
     for use_heads in (False, True):
         p = model.predict(put(D["tokens"], dev), put(D["lengths"], dev), use_heads=use_heads)
         same(p, model.predict(D["tokens"], D["lengths"], use_heads=use_heads), dev, rtol=1e-13)
+
+
+def test_estimator_on_the_device(dev):
+    """``MHLARegressor`` on device arrays: statistics built on the device, the solve on the host, predictions in
+    the tokens' namespace and on their device, equal to the numpy estimator's; bad values and lengths refused on
+    the device, naming the sample."""
+    from scaleattn.errors import DatasetError
+    from scaleattn.estimator import MHLARegressor
+
+    D = data(d=3, causal=True)
+    ref = MHLARegressor().fit(D["tokens"], D["targets"], D["lengths"])
+    with host_allowed():
+        est = MHLARegressor().fit(put(D["tokens"], dev), put(D["targets"], dev), put(D["lengths"], dev))
+    np.testing.assert_allclose(est.coef_, ref.coef_, rtol=0, atol=1e-10 * np.abs(ref.coef_).max())
+    want = ref.predict(D["tokens"], D["lengths"])
+    same(est.predict(put(D["tokens"], dev), put(D["lengths"], dev)), want, dev, rtol=1e-12)
+    same(est.predict(put(D["tokens"], dev), D["lengths"]), want, dev, rtol=1e-12)  # host lengths moved there
+    assert est.score(put(D["tokens"], dev), put(D["targets"], dev), put(D["lengths"], dev)) == pytest.approx(
+        ref.score(D["tokens"], D["targets"], D["lengths"]), abs=1e-12)
+    bad = D["tokens"].copy()
+    bad[5, 2, 1] = np.nan
+    with pytest.raises(DatasetError, match="tokens: sample 5 contains NaN"):
+        est.predict(put(bad, dev), put(D["lengths"], dev))
+    bad[5, 2, 1] = 1e200
+    with pytest.raises(DatasetError, match="tokens: sample 5 has a value of magnitude 1.0e"):
+        MHLARegressor().fit(put(bad, dev), put(D["targets"], dev), put(D["lengths"], dev))
+    lens = D["lengths"].copy()
+    lens[4] = D["tokens"].shape[1] + 1
+    with pytest.raises(DatasetError, match="lengths: sample 4 has length 10"):
+        est.predict(put(D["tokens"], dev), put(lens, dev))
 
 
 # ---- tensor attention ------------------------------------------------------------------------------------------

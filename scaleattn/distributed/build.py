@@ -51,8 +51,9 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
         sl = None
     else:
         sl = slice(int(cols[0]), int(cols[1]))
-        stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2)),
-                           xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0)), 0.0, 0, dataset.d)
+        stats = Statistics(xp.zeros((sl.stop - sl.start, dataset.d * (dataset.d + 1) // 2), dtype=xp.float64),
+                           xp.zeros((n_features(dataset.d), dataset.d_out if targets else 0), dtype=xp.float64), 0.0,
+                           0, dataset.d)  # float64 whatever the namespace's default float
     for tok, lens, y in dataset.read_chunks(start, stop, targets=targets, reuse=reuse):
         if not is_numpy(xp):
             tok, lens, y = (None if t is None else xp.asarray(t) for t in (tok, lens, y))
