@@ -19,8 +19,8 @@ import numpy as np
 
 from .errors import DeviceMismatchError, MissingDependencyError, ParameterError
 
-__all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "from_host", "on_device", "as_float64", "contiguous", "to_numpy",
-           "have_cupy", "array_module", "check_device", "DEVICES"]
+__all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "from_host", "on_device", "as_float64", "contiguous",
+           "to_numpy", "have_cupy", "array_module", "check_device", "DEVICES"]
 
 #: the devices a statistics build can run on (``--device``)
 DEVICES = ("auto", "cpu", "gpu")

@@ -22,7 +22,6 @@ import numpy as np
 from . import report as _report
 from ._backend import numpy_or_cupy
 from ._params import no_other_kwargs, real, renamed
-from .errors import ParameterError
 from .features import coef_distance, predict_rows, token_features
 from .features import phi as features_phi
 from .gram_operator import GramOperator
@@ -341,8 +340,7 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
     solver = renamed(deprecated, "method", "solver", solver, "auto")
     no_other_kwargs(deprecated, "certify")
     cutoff_rtol = check_cutoff(cutoff_rtol)
-    if stats.n_rows == 0:
-        raise ParameterError("no rows: the statistics are empty")
+    stats.check_usable()
     rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
     path = solver_path(stats.psi, solver, large_psi)
     if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU); others via the host

@@ -6,10 +6,10 @@ import warnings
 
 import numpy as np
 
+from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec, real
 from .certificate import check_cutoff
-from ._backend import as_float64, get_xp, is_numpy, to_numpy
-from .datacheck import is_real, check_arrays, check_lengths, check_values
+from .datacheck import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r

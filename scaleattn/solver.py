@@ -183,8 +183,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     cutoff_rtol = check_cutoff(cutoff_rtol)
     if stats.d_out == 0:
         raise ParameterError("these statistics have no targets (built for the certificate only); cannot solve")
-    if stats.n_rows == 0:
-        raise ParameterError("no rows: the statistics are empty")
+    stats.check_usable()
     path = solver_path(stats.psi, solver, large_psi, dense=ridge > 0)
     if path == "krylov":
         return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, ridge, krylov)

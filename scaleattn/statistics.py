@@ -21,8 +21,8 @@ from . import report as _report
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import resolve
-from .dataset import check_arrays
-from .errors import ParameterError
+from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays
+from .errors import DatasetError, ParameterError
 from .features import (
     n_features,
     n_pairs,
@@ -166,6 +166,34 @@ class Statistics:
         xp = get_xp(dg, c)
         k = math.sqrt(max(float(self.yy), 0.0)) + xp.sqrt(xp.clip(dg, min=0.0)) @ xp.abs(c)
         return float(np.finfo(np.float64).eps) * float(xp.sum(k * k))
+
+    def check_usable(self) -> None:
+        """Refuse empty statistics, and statistics that hold NaN or Inf (what the solver node checks before it
+        solves or certifies).
+
+        Statistics of in-memory arrays (:func:`statistics_from_arrays`) are built from the values as given, and
+        NaN or Inf in the input, or magnitudes whose degree-6 products overflow float64, end up here; a dataset's
+        reads refuse them earlier, naming the sample. Checks ``Tc`` (where it is held here), ``B`` and ``yy``:
+        O(size of the statistics), not of the rows.
+
+        Raises
+        ------
+        ParameterError
+            No rows.
+        DatasetError
+            Naming the statistics that are not finite and what to do.
+        """
+        if self.n_rows == 0:
+            raise ParameterError("no rows: the statistics are empty")
+        bad = [name for name, a in (("the compact Gram Tc", self.gram_compact), ("the moments B", self.moments))
+               if a is not None and not _finite(a)]
+        if not math.isfinite(float(self.yy)):
+            bad.append("sum y^2")
+        if bad:
+            raise DatasetError(f"statistics: {' and '.join(bad)} contain NaN or Inf: the input had NaN or Inf, or"
+                               f" values so large that the cubic features overflow float64 (|tokens| <="
+                               f" {MAX_TOKEN:.0e}, |targets| <= {MAX_TARGET:.0e}); scaleattn.datacheck.check_values"
+                               " names the sample")
 
     @property
     def target_mean_square(self) -> float:
@@ -314,6 +342,15 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         stats.yy += yy
         stats.n_rows += int(s.shape[0])
     return stats
+
+
+def _finite(a) -> bool:
+    """No NaN or Inf in ``a``: its max and min (the standard's ``max``/``min`` propagate NaN), two passes and no
+    temporary (``isfinite`` would allocate a boolean copy: 485 MB for ``Tc`` at d = 44)."""
+    if not math.prod(a.shape):
+        return True
+    xp = get_xp(a)
+    return math.isfinite(float(xp.max(a))) and math.isfinite(float(xp.min(a)))
 
 
 def _moments_update(moments, s, x, y) -> None:

@@ -11,6 +11,7 @@ independent dense numpy computation. The solver node works on the host: what goe
 """
 import contextlib
 
+import array_api_strict as xs  # a test dependency: a missing one fails here, it does not skip the file
 import numpy as np
 import pytest
 
@@ -39,8 +40,6 @@ from scaleattn.tensor import (
     poly_attention_grad,
     weight_grad,
 )
-
-import array_api_strict as xs  # a test dependency: a missing one fails here, it does not skip the file
 
 DEVICES = [xs.Device("CPU_DEVICE"), xs.Device("device1")]
 NAMES = ("Q", "K1", "K2", "V1", "V2")

@@ -98,3 +98,22 @@ def test_loss_from_statistics_matches_residuals():
     s, x = token_features(D["tokens"])
     r = D["targets"] - phi(s, x) @ c
     assert st.sse(c) == pytest.approx(float((r * r).sum()), rel=1e-10)
+
+
+@pytest.mark.parametrize("where,value,named", [("tokens", np.nan, "the compact Gram Tc and the moments B"),
+                                               ("tokens", 1e200, "the compact Gram Tc and the moments B"),
+                                               ("targets", np.inf, "the moments B and sum y\\^2")])
+def test_solver_node_refuses_non_finite_statistics(where, value, named):
+    """Statistics of in-memory arrays are built from the values as given: NaN, Inf or an overflow in them is
+    refused by solve and certify in one DatasetError (it was LinAlgError: "Eigenvalues did not converge")."""
+    import scaleattn
+    from scaleattn.errors import DatasetError
+
+    D = make_mhla(d=2, heads=1, length=5, samples=40, seed=1)
+    D[where] = D[where].copy()
+    D[where][6, 0] = value
+    with np.errstate(all="ignore"):
+        st = statistics_from_arrays(D["tokens"], D["targets"])
+    for call in (scaleattn.solve, scaleattn.certify):
+        with pytest.raises(DatasetError, match=f"statistics: {named} contain NaN or Inf"):
+            call(st)
