@@ -24,7 +24,7 @@ from ._storage import Location
 from ._version import __version__
 from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .dataset import Dataset
-from .distributed.build import compute_statistics
+from .distributed.build import check_unchanged, compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_statistics
@@ -286,7 +286,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                     result.out = out_label
         except BaseException as e:
             if ckpt is not None:
-                with_hint(e, solve_hint(ckpt, rerun))
+                with_hint(e, solve_hint(ckpt, rerun, e))
             raise
         finally:  # Tc held on the workers (a cluster krylov fit) is freed as the fit ends, failed or not
             stats.release()
@@ -326,6 +326,7 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
         t = time.perf_counter()
         check_qr_memory(ds.d, ds.d_out, client)
         factor = compute_r(ds, client, progress=reporter)
+        check_unchanged(ds, *build["bindings"], during="the QR pass read it")
         times["qr"] = time.perf_counter() - t
         t = time.perf_counter()
         with reporter.phase("solve from R", f"psi {stats.psi:,}"):
@@ -343,6 +344,7 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     if exact_mse:
         t = time.perf_counter()
         report["train_mse"] = evaluate(model, ds, client, progress=reporter)["mse"]
+        check_unchanged(ds, *build["bindings"], during="the evaluation pass read it")
         times["evaluate"] = time.perf_counter() - t
     else:
         report["train_mse"] = report["train_mse_stats"]
@@ -472,7 +474,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
     build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
-    stats = build_on(ds, client, targets=False, progress=reporter, device=device)
+    build = {}
+    stats = build_on(ds, client, targets=False, progress=reporter, device=device, info=build)
     try:
         with reporter.phase(f"certificate (psi {stats.psi:,})"):
             cert = certify(stats, cutoff_rtol, solver=solver)
@@ -482,5 +485,6 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         return cert
     check_qr_memory(ds.d, 0, client)
     factor = compute_r(ds, client, targets=False, progress=reporter)
+    check_unchanged(ds, *build["bindings"], during="the QR pass read it")
     with reporter.phase(f"certificate from R (psi {stats.psi:,})"):
         return certificate_from_r(factor, cutoff_rtol, gram=cert)

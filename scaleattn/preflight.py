@@ -18,7 +18,7 @@ from ._outputs import (
 )
 from ._storage import Location, resolve
 from .dataset import Dataset, open_dataset
-from .errors import CheckpointError, DatasetError, OutputExistsError, with_hint
+from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, with_hint
 
 __all__ = ["preflight", "holding", "open_input", "run_locations", "after_failed_build", "kept_hint"]
 
@@ -117,8 +117,12 @@ def rerun_command(dataset_url: str, out: str | None, ckpt: Location, checkpoint_
     return shlex.join(cmd + ["--resume"])
 
 
-def solve_hint(ckpt: Location, command: str) -> str:
-    """The hint of a fit that failed after its build: where the statistics are and how to solve again."""
+def solve_hint(ckpt: Location, command: str, e: BaseException | None = None) -> str:
+    """The hint of a fit that failed after its build (with ``e``): where the statistics are and how to solve
+    again; after the input changed (an :class:`IntegrityError` of a later pass), what a rerun recomputes."""
+    if isinstance(e, IntegrityError):
+        return (f"the checkpoint {ckpt.url} holds statistics of the data as it was before: once nothing writes to"
+                " the input, run again with --overwrite instead of --resume (a resume is refused: the data changed)")
     return (f"the checkpoint {ckpt.url} keeps all row groups: `{command}` (with this run's other options, or"
             " another --solver) solves again from them without rebuilding any")
 

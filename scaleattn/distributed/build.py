@@ -14,7 +14,7 @@ import numpy as np
 from .. import _testing
 from .._backend import array_module, check_device, is_numpy
 from .._storage import Location, resolve, with_retries
-from ..datacheck import expected_rows, row_bindings
+from ..datacheck import expected_rows, fingerprint, row_bindings
 from ..dataset import CUT_CHUNKS
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
@@ -26,7 +26,7 @@ from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, leaf_places, run_trees
 
-__all__ = ["compute_statistics", "group_statistics"]
+__all__ = ["compute_statistics", "group_statistics", "check_unchanged"]
 
 log = logging.getLogger("scaleattn")
 
@@ -205,8 +205,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             a, b = groups[stale[0]]
             reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
                           f" checkpointed (first: samples [{a}, {b}))")
-    if info is not None:
-        info.update({"groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
+    if info is not None:  # (bindings: what a later pass over the rows is checked against, check_unchanged)
+        info.update({"bindings": (groups, targets, sources), "groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
                      "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
                      "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
     stop_after = _testing.stop_after_groups()
@@ -247,7 +247,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                               on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after),
                               gather=not persist)
             result = (tiles, roots) if persist else _assemble(roots, dataset.d)
-    _check_unchanged(dataset, groups, targets, sources)
+    check_unchanged(dataset, groups, targets, sources)
     if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
         fresh = ckpt.written_by(ckpt.run)
         info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
@@ -283,15 +283,27 @@ def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, ad
     return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), dataset.d)
 
 
-def _check_unchanged(dataset, groups, targets: bool, sources: list[int]) -> None:
-    """Refuse statistics of a dataset that changed while they were built (the chunks' signatures now differ
-    from those at the start): they may mix old and new rows. A kept checkpoint recomputes the changed groups."""
+def check_unchanged(dataset, groups, targets: bool, sources: list[int],
+                    during: str = "its statistics were built") -> None:
+    """Refuse results of a dataset that changed since the build began: its metadata (shapes, chunking, attributes:
+    :func:`~scaleattn.datacheck.fingerprint` of the store opened anew) or the chunks' signatures of any row group
+    (:func:`~scaleattn.datacheck.row_bindings` against ``sources``, taken at the start). Called at the end of the
+    build, and by a fit after each later pass over the rows (the evaluation, the QR), which would otherwise mix
+    two versions of the data (``during`` names the pass). A kept checkpoint recomputes the changed groups."""
+    try:
+        fresh = fingerprint(dataset.store, dataset.store.open_group("r"))
+    except Exception as e:  # (gone, or no longer a dataset)
+        fresh = f"unreadable ({type(e).__name__}: {e})"
+    if fresh != dataset.fingerprint:
+        raise IntegrityError(f"{dataset.url} changed while {during} (its arrays' shapes, chunking, attributes or"
+                             " contents): the result could mix two versions of the data; run again once nothing"
+                             " writes to it")
     now = row_bindings(dataset, groups, targets)
     changed = [g for g, s, t in zip(groups, sources, now) if s != t]
     if changed:
-        raise IntegrityError(f"{dataset.url} changed while its statistics were built ({len(changed)} row group(s),"
-                             f" first samples [{changed[0][0]}, {changed[0][1]})): the result could mix old and new"
-                             " rows; run again once nothing writes to it")
+        raise IntegrityError(f"{dataset.url} changed while {during} ({len(changed)} row group(s), first samples"
+                             f" [{changed[0][0]}, {changed[0][1]})): the result could mix old and new rows; run"
+                             " again once nothing writes to it")
 
 
 def _row_unit(dataset) -> tuple[int, str]:

@@ -226,3 +226,40 @@ def test_crc32c_streams_and_equals_the_checksum_of_the_whole_bytes():
               rng.standard_normal((40, 30))[:, ::3]):
         want = f"{google_crc32c.value(np.ascontiguousarray(a).astype('<f8').tobytes()):08x}"
         assert crc32c(a) == want
+
+
+@pytest.mark.parametrize("when,argv", [("evaluate", []), ("compute_r", ["--certificate", "qr", "--no-exact-mse"])])
+@pytest.mark.parametrize("change", ["chunk", "append"])
+def test_an_input_changed_after_the_build_is_refused_by_the_later_pass(when, argv, change, tmp_path, capsys,
+                                                                        monkeypatch):
+    """A store of another tool (no manifest) changed between the statistics build and a later pass over its rows
+    (the exact training MSE, the QR certificate): the fit must not report numbers of two versions of the data
+    (it did, with exit 0). One line, exit 2, nothing written."""
+    import numpy as np
+
+    import scaleattn.pipeline as pipeline
+
+    tok, y = rows(n=32)
+    src = tmp_path / "in.zarr"
+    foreign(src, tok, y)
+    other = np.random.default_rng(9).standard_normal(tok.shape)
+
+    def edit():
+        g = zarr.open_group(str(src), mode="r+")
+        if change == "chunk":  # one chunk of rows rewritten with other values
+            g["tokens"][8:16] = other[8:16]
+        else:  # samples appended
+            g["tokens"].append(other[:8])
+            g["targets"].append(y[:8])
+
+    orig = getattr(pipeline, when)
+
+    def edited_first(*a, **k):
+        edit()
+        return orig(*a, **k)
+
+    monkeypatch.setattr(pipeline, when, edited_first)
+    rc, err = run_main(["fit", src, "--out", tmp_path / "run", "--local", "--quiet", "--no-plots", *argv], capsys)
+    assert rc == 2
+    expect(error_line(err), rf"in\.zarr changed while the {'evaluation' if when == 'evaluate' else 'QR'} pass read it")
+    assert not (tmp_path / "run").exists()
