@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import time
 
@@ -152,7 +153,7 @@ def resolve(url, storage_options=None) -> Location:
         if storage_options is not None and parse_storage_options(storage_options) != url.storage_options:
             raise ParameterError(f"{url.url}: storage options given twice (the location already has its own)")
         return url
-    text = os.fspath(url) if isinstance(url, os.PathLike) else str(url)
+    text = _normal_url(os.fspath(url) if isinstance(url, os.PathLike) else str(url))
     if not text:
         raise ParameterError("empty path: give a store path or URL")
     opts = parse_storage_options(storage_options)
@@ -229,6 +230,22 @@ def _remote_access(url: str):
         raise err from e
 
 
+def _normal_url(text: str) -> str:
+    """A URL's scheme in lower case (schemes are case-insensitive, RFC 3986 §3.1; fsspec knows only lower case),
+    and the file URIs of RFC 8089 that name a local path (``file:/x``, ``file://localhost/x``) as ``file:///x``
+    (fsspec would read them as relative paths ``./file:/x`` and ``./localhost/x``)."""
+    scheme, sep, rest = text.partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]+", scheme):  # (one letter: a Windows drive, no scheme)
+        return text
+    scheme = scheme.lower()
+    if scheme == "file":
+        if rest.startswith("//localhost/"):
+            rest = "//" + rest[len("//localhost"):]
+        elif rest.startswith("/") and not rest.startswith("//"):
+            rest = "//" + rest
+    return f"{scheme}:{rest}" if rest.startswith("//") else text
+
+
 def is_url(path: str) -> bool:
     """True for fsspec URLs such as ``s3://bucket/x.zarr`` (anything with a protocol but ``file``)."""
     return "://" in str(path) and not str(path).startswith("file://")
@@ -255,6 +272,8 @@ def fs_for(url: str, storage_options: dict | None = None):
         if str(url).split("://", 1)[0] in ("s3", "s3a"):
             raise MissingDependencyError.for_extra(str(url), "s3", "s3fs") from None
         raise MissingDependencyError(f"{url}: {e}") from None
+    except ValueError as e:  # fsspec: "Protocol not known: xyz"
+        raise ParameterError(f"{url}: {e} (a path, file://, or an fsspec URL such as s3://bucket/key)") from None
 
 
 def exists(url: str, storage_options: dict | None = None) -> bool:

@@ -44,7 +44,7 @@ def check_values(name: str, a, start: int) -> None:
     if not flat.shape[1]:
         return
     limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
-    mag = xp.max(xp.abs(flat), axis=1)
+    mag = xp.astype(xp.max(xp.abs(flat), axis=1), xp.float64)  # (float16 cannot hold the limit: no cast warning)
     if bool(xp.any(mag > limit)):
         i = _first(mag > limit, xp)
         raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
@@ -72,6 +72,8 @@ def _dtype_is(a, kinds: tuple[str, ...]) -> bool:
     ``array_api_strict``) through their namespace's ``isdtype``; anything else (zarr string / bytes types): no."""
     np_kinds = {"real floating": np.floating, "integral": np.integer}
     try:
+        if np.dtype(a.dtype).kind in "mM":  # numpy files timedelta64 under signed integers: times are no numbers
+            return False
         return any(np.issubdtype(a.dtype, np_kinds[k]) for k in kinds)
     except TypeError:  # not a numpy dtype
         if not array_api_compat.is_array_api_obj(a):

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import csv
 import os
+import zipfile
+import zlib
 
 import numpy as np
 
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import resolve
+from .datacheck import is_real
 from .dataset_writer import write_dataset
 from .errors import DatasetError, InputNotFoundError, MissingDependencyError
 
@@ -55,9 +58,17 @@ def _real(name: str, a, path):
     """``a`` as float64; integers are converted, bool, complex, strings and objects refused."""
     if a is None:
         return None
-    if a.dtype.kind not in "fiu":
+    if not is_real(a):
         raise DatasetError(f"{name}: expected a float (or integer) dtype, got {a.dtype} in {path}")
     return a.astype(np.float64, copy=False)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_output(url, path, storage_options) -> None:
@@ -93,8 +104,8 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
         loaded = np.load(path, allow_pickle=False)
     except ValueError as e:  # object arrays need pickle, or not a NumPy file at all
         raise DatasetError(f"{path}: not a .npz/.npy readable without unpickling ({e})") from None
-    except OSError as e:
-        raise DatasetError(f"{path}: not a NumPy .npz or .npy file ({e})") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise DatasetError(f"{path}: not a NumPy .npz or .npy file, or a damaged one ({e})") from None
     if isinstance(loaded, np.ndarray):
         tok, y, lens = loaded, None, None
     else:
@@ -105,6 +116,8 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
                 arrs = {k: f[k] for k in f.files}
             except ValueError as e:
                 raise DatasetError(f"{path}: cannot read without unpickling ({e})") from None
+            except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # a truncated or corrupted member
+                raise DatasetError(f"{path}: a damaged .npz ({type(e).__name__}: {e})") from None
         tok, y, lens = arrs[tokens], arrs.get(targets), arrs.get(lengths)
     tok, y = _real("tokens", tok, path), _real("targets", y, path)
     if tok.ndim != 3:
@@ -132,28 +145,43 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file")
     _check_output(url, path, storage_options)
-    with open(path, newline="") as f:
-        rows = [r for r in csv.reader(f) if r]
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = [(k, r) for k, r in enumerate(csv.reader(f), 1) if r]
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a CSV file is expected") from None
+    except csv.Error as e:  # a NUL byte, a field too large
+        raise DatasetError(f"{path}: not a readable CSV file ({e})") from None
     if not rows:
         raise DatasetError(f"{path}: empty file (expected a header row and one row per time step)")
-    header, body = [h.strip() for h in rows[0]], rows[1:]
+    header = [h.strip() for h in rows[0][1]]
+    body = [r for _, r in rows[1:]]
     if not body:
         raise DatasetError(f"{path}: only a header row, no data")
+    if all(_is_number(h) for h in header):
+        raise DatasetError(f"{path}: the first row ({', '.join(header[:4])}{', ...' if len(header) > 4 else ''}) is"
+                           " numbers: a header row naming the columns is expected")
+    dup = next((h for i, h in enumerate(header) if h in header[:i]), None)
+    if dup is not None:
+        raise DatasetError(f"{path}: column {dup!r} appears twice in the header")
+    for k, r in rows[1:]:
+        if len(r) != len(header):
+            raise DatasetError(f"{path}: line {k}: {len(r)} value{'s' if len(r) != 1 else ''} but the header has"
+                               f" {len(header)} columns")
     unknown = [c for c in (columns or []) if c not in header]
     if unknown:
         raise DatasetError(f"{path}: no column {unknown[0]!r} in the header (columns: {', '.join(header)})")
     cols = list(range(len(header))) if columns is None else [header.index(c) for c in columns]
     x = np.empty((len(body), len(cols)))
-    for i, r in enumerate(body):
+    for i, (k, r) in enumerate(rows[1:]):
         for j, c in enumerate(cols):
             try:
                 x[i, j] = float(r[c])
-            except (ValueError, IndexError):
-                value = repr(r[c]) if c < len(r) else "a missing value"
-                raise DatasetError(f"{path}: line {i + 2}, column {header[c]!r}: {value} is not a number") from None
+            except ValueError:
+                raise DatasetError(f"{path}: line {k}, column {header[c]!r}: {r[c]!r} is not a number") from None
     if not np.isfinite(x).all():
         i, j = np.argwhere(~np.isfinite(x))[0]
-        raise DatasetError(f"{path}: line {i + 2}, column {header[cols[j]]!r}: NaN or Inf")
+        raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
     if standardize_columns:
         x = standardize(x)
     tok, y = windows(x, length, horizon, step, causal)

@@ -206,7 +206,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
                           f" checkpointed (first: samples [{a}, {b}))")
     if info is not None:  # (bindings: what a later pass over the rows is checked against, check_unchanged)
-        info.update({"bindings": (groups, targets, sources), "groups": len(groups), "tiles": len(tiles), "groups_resumed": int(done.all(axis=1).sum()),
+        info.update({"bindings": (groups, targets, sources), "groups": len(groups), "tiles": len(tiles),
+                     "groups_resumed": int(done.all(axis=1).sum()),
                      "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
                      "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
     stop_after = _testing.stop_after_groups()

@@ -49,6 +49,20 @@ def base(tmp_path_factory):
     with open(b / "arrays.npy", "wb") as f:  # an .npz under an .npy name
         np.savez(f, tokens=tok[:, :, :], targets=y[:, -1])
     np.savez(b / "arrays.npz", tokens=tok, targets=y[:, -1])
+    whole = (b / "arrays.npz").read_bytes()
+    (b / "truncated.npz").write_bytes(whole[: len(whole) * 8 // 10])
+    flipped = bytearray(whole)
+    flipped[200] ^= 0xFF  # inside the first member's data: its CRC no longer matches
+    (b / "crc.npz").write_bytes(bytes(flipped))
+    (b / "binary.csv").write_bytes(bytes(range(256)) * 10)
+    (b / "nul.csv").write_bytes(b"a,b\n1,2\x00\n3,4\n")
+    (b / "long.csv").write_text("a,b\n1,2\n3,4,5,6,7\n5,6\n7,8\n9,10\n")
+    (b / "short.csv").write_text("a,b\n1,2\n3\n5,6\n7,8\n9,10\n")
+    (b / "noheader.csv").write_text("".join(f"{i},{i % 3}\n" for i in range(30)))
+    (b / "dupheader.csv").write_text("a,a\n" + "".join(f"{i},{i % 3}\n" for i in range(30)))
+    g = zarr.open_group(str(b / "times.zarr"), mode="w", zarr_format=2)
+    g.create_array("tokens", data=(tok * 1e9).astype("m8[ns]"), chunks=(8, 6, 2))
+    g.create_array("targets", data=y, chunks=(8, 6, 2))
     return b
 
 
@@ -86,6 +100,20 @@ CASES = [
     ("csv-unknown-column", ["import", "o.zarr", "--csv", "series.csv", "--columns", "zz"], r"no column 'zz'"),
     ("npz-missing", ["import", "o.zarr", "--npz", "nope.npz"], r"nope\.npz: no such file"),
     ("npz-not-numpy", ["import", "o.zarr", "--npz", "series.csv"], r"series\.csv: not a NumPy \.npz or \.npy file"),
+    ("npz-truncated", ["import", "o.zarr", "--npz", "truncated.npz"], r"truncated\.npz: .*a damaged one"),
+    ("npz-bad-crc", ["import", "o.zarr", "--npz", "crc.npz"], r"crc\.npz: a damaged \.npz \(BadZipFile: Bad CRC"),
+    ("csv-not-utf8", ["import", "o.zarr", "--csv", "binary.csv"], r"binary\.csv: not UTF-8 text \(byte 128"),
+    ("csv-nul", ["import", "o.zarr", "--csv", "nul.csv"], r"nul\.csv: (not a readable CSV file|line 2)"),
+    ("csv-extra-values", ["import", "o.zarr", "--csv", "long.csv", "--length", "2"],
+     r"long\.csv: line 3: 5 values but the header has 2 columns"),
+    ("csv-missing-value", ["import", "o.zarr", "--csv", "short.csv", "--length", "2"],
+     r"short\.csv: line 3: 1 value but the header has 2 columns"),
+    ("csv-no-header", ["import", "o.zarr", "--csv", "noheader.csv"],
+     r"noheader\.csv: the first row \(0, 0\) is numbers"),
+    ("csv-duplicate-column", ["import", "o.zarr", "--csv", "dupheader.csv"], r"column 'a' appears twice"),
+    ("timedelta-tokens", ["fit", "times.zarr", "--out", "run", *FIT], r"tokens: expected a float .*timedelta64"),
+    ("timedelta-certify", ["certify", "times.zarr", "--local", "--quiet"], r"tokens: expected a float .*timedelta64"),
+    ("url-unknown-protocol", FIT_D[:3] + ["xyz://bucket/run", *FIT], r"Protocol not known: xyz"),
     ("noise-nan", ["generate", "mhla", "o.zarr", "--noise", "nan"], r"noise must be finite, got nan"),
     ("noise-negative", ["generate", "mhla", "o.zarr", "--noise", "-1"], r"noise must be >= 0, got -1"),
     ("d-out-0", ["generate", "mhla", "o.zarr", "--d-out", "0"], r"d_out must be >= 1, got 0"),

@@ -157,3 +157,22 @@ def test_overwrite_replaces_our_own_outputs(base, tmp_path, capsys):
 ])
 def test_object_store_outputs_are_compared_by_prefix(out, inp, rel):
     assert relation(Location(out.rstrip("/") if out.endswith("/") else out), Location(inp)) == rel
+
+
+@pytest.mark.parametrize("spelling", ["FILE:///{p}", "File:///{p}", "file:/{p}", "file://localhost/{p}"])
+def test_file_uris_name_the_local_path_in_any_spelling(spelling, tmp_path, capsys):
+    """Schemes are case-insensitive (RFC 3986) and ``file:/x``, ``file://localhost/x`` are local paths (RFC 8089):
+    each spelling of an input's own path is refused as an output that is the input (fsspec read them as
+    ``./FILE:/...``, ``./localhost/...`` or an unknown protocol), and ``S3://`` is ``s3://``."""
+    from scaleattn._storage import resolve
+
+    src = tmp_path / "in.zarr"
+    dataset(src)
+    assert resolve(spelling.format(p=str(src).lstrip("/"))).url == str(src)
+    assert resolve("S3://bucket/d.zarr").url == "s3://bucket/d.zarr"
+    inputs = Inputs(src)
+    rc, err = run_main(["fit", src, "--out", spelling.format(p=str(src).lstrip("/")), *FIT], capsys, cwd=tmp_path)
+    assert rc == 2
+    expect(error_line(err), r"is the input|lies inside|--out .* is the")
+    inputs.unchanged()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
