@@ -29,7 +29,7 @@ from ._storage import Location, remove
 from .errors import OutputExistsError, OutputInUseError, ScaleattnError, StorageError, UnsafeOutputError
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "relation", "owner_of",
-           "check_replaceable", "hold", "atomic_output", "clean_leftovers", "lock_location", "companions",
+           "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers", "lock_location", "companions",
            "is_temporary_of"]
 
 
@@ -210,13 +210,15 @@ def owner_of(loc: Location) -> tuple[bool, str]:
     return False, "it is not a scaleattn store or run directory"
 
 
-def check_replaceable(loc: Location, role: str = "output") -> None:
-    """Refuse to replace (``--overwrite``) an existing ``loc`` that scaleattn did not write.
+def check_replaceable(loc: Location, role: str = "output", kind: str | None = None) -> None:
+    """Refuse to replace (``--overwrite``) an existing ``loc`` that scaleattn did not write, or (with ``kind``: a
+    store format such as ``"scaleattn-model"``, or :data:`RUN`) one of another kind: a dataset given as a
+    checkpoint or a model where a run directory goes is never deleted.
 
     Raises
     ------
     UnsafeOutputError
-        Naming the path and what is foreign there.
+        Naming the path and what is there.
     """
     if not loc.exists():
         return
@@ -224,6 +226,18 @@ def check_replaceable(loc: Location, role: str = "output") -> None:
     if not ours:
         raise UnsafeOutputError(f"{role} {loc.url} exists and was not written by scaleattn ({what}): --overwrite"
                                 " replaces only scaleattn's own outputs; remove it yourself or choose another path")
+    if kind is not None and what not in (kind, "an empty directory"):
+        raise UnsafeOutputError(f"{role} {loc.url} is {_kind_name(what)}, not {_kind_name(kind)}: --overwrite"
+                                " replaces only an output of the same kind; remove it yourself or choose another"
+                                " path")
+
+
+#: the kind of a run directory for :func:`check_replaceable` (store kinds are their ``format``)
+RUN = "a run directory"
+
+
+def _kind_name(what: str) -> str:
+    return f"a {what[len(_formats.PREFIX):]} store" if what.startswith(_formats.PREFIX) else what
 
 
 # ---- one run per output -------------------------------------------------------------------------------
@@ -428,12 +442,13 @@ def clean_leftovers(loc: Location, protect=()) -> list[str]:
 
 
 @contextlib.contextmanager
-def atomic_output(loc: Location, overwrite: bool = False):
+def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = None):
     """Yield a temporary :class:`Location` next to ``loc`` that becomes ``loc`` only if the block succeeds.
 
     A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``loc`` is
     refused (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``, and even then when scaleattn
-    did not write it (:class:`~scaleattn.errors.UnsafeOutputError`), as is one inside a Zarr store
+    did not write it or it is of another ``kind`` than the new one (:func:`check_replaceable`;
+    :class:`~scaleattn.errors.UnsafeOutputError`), as is one inside a Zarr store
     (:func:`check_outside_stores`); locally it is replaced only after the
     new output is complete. The lock of ``loc`` is held throughout (:func:`hold`), and temporaries of a
     killed run are removed first. Object stores cannot rename: there ``overwrite`` deletes the old output
@@ -445,7 +460,7 @@ def atomic_output(loc: Location, overwrite: bool = False):
         if loc.exists():
             if not overwrite:
                 raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
-            check_replaceable(loc)
+            check_replaceable(loc, kind=kind)
         if loc.is_remote:
             loc.remove()
             try:

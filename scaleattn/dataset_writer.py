@@ -8,7 +8,7 @@ import uuid
 
 import numpy as np
 
-from . import _integrity
+from . import _formats, _integrity
 from ._outputs import atomic_output
 from ._storage import Location, resolve
 from .datacheck import check_arrays, check_lengths, check_values
@@ -198,7 +198,7 @@ def write_dataset(
     """
     loc = resolve(url, storage_options)
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)
-    with atomic_output(loc, overwrite) as tmp:
+    with atomic_output(loc, overwrite, _formats.DATASET[0]) as tmp:
         g = create_dataset(
             tmp, N, T, d, d_out, causal=causal, lengths=lengths is not None, chunk_samples=chunk_samples,
             shard_samples=shard_samples, attrs=attrs,

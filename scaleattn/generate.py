@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _formats
 from ._outputs import atomic_output
 from ._params import integer, real
 from ._storage import resolve
@@ -135,7 +136,7 @@ def generate_mhla(
     attrs = {"generator": {"task": "mhla", "d": d, "heads": heads, "length": length, "samples": samples,
                            "d_out": int(V.shape[1]), "noise": noise, "causal": causal, "seed": seed},
              "description": "realizable multi-head linear attention data [Yau et al. 2025, Sec. 4.1]"}
-    with atomic_output(loc, overwrite) as tmp:
+    with atomic_output(loc, overwrite, _formats.DATASET[0]) as tmp:
         g = create_dataset(tmp, samples, length, d, V.shape[1], causal=causal, lengths=variable_lengths,
                            chunk_samples=chunk_samples, attrs=attrs)
         chunk = g["tokens"].chunks[0]

@@ -138,7 +138,7 @@ class MHLAModel:
 
     def save(self, url, overwrite: bool = False, storage_options=None) -> None:
         """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location."""
-        with atomic_output(resolve(url, storage_options), overwrite) as tmp:
+        with atomic_output(resolve(url, storage_options), overwrite, _formats.MODEL[0]) as tmp:
             g = tmp.open_group("w")
             sums = {}
             _integrity.create_checked(g, "coef", self.coef, sums, dimension_names=("feature", "output"),

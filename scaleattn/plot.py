@@ -13,12 +13,13 @@ recomputed from ``stats.zarr`` for runs without one. Layer L4.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
 import numpy as np
 
-from ._outputs import check_disjoint, check_outside_stores
+from ._outputs import check_disjoint, check_outside_stores, hold
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
@@ -257,7 +258,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     ``predictions.png``) into ``out`` (default: the run directory itself) and return their paths.
 
     ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required).
-    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out``.
+    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out``, and
+    :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
     if out is None:
         if hasattr(run, "certificate"):
@@ -265,7 +267,11 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
         out = run
     out = resolve(out, storage_options)
     _check_plot_output(run, out, dataset, storage_options)  # before any work
-    return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
+    with contextlib.ExitStack() as stack:  # the run read and the plots written while no fit replaces either
+        if not hasattr(run, "certificate"):
+            stack.enter_context(hold(resolve(run, storage_options), "run"))
+        stack.enter_context(hold(out, "--out"))
+        return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
 
 
 def _check_plot_output(run, out, dataset, storage_options) -> None:

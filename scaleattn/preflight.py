@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import shlex
 
+from . import _formats
 from ._outputs import (
+    RUN,
     check_companions,
     check_disjoint,
     check_outside_stores,
@@ -70,12 +72,12 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
                                         f" {ckpt.url!r} is left (--resume continues a fit that was interrupted;"
                                         " pass --overwrite to fit again)")
             raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")
-        check_replaceable(out, "--out")
+        check_replaceable(out, "--out", RUN)
     if ckpt is not None and ckpt.exists() and not resume:
         if not overwrite:
             raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
                                     " it, or --overwrite to start over")
-        check_replaceable(ckpt, "--checkpoint")
+        check_replaceable(ckpt, "--checkpoint", _formats.CHECKPOINT[0])
     return ds
 
 

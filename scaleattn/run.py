@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 
 from . import _formats, _integrity
-from ._outputs import atomic_output
+from ._outputs import RUN, atomic_output
 from ._storage import Location, resolve
 from .certificate import certify
 from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
@@ -74,7 +74,7 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
     out = resolve(out)
     on_workers = getattr(result.statistics, "operator", None) is not None  # krylov on a cluster: Tc never gathered
     names = [REPORT, MODEL] + ([] if on_workers else [STATS])
-    with atomic_output(out, overwrite) as tmp:
+    with atomic_output(out, overwrite, RUN) as tmp:
         if not tmp.is_remote:
             os.makedirs(tmp.url, exist_ok=True)
         result.model.save(tmp.join(MODEL))

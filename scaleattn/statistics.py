@@ -227,7 +227,7 @@ class Statistics:
         ``url`` is a path, URL or :class:`~scaleattn._storage.Location`; an existing store is refused
         (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``."""
         s = self.to_numpy()
-        with atomic_output(resolve(url, storage_options), overwrite) as tmp:
+        with atomic_output(resolve(url, storage_options), overwrite, _formats.STATISTICS[0]) as tmp:
             g = tmp.open_group("w")
             sums = {}
             _integrity.create_checked(g, "gram_compact", s.gram_compact, sums,

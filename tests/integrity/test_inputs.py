@@ -176,3 +176,34 @@ def test_file_uris_name_the_local_path_in_any_spelling(spelling, tmp_path, capsy
     expect(error_line(err), r"is the input|lies inside|--out .* is the")
     inputs.unchanged()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+
+
+@pytest.mark.parametrize("argv, victim, pattern", [
+    (["fit", "f.zarr", "--out", "r2", "--checkpoint", "d.zarr", "--overwrite", *FIT], "d.zarr",
+     r"--checkpoint .*d\.zarr is a dataset store, not a checkpoint store"),
+    (["fit", "f.zarr", "--out", "d.zarr", "--overwrite", *FIT], "d.zarr",
+     r"--out .*d\.zarr is a dataset store, not a run directory"),
+    (["fit", "f.zarr", "--out", "run/model.zarr", "--overwrite", *FIT], "run",
+     r"--out .*model\.zarr is a model store, not a run directory"),
+    (["fit", "f.zarr", "--out", "r2", "--checkpoint", "run", "--overwrite", *FIT], "run",
+     r"--checkpoint .*run is a run directory, not a checkpoint store"),
+    (["generate", "mhla", "run/model.zarr", "--samples", "8", "--length", "3", "--overwrite"], "run",
+     r"output .*model\.zarr is a model store, not a dataset store"),
+    (["generate", "mhla", "run", "--samples", "8", "--length", "3", "--overwrite"], "run",
+     r"output .*run is a run directory, not a dataset store"),
+])
+def test_overwrite_replaces_only_an_output_of_the_same_kind(argv, victim, pattern, tmp_path, capsys):
+    """``--overwrite`` never deletes a scaleattn output of another kind given in the wrong place (a dataset as
+    the checkpoint: it was deleted, and the checkpoint after it, exit 0)."""
+    w = tmp_path / "w"
+    w.mkdir()
+    dataset(w / "d.zarr")
+    tok, y = rows()
+    foreign(w / "f.zarr", tok, y)
+    rc, err = run_main(["fit", "f.zarr", "--out", "run", *FIT], capsys, cwd=w)
+    assert rc == 0, err
+    names, before = sorted(os.listdir(w)), tree_hash(w / victim)
+    rc, err = run_main(argv, capsys, cwd=w)
+    assert rc == 2, err
+    expect(error_line(err), pattern)
+    assert tree_hash(w / victim) == before and sorted(os.listdir(w)) == names

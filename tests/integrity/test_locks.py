@@ -15,7 +15,20 @@ from scaleattn._outputs import hold, lock_location
 from scaleattn._storage import Location
 from scaleattn.errors import OutputInUseError
 
-from .conftest import FIT, ROOT, Inputs, dataset, error_line, expect, popen_cli, run_cli, run_main, same_stats, stats_of
+from .conftest import (
+    FIT,
+    ROOT,
+    Inputs,
+    dataset,
+    error_line,
+    expect,
+    popen_cli,
+    run_cli,
+    run_main,
+    same_stats,
+    stats_of,
+    tree_hash,
+)
 
 HOLDER = ("import sys, time; from scaleattn._outputs import hold; from scaleattn._storage import resolve\n"
           "with hold(resolve(sys.argv[1]), '--out'):\n    print('held', flush=True); time.sleep(60)\n")
@@ -61,6 +74,21 @@ def test_generate_and_import_take_the_lock_too(tmp_path, holder, capsys):
     holder(tmp_path / "d.zarr")
     rc, err = run_main(["generate", "mhla", "d.zarr", "--samples", "4", "--length", "3"], capsys, cwd=tmp_path)
     assert rc == 2 and "is in use by the scaleattn run of pid" in error_line(err)
+
+
+@pytest.mark.parametrize("held", ["run", "plots"])
+def test_plot_is_refused_while_a_fit_holds_the_run_or_the_output(tmp_path, holder, capsys, held):
+    """``plot`` reads the run and writes PNGs: never while a fit replaces the run (its PNGs were written into it,
+    then lost when the fit's new run took its place) or writes the chosen --out."""
+    dataset(tmp_path / "d.zarr")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    before = tree_hash(tmp_path / "run")
+    pid = holder(tmp_path / held)
+    rc, err = run_main(["plot", "run", *(["--out", "plots"] if held == "plots" else [])], capsys, cwd=tmp_path)
+    assert rc == 2
+    expect(error_line(err), rf"{'run' if held == 'run' else '--out'} \S+ is in use by the scaleattn run of pid {pid}")
+    assert tree_hash(tmp_path / "run") == before and not (tmp_path / "plots").exists()
 
 
 def test_a_dead_run_s_lock_is_taken_over(tmp_path, capsys):
