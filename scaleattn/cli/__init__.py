@@ -67,12 +67,22 @@ class Terminated(KeyboardInterrupt):
 TERM_CLEANUP_S = 20.0
 
 
-def _stopped_line(args) -> str:
-    """What a command stopped by SIGTERM says last (also when its clean-up ran out of time)."""
+def _stopped_line(args, e: BaseException | None = None) -> str:
+    """What a command stopped by SIGTERM says last: what it wrote, or what it kept (the hint on ``e``, as after
+    Ctrl-C), or, when its clean-up ran out of time (no ``e``), where a fit's finished row groups would be."""
     written = getattr(args, "written", None)  # set by a command once its output is complete
-    resume = " (finished row groups are in the checkpoint: rerun the same command with --resume to continue)"
-    return f"scaleattn {args.command}: stopped by SIGTERM" + (f" after it wrote {written} in full" if written else
-                                                             resume if args.command == "fit" else "")
+    if written:
+        tail = f" after it wrote {written} in full"
+    elif e is not None and _hint(e):
+        tail = _hint(e)
+    elif args.command != "fit":
+        tail = "; nothing was written (outputs are written all or nothing)" if args.command in WRITERS else ""
+    elif e is not None:
+        tail = "; no row group was finished: rerun the same command (with or without --resume) to start again"
+    else:
+        tail = (" (finished row groups are in the fit's checkpoint, if one was kept: rerun the same command with"
+                " --resume to continue)")
+    return f"scaleattn {args.command}: stopped by SIGTERM{tail}"
 
 
 def _on_sigterm(signum, frame, args=None, timers=None):
@@ -154,8 +164,8 @@ def _run(args) -> int:
             raise
         print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Terminated:
-        print(_stopped_line(args), file=sys.stderr)
+    except Terminated as e:
+        print(_stopped_line(args, e), file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:
         written = getattr(args, "written", None)  # set by a command once its output is complete

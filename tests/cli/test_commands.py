@@ -282,3 +282,27 @@ def test_sigterm_leaves_within_its_deadline_even_when_the_clean_up_hangs():
     assert p.returncode == 143 and time.perf_counter() - t < 20, (p.returncode, p.stderr)
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("scaleattn fit: stopped by SIGTERM") and "--resume" in last
+
+
+def test_the_sigterm_line_says_what_was_kept():
+    """The last line after SIGTERM claims a checkpoint only when one was kept (it said "finished row groups are in
+    the checkpoint" also when none existed); the same words as after Ctrl-C."""
+    import argparse
+
+    from scaleattn.cli import Terminated, _stopped_line
+    from scaleattn.errors import with_hint
+
+    fit = argparse.Namespace(command="fit")
+    kept = with_hint(Terminated(), "the checkpoint /x.ckpt keeps 3 of 16 row groups: run the same command with"
+                                   " --resume to continue")
+    assert _stopped_line(fit, kept) == ("scaleattn fit: stopped by SIGTERM; the checkpoint /x.ckpt keeps 3 of 16 row"
+                                        " groups: run the same command with --resume to continue")
+    none = with_hint(Terminated(), "no checkpoint was kept")
+    assert _stopped_line(fit, none) == "scaleattn fit: stopped by SIGTERM; no checkpoint was kept"
+    assert "no row group was finished" in _stopped_line(fit, Terminated())
+    assert "if one was kept" in _stopped_line(fit)  # the deadline's line: the exception is not at hand
+    assert _stopped_line(argparse.Namespace(command="generate"), Terminated()).endswith("nothing was written"
+                                                                                        " (outputs are written all"
+                                                                                        " or nothing)")
+    done = argparse.Namespace(command="fit", written="run")
+    assert _stopped_line(done, kept) == "scaleattn fit: stopped by SIGTERM after it wrote run in full"
