@@ -45,8 +45,9 @@ def check_values(name: str, a, start: int) -> None:
         return
     limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
     mag = xp.astype(xp.max(xp.abs(flat), axis=1), xp.float64)  # (float16 cannot hold the limit: no cast warning)
-    if bool(xp.any(mag > limit)):
-        i = _first(mag > limit, xp)
+    big = mag > limit
+    if bool(xp.any(big)):
+        i = _first(big, xp)
         raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
                            f" features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
 

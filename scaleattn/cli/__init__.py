@@ -70,19 +70,24 @@ TERM_CLEANUP_S = 20.0
 def _stopped_line(args, e: BaseException | None = None) -> str:
     """What a command stopped by SIGTERM says last: what it wrote, or what it kept (the hint on ``e``, as after
     Ctrl-C), or, when its clean-up ran out of time (no ``e``), where a fit's finished row groups would be."""
-    written = getattr(args, "written", None)  # set by a command once its output is complete
-    if written:
-        tail = f" after it wrote {written} in full"
-    elif e is not None and _hint(e):
-        tail = _hint(e)
-    elif args.command != "fit":
-        tail = "; nothing was written (outputs are written all or nothing)" if args.command in WRITERS else ""
+    if getattr(args, "written", None) or args.command != "fit" or (e is not None and _hint(e)):
+        tail = _kept(args, e)
     elif e is not None:
         tail = "; no row group was finished: rerun the same command (with or without --resume) to start again"
     else:
         tail = (" (finished row groups are in the fit's checkpoint, if one was kept: rerun the same command with"
                 " --resume to continue)")
     return f"scaleattn {args.command}: stopped by SIGTERM{tail}"
+
+
+def _kept(args, e: BaseException | None) -> str:
+    """What an interrupted command left: its output written in full, what the hint on ``e`` says was kept, or
+    nothing."""
+    written = getattr(args, "written", None)  # set by a command once its output is complete
+    if written:
+        return f" after it wrote {written} in full"
+    return (_hint(e) if e is not None else "") or ("; nothing was written (outputs are written all or nothing)"
+                                                   if args.command in WRITERS else "")
 
 
 def _on_sigterm(signum, frame, args=None, timers=None):
@@ -168,11 +173,7 @@ def _run(args) -> int:
         print(_stopped_line(args, e), file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:
-        written = getattr(args, "written", None)  # set by a command once its output is complete
-        kept = (f" after it wrote {written} in full" if written else
-                _hint(e) or ("; nothing was written (outputs are written all or nothing)"
-                             if args.command in WRITERS else ""))
-        print(f"scaleattn {args.command}: interrupted{kept}", file=sys.stderr)
+        print(f"scaleattn {args.command}: interrupted{_kept(args, e)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
         if args.debug:

@@ -16,6 +16,7 @@ such as ``"16GiB"``) or the environment variable ``SCALEATTN_MEMORY_LIMIT`` says
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from ..certificate import DENSE_GRAM_MAX_PSI
@@ -59,15 +60,10 @@ def release_large_buffers() -> None:
     A no-op where glibc is absent. Called by a fit in process and by every statistics task on a worker (any
     cluster, whatever its environment); the embedded cluster's workers also start with it
     (:func:`worker_config`)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _glibc()
+    if libc is not None:
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return
 
 
 def trim_heap() -> None:
@@ -76,13 +72,24 @@ def trim_heap() -> None:
     build's block buffers, freed below :data:`TRIM_THRESHOLD` or in the middle of the heap, otherwise stay resident
     under the solve's psi x psi arrays, and there are more of them the more row groups were read (peak RSS
     +10.8% from N to 4N rows at d = 16 without it). A no-op where glibc is absent."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    """This process's C library when it is glibc (``mallopt`` and ``malloc_trim``), else None; looked up once
+    (``find_library`` runs ``ldconfig``: not once per statistics task)."""
     import ctypes
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (musl and others lack them)
     except (OSError, AttributeError):
-        return
+        return None
+    return libc
 
 
 #: sampling interval of the embedded cluster's worker profiler (the dashboard's profile page): Dask's 10 ms
