@@ -14,7 +14,9 @@ Zarr returns the fill value for a chunk it cannot find, so a deleted chunk or an
 - **The crc32c codec** (:func:`compressors`, zarr v3's own ``crc32c``): a flipped bit fails the read.
 
 The listing also gives each stored object a cheap *signature* (size and modification time, or the object
-store's ETag), which binds checkpointed partials to the chunks they came from (:func:`signature_digest`).
+store's ETag), which binds checkpointed partials to the chunks they came from (:func:`signature_digest`), and
+binds every read of a store without manifest to the objects the client listed when it opened the store
+(:func:`object_signatures` of the objects just read, :func:`scaleattn.datacheck.check_objects`).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import numpy as np
 from .errors import IntegrityError
 
 __all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
-           "expected_keys", "absent_chunks", "storage_grid", "signature_digest", "digest64", "manifest_digest",
-           "checksum_failure", "create_checked", "read_checked", "MANIFEST"]
+           "object_signatures", "block_keys", "expected_keys", "absent_chunks", "storage_grid", "signature_digest",
+           "digest64", "manifest_digest", "checksum_failure", "create_checked", "read_checked", "MANIFEST"]
 
 #: the group attribute holding a store's manifest
 MANIFEST = "manifest"
@@ -144,10 +146,9 @@ def list_chunks(loc, name: str) -> dict[str, str]:
                 if rel in meta:
                     continue
                 try:
-                    st = os.stat(p)
+                    out[rel] = _local_signature(os.stat(p))
                 except FileNotFoundError:  # removed while listing
                     continue
-                out[rel] = f"{st.st_size}:{st.st_mtime_ns}"
         return out
     fs, p = loc.fs()
     base = f"{p.rstrip('/')}/{name}"
@@ -159,9 +160,47 @@ def list_chunks(loc, name: str) -> dict[str, str]:
         rel = path[len(base):].lstrip("/")
         if rel in meta or info.get("type") == "directory":
             continue
-        tag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified",
-                                          "last_modified", "created") if info.get(k) is not None), "")
-        out[rel] = f"{info.get('size', '')}:{tag}"
+        out[rel] = _remote_signature(info)
+    return out
+
+
+def _local_signature(st: os.stat_result) -> str:
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _remote_signature(info: dict) -> str:
+    tag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified",
+                                      "last_modified", "created") if info.get(k) is not None), "")
+    return f"{info.get('size', '')}:{tag}"
+
+
+def block_keys(array, k: int) -> list[str]:
+    """Storage keys (relative to the array) of the objects holding block ``k`` along axis 0 of its storage grid
+    (:func:`storage_grid`: one object per block for arrays chunked along the samples only)."""
+    grid = storage_grid(array)
+    counts = [math.ceil(int(n) / g) for n, g in zip(array.shape[1:], grid[1:])]
+    enc = array.metadata.encode_chunk_key
+    return [enc((k, *c)) for c in itertools.product(*(range(n) for n in counts))]
+
+
+def object_signatures(loc, name: str, keys) -> dict[str, str]:
+    """The :func:`list_chunks` signature of each of ``keys`` (relative to array ``name`` of the group at
+    ``loc``) that is stored, found one object at a time (a stat, or the object store's HEAD) rather than by a
+    listing of the whole array: what a reader checks for the few objects it has just read."""
+    out = {}
+    if not loc.is_remote:
+        for key in keys:
+            try:
+                out[key] = _local_signature(os.stat(os.path.join(loc.url, name, key)))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return out
+    fs, p = loc.fs()
+    for key in keys:
+        try:
+            out[key] = _remote_signature(fs.info(f"{p.rstrip('/')}/{name}/{key}"))
+        except FileNotFoundError:
+            pass
     return out
 
 

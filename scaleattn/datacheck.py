@@ -19,8 +19,8 @@ from ._backend import get_xp
 from .errors import DatasetError, IntegrityError
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
-           "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings",
-           "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
+           "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
+           "check_objects", "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
 
 #: the arrays of a dataset whose rows are samples (DESIGN §7)
 ARRAYS = ("tokens", "lengths", "targets")
@@ -164,9 +164,10 @@ def check_attrs(attrs: dict, url: str, has_targets: bool, causal: bool) -> bool:
     return causal if has_targets else bool(c)
 
 
-def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) -> None:
+def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) -> dict[str, dict[str, str]]:
     """Every chunk the arrays ``names`` of ``group`` imply is stored (and, with a ``manifest``, their shapes
-    are the ones written); keys beyond a shape are refused too (a shape edited down).
+    are the ones written); keys beyond a shape are refused too (a shape edited down). Returns each array's
+    listing (:func:`scaleattn._integrity.list_chunks`).
 
     Raises
     ------
@@ -174,6 +175,7 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
         ``"tokens: no chunk stored for samples [a, b) of URL ..."`` (unless ``fill_absent`` for a store
         without manifest), an enlarged or shrunk shape, or stray chunk keys.
     """
+    listings = {}
     for name in names:
         arr = group[name]
         if manifest is not None:
@@ -186,7 +188,8 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
                 raise IntegrityError(f"{name}: shape {tuple(arr.shape)} in the metadata of {loc.url} differs from"
                                      f" the shape {tuple(entry['shape'])} written (manifest): the zarr.json was"
                                      f" edited{extra}")
-        ranges, stray = _integrity.absent_chunks(arr, _integrity.list_chunks(loc, name))
+        listings[name] = listed = _integrity.list_chunks(loc, name)
+        ranges, stray = _integrity.absent_chunks(arr, listed)
         if stray:
             raise IntegrityError(f"{name}: {len(stray)} stored chunk(s) lie beyond the shape {tuple(arr.shape)} in"
                                  f" the metadata of {loc.url} (first {stray[0]!r}): was the shape edited?")
@@ -201,6 +204,51 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
             f"{name}: no chunk stored for samples {shown} ({n} of {arr.shape[0]} samples) of {loc.url}: zarr"
             f" would read them as the fill value {_plain(arr.fill_value)}; if the writer skipped such chunks on"
             " purpose, pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
+    return listings
+
+
+def _block_digest(name: str, signatures: dict[str, str], keys) -> int:
+    return _integrity.signature_digest(*sorted(f"{name}/{k}={signatures.get(k, 'absent')}" for k in keys))
+
+
+def object_digests(group, listings: dict[str, dict[str, str]]) -> tuple:
+    """What binds the reads of a store without manifest to the objects listed when it was opened: per array,
+    ``(name, samples per stored object, digest of each block's objects' signatures)`` (the objects holding
+    each block of samples, their size and modification time or ETag; :func:`check_objects`)."""
+    out = []
+    for name, listed in listings.items():
+        arr = group[name]
+        rows = _integrity.storage_grid(arr)[0]
+        blocks = math.ceil(int(arr.shape[0]) / rows)
+        out.append((name, rows, tuple(_block_digest(name, listed, _integrity.block_keys(arr, k))
+                                      for k in range(blocks))))
+    return tuple(out)
+
+
+def check_objects(loc, array, name: str, digests: tuple, start: int, stop: int) -> None:
+    """Refuse a read of samples ``[start, stop)`` of array ``name`` (just read from ``loc``) unless the objects
+    holding them are those the client listed (``digests``: :func:`object_digests` as the store was opened):
+    the only binding of the values of a store without manifest (no checksums) to the store the client checked.
+    A worker that reads another copy at the same path, or a chunk rewritten since the store was opened (even
+    during this read), is one error naming the worker, the array and the samples.
+
+    Raises
+    ------
+    IntegrityError
+        The objects' signatures differ, or one is gone."""
+    for n, rows, blocks in digests:
+        if n != name:
+            continue
+        for k in range(start // rows, math.ceil(stop / rows)):
+            keys = _integrity.block_keys(array, k)
+            if _block_digest(name, _integrity.object_signatures(loc, name, keys), keys) != blocks[k]:
+                a, b = k * rows, min(int(array.shape[0]), (k + 1) * rows)
+                raise IntegrityError(
+                    f"{here()}: {name}: the stored chunks of samples [{a}, {b}) of {loc.url} differ from those"
+                    " checked when the job opened it (size and modification time, or ETag; or one is gone): it"
+                    " was rewritten since, or this process sees another copy at the same path; every process must"
+                    " read the same store (a shared file system or an object store URL), unchanged while the job"
+                    " runs")
 
 
 def content_id(loc, names, manifest: dict | None) -> str:

@@ -34,10 +34,12 @@ from .datacheck import (
     check_attrs,
     check_chunks,
     check_lengths,
+    check_objects,
     check_values,
     chunk_absent,
     fingerprint,
     here,
+    object_digests,
     verify_identity,
 )
 from .errors import DatasetError, IntegrityError
@@ -73,6 +75,12 @@ class Dataset:
     fill_absent : bool
         Absent chunks of a store without manifest read as the fill value (the user said so); otherwise they
         are refused when the dataset is opened.
+    objects : tuple
+        A store without manifest (written by another tool, no checksums): the signatures (size and modification
+        time, or ETag) of the objects holding each block of samples as listed when it was opened
+        (:func:`scaleattn.datacheck.object_digests`); every read checks the objects it read against them
+        (:func:`scaleattn.datacheck.check_objects`), on the client and on every worker. Empty for stores
+        scaleattn wrote (their manifest checksums bind every read to the values written).
 
     Raises
     ------
@@ -106,6 +114,7 @@ class Dataset:
     chunk_samples: int
     fingerprint: str = ""
     fill_absent: bool = False
+    objects: tuple = ()
 
     @property
     def url(self) -> str:
@@ -200,6 +209,8 @@ class Dataset:
         if check and manifest is not None:
             _integrity.verify_rows(manifest["arrays"][name], name, values, start, self.url,
                                    missing=functools.partial(chunk_absent, self.store, g[name]))
+        if self.objects:  # after the read: a rewrite before or while it ran changed the signatures too
+            check_objects(self.store, g[name], name, self.objects, start, stop)
         return values
 
     def read_chunks(self, start: int, stop: int, targets: bool = True, reuse=None):
@@ -399,8 +410,10 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     attrs = dict(g.attrs)
     causal = check_attrs(attrs, url, d_out > 0, causal)
     present = [n for n in ARRAYS if n in names]
-    check_chunks(loc, g, present, attrs.get(_integrity.MANIFEST), bool(fill_absent_chunks))
+    manifest = attrs.get(_integrity.MANIFEST)
+    listings = check_chunks(loc, g, present, manifest, bool(fill_absent_chunks))
     chunk = int(tok.chunks[0])
-    ds = Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks))
+    ds = Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks),
+                 () if manifest is not None else object_digests(g, listings))
     ds.teacher()  # small: checked now rather than after the build
     return ds

@@ -98,14 +98,23 @@ def dataset(path, samples=32, chunk=8, seed=1, causal=True, **kw):
                          seed=seed, **kw)
 
 
-def foreign(path, tokens, targets=None, lengths=None, chunk=8, attrs=None):
-    """A dataset written by zarr directly, as another tool would (no manifest, no crc32c, empty chunks skipped)."""
+def foreign(path, tokens, targets=None, lengths=None, chunk=8, attrs=None, compressors="auto"):
+    """A dataset written by zarr directly, as another tool would (no manifest, no crc32c, empty chunks skipped;
+    ``compressors=None``: raw chunks, every one the same size whatever its values)."""
     g = zarr.open_group(str(path), mode="w", zarr_format=3)
     g.attrs.update(attrs or {})
     for name, a in (("tokens", tokens), ("targets", targets), ("lengths", lengths)):
         if a is not None:
-            g.create_array(name, data=np.asarray(a), chunks=(chunk,) + np.shape(a)[1:])
+            g.create_array(name, data=np.asarray(a), chunks=(chunk,) + np.shape(a)[1:], compressors=compressors)
     return g
+
+
+def swap_chunk(src, dst, key="tokens/c/1/0/0"):
+    """Put ``src``'s stored object ``key`` (the samples [8, 16) of tokens) into store ``dst``: of raw chunks, a
+    store whose metadata, listing (keys and sizes) and first and last chunks are ``dst``'s, its values not."""
+    data = (src / key).read_bytes()
+    assert len(data) == (dst / key).stat().st_size and data != (dst / key).read_bytes()
+    (dst / key).write_bytes(data)
 
 
 def rows(seed=0, n=32, T=6, d=2, d_out=2, causal=True):

@@ -19,7 +19,8 @@ from scaleattn.dataset import open_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.errors import IntegrityError
 
-from .conftest import FIT, ROOT, Inputs, dataset, error_line, expect, foreign, rows, run_cli, same_stats, stats_of
+from .conftest import (FIT, ROOT, Inputs, dataset, error_line, expect, foreign, rows, run_cli, same_stats, stats_of,
+                       swap_chunk)
 
 pytestmark = pytest.mark.slow
 
@@ -140,6 +141,38 @@ def test_a_worker_that_sees_another_store_at_the_path_is_refused(tmp_path, remot
                                  r" checked \(fingerprint .* here, .* on the client\)")
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.checkpoint.zarr").exists()
     inputs.unchanged()
+
+
+def test_a_worker_whose_copy_differs_only_inside_is_refused(tmp_path, remote):
+    """A store of another tool (no checksums) of raw chunks, and a worker whose copy at the same path differs in
+    one middle chunk only: same metadata, keys and sizes, same first and last chunks, so the same fingerprint.
+    Its reads are bound to the objects the client listed (size and modification time): one line naming the
+    worker, the array and the samples, nothing written. An exact copy (cp -p: the same objects) is read."""
+    address, start = remote
+    mine, theirs, exact = tmp_path / "d.zarr", tmp_path / "other.zarr", tmp_path / "exact.zarr"
+    foreign(mine, *rows(seed=1), compressors=None)
+    foreign(tmp_path / "e.zarr", *rows(seed=2), compressors=None)
+    shutil.copytree(mine, theirs)
+    swap_chunk(tmp_path / "e.zarr", theirs)
+    shutil.copytree(mine, exact, copy_function=shutil.copy2)  # sizes and modification times kept
+    assert open_dataset(str(theirs)).fingerprint == open_dataset(str(mine)).fingerprint
+    start(tmp_path, bind=(theirs, mine))
+    inputs = Inputs(mine)
+    r = run_cli(["fit", str(mine), "--out", "run", "--scheduler", address, "--quiet", "--no-plots"], cwd=tmp_path)
+    assert r.returncode == 2
+    expect(error_line(r.stderr), rf"worker tcp://127\.0\.0\.1:\d+ \(host \S+\): tokens: the stored chunks of samples"
+                                 rf" \[8, 16\) of {mine} differ from those checked when the job opened it")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.checkpoint.zarr").exists()
+    inputs.unchanged()
+    from distributed import Client
+
+    with Client(address, timeout="30s") as c:  # that worker goes; one that sees the exact copy comes
+        c.retire_workers(list(c.scheduler_info()["workers"]), close_workers=True)
+    start(tmp_path, bind=(exact, mine))
+    assert run_cli(["fit", str(mine), "--out", "ref", *FIT], cwd=tmp_path).returncode == 0
+    r = run_cli(["fit", str(mine), "--out", "run", "--scheduler", address, "--quiet", "--no-plots"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    same_stats(stats_of(tmp_path / "run"), stats_of(tmp_path / "ref"))
 
 
 def test_a_worker_that_cannot_see_the_store_is_named(tmp_path, remote):

@@ -12,7 +12,8 @@ import shutil
 import pytest
 import zarr
 
-from .conftest import FIT, Inputs, dataset, error_line, expect, foreign, rows, run_main, same_stats, stats_of
+from .conftest import (FIT, Inputs, dataset, error_line, expect, foreign, rows, run_main, same_stats, stats_of,
+                       swap_chunk)
 
 
 @pytest.fixture(scope="module")
@@ -261,5 +262,57 @@ def test_an_input_changed_after_the_build_is_refused_by_the_later_pass(when, arg
     monkeypatch.setattr(pipeline, when, edited_first)
     rc, err = run_main(["fit", src, "--out", tmp_path / "run", "--local", "--quiet", "--no-plots", *argv], capsys)
     assert rc == 2
-    expect(error_line(err), rf"in\.zarr changed while the {'evaluation' if when == 'evaluate' else 'QR'} pass read it")
+    # a rewritten chunk is found by the read itself (its objects' signatures), appended samples by the pass's end
+    expect(error_line(err), r"host \S+: tokens: the stored chunks of samples \[8, 16\) of \S+in\.zarr differ from"
+                            r" those checked when the job opened it" if change == "chunk" else
+                            rf"in\.zarr changed while the {'evaluation' if when == 'evaluate' else 'QR'} pass read it")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("how", ["same size", "other size", "deleted"])
+def test_a_store_without_manifest_is_read_only_as_the_objects_checked_when_opened(tmp_path, how):
+    """A store of another tool has no checksums: each read is bound to the objects listed when the store was
+    opened (size and modification time), so a chunk rewritten afterwards, even to the same size with the store's
+    fingerprint unchanged (its metadata, its listing's sizes, its first and last chunks), is one error naming
+    the array and the samples, never other numbers; the untouched chunks still read."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    tok, y = rows(n=32)
+    foreign(tmp_path / "d.zarr", tok, y, compressors=None)
+    foreign(tmp_path / "e.zarr", *rows(seed=5, n=32), compressors=None)
+    ds = open_dataset(tmp_path / "d.zarr")
+    if how == "same size":
+        swap_chunk(tmp_path / "e.zarr", tmp_path / "d.zarr")
+        assert open_dataset(tmp_path / "d.zarr").fingerprint == ds.fingerprint  # what a worker's check compares
+    elif how == "other size":
+        zarr.open_group(str(tmp_path / "d.zarr"), mode="r+")["tokens"][8:16] = 2 * tok[8:16]
+    else:
+        os.remove(tmp_path / "d.zarr" / "tokens" / "c" / "1" / "0" / "0")
+    np.testing.assert_array_equal(ds.read(0, 8)[0], tok[:8])
+    np.testing.assert_array_equal(ds.read(16, 32)[2], y[16:])
+    for a, b in ((8, 16), (0, 32), (15, 17)):
+        with pytest.raises(IntegrityError, match=r"^host \S+: tokens: the stored chunks of samples \[8, 16\) of"
+                                                 r" \S+d\.zarr differ from those checked when the job opened it"):
+            ds.read(a, b)
+
+
+def test_a_store_without_manifest_read_as_fill_binds_its_absent_chunks_too(tmp_path):
+    """With --absent-chunks-are-fill an absent chunk is part of what was checked: one stored later (other
+    values where the fill value was read before) is refused as a rewritten one."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    tok, y = rows(n=32)
+    tok[8:16] = 0.0  # zarr skips the chunk equal to the fill value
+    foreign(tmp_path / "d.zarr", tok, y)
+    assert not (tmp_path / "d.zarr" / "tokens" / "c" / "1" / "0" / "0").exists()
+    ds = open_dataset(tmp_path / "d.zarr", fill_absent_chunks=True)
+    np.testing.assert_array_equal(ds.read(8, 16)[0], 0.0)
+    zarr.open_group(str(tmp_path / "d.zarr"), mode="r+")["tokens"][8:16] = 1.0
+    with pytest.raises(IntegrityError, match=r"tokens: the stored chunks of samples \[8, 16\)"):
+        ds.read(8, 16)
