@@ -164,9 +164,10 @@ class Dataset:
         """Read samples ``[start, stop)``: ``(tokens, lengths, targets)`` as numpy arrays.
 
         ``lengths`` / ``targets`` are None when absent (or not requested). With ``check``, values are
-        validated and a :class:`DatasetError` names the array and the first bad (global) sample index; chunks
-        read whole are checked against the manifest (an :class:`IntegrityError` names the array and the sample
-        range of a chunk that is missing, changed or damaged).
+        validated and a :class:`DatasetError` names the array and the first bad (global) sample index; every
+        value returned is checked against the manifest (a range that cuts a chunk reads and checks it whole; an
+        :class:`IntegrityError` names the array and the sample range of a chunk that is missing, changed or
+        damaged).
         """
         tok = self._rows("tokens", start, stop, check)
         lens = self._rows("lengths", start, stop, check) if self.has_lengths else None
@@ -189,13 +190,20 @@ class Dataset:
         return lens.astype(np.int64, copy=False)
 
     def _rows(self, name: str, start: int, stop: int, check: bool) -> np.ndarray:
-        """Samples ``[start, stop)`` of array ``name``, the whole chunks among them checked against the manifest
-        (with ``check``); a damaged, missing or unreadable chunk is one error naming the array and the samples."""
+        """Samples ``[start, stop)`` of array ``name``, checked against the manifest (with ``check``; a range that
+        cuts a checksum block is widened to whole blocks, read and checked, then sliced), or against the objects
+        listed at opening (a store without manifest); a damaged, missing, changed or unreadable chunk is one error
+        naming the array and the samples."""
         g = self.group()
         manifest = self.manifest()
+        entry = manifest["arrays"][name] if check and manifest is not None else None
+        lo, hi = start, stop
+        if entry is not None:  # whole checksum blocks: a range that cuts one is read whole, never half-verified
+            r = int(entry["rows"])
+            lo, hi = start // r * r, min(-(-stop // r) * r, int(entry["shape"][0]))
         try:
             _testing.before_read(self.url)
-            values = np.asarray(g[name][start:stop])
+            values = np.asarray(g[name][lo:hi])
         except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
             access = access_error(self.url, e)
             if access is not None:  # the store is unreachable, not the data bad: keep it resumable
@@ -206,9 +214,10 @@ class Dataset:
             raise IntegrityError(
                 f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
             ) from None
-        if check and manifest is not None:
-            _integrity.verify_rows(manifest["arrays"][name], name, values, start, self.url,
+        if entry is not None:
+            _integrity.verify_rows(entry, name, values, lo, self.url,
                                    missing=functools.partial(chunk_absent, self.store, g[name]))
+            values = values[start - lo : stop - lo]
         if self.objects:  # after the read: a rewrite before or while it ran changed the signatures too
             check_objects(self.store, g[name], name, self.objects, start, stop)
         return values

@@ -19,8 +19,20 @@ from scaleattn.dataset import open_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.errors import IntegrityError
 
-from .conftest import (FIT, ROOT, Inputs, dataset, error_line, expect, foreign, rows, run_cli, same_stats, stats_of,
-                       swap_chunk)
+from .conftest import (
+    FIT,
+    ROOT,
+    Inputs,
+    dataset,
+    error_line,
+    expect,
+    foreign,
+    rows,
+    run_cli,
+    same_stats,
+    stats_of,
+    swap_chunk,
+)
 
 pytestmark = pytest.mark.slow
 

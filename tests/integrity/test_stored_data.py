@@ -12,8 +12,19 @@ import shutil
 import pytest
 import zarr
 
-from .conftest import (FIT, Inputs, dataset, error_line, expect, foreign, rows, run_main, same_stats, stats_of,
-                       swap_chunk)
+from .conftest import (
+    FIT,
+    Inputs,
+    dataset,
+    error_line,
+    expect,
+    foreign,
+    rows,
+    run_main,
+    same_stats,
+    stats_of,
+    swap_chunk,
+)
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +327,25 @@ def test_a_store_without_manifest_read_as_fill_binds_its_absent_chunks_too(tmp_p
     zarr.open_group(str(tmp_path / "d.zarr"), mode="r+")["tokens"][8:16] = 1.0
     with pytest.raises(IntegrityError, match=r"tokens: the stored chunks of samples \[8, 16\)"):
         ds.read(8, 16)
+
+
+@pytest.mark.parametrize("a,b", [(3, 10), (9, 10), (10, 17), (0, 9)])
+def test_a_read_that_cuts_a_chunk_still_checks_it_against_the_manifest(tmp_path, a, b):
+    """A store scaleattn wrote, one chunk replaced by the same chunk of another store (valid codec, its own
+    crc32c, other values): a read of samples that cuts the chunk (the first n samples a plot reads) must not
+    return its values unchecked. Reads that miss the chunk still work."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    ds = dataset(tmp_path / "d.zarr", seed=1)
+    dataset(tmp_path / "e.zarr", seed=2)
+    key = "tokens/c/1/0/0"
+    shutil.copyfile(tmp_path / "e.zarr" / key, tmp_path / "d.zarr" / key)
+    ds = open_dataset(tmp_path / "d.zarr")
+    whole = zarr.open_group(str(tmp_path / "d.zarr"), mode="r")["tokens"][:]
+    np.testing.assert_array_equal(ds.read(0, 8)[0], whole[:8])
+    np.testing.assert_array_equal(ds.read(17, 30)[0], whole[17:30])
+    with pytest.raises(IntegrityError, match=r"^tokens: samples \[8, 16\) of \S+d\.zarr: the values do not match"):
+        ds.read(a, b)
