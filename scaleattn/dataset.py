@@ -203,7 +203,8 @@ class Dataset:
             lo, hi = start // r * r, min(-(-stop // r) * r, int(entry["shape"][0]))
         try:
             _testing.before_read(self.url)
-            values = np.asarray(g[name][lo:hi])
+            arr = g[name]  # (opening an array reads its metadata: once per read)
+            values = np.asarray(arr[lo:hi])
         except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
             access = access_error(self.url, e)
             if access is not None:  # the store is unreachable, not the data bad: keep it resumable
@@ -216,10 +217,10 @@ class Dataset:
             ) from None
         if entry is not None:
             _integrity.verify_rows(entry, name, values, lo, self.url,
-                                   missing=functools.partial(chunk_absent, self.store, g[name]))
+                                   missing=functools.partial(chunk_absent, self.store, arr))
             values = values[start - lo : stop - lo]
         if self.objects:  # after the read: a rewrite before or while it ran changed the signatures too
-            check_objects(self.store, g[name], name, self.objects, start, stop)
+            check_objects(self.store, arr, name, self.objects, start, stop)
         return values
 
     def read_chunks(self, start: int, stop: int, targets: bool = True, reuse=None):
