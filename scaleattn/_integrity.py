@@ -31,8 +31,9 @@ import numpy as np
 from .errors import IntegrityError
 
 __all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
-           "object_signatures", "block_keys", "expected_keys", "absent_chunks", "storage_grid", "signature_digest",
-           "digest64", "manifest_digest", "checksum_failure", "create_checked", "read_checked", "MANIFEST"]
+           "object_signatures", "informative", "block_keys", "expected_keys", "absent_chunks", "storage_grid",
+           "signature_digest", "digest64", "manifest_digest", "checksum_failure", "create_checked", "read_checked",
+           "MANIFEST"]
 
 #: the group attribute holding a store's manifest
 MANIFEST = "manifest"
@@ -170,8 +171,14 @@ def _local_signature(st: os.stat_result) -> str:
 
 def _remote_signature(info: dict) -> str:
     tag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified",
-                                      "last_modified", "created") if info.get(k) is not None), "")
+                                      "last_modified", "Last-Modified", "created") if info.get(k) is not None), "")
     return f"{info.get('size', '')}:{tag}"
+
+
+def informative(signature: str) -> bool:
+    """Whether a listed signature identifies its object (an HTTP listing has neither size nor tag)."""
+    size, _, tag = signature.partition(":")
+    return size not in ("", "None") or bool(tag)
 
 
 def block_keys(array, k: int) -> list[str]:
@@ -197,8 +204,10 @@ def object_signatures(loc, name: str, keys) -> dict[str, str]:
         return out
     fs, p = loc.fs()
     for key in keys:
+        path = f"{p.rstrip('/')}/{name}/{key}"
+        fs.invalidate_cache(path)  # ask the store: a listing cached at open (s3fs, gcsfs) would answer otherwise
         try:
-            out[key] = _remote_signature(fs.info(f"{p.rstrip('/')}/{name}/{key}"))
+            out[key] = _remote_signature(fs.info(path))
         except FileNotFoundError:
             pass
     return out

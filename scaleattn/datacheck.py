@@ -7,6 +7,7 @@ the sample (range) and the store. :mod:`scaleattn.dataset` calls these; DESIGN Â
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import socket
 import sys
@@ -211,35 +212,52 @@ def _block_digest(name: str, signatures: dict[str, str], keys) -> int:
     return _integrity.signature_digest(*sorted(f"{name}/{k}={signatures.get(k, 'absent')}" for k in keys))
 
 
-def object_digests(group, listings: dict[str, dict[str, str]]) -> tuple:
-    """What binds the reads of a store without manifest to the objects listed when it was opened: per array,
-    ``(name, samples per stored object, digest of each block's objects' signatures)`` (the objects holding
-    each block of samples, their size and modification time or ETag; :func:`check_objects`)."""
+def _metadata_digest(array) -> int:
+    """Digest of the metadata zarr decodes an array with (its own document, or the group's consolidated copy)."""
+    meta = array.metadata.to_dict()
+    return _integrity.digest64(json.dumps(meta, sort_keys=True, default=str).encode())
+
+
+def object_digests(loc, group, listings: dict[str, dict[str, str]]) -> tuple:
+    """What binds the reads of a store without manifest to what the client checked when it opened it: per array,
+    ``(name, digest of its decoding metadata, samples per stored object, digest of each block's objects'
+    signatures)`` (the objects holding each block of samples, their size and modification time or ETag;
+    :func:`check_objects`). Objects whose listing does not identify them (HTTP) are asked one by one."""
     out = []
     for name, listed in listings.items():
         arr = group[name]
+        if not all(map(_integrity.informative, listed.values())):
+            listed = _integrity.object_signatures(loc, name, listed)
         rows = _integrity.storage_grid(arr)[0]
         blocks = math.ceil(int(arr.shape[0]) / rows)
-        out.append((name, rows, tuple(_block_digest(name, listed, _integrity.block_keys(arr, k))
-                                      for k in range(blocks))))
+        out.append((name, _metadata_digest(arr), rows,
+                    tuple(_block_digest(name, listed, _integrity.block_keys(arr, k)) for k in range(blocks))))
     return tuple(out)
 
 
 def check_objects(loc, array, name: str, digests: tuple, start: int, stop: int) -> None:
-    """Refuse a read of samples ``[start, stop)`` of array ``name`` (just read from ``loc``) unless the objects
-    holding them are those the client listed (``digests``: :func:`object_digests` as the store was opened):
-    the only binding of the values of a store without manifest (no checksums) to the store the client checked.
-    A worker that reads another copy at the same path, or a chunk rewritten since the store was opened (even
-    during this read), is one error naming the worker, the array and the samples.
+    """Refuse a read of samples ``[start, stop)`` of array ``name`` (just read from ``loc`` through ``array``)
+    unless it was decoded with the metadata the client checked and the objects holding those samples are those
+    the client listed (``digests``: :func:`object_digests` as the store was opened): the only binding of the
+    values of a store without manifest (no checksums) to the store the client checked. A worker that reads
+    another copy at the same path, a chunk rewritten since the store was opened (even during this read), or
+    metadata edited since (a codec, a consolidated copy), is one error naming the process, the array and the
+    samples.
 
     Raises
     ------
     IntegrityError
-        The objects' signatures differ, or one is gone."""
-    for n, rows, blocks in digests:
+        The metadata or the objects' signatures differ, or an object is gone."""
+    for n, meta, rows, blocks in digests:
         if n != name:
             continue
-        for k in range(start // rows, math.ceil(stop / rows)):
+        if _metadata_digest(array) != meta:
+            raise IntegrityError(
+                f"{here()}: {name}: the metadata of {loc.url} that zarr decodes samples [{start}, {stop}) with"
+                " differs from that checked when the job opened it (its zarr.json, or the group's consolidated"
+                " copy, was edited since, or this process sees another copy at the same path); every process"
+                " must read the same store, unchanged while the job runs")
+        for k in range(start // rows, min(len(blocks), math.ceil(stop / rows))):
             keys = _integrity.block_keys(array, k)
             if _block_digest(name, _integrity.object_signatures(loc, name, keys), keys) != blocks[k]:
                 a, b = k * rows, min(int(array.shape[0]), (k + 1) * rows)

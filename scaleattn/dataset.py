@@ -133,7 +133,7 @@ class Dataset:
         return self.d_out > 0
 
     def group(self):
-        """The Zarr group, opened read-only (cached per process), after checking once per process that it is
+        """The Zarr group, opened read-only (cached per process), after checking at each open that it is
         the store the handle was made from (:func:`scaleattn.datacheck.verify_identity`: a worker that sees
         another file at this path, or a store changed since, is refused naming the worker).
 
@@ -143,18 +143,9 @@ class Dataset:
             The store here is not the one checked, or cannot be opened here (naming the worker).
         """
         frozen = _freeze(self.storage_options)
-        try:
-            g = self.store.open_group("r") if frozen is None else _open_cached(self.url, frozen, self.fingerprint)
-        except Exception as e:
-            access = access_error(self.url, e)
-            if access is not None:
-                raise access from None
-            raise IntegrityError(f"{here()}: cannot open the dataset {self.url} ({type(e).__name__}: {e}): the"
-                                 " workers must see the same store as the client (a shared file system or an"
-                                 " object store URL)") from None
-        if self.fingerprint:
-            _verified(self.url, frozen, self.fingerprint, g if frozen is None else None)
-        return g
+        if frozen is not None:
+            return _open_verified(self.url, frozen, self.fingerprint)
+        return _open_and_verify(self.store, self.fingerprint)  # (options that are not JSON: opened each time)
 
     def manifest(self) -> dict | None:
         """The manifest of a store scaleattn wrote (shapes and per-chunk checksums), None for other stores."""
@@ -334,22 +325,26 @@ def _freeze(opts):
 
 
 @functools.lru_cache(maxsize=16)
-def _open_cached(url, frozen_opts, fingerprint):
-    return Location(url, json.loads(frozen_opts) or None).open_group("r")
+def _open_verified(url, frozen_opts, fp):
+    """:func:`_open_and_verify`, cached per process by URL, options and fingerprint: the check and the group it
+    vouches for are one cache entry, so a group evicted and opened again is checked again."""
+    return _open_and_verify(Location(url, json.loads(frozen_opts) or None), fp)
 
 
-@functools.lru_cache(maxsize=64)
-def _verified_cached(url, frozen_opts, fp) -> None:
-    loc = Location(url, json.loads(frozen_opts) or None)
-    verify_identity(fp, fingerprint(loc, _open_cached(url, frozen_opts, fp)), url)
-
-
-def _verified(url, frozen, fp, group) -> None:
-    """Check, once per process (cached on success), that the store at ``url`` has fingerprint ``fp``."""
-    if frozen is not None:
-        _verified_cached(url, frozen, fp)
-    else:
-        verify_identity(fp, fingerprint(Location(url), group), url)
+def _open_and_verify(loc: Location, fp: str):
+    """The group at ``loc`` opened read-only, checked to have fingerprint ``fp`` (unless empty)."""
+    try:
+        g = loc.open_group("r")
+    except Exception as e:
+        access = access_error(loc.url, e)
+        if access is not None:
+            raise access from None
+        raise IntegrityError(f"{here()}: cannot open the dataset {loc.url} ({type(e).__name__}: {e}): the workers"
+                             " must see the same store as the client (a shared file system or an object store"
+                             " URL)") from None
+    if fp:
+        verify_identity(fp, fingerprint(loc, g), loc.url)
+    return g
 
 
 def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_chunks: bool = False) -> Dataset:
@@ -424,6 +419,6 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     listings = check_chunks(loc, g, present, manifest, bool(fill_absent_chunks))
     chunk = int(tok.chunks[0])
     ds = Dataset(loc, N, T, d, d_out, causal, has_lengths, chunk, fingerprint(loc, g), bool(fill_absent_chunks),
-                 () if manifest is not None else object_digests(g, listings))
+                 () if manifest is not None else object_digests(loc, g, listings))
     ds.teacher()  # small: checked now rather than after the build
     return ds

@@ -62,3 +62,29 @@ def test_an_absent_chunk_object_is_refused_and_a_run_holds_its_s3_lock(s3):
     local = s3["tmp"] / "local"
     assert run_cli(["fit", str(s3["tmp"] / "d.zarr"), "--out", local, *FIT]).returncode == 0
     same_stats(Statistics.load(f"s3://{BUCKET}/run/stats.zarr", s3["opts"]), Statistics.load(str(local / "stats.zarr")))
+
+
+def test_a_chunk_object_rewritten_after_opening_is_refused_with_the_listing_cache_on(s3, tmp_path):
+    """A store of another tool on S3 opened with ordinary options (s3fs keeps the listing it took at opening):
+    the check after each read must ask the server, not that listing, so a chunk object rewritten by another
+    client (same size, new ETag) is one error naming the samples, in process and in a fresh handle's reads."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    from .conftest import foreign, rows
+
+    fs = s3["fs"]
+    tok, y = rows(seed=1)
+    foreign(tmp_path / "f.zarr", tok, y, compressors=None)
+    foreign(tmp_path / "g.zarr", *rows(seed=2), compressors=None)
+    fs.put(str(tmp_path / "f.zarr"), f"{BUCKET}/f.zarr", recursive=True)
+    opts = {k: v for k, v in s3["opts"].items() if k not in ("skip_instance_cache", "use_listings_cache")}
+    ds = open_dataset(f"s3://{BUCKET}/f.zarr", opts)
+    np.testing.assert_array_equal(ds.read(0, 32)[0], tok)
+    fs.put(str(tmp_path / "g.zarr" / "tokens/c/1/0/0"), f"{BUCKET}/f.zarr/tokens/c/1/0/0")
+    with pytest.raises(IntegrityError, match=r"tokens: the stored chunks of samples \[8, 16\) of s3://integrity/f\.zarr"
+                                             r" differ from those checked"):
+        ds.read(8, 16)
+    np.testing.assert_array_equal(ds.read(16, 32)[0], tok[16:])

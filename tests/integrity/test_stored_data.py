@@ -273,10 +273,12 @@ def test_an_input_changed_after_the_build_is_refused_by_the_later_pass(when, arg
     monkeypatch.setattr(pipeline, when, edited_first)
     rc, err = run_main(["fit", src, "--out", tmp_path / "run", "--local", "--quiet", "--no-plots", *argv], capsys)
     assert rc == 2
-    # a rewritten chunk is found by the read itself (its objects' signatures), appended samples by the pass's end
+    # found by the pass's first read: a rewritten chunk by its objects' signatures, appended samples by the
+    # array's metadata (its shape)
     expect(error_line(err), r"host \S+: tokens: the stored chunks of samples \[8, 16\) of \S+in\.zarr differ from"
                             r" those checked when the job opened it" if change == "chunk" else
-                            rf"in\.zarr changed while the {'evaluation' if when == 'evaluate' else 'QR'} pass read it")
+                            r"host \S+: tokens: the metadata of \S+in\.zarr that zarr decodes samples \[0, \d+\) with"
+                            r" differs from that checked when the job opened it")
     assert not (tmp_path / "run").exists()
 
 
@@ -349,3 +351,68 @@ def test_a_read_that_cuts_a_chunk_still_checks_it_against_the_manifest(tmp_path,
     np.testing.assert_array_equal(ds.read(17, 30)[0], whole[17:30])
     with pytest.raises(IntegrityError, match=r"^tokens: samples \[8, 16\) of \S+d\.zarr: the values do not match"):
         ds.read(a, b)
+
+
+@pytest.mark.parametrize("where", ["array", "consolidated"])
+def test_metadata_edited_after_opening_is_refused_by_the_next_read(tmp_path, where):
+    """A store of another tool whose decoding metadata changes after it was opened (a transpose codec added to
+    the array's zarr.json, or to the group's consolidated copy zarr decodes with): the same chunk objects would
+    read as other values. The next read is one error naming the array, never the permuted values."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    rng = np.random.default_rng(0)
+    tok, y = rng.standard_normal((32, 4, 4)), rng.standard_normal((32, 2))
+    foreign(tmp_path / "d.zarr", tok, y)
+    if where == "consolidated":
+        zarr.consolidate_metadata(str(tmp_path / "d.zarr"))
+    ds = open_dataset(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(ds.read(0, 8)[0], tok[:8])
+    doc = tmp_path / "d.zarr" / ("tokens/zarr.json" if where == "array" else "zarr.json")
+    meta = json.loads(doc.read_text())
+    arr = meta if where == "array" else meta["consolidated_metadata"]["metadata"]["tokens"]
+    arr["codecs"].insert(0, {"name": "transpose", "configuration": {"order": [0, 2, 1]}})
+    doc.write_text(json.dumps(meta))
+    assert not np.array_equal(zarr.open_group(str(tmp_path / "d.zarr"), mode="r")["tokens"][:8], tok[:8])
+    refused = r"host \S+: tokens: the metadata of \S+d\.zarr that zarr decodes samples \[0, 8\) with differs from" \
+              r" that checked when the job opened"
+    if where == "array":  # (this process keeps the consolidated copy it opened, and reads as checked)
+        with pytest.raises(IntegrityError, match="^" + refused):
+            ds.read(0, 8)
+    # another process (a Dask worker) given the handle opens the store as it is now: refused by the fingerprint
+    # (which hashes the array's own zarr.json) or by the read (the consolidated copy zarr decodes with)
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.pkl").write_bytes(pickle.dumps(ds))
+    r = subprocess.run([sys.executable, "-c", "import pickle, sys; ds = pickle.load(open(sys.argv[1], 'rb'));"
+                        " ds.read(0, 8)", str(tmp_path / "ds.pkl")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    expect(r.stderr.strip().splitlines()[-1], "IntegrityError: " + (refused if where == "consolidated" else
+                                                                   r"host \S+: \S+d\.zarr is not the dataset the"
+                                                                   r" client checked"))
+
+
+def test_a_replaced_store_is_refused_after_its_cached_group_was_evicted(tmp_path):
+    """The open group is cached per process (a few entries) with its fingerprint check: a store replaced after
+    opening by another scaleattn store (its own consistent manifest) stays refused after many other datasets
+    pushed its group out of the cache (the group was reopened with the new manifest, its check still cached)."""
+    import numpy as np
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.errors import IntegrityError
+
+    X, Y = np.random.default_rng(0).standard_normal((32, 4, 2)), np.ones((32, 2))
+    write_dataset(tmp_path / "d.zarr", X, Y, chunk_samples=8)
+    ds = open_dataset(tmp_path / "d.zarr")
+    np.testing.assert_array_equal(ds.read(0, 32)[0], X)
+    shutil.rmtree(tmp_path / "d.zarr")
+    write_dataset(tmp_path / "d.zarr", X + 1.0, Y, chunk_samples=8)
+    for i in range(20):
+        open_dataset(write_dataset(tmp_path / f"o{i}.zarr", X, Y, chunk_samples=8).url).read(0, 8)
+    with pytest.raises(IntegrityError, match=r"d\.zarr is not the dataset the client checked"):
+        ds.read(0, 32)
