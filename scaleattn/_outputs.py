@@ -1,36 +1,34 @@
 """Writing outputs safely (layer L0): never into an input, never over a foreign directory, never two runs at
-once, all or nothing.
+once, never over what another run reads, never where it would not last, all or nothing.
 
+- :func:`check_output_location`: the one check of where any output may go, before anything is written: a
+  local path or a store that keeps what is written after this process exits (:data:`PERSISTENT`: not
+  ``memory://``, HTTP, archives or chained cache URLs), not the root of a bucket, not inside a Zarr store.
 - :func:`check_disjoint`: an output, checkpoint or temporary that is, contains or lies inside an input store
   (after resolving ``.``, ``..``, trailing slashes and symlinks; URLs by prefix) is refused.
 - :func:`owner_of` / :func:`check_replaceable`: ``--overwrite`` replaces only what scaleattn wrote: a Zarr
   store whose ``format`` starts with ``scaleattn-``, or a run directory (report.json, the run's stores, plots).
-- :func:`hold`: an exclusive lock next to an output (``.NAME.lock``: owner host, pid and start time). Local
-  locks are ``flock`` locks, released by the kernel when the process dies, so a stale lock of a killed run is
-  taken over at once; on object stores the lock object is created exclusively and a lock of a dead process
-  on this host is detected from its pid and start time.
+- :func:`hold` (one run per output) and :func:`reading` / :func:`check_unread` (no store replaced or deleted
+  while another run reads it): the locks of :mod:`scaleattn._locks`, re-exported here.
 - :func:`atomic_output`: a temporary next to the output, renamed on success; temporaries left by a killed run
   are removed by the next run that holds the lock.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import fnmatch
-import json
 import os
 import posixpath
-import socket
-import time
 import uuid
 
 from . import _formats
-from ._storage import Location, remove
-from .errors import OutputExistsError, OutputInUseError, ScaleattnError, StorageError, UnsafeOutputError
+from ._locks import _read_json, _refused, check_unread, hold, lock_location, reading
+from ._storage import Location, fs_for, protocols, remove
+from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
-__all__ = ["check_disjoint", "check_companions", "check_outside_stores", "relation", "owner_of",
-           "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers", "lock_location", "companions",
-           "is_temporary_of"]
+__all__ = ["check_disjoint", "check_companions", "check_outside_stores", "check_output_location", "PERSISTENT",
+           "relation", "owner_of", "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers",
+           "lock_location", "companions", "is_temporary_of", "reading", "check_unread"]
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -164,14 +162,79 @@ def check_outside_stores(loc: Location, role: str = "output") -> None:
                                     " into a store from outside it; choose a path outside it")
 
 
+# ---- outputs outlive the command ----------------------------------------------------------------------
+#: fsspec protocols of stores that keep what is written after this process exits: the only ones outputs go to
+PERSISTENT = frozenset({"file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs",
+                        "arrow_hdfs", "sftp", "ssh", "ftp", "smb", "webdav", "oss", "oci", "dbfs"})
+#: why known fsspec protocols cannot hold an output
+_NOT_PERSISTENT = {
+    "memory": "an in-memory file system, gone when this process exits (and never seen by Dask workers in other"
+              " processes)",
+    "http": "HTTP(S) URLs are read-only in fsspec", "https": "HTTP(S) URLs are read-only in fsspec",
+    "zip": "an archive opened read-only", "tar": "an archive opened read-only",
+    "libarchive": "an archive opened read-only",
+    "github": "a read-only view of a git repository", "git": "a read-only view of a git repository",
+    "gist": "a read-only view of a gist", "reference": "a read-only reference file system",
+    "data": "a read-only data: URL",
+    **{c: "a cache layer: writes stay in a local cache instead of the store behind it"
+       for c in ("simplecache", "filecache", "blockcache", "cached")},
+}
+
+
+def check_output_location(loc: Location, role: str = "output", *, local_only: bool = False) -> None:
+    """Where an output may go, checked before anything is written; every output passes here (a fit's
+    ``--out`` and ``--checkpoint``, :func:`atomic_output` for ``generate``, ``import``, ``save`` and the run
+    directory, ``plot --out``, ``bench --out``): a local path, or a URL of a store that keeps what is written
+    after this process exits (:data:`PERSISTENT`); not a chained URL (``simplecache::s3://...``, whose writes
+    go to a cache or archive layer), not the root of a bucket (the lock and temporaries go next to an output),
+    not inside an existing Zarr store (:func:`check_outside_stores`). ``local_only``: the writer writes local
+    files only (``bench``), any URL is refused.
+
+    Raises
+    ------
+    UnsafeOutputError
+        Naming ``role``, the URL and why, e.g. ``--out memory://x: an in-memory file system, gone when this
+        process exits ...``.
+    UnsupportedError
+        A persistent URL where ``local_only``.
+    ParameterError
+        A protocol fsspec does not know.
+    """
+    if loc.is_remote:
+        chain = protocols(loc.url)
+        if len(chain) > 1:
+            why = f"a chained URL ({' over '.join(chain)}): writes go to its cache or archive layer, not reliably" \
+                  " to the store behind it"
+        elif chain[0] in PERSISTENT:
+            why = None
+        elif chain[0] in _NOT_PERSISTENT:
+            why = _NOT_PERSISTENT[chain[0]]
+        else:
+            _known_protocol(loc)
+            why = f"scaleattn cannot check that {chain[0]}:// keeps what is written after this process exits"
+        if why:
+            raise UnsafeOutputError(f"{role} {loc.url}: {why}; an output must outlive the command: give a local"
+                                    " path or a persistent store (s3://BUCKET/PATH, gs://, az://, ...)")
+        if "/" not in loc.url.split("://", 1)[1].strip("/"):
+            raise UnsafeOutputError(f"{role} {loc.url}: the root of a bucket or file system has no place next to it"
+                                    " for the output's lock and temporaries; give a path inside it"
+                                    f" ({loc.url.rstrip('/')}/NAME)")
+        if local_only:
+            raise UnsupportedError(f"{role} {loc.url}: this command writes its files to a local directory; give a"
+                                   " path")
+    check_outside_stores(loc, role)
+
+
+def _known_protocol(loc: Location) -> None:
+    """Raise fsspec's own error (as :class:`~scaleattn.errors.ParameterError`) for a protocol it does not know."""
+    from fsspec.registry import known_implementations, registry
+
+    proto = protocols(loc.url)[0]
+    if proto not in known_implementations and proto not in registry:
+        fs_for(loc.url, loc.storage_options)
+
+
 # ---- --overwrite replaces only scaleattn's own outputs ------------------------------------------------
-def _read_json(loc: Location) -> dict | None:
-    try:
-        return json.loads(loc.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _entries(loc: Location) -> list[str] | None:
     """Names directly under ``loc`` (None when it is a file)."""
     if not loc.is_remote:
@@ -213,12 +276,15 @@ def owner_of(loc: Location) -> tuple[bool, str]:
 def check_replaceable(loc: Location, role: str = "output", kind: str | None = None) -> None:
     """Refuse to replace (``--overwrite``) an existing ``loc`` that scaleattn did not write, or (with ``kind``: a
     store format such as ``"scaleattn-model"``, or :data:`RUN`) one of another kind: a dataset given as a
-    checkpoint or a model where a run directory goes is never deleted.
+    checkpoint or a model where a run directory goes is never deleted; nor one another run reads
+    (:func:`check_unread`).
 
     Raises
     ------
     UnsafeOutputError
         Naming the path and what is there.
+    OutputInUseError
+        Another live scaleattn run reads it (naming its pid and host).
     """
     if not loc.exists():
         return
@@ -230,6 +296,7 @@ def check_replaceable(loc: Location, role: str = "output", kind: str | None = No
         raise UnsafeOutputError(f"{role} {loc.url} is {_kind_name(what)}, not {_kind_name(kind)}: --overwrite"
                                 " replaces only an output of the same kind; remove it yourself or choose another"
                                 " path")
+    check_unread(loc, role)
 
 
 #: the kind of a run directory for :func:`check_replaceable` (store kinds are their ``format``)
@@ -238,179 +305,6 @@ RUN = "a run directory"
 
 def _kind_name(what: str) -> str:
     return f"a {what[len(_formats.PREFIX):]} store" if what.startswith(_formats.PREFIX) else what
-
-
-# ---- one run per output -------------------------------------------------------------------------------
-#: locks this process holds: url -> [depth, release callback]
-_HELD: dict[str, list] = {}
-
-
-def lock_location(loc: Location) -> Location:
-    """Where the lock of ``loc`` lives: ``.NAME.lock`` next to it."""
-    url = loc.url.rstrip("/")
-    parent, name = (posixpath if loc.is_remote else os.path).split(url)
-    sep = "/" if loc.is_remote else os.sep
-    return Location(f"{parent}{sep}.{name}.lock", loc.storage_options)
-
-
-def _owner() -> dict:
-    import psutil
-
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": psutil.Process().create_time(), "locked_at": time.time(), "token": uuid.uuid4().hex}
-
-
-def _describe(owner: dict | None) -> str:
-    if not owner:
-        return "another scaleattn run"
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("locked_at", 0)))
-    return f"the scaleattn run of pid {owner.get('pid')} on host {owner.get('host')} (since {when})"
-
-
-def _alive_here(owner: dict) -> bool:
-    """Whether the owner of a lock is a live process of this host (same pid and start time)."""
-    import psutil
-
-    if owner.get("host") != socket.gethostname():
-        return True  # cannot tell: another machine's process
-    try:
-        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["started"])) < 1.0
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
-
-
-def _acquire_local(lock: Location, role: str, loc: Location):
-    import fcntl
-
-    path = lock.url
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    for _ in range(10):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                owner = json.loads(os.pread(fd, 4096, 0) or b"null")
-            except ValueError:
-                owner = None
-            os.close(fd)
-            raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(owner)}: two runs never share an"
-                                   " output; wait for it to finish or choose another path") from None
-        try:  # the file may have been unlinked by its last holder between our open and flock: retry then
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                os.close(fd)
-                continue
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        old = os.pread(fd, 4096, 0)
-        try:
-            foreign = bool(old) and not isinstance(json.loads(old).get("pid"), int)
-        except (ValueError, AttributeError):
-            foreign = True
-        if foreign:  # a file of the user's with our lock's name: never overwritten
-            os.close(fd)
-            raise UnsafeOutputError(f"{role} {loc.url}: {path} exists and is not a scaleattn lock; move it away")
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_owner()).encode(), 0)
-        except BaseException:  # a full disk: never keep the lock (and its descriptor) of an output we gave up
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(fd)
-            raise
-
-        def release(fd=fd):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.close(fd)
-
-        return release
-    raise OutputInUseError(f"{role} {loc.url}: cannot take its lock {path} (it keeps changing)")
-
-
-def _acquire_remote(lock: Location, role: str, loc: Location):
-    fs, p = lock.fs()
-    me = _owner()
-    for _ in range(2):
-        try:
-            with fs.open(p, "xb") as f:  # exclusive create (S3 conditional write)
-                f.write(json.dumps(me).encode())
-        except FileExistsError:
-            owner = _read_json(lock)
-            if owner is not None and not _alive_here(owner):
-                fs.rm(p)  # a lock of a process of this host that is gone: stale
-                continue
-            raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(owner)}: two runs never share an"
-                                   f" output; if that run is gone, remove {lock.url}") from None
-        except Exception:  # no exclusive mode on this store: create, then check that we own it
-            if fs.exists(p):
-                owner = _read_json(lock)
-                if owner is None or _alive_here(owner):
-                    raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(owner)}: if that run is gone,"
-                                           f" remove {lock.url}") from None
-            with fs.open(p, "wb") as f:
-                f.write(json.dumps(me).encode())
-        if (_read_json(lock) or {}).get("token") != me["token"]:
-            raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(_read_json(lock))}")
-        return lambda: fs.rm(p) if (_read_json(lock) or {}).get("token") == me["token"] else None
-    raise OutputInUseError(f"{role} {loc.url}: cannot take its lock {lock.url}")
-
-
-@contextlib.contextmanager
-def hold(loc: Location, role: str = "output"):
-    """Hold the exclusive lock of output ``loc`` for the block (re-entrant within a process).
-
-    Raises
-    ------
-    OutputInUseError
-        Another live run holds it (the message names its host, pid and start time).
-    StorageError
-        The file system refuses the lock next to it (a file where a folder must be, no permission, no such
-        place, disk full).
-    """
-    key = loc.url
-    if key in _HELD:
-        _HELD[key][0] += 1
-        try:
-            yield
-        finally:
-            _HELD[key][0] -= 1
-        return
-    lock = lock_location(loc)
-    try:
-        release = (_acquire_remote if loc.is_remote else _acquire_local)(lock, role, loc)
-    except OSError as e:  # the first write next to the output: a file in the way, no permission, no such place
-        if (err := _refused(e, loc, role, always=True)) is None:
-            raise
-        raise err from e
-    _HELD[key] = [1, release]
-    try:
-        yield
-    finally:
-        del _HELD[key]
-        release()
-
-
-#: errors of the file system that no code of ours causes while writing (no space, over quota, read-only): the
-#: output's, also without a path (a failed write()); a refused permission only on a path of the output's
-_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
-_DENIED = {errno.EACCES, errno.EPERM}
-
-
-def _refused(e: OSError, loc: Location, role: str, *, always: bool = False, inside: str | None = None):
-    """``e`` as a :class:`StorageError` naming the output (the CLI's one line, exit 2) when the file system
-    refused to create or write it: ``always`` (taking its place), a full or read-only file system, or a refused
-    permission on a path inside ``inside`` (the output's temporary); else None (another path's error, or a bug
-    of ours: raised as it is)."""
-    if isinstance(e, ScaleattnError):
-        return None
-    name = str(e.filename or "")
-    ours = bool(inside) and name.startswith(inside)
-    if not (always or (e.errno in _FULL and (not name or ours)) or (e.errno in _DENIED and ours)):
-        return None
-    where = f" ({e.filename})" if e.filename and str(e.filename) != loc.url else ""
-    return StorageError(f"cannot write {role} {loc.url}: {e.strerror or e}{where}")
 
 
 # ---- all or nothing -----------------------------------------------------------------------------------
@@ -448,13 +342,14 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
     A failure leaves nothing behind: neither a half-written store nor the temporary. An existing ``loc`` is
     refused (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``, and even then when scaleattn
     did not write it or it is of another ``kind`` than the new one (:func:`check_replaceable`;
-    :class:`~scaleattn.errors.UnsafeOutputError`), as is one inside a Zarr store
-    (:func:`check_outside_stores`); locally it is replaced only after the
-    new output is complete. The lock of ``loc`` is held throughout (:func:`hold`), and temporaries of a
-    killed run are removed first. Object stores cannot rename: there ``overwrite`` deletes the old output
-    first, and the new one is written in place and removed on failure.
+    :class:`~scaleattn.errors.UnsafeOutputError`) or while another run reads it (:func:`check_unread`, checked
+    again just before the old output is moved aside), as is a place that would not keep it or one inside a Zarr
+    store (:func:`check_output_location`); locally it is replaced only after the new output is complete. The
+    lock of ``loc`` is held throughout (:func:`hold`), and temporaries of a killed run are removed first.
+    Object stores cannot rename: there ``overwrite`` deletes the old output first, and the new one is written
+    in place and removed on failure.
     """
-    check_outside_stores(loc)
+    check_output_location(loc)
     with hold(loc):
         clean_leftovers(loc)
         if loc.exists():
@@ -477,6 +372,7 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
             os.makedirs(parent, exist_ok=True)
             yield Location(tmp, loc.storage_options)
             if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
+                check_unread(loc)  # again: a reader may have started meanwhile (from now on one is refused)
                 os.replace(url, aside)
             os.replace(tmp, url)
         except OSError as e:  # disk full, read-only, ...: the output's problem, not a bug (nothing is left)
@@ -486,3 +382,4 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
         finally:
             remove(tmp)
             remove(aside)
+

@@ -23,7 +23,7 @@ import zarr
 from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
-           "transient", "with_retries", "is_url", "RETRY_ATTEMPTS", "RETRY_DELAY"]
+           "transient", "with_retries", "is_url", "protocols", "check_kind", "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -107,6 +107,12 @@ class Location:
     def is_remote(self) -> bool:
         return is_url(self.url)
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the store lives in the memory of this process (``memory://``, also behind a cache layer):
+        other processes, Dask workers among them, see an empty file system of their own."""
+        return self.is_remote and "memory" in protocols(self.url)
+
     def join(self, name: str) -> Location:
         """The child ``name`` of this location (same options)."""
         return Location(join(self.url, name), self.storage_options)
@@ -158,7 +164,8 @@ def resolve(url, storage_options=None) -> Location:
         raise ParameterError("empty path: give a store path or URL")
     opts = parse_storage_options(storage_options)
     if is_url(text):
-        return Location(text.rstrip("/") or text, opts)
+        bare = text.rstrip("/")
+        return Location(bare if not bare.endswith(":") else bare + "//", opts)  # (a root "s3://" stays a URL)
     path = os.path.abspath(os.path.expanduser(local_path(text)))
     return Location(path, opts)
 
@@ -249,6 +256,71 @@ def _normal_url(text: str) -> str:
 def is_url(path: str) -> bool:
     """True for fsspec URLs such as ``s3://bucket/x.zarr`` (anything with a protocol but ``file``)."""
     return "://" in str(path) and not str(path).startswith("file://")
+
+
+def protocols(url) -> list[str]:
+    """The fsspec protocols of ``url``, outermost first, in lower case: ``["simplecache", "s3"]`` for
+    ``simplecache::s3://b/k``, ``["zip", "file"]`` for ``zip://a::/x.zip``, ``["file"]`` for a local path.
+
+    Examples
+    --------
+    >>> protocols("simplecache::s3://bucket/d.zarr"), protocols("/data/d.zarr")
+    (['simplecache', 's3'], ['file'])
+    """
+    parts = str(url).split("::") if is_url(url) else [str(url)]
+    return [p.split("://", 1)[0].lower() if "://" in p else ("file" if k == len(parts) - 1 else p.lower())
+            for k, p in enumerate(parts)]
+
+
+def check_kind(path, role: str, expected: str, *, directory: bool, storage_options=None) -> None:
+    """Refuse an input path of the wrong kind for ``role``, in one line naming it, what it is and what was
+    ``expected``: a directory where a file goes (``directory=False``: ``--npz``, ``--csv``), a file where a
+    directory goes (``directory=True``: a Zarr store, a run directory), or a local path through a file
+    (``file.txt/sub``, which cannot exist). A path that does not exist passes: its reader says "no such ...".
+
+    Parameters
+    ----------
+    path : str, path-like or Location
+        The input as given (resolved with ``storage_options``).
+    role : str
+        The option or argument it was given as (``"--npz"``, ``"dataset"``); empty for none.
+    expected : str
+        What belongs there, for the message (``"a .npz or .npy file"``, ``"a Zarr store (a directory)"``).
+    directory : bool
+        Whether a directory (store) is expected rather than a file.
+
+    Raises
+    ------
+    ParameterError
+        E.g. ``--npz /x/d: is a directory, expected a .npz or .npy file``.
+    StorageError
+        A URL's store cannot be reached.
+    """
+    loc = resolve(path, None if isinstance(path, Location) else storage_options)
+    name = f"{role} {loc.url}" if role else loc.url
+    if loc.is_remote:  # an object where a store goes (an object store has no directories, only prefixes)
+        if directory:
+            with _remote_access(loc.url):
+                fs, p = loc.fs()
+                if fs.isfile(p):
+                    raise ParameterError(f"{name}: is a file (an object), expected {expected}")
+        return
+    p = loc.url
+    if os.path.isdir(p):
+        if not directory:
+            raise ParameterError(f"{name}: is a directory, expected {expected}")
+        return
+    if os.path.lexists(p):
+        if directory:
+            raise ParameterError(f"{name}: is {'a file' if os.path.isfile(p) else 'not a directory'}, expected"
+                                 f" {expected}")
+        return
+    parent = os.path.dirname(p)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise ParameterError(f"{name}: {parent} is a file, not a directory (nothing lies inside a file); expected"
+                             f" {expected}")
 
 
 def local_path(path) -> str:

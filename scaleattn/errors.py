@@ -83,11 +83,13 @@ class FormatError(ScaleattnError):
 
 class UnsafeOutputError(ScaleattnError):
     """An output, checkpoint or ``--overwrite`` target would write into or remove an input store, or a
-    directory scaleattn did not write (refused before anything is written or removed)."""
+    directory scaleattn did not write, or go where it would not outlive the command (``memory://``, HTTP, an
+    archive, a cache layer); refused before anything is written or removed."""
 
 
 class OutputInUseError(ScaleattnError):
-    """Another scaleattn run holds the lock of an output or checkpoint; the message names it (host, pid, start)."""
+    """Another scaleattn run holds the lock of an output or checkpoint, reads a store that would be replaced or
+    deleted, or is replacing a store that would be read; the message names it (host, pid, start)."""
 
 
 class OutputExistsError(ScaleattnError, FileExistsError):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from ._storage import resolve
+from ._storage import check_kind, resolve
 from .datacheck import is_real
 from .dataset_writer import write_dataset
 from .errors import DatasetError, InputNotFoundError, MissingDependencyError
@@ -71,6 +71,17 @@ def _is_number(text: str) -> bool:
     return True
 
 
+#: what ``import --npz`` and ``import --csv`` expect, for the messages
+NPZ, CSV = "a .npz or .npy file", "a CSV file"
+
+
+def _check_source(path, expected: str, role: str = "") -> None:
+    """The source file exists and is a file (:func:`scaleattn._storage.check_kind`; ``role`` names the option)."""
+    check_kind(path, role, expected, directory=False)
+    if not os.path.isfile(path):
+        raise InputNotFoundError(f"{path}: no such file")
+
+
 def _check_output(url, path, storage_options) -> None:
     """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be."""
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
@@ -89,12 +100,13 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
     ------
     InputNotFoundError
         ``path`` does not exist.
+    ParameterError
+        ``path`` is a directory, or a path through a file.
     DatasetError
         Not a NumPy file, a missing ``tokens`` array, pickled objects, non-real dtypes, wrong shapes or
         non-finite values (naming the array and the sample).
     """
-    if not os.path.isfile(path):
-        raise InputNotFoundError(f"{path}: no such file")
+    _check_source(path, NPZ)
     _check_output(url, path, storage_options)
     with open(path, "rb") as f:
         magic = f.read(6)
@@ -139,11 +151,10 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         An empty or header-only file, an unknown column, a non-numeric or missing value (naming the line and
         the column), a series too short for one window.
     ParameterError
-        ``length``, ``horizon`` or ``step`` below 1.
+        ``length``, ``horizon`` or ``step`` below 1; ``path`` is a directory, or a path through a file.
     """
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
-    if not os.path.isfile(path):
-        raise InputNotFoundError(f"{path}: no such file")
+    _check_source(path, CSV)
     _check_output(url, path, storage_options)
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:

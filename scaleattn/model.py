@@ -11,7 +11,7 @@ from . import report as _report
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
-from ._storage import resolve
+from ._storage import check_kind, resolve
 from .errors import FormatError, InputNotFoundError, ParameterError
 from .features import predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
@@ -155,8 +155,10 @@ class MHLAModel:
     @classmethod
     def load(cls, url, storage_options=None) -> MHLAModel:
         """Read a model written by :meth:`save`; :class:`~scaleattn.errors.FormatError` if the store is not a
-        model, :class:`~scaleattn.errors.InputNotFoundError` if there is nothing at ``url``."""
+        model, :class:`~scaleattn.errors.InputNotFoundError` if there is nothing at ``url``,
+        :class:`~scaleattn.errors.ParameterError` if it is a file (or a path through one)."""
         loc = resolve(url, storage_options)
+        check_kind(loc, "model", "a model store (a Zarr directory)", directory=True)
         if not loc.exists():
             raise InputNotFoundError(f"{loc.url}: no such model store")
         try:

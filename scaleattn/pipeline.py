@@ -19,6 +19,7 @@ import warnings
 from . import _testing
 from . import report as _text
 from ._backend import check_device
+from ._outputs import reading
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed
 from ._storage import Location
 from ._version import __version__
@@ -28,6 +29,7 @@ from .distributed.build import check_unchanged, compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_statistics
+from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
@@ -204,7 +206,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         ``out`` or the checkpoint is, contains or lies inside the dataset, or ``overwrite`` would replace
         something scaleattn did not write.
     OutputInUseError
-        Another run holds ``out`` or the checkpoint.
+        Another run holds ``out`` or the checkpoint, replaces the dataset, or reads what ``overwrite`` replaces.
+    UnsupportedError
+        A ``memory://`` dataset (this process's memory) with workers in other processes.
     IntegrityError
         Absent, changed or damaged chunks (naming the array and the samples), or a store a worker sees differently.
     CheckpointError
@@ -238,6 +242,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     reporter = as_reporter(progress)
     ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
                    fill_absent_chunks=fill_absent_chunks)
+    check_reachable(client, [("dataset", ds.store)])
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
@@ -448,7 +453,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
 
     Raises
     ------
-    ParameterError, DatasetError, InsufficientMemoryError
+    ParameterError, DatasetError, InsufficientMemoryError, UnsupportedError, OutputInUseError
         As :func:`fit`, before any work.
 
     See Also
@@ -469,22 +474,24 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
+    check_reachable(client, [("dataset", ds.store)])
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False))["path"]
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
-    build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
-    build = {}
-    stats = build_on(ds, client, targets=False, progress=reporter, device=device, info=build)
-    try:
-        with reporter.phase(f"certificate (psi {stats.psi:,})"):
-            cert = certify(stats, cutoff_rtol, solver=solver)
-    finally:  # Tc held on the workers is freed once the certificate is made (or failed)
-        stats.release()
-    if not needs_qr(certificate, cert, stats.psi):
-        return cert
-    check_qr_memory(ds.d, 0, client)
-    factor = compute_r(ds, client, targets=False, progress=reporter)
-    check_unchanged(ds, *build["bindings"], during="the QR pass read it")
-    with reporter.phase(f"certificate from R (psi {stats.psi:,})"):
-        return certificate_from_r(factor, cutoff_rtol, gram=cert)
+    with reading(ds.store, "dataset"):  # no other run replaces the dataset while it is read
+        build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
+        build = {}
+        stats = build_on(ds, client, targets=False, progress=reporter, device=device, info=build)
+        try:
+            with reporter.phase(f"certificate (psi {stats.psi:,})"):
+                cert = certify(stats, cutoff_rtol, solver=solver)
+        finally:  # Tc held on the workers is freed once the certificate is made (or failed)
+            stats.release()
+        if not needs_qr(certificate, cert, stats.psi):
+            return cert
+        check_qr_memory(ds.d, 0, client)
+        factor = compute_r(ds, client, targets=False, progress=reporter)
+        check_unchanged(ds, *build["bindings"], during="the QR pass read it")
+        with reporter.phase(f"certificate from R (psi {stats.psi:,})"):
+            return certificate_from_r(factor, cutoff_rtol, gram=cert)

@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from ._outputs import check_disjoint, check_outside_stores, hold
+from ._outputs import check_disjoint, check_output_location, hold
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
@@ -276,7 +276,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
 
 def _check_plot_output(run, out, dataset, storage_options) -> None:
     """Plots only add files, but never into an input store: refuse an ``out`` that is or lies inside the
-    dataset or one of the run's stores (:func:`scaleattn._outputs.check_disjoint`)."""
+    dataset or one of the run's stores (:func:`scaleattn._outputs.check_disjoint`), or where they would not last
+    (:func:`scaleattn._outputs.check_output_location`)."""
     inputs = []
     if not hasattr(run, "certificate"):
         run_loc = resolve(run, storage_options)
@@ -288,4 +289,4 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
     if dataset:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
-    check_outside_stores(out, "--out")
+    check_output_location(out, "--out")

@@ -13,12 +13,13 @@ from ._outputs import (
     RUN,
     check_companions,
     check_disjoint,
-    check_outside_stores,
+    check_output_location,
     check_replaceable,
     clean_leftovers,
     hold,
+    reading,
 )
-from ._storage import Location, resolve
+from ._storage import Location, check_kind, resolve
 from .dataset import Dataset, open_dataset
 from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, with_hint
 
@@ -26,9 +27,11 @@ __all__ = ["preflight", "holding", "open_input", "run_locations", "after_failed_
 
 
 def open_input(dataset, storage_options, fill_absent_chunks: bool = False) -> Dataset:
-    """The dataset of a run: a :class:`~scaleattn.dataset.Dataset` as is, else opened (and checked)."""
+    """The dataset of a run: a :class:`~scaleattn.dataset.Dataset` as is, else opened (and checked; a file or a
+    path through a file is refused as such, :func:`scaleattn._storage.check_kind`)."""
     if isinstance(dataset, Dataset):
         return dataset
+    check_kind(dataset, "dataset", "a Zarr store (a directory)", directory=True, storage_options=storage_options)
     return open_dataset(dataset, storage_options, fill_absent_chunks=fill_absent_chunks)
 
 
@@ -64,7 +67,9 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     for role, loc in (("--out", out), ("--checkpoint", ckpt)):
         if loc is not None:
-            check_outside_stores(loc, role)
+            check_output_location(loc, role)
+    if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)
+        check_kind(ckpt, "--checkpoint", "a checkpoint store (a Zarr directory)", directory=True)
     if out is not None and out.exists():
         if not overwrite:
             if resume and not (ckpt is not None and ckpt.exists()):
@@ -84,10 +89,13 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
 @contextlib.contextmanager
 def holding(dataset, out=None, checkpoint=None, storage_options=None):
     """Hold the locks of a fit's run directory and checkpoint for the block (:func:`scaleattn._outputs.hold`):
-    a second run to the same output is refused naming the first. Temporaries a killed run left are removed."""
+    a second run to the same output is refused naming the first. Temporaries a killed run left are removed.
+    The dataset is marked as read meanwhile (:func:`scaleattn._outputs.reading`): no other run replaces it, and
+    a run replacing it now refuses this one."""
     ds = open_input(dataset, storage_options)
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(reading(ds.store, "dataset"))
         for role, loc in (("--out", out), ("--checkpoint", ckpt)):
             if loc is not None:
                 stack.enter_context(hold(loc, role))

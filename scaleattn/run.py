@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from ._outputs import RUN, atomic_output
-from ._storage import Location, resolve
+from ._storage import Location, check_kind, resolve
 from .certificate import certify
 from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
@@ -167,8 +167,11 @@ def read_run(run, storage_options=None) -> dict:
     ------
     InputNotFoundError
         ``report.json`` is missing (not a run directory written by ``scaleattn fit``).
+    ParameterError
+        ``run`` is a file, or a path through a file.
     """
     run = resolve(run, storage_options)
+    check_kind(run, "run", "a run directory", directory=True)
     rp = run.join(REPORT)
     if not rp.exists():
         raise InputNotFoundError(f"{run.url}: no report.json (not a run directory written by `scaleattn fit`)")

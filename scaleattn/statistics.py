@@ -20,7 +20,7 @@ from . import _formats, _integrity, _kernel_compiled
 from . import report as _report
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
-from ._storage import resolve
+from ._storage import check_kind, resolve
 from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays
 from .errors import DatasetError, ParameterError
 from .features import (
@@ -246,9 +246,11 @@ class Statistics:
 
         Raises :class:`~scaleattn.errors.FormatError` if the store is not a statistics group of a supported
         version or its attributes have the wrong types, :class:`~scaleattn.errors.IntegrityError` if an array
-        is missing, damaged or not the one written (manifest).
+        is missing, damaged or not the one written (manifest), :class:`~scaleattn.errors.ParameterError` if
+        ``url`` is a file (or a path through one).
         """
         loc = resolve(url, storage_options)
+        check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
         g = loc.open_group("r")
         a = dict(g.attrs)
         _formats.check_format(a, _formats.STATISTICS, loc.url, "statistics")

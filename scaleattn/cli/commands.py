@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .._storage import parse_storage_options
+from .._storage import check_kind, parse_storage_options
 from ..errors import ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
@@ -84,6 +84,9 @@ def _cmd_import(args) -> int:
 
     opts = _storage_options(args.storage_option)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
+    for option, path, expected in (("--npz", args.npz, importers.NPZ), ("--csv", args.csv, importers.CSV)):
+        if path is not None:  # (named by its option here; the library names the path alone)
+            check_kind(path, option, expected, directory=False)
     if args.npz:
         ds = importers.import_arrays(args.path, args.npz, **kw)
     elif args.csv:
@@ -135,15 +138,15 @@ def _cmd_fit(args) -> int:
 
 def _cmd_certify(args) -> int:
     from ..certificate import check_cutoff
-    from ..dataset import open_dataset
     from ..pipeline import certify_dataset
+    from ..preflight import open_input
     from ..report import certificate_summary
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     check_cutoff(args.cutoff_rtol)
     _check_cluster_args(args)
-    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
+    ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         cert = certify_dataset(ds, client=client, cutoff_rtol=args.cutoff_rtol, progress=reporter, solver=args.solver,
                                certificate=args.certificate)
@@ -152,16 +155,16 @@ def _cmd_certify(args) -> int:
 
 
 def _cmd_evaluate(args) -> int:
-    from ..dataset import open_dataset
     from ..distributed.evaluate import evaluate
     from ..model import MHLAModel
+    from ..preflight import open_input
     from ..report import evaluation_summary
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     model = MHLAModel.load(args.model, opts)
     _check_cluster_args(args)
-    ds = open_dataset(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
+    ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)
         _emit(args, r, evaluation_summary(r))
@@ -199,8 +202,12 @@ def _cmd_bench(args) -> int:
     import os
     import tempfile
 
+    from .._outputs import check_output_location
+    from .._storage import resolve
+
     if args.only is not None and (args.suite != "krylov" or args.vs):
         raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
+    check_output_location(resolve(args.out), "--out", local_only=True)  # (as every output; and local files only)
     try:  # before minutes of work, not after: the folder, and a file in it
         os.makedirs(args.out, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=args.out, prefix=".probe-"):

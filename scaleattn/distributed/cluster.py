@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from .._storage import check_kind
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
 from .memory import available_memory, worker_config
@@ -87,7 +88,7 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
     Raises
     ------
     ParameterError
-        Only some of the three files given.
+        Only some of the three files given, or a directory (or a path through a file) given as one.
     InputNotFoundError
         A file does not exist.
     """
@@ -98,6 +99,7 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
     if missing:
         raise ParameterError(f"TLS needs all of --tls-ca-file, --tls-cert and --tls-key (missing {', '.join(missing)})")
     for k, v in files.items():
+        check_kind(v, k, "a PEM file", directory=False)
         if not os.path.isfile(v):
             raise InputNotFoundError(f"{k}: no such file {v!r}")
     from distributed import Security

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._outputs import reading
 from .._storage import with_retries
 from ..errors import ParameterError
 from ..features import predict_rows, row_targets, token_features
 from ..progress import as_reporter
 from .partition import row_groups
-from .reduction import run_trees, tree_reduce
+from .reduction import check_reachable, run_trees, tree_reduce
 
 __all__ = ["evaluate", "group_errors"]
 
@@ -51,6 +52,10 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     ------
     ParameterError
         The dataset has no targets or other dimensions than the model.
+    UnsupportedError
+        The dataset lives in this process's memory and the workers of ``client`` in other processes.
+    OutputInUseError
+        Another run is replacing the dataset (:func:`scaleattn._outputs.reading`).
     DatasetError
         Bad values in the dataset.
 
@@ -72,9 +77,11 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     if (dataset.d, dataset.d_out) != (model.d, model.d_out):
         raise ParameterError(f"model has (d, d_out) = {(model.d, model.d_out)} but {dataset.url} has"
                              f" {(dataset.d, dataset.d_out)}")
+    check_reachable(client, [("dataset", dataset.store)])
     groups = row_groups(dataset)
     coef = np.asarray(model.coef)
-    with as_reporter(progress).bar("evaluate", dataset.n_samples, "samples", steps=len(groups)) as advance:
+    bar = as_reporter(progress).bar("evaluate", dataset.n_samples, "samples", steps=len(groups))
+    with reading(dataset.store, "dataset"), bar as advance:  # no other run replaces the dataset meanwhile
         if client is None:
             parts = []
             for a, b in groups:

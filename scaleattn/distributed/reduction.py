@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees", "wait_stopped", "leaf_places"]
+from ..errors import UnsupportedError
+
+__all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees", "wait_stopped", "leaf_places",
+           "check_reachable"]
 
 #: partials combined per reduction task: a binary tree, so an in-process build holds about log2(groups)
 #: partials at once (its peak memory hardly grows with the number of rows)
@@ -139,6 +142,40 @@ def leaf_places(client, n: int) -> list[dict]:
     if len(workers) < 2:
         return [{} for _ in range(n)]
     return [{"workers": [slots[i * len(slots) // n]], "allow_other_workers": True} for i in range(n)]
+
+
+def check_reachable(client, inputs) -> None:
+    """Refuse, before any task, inputs the workers of ``client`` cannot read: a store in the memory of this
+    process (``memory://``, :attr:`~scaleattn._storage.Location.in_memory`) when a worker runs in another
+    process (an address other than ``inproc://``: every worker of an external scheduler or of a LocalCluster of
+    processes). In this process (``client=None``, or a LocalCluster of threads) such a store is read as any
+    other.
+
+    Parameters
+    ----------
+    client : distributed.Client or None
+    inputs : iterable of (role, Location or None)
+        E.g. ``[("dataset", ds.store)]``.
+
+    Raises
+    ------
+    UnsupportedError
+        Naming the role, the URL and a worker in another process.
+    """
+    if client is None:
+        return
+    held = [(role, loc) for role, loc in inputs if loc is not None and loc.in_memory]
+    if not held:
+        return
+    workers = sorted(client.scheduler_info().get("workers", {}))
+    outside = [a for a in workers if not str(a).startswith("inproc://")]
+    if workers and not outside:
+        return
+    role, loc = held[0]
+    who = f"workers ({outside[0]}{', ...' if len(outside) > 1 else ''})" if outside else "workers (none joined yet)"
+    raise UnsupportedError(f"{role} {loc.url}: lives in the memory of this process, and the cluster's {who} run in"
+                           " other processes, which cannot read it: write it to a path or store they share"
+                           " (s3://..., a shared file system), or compute in this process (client=None, --local)")
 
 
 #: states of a worker's task that still runs user code (distributed's worker state machine)

@@ -252,7 +252,7 @@ CASES = [
     # not a Zarr group, corrupt metadata and data
     Case("not-a-group", _not_a_group, r"in\.zarr: not a readable Zarr group"),
     Case("an-array", _an_array, r"in\.zarr: not a readable Zarr group"),
-    Case("a-file", _a_file, r"in\.zarr: not a readable Zarr group"),
+    Case("a-file", _a_file, r"dataset \S*in\.zarr: is a file, expected a Zarr store \(a directory\)"),
     Case("corrupt-group-json", corrupt("zarr.json", b"garbage{"), r"in\.zarr: not a readable Zarr group"),
     Case("binary-group-json", corrupt("zarr.json", b"\xff\xfe\x00\x01"), r"in\.zarr: not a readable Zarr group"),
     Case("corrupt-tokens-json", corrupt("tokens/zarr.json", b"garbage{"), r"corrupt Zarr metadata"),

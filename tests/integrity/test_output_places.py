@@ -1,0 +1,176 @@
+"""Every output goes where it outlives the command: an in-memory file system (``memory://``) is gone when the
+process exits, HTTP(S), archives (``zip://``, ``tar://``), ``github://`` and chained cache URLs
+(``simplecache::``, ``filecache::``) cannot be written or keep the writes in a local cache; each is refused with one
+line naming the option, the URL and why, exit 2, and nothing written. ``memory://`` inputs stay readable in this
+process, never by Dask workers of other processes."""
+from __future__ import annotations
+
+import os
+import re
+
+import fsspec
+import numpy as np
+import pytest
+
+from scaleattn._outputs import check_output_location
+from scaleattn._storage import Location, resolve
+from scaleattn.errors import UnsafeOutputError, UnsupportedError
+
+from .conftest import FIT, Inputs, dataset, error_line, expect, run_main
+
+#: (URL, what the refusal says about it)
+PLACES = [
+    ("memory://runs/x", r"an in-memory file system, gone when this process exits"),
+    ("MEMORY://runs/x", r"an in-memory file system"),
+    ("http://127.0.0.1:9/runs/x", r"HTTP\(S\) .*read-only"),
+    ("https://example.invalid/runs/x", r"HTTP\(S\) .*read-only"),
+    ("simplecache::memory://runs/x", r"a chained URL"),
+    ("filecache::file:///tmp/never/x", r"a chained URL"),
+    ("zip://x::file:///tmp/never.zip", r"a chained URL"),
+    ("zip://runs/x", r"an archive .*read-only"),
+    ("tar://runs/x", r"an archive .*read-only"),
+    ("github://org:repo@main/runs/x", r"read-only"),
+    ("reference://runs/x", r"read-only"),
+    ("dask://runs/x", r"cannot check that .*keeps what is written"),
+]
+
+
+def _memory_files() -> list[str]:
+    return sorted(fsspec.filesystem("memory").store)
+
+
+@pytest.fixture
+def clean_memory():
+    fs = fsspec.filesystem("memory")
+    store, dirs = dict(fs.store), list(fs.pseudo_dirs)
+    yield
+    fs.store.clear()
+    fs.store.update(store)
+    fs.pseudo_dirs[:] = dirs
+
+
+def _argvs(url):
+    """(role, argv) of every command that writes an output, with ``url`` as that output."""
+    return [
+        ("--out", ["fit", "d.zarr", "--out", url, *FIT]),
+        ("--checkpoint", ["fit", "d.zarr", "--out", "run", "--checkpoint", url, *FIT]),
+        ("output", ["generate", "mhla", url, "--samples", "4", "--length", "3"]),
+        ("output", ["import", url, "--npz", "a.npz"]),
+        ("--out", ["plot", "run0", "--out", url]),
+        ("--out", ["bench", "--out", url, "--quick"]),
+    ]
+
+
+@pytest.mark.parametrize("url,why", PLACES, ids=[u.split(":")[0] + str(i) for i, (u, _) in enumerate(PLACES)])
+def test_outputs_that_do_not_persist_are_refused(tmp_path, capsys, clean_memory, url, why):
+    dataset(tmp_path / "d.zarr")
+    tok = np.random.default_rng(0).standard_normal((4, 3, 2))
+    np.savez(tmp_path / "a.npz", tokens=tok, targets=tok[:, -1])
+    rc, err = run_main(["fit", "d.zarr", "--out", "run0", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    inputs = Inputs(tmp_path / "d.zarr", tmp_path / "run0")
+    listing = sorted(os.listdir(tmp_path))
+    memory = _memory_files()
+    for role, argv in _argvs(url):
+        rc, err = run_main(argv, capsys, cwd=tmp_path)
+        assert rc == 2, (argv, err)
+        line = error_line(err)
+        expect(line, rf"{re.escape(role)} {re.escape(resolve(url).url)}: ")  # (the scheme in lower case)
+        expect(line, why)
+        assert sorted(os.listdir(tmp_path)) == listing, argv  # no local stand-in (a "memory:" folder, ...)
+        assert _memory_files() == memory, argv
+    inputs.unchanged()
+
+
+@pytest.mark.parametrize("url", ["memory://m", "s3://bucket", "memory://"])
+def test_an_output_needs_a_place_beside_it(url):
+    """Its lock and temporaries go next to it: the root of a bucket has no such place (the lock went into a local
+    folder named ``s3:`` before)."""
+    with pytest.raises(UnsafeOutputError, match=rf"--out {re.escape(url.rstrip('/'))}"):
+        check_output_location(resolve(url), "--out")
+
+
+@pytest.mark.parametrize("url", ["/tmp/somewhere/run", "file:///tmp/somewhere/run", "s3://bucket/run",
+                                 "gs://bucket/a/run", "az://container/run", "sftp://host/home/run"])
+def test_persistent_places_are_accepted(url, monkeypatch):
+    from scaleattn import _outputs
+
+    monkeypatch.setattr(_outputs, "check_outside_stores", lambda loc, role="output": None)  # (no network here)
+    check_output_location(resolve(url), "--out")
+
+
+def test_bench_writes_local_files_only(tmp_path, capsys):
+    """``bench --out`` is written with local file calls: a persistent URL is refused too (it made a local folder
+    named ``s3:`` before), naming the option."""
+    rc, err = run_main(["bench", "--out", "s3://bucket/bench", "--quick"], capsys, cwd=tmp_path)
+    assert rc == 2
+    expect(error_line(err), r"--out s3://bucket/bench: this command writes its files to a local directory")
+    assert not os.listdir(tmp_path)
+
+
+def test_library_writers_refuse_memory_outputs(tmp_path, clean_memory):
+    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.model import MHLAModel
+    from scaleattn.statistics import statistics_from_arrays
+
+    tok = np.random.default_rng(1).standard_normal((4, 3, 2))
+    stats = statistics_from_arrays(tok, tok[:, -1])
+    model = MHLAModel(np.zeros((6, 2)), np.zeros((1, 2, 2)), np.zeros((1, 2, 2)), 2)
+    memory = _memory_files()
+    for write in (lambda: write_dataset("memory://lib/d.zarr", tok, tok[:, -1]),
+                  lambda: stats.save("memory://lib/s.zarr"), lambda: model.save("memory://lib/m.zarr")):
+        with pytest.raises(UnsafeOutputError, match=r"output memory://lib/\w\.zarr: an in-memory file system"):
+            write()
+    assert _memory_files() == memory
+
+
+def _memory_dataset(tmp_path, name):
+    """A dataset copied into this process's memory file system (as a notebook could hold one)."""
+    dataset(tmp_path / "src.zarr")
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tmp_path / "src.zarr"), f"/{name}", recursive=True)
+    return Location(f"memory://{name}")
+
+
+class _Client:
+    """Stands for a distributed.Client: only what the reachability check asks."""
+
+    def __init__(self, *addresses):
+        self.addresses = addresses
+
+    def scheduler_info(self, **kw):
+        return {"workers": {a: {"nthreads": 1} for a in self.addresses}}
+
+
+def test_memory_inputs_are_read_in_process_never_by_other_processes(tmp_path, clean_memory):
+    from scaleattn import certify_dataset
+    from scaleattn.dataset import open_dataset
+    from scaleattn.distributed.evaluate import evaluate
+    from scaleattn.model import MHLAModel
+
+    loc = _memory_dataset(tmp_path, "mem/d.zarr")
+    ds = open_dataset(loc)
+    assert certify_dataset(ds).n_rows > 0  # in this process: allowed
+    model = MHLAModel(np.zeros((6, 2)), np.zeros((1, 2, 2)), np.zeros((1, 2, 2)), 2, causal=True)
+    remote = _Client("tcp://10.0.0.7:4711", "tcp://10.0.0.8:4711")
+    for run in (lambda: certify_dataset(ds, client=remote), lambda: evaluate(model, ds, remote)):
+        with pytest.raises(UnsupportedError, match=r"dataset memory://mem/d\.zarr: .*memory of this process.*"
+                                                   r"workers .*other processes"):
+            run()
+
+
+@pytest.mark.slow
+def test_memory_inputs_on_real_clusters(tmp_path, clean_memory):
+    """Threads of this process (``processes=False``) read it; worker processes are refused before any task."""
+    from distributed import Client, LocalCluster
+
+    from scaleattn import certify_dataset
+    from scaleattn.dataset import open_dataset
+
+    ds = open_dataset(_memory_dataset(tmp_path, "mem2/d.zarr"))
+    ref = certify_dataset(ds)
+    with LocalCluster(processes=False, n_workers=1, dashboard_address=None) as c, Client(c) as client:
+        assert certify_dataset(ds, client=client).lambda_min == ref.lambda_min
+    with LocalCluster(processes=True, n_workers=1, dashboard_address=None) as c, Client(c) as client:
+        with pytest.raises(UnsupportedError, match=r"memory of this process"):
+            certify_dataset(ds, client=client)
