@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from . import _formats, _integrity, _testing
-from ._storage import Location, access_error, resolve
+from ._storage import Location, access_error, check_kind, resolve
 from .datacheck import (
     ARRAYS,
     check_arrays,
@@ -367,6 +367,8 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
 
     Raises
     ------
+    ParameterError
+        A file, or a path through a file, where the store (a directory) goes.
     DatasetError
         Not a Zarr group, corrupt metadata, missing ``tokens``, wrong number of dimensions, non-float dtype,
         mismatched sample counts, T or d_out mismatch, an empty dataset, an attribute of the wrong type.
@@ -387,6 +389,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     """
     loc = resolve(url, storage_options)
     url = loc.url
+    check_kind(loc, "dataset", "a Zarr store (a directory)", directory=True)  # a file: say so, not "not a group"
     if not loc.exists():
         raise DatasetError(f"{url}: no such dataset")
     try:

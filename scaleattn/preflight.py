@@ -31,7 +31,6 @@ def open_input(dataset, storage_options, fill_absent_chunks: bool = False) -> Da
     path through a file is refused as such, :func:`scaleattn._storage.check_kind`)."""
     if isinstance(dataset, Dataset):
         return dataset
-    check_kind(dataset, "dataset", "a Zarr store (a directory)", directory=True, storage_options=storage_options)
     return open_dataset(dataset, storage_options, fill_absent_chunks=fill_absent_chunks)
 
 

@@ -114,3 +114,15 @@ def test_a_store_without_manifest_keeps_no_chunk(tmp_path):
     got = np.concatenate([t for t, _, _ in ds.read_chunks(3, 13, reuse="x")])
     np.testing.assert_array_equal(got, tok[3:13])
     assert CUT_CHUNKS.misses == misses  # never looked up, never kept
+
+
+def test_open_dataset_names_a_file_given_as_the_store(tmp_path):
+    """The API says what a wrong-kind path is, as the CLI does: a file, or a path through a file."""
+    from scaleattn.errors import ParameterError
+
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    with pytest.raises(ParameterError, match=r"^dataset \S+f\.txt: is a file, expected a Zarr store"):
+        open_dataset(f)
+    with pytest.raises(ParameterError, match=r"^dataset \S+f\.txt/d\.zarr: \S+f\.txt is a file, not a directory"):
+        open_dataset(f / "d.zarr")

@@ -24,7 +24,7 @@ from ..statistics import Statistics, accumulate
 from .checkpoint import Checkpoint
 from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
-from .reduction import SPLIT_EVERY, TreeReducer, leaf_places, run_trees
+from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, leaf_places, run_trees
 
 __all__ = ["compute_statistics", "group_statistics", "check_unchanged"]
 
@@ -188,6 +188,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     """
     reporter = as_reporter(progress)
     check_device(device)
+    check_reachable(client, [("dataset", dataset.store)])
     kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     if checkpoint is not None and not isinstance(checkpoint, Location):
         checkpoint = resolve(checkpoint, dataset.storage_options if storage_options is None else storage_options)

@@ -16,7 +16,7 @@ from ..progress import as_reporter
 from ..qr import QR_BLOCK_BYTES, QRFactor, accumulate_r, merge_factors
 from .memory import GIB, available_memory, small_workers
 from .partition import TILED_MAX_GROUPS, row_groups, tile_bounds
-from .reduction import SPLIT_EVERY, TreeReducer, run_trees
+from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, run_trees
 
 __all__ = ["compute_r", "group_r", "qr_memory", "check_qr_memory"]
 
@@ -129,6 +129,7 @@ def compute_r(dataset, client=None, *, targets: bool = True, group_samples: int 
     >>> f.R.shape, f.n_rows
     ((8, 8), 640)
     """
+    check_reachable(client, [("dataset", dataset.store)])
     tiled = len(tile_bounds(dataset.d)) > 1  # the statistics build's row groups, tiled or not
     groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if tiled else None)
     with as_reporter(progress).bar("qr", dataset.n_samples, "samples", steps=len(groups)) as advance:

@@ -153,7 +153,11 @@ def test_memory_inputs_are_read_in_process_never_by_other_processes(tmp_path, cl
     assert certify_dataset(ds).n_rows > 0  # in this process: allowed
     model = MHLAModel(np.zeros((6, 2)), np.zeros((1, 2, 2)), np.zeros((1, 2, 2)), 2, causal=True)
     remote = _Client("tcp://10.0.0.7:4711", "tcp://10.0.0.8:4711")
-    for run in (lambda: certify_dataset(ds, client=remote), lambda: evaluate(model, ds, remote)):
+    from scaleattn.distributed.build import compute_statistics
+    from scaleattn.distributed.tsqr import compute_r
+
+    for run in (lambda: certify_dataset(ds, client=remote), lambda: evaluate(model, ds, remote),
+                lambda: compute_statistics(ds, remote), lambda: compute_r(ds, remote)):
         with pytest.raises(UnsupportedError, match=r"dataset memory://mem/d\.zarr: .*memory of this process.*"
                                                    r"workers .*other processes"):
             run()
