@@ -285,26 +285,35 @@ def _mark_remote(loc: Location):
     return release
 
 
+def _try_flock(path: str, shared: bool) -> tuple[int, bool, dict | None]:
+    """Open ``path`` and try to take its flock without waiting: ``(fd, held, owner)``, ``held`` True when another
+    process holds it (``owner``: the JSON it wrote, or None), None when the file system refuses flock. The
+    caller closes ``fd`` (releasing what it took). Raises the ``OSError`` of the open."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            return fd, True, json.loads(os.pread(fd, 4096, 0) or b"null")
+        except ValueError:
+            return fd, True, None
+    except OSError:  # no flock here (some network file systems): unknown
+        return fd, None, None
+    return fd, False, None
+
+
 def _writer_of(target: Location) -> tuple[bool, dict | None]:
     """``(held, owner)`` of the lock of ``target`` (:func:`hold`) by another live process."""
     lock = lock_location(target)
     if not lock.is_remote:
-        import fcntl
-
         try:
-            fd = os.open(lock.url, os.O_RDONLY)
+            fd, held, owner = _try_flock(lock.url, shared=True)
         except OSError:
             return False, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                return True, json.loads(os.pread(fd, 4096, 0) or b"null")
-            except ValueError:
-                return True, None
-        finally:
-            os.close(fd)  # (and with it our shared lock)
-        return False, None
+        os.close(fd)  # (and with it our shared lock)
+        return bool(held), owner
     try:
         fs, p = lock.fs()
         fs.invalidate_cache(p)  # (another process wrote it: never a cached listing)
@@ -397,26 +406,15 @@ def _markers(loc: Location, inside: bool = True) -> list[tuple[Location, Locatio
 def _live_reader(marker: Location) -> tuple[bool, dict | None]:
     """``(alive, owner)`` of a reader's marker; a dead reader's marker is removed."""
     if not marker.is_remote:
-        import fcntl
-
         try:
-            fd = os.open(marker.url, os.O_RDONLY)
+            fd, held, owner = _try_flock(marker.url, shared=False)
         except FileNotFoundError:
             return False, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                return True, json.loads(os.pread(fd, 4096, 0) or b"null")
-            except ValueError:
-                return True, None
-        except OSError:
-            os.close(fd)
-            return True, None
-        with contextlib.suppress(OSError):  # nobody holds it: its reader is gone
-            os.unlink(marker.url)
+        if held is False:
+            with contextlib.suppress(OSError):  # nobody holds it: its reader is gone
+                os.unlink(marker.url)
         os.close(fd)
-        return False, None
+        return held is not False, owner  # (no flock: a reader cannot be ruled out)
     owner = _read_json(marker)
     if owner is not None and not _alive_here(owner):
         with contextlib.suppress(Exception):
