@@ -42,7 +42,10 @@ def test_workers_scaling_tiny(tmp_path):
     for o in r["workers"]:  # the cluster's own CPU: every process and task thread measured, per worker one figure
         c = o["cpu_s"]
         assert c["client_process"] > 0 and len(c["workers"]) == len(c["task_threads"]) == o["workers"]
-        assert all(w >= t > 0 for w, t in zip(c["workers"], c["task_threads"]))  # (task threads found)
+        assert all(w >= t >= 0 for w, t in zip(c["workers"], c["task_threads"]))
+        # (task threads found where a worker ran partials: on a loaded machine one of two may get none, and a few
+        # ms of CPU read from /proc in 10 ms ticks can be 0)
+        assert sum(c["task_threads"]) > 0
         assert c["beside_tasks"] == pytest.approx(c["client_process"] + sum(c["workers"]) - sum(c["task_threads"]))
         assert c["tasks_waited"] == pytest.approx(sum(o["busy_s_per_worker"]) - sum(c["task_threads"]))
     assert r["in_process"]["cpu_s"] > 0
