@@ -41,8 +41,15 @@ def _read_json(loc: Location) -> dict | None:
 _HELD: dict[str, list] = {}
 
 
+def physical(loc: Location) -> Location:
+    """``loc`` with the symbolic links of a local path resolved: the store itself, whatever name reaches it, is
+    what its lock and its readers' markers sit next to (a link's name would hide them from the store's)."""
+    return loc if loc.is_remote else Location(os.path.realpath(loc.url), loc.storage_options)
+
+
 def lock_location(loc: Location) -> Location:
-    """Where the lock of ``loc`` lives: ``.NAME.lock`` next to it."""
+    """Where the lock of ``loc`` lives: ``.NAME.lock`` next to it (next to the store a link names)."""
+    loc = physical(loc)
     url = loc.url.rstrip("/")
     parent, name = (posixpath if loc.is_remote else os.path).split(url)
     sep = "/" if loc.is_remote else os.sep
@@ -165,7 +172,7 @@ def hold(loc: Location, role: str = "output"):
         The file system refuses the lock next to it (a file where a folder must be, no permission, no such
         place, disk full).
     """
-    key = loc.url
+    key = physical(loc).url
     if key in _HELD:
         _HELD[key][0] += 1
         try:
@@ -228,12 +235,14 @@ def _parent(loc: Location) -> Location | None:
     if loc.is_remote:
         path = parent.split("://", 1)[1] if "://" in parent else ""
         return Location(parent, loc.storage_options) if path.strip("/") else None
-    return Location(parent) if os.path.dirname(parent) != parent else None
+    return None if os.path.dirname(loc.url.rstrip(os.sep) or os.sep) == (loc.url.rstrip(os.sep) or os.sep) \
+        else Location(parent)  # (only "/" itself is a root: "/data.zarr" has "/" next to it)
 
 
 def _is_marker(entry: str, name: str | None = None) -> bool:
     """Whether ``entry`` is the name of a reader's marker (of ``name``, when given): ``.NAME.read-TOKEN.lock``."""
-    if not (entry.startswith(".") and ".read-" in entry and entry.endswith(".lock")) or ".partial-" in entry:
+    if not (entry.startswith(".") and ".read-" in entry and entry.endswith(".lock")) or \
+            entry.endswith(".partial-lock"):  # (a marker being made: :func:`_mark_local`)
         return False
     return name is None or entry.startswith(f".{name}.read-")
 
@@ -328,12 +337,13 @@ def _writer_of(target: Location) -> tuple[bool, dict | None]:
 def _check_not_written(loc: Location, role: str) -> None:
     """Refuse to read ``loc`` while another run holds the lock of it or of the directory holding it (a fit
     replacing the run directory whose model is the input)."""
-    for target in (loc, _parent(loc)):
+    phys = physical(loc)
+    for target in (phys, _parent(phys)):
         if target is None or _parent(target) is None or target.url in _HELD:  # (a root has no lock next to it)
             continue
         held, owner = _writer_of(target)
         if held:
-            inside = f" (it replaces {target.url}, which holds it)" if target is not loc else ""
+            inside = f" (it replaces {target.url}, which holds it)" if target is not phys else ""
             raise OutputInUseError(f"{role} {loc.url} is being written by {_describe(owner)}{inside}: a run never"
                                    " reads a store while another replaces it; wait for that run to finish")
 
@@ -351,7 +361,8 @@ def reading(loc: Location, role: str = "input"):
     OutputInUseError
         Another run holds the lock of ``loc`` (or of the directory holding it): it is replacing it.
     """
-    key = loc.url
+    phys = physical(loc)  # (a link's name: the marker goes next to the store it names)
+    key = phys.url
     if key in _READING:
         _READING[key][0] += 1
         try:
@@ -359,10 +370,10 @@ def reading(loc: Location, role: str = "input"):
         finally:
             _READING[key][0] -= 1
         return
-    release = None if _parent(loc) is None else (_mark_remote if loc.is_remote else _mark_local)(loc)
+    release = None if _parent(phys) is None else (_mark_remote if phys.is_remote else _mark_local)(phys)
     if release is not None:  # markers of readers that died (killed) go: ours is the one now
         with contextlib.suppress(Exception):
-            for marker, _ in _markers(loc, inside=False):
+            for marker, _ in _markers(phys, inside=False):
                 _live_reader(marker)
     try:
         _check_not_written(loc, role)  # after marking: a writer that takes its lock from now on sees the marker
@@ -435,11 +446,12 @@ def check_unread(loc: Location, role: str = "output") -> None:
     OutputInUseError
         Naming ``role``, the store, the reader (pid, host, since when) and what it reads.
     """
-    for marker, store in _markers(loc):
+    phys = physical(loc)
+    for marker, store in _markers(phys):
         alive, owner = _live_reader(marker)
         if not alive:
             continue
-        inner = f" (it reads {store.url})" if store is not loc else ""
+        inner = f" (it reads {store.url})" if store is not phys else ""
         gone = f"; if that run is gone, remove {marker.url}" if marker.is_remote else ""
         raise OutputInUseError(f"{role} {loc.url} is being read by {_describe(owner)}{inner}: a store another run"
                                f" reads is never replaced or deleted; wait for it to finish{gone}")

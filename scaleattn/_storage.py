@@ -240,11 +240,14 @@ def _remote_access(url: str):
 def _normal_url(text: str) -> str:
     """A URL's scheme in lower case (schemes are case-insensitive, RFC 3986 §3.1; fsspec knows only lower case),
     and the file URIs of RFC 8089 that name a local path (``file:/x``, ``file://localhost/x``) as ``file:///x``
-    (fsspec would read them as relative paths ``./file:/x`` and ``./localhost/x``)."""
+    (fsspec would read them as relative paths ``./file:/x`` and ``./localhost/x``); fsspec's ``local://`` is
+    ``file://`` (a local path, with every local path's checks and locks)."""
     scheme, sep, rest = text.partition(":")
     if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]+", scheme):  # (one letter: a Windows drive, no scheme)
         return text
     scheme = scheme.lower()
+    if scheme == "local":  # fsspec's other name for the local file system: a local path like file://
+        scheme = "file"
     if scheme == "file":
         if rest.startswith("//localhost/"):
             rest = "//" + rest[len("//localhost"):]

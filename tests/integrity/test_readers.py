@@ -281,3 +281,45 @@ def test_generate_overwrite_never_replaces_the_dataset_a_fit_reads(tmp_path):
     assert tree_hash(tmp_path / "d.zarr") == before
     same_stats(stats_of(tmp_path / "run"), stats_of(tmp_path / "ref"))
     assert not _markers(tmp_path)
+
+
+@pytest.mark.parametrize("spelling", ["link", "local-url", "partial-name"])
+def test_every_name_of_the_store_is_protected(tmp_path, capsys, start, spelling):
+    """The store a reader reads is protected whatever name reaches it, and a writer through any name is seen by
+    a reader: a symbolic link to the dataset, fsspec's ``local://`` spelling of its path (it went through the
+    object-store branch: no flock, and a replaced output was deleted before the new one failed to write), a
+    store whose own name contains ``.partial-`` (its markers were taken for temporaries and never counted)."""
+    name = "my.partial-results.zarr" if spelling == "partial-name" else "d.zarr"
+    dataset(tmp_path / name)
+    if spelling == "link":
+        os.symlink(tmp_path / name, tmp_path / "link.zarr")
+    read = {"link": str(tmp_path / "link.zarr"), "local-url": f"local://{tmp_path / name}",
+            "partial-name": str(tmp_path / name)}[spelling]
+    before = _hash(tmp_path / name)
+    reader = start(read)
+    gen = ["generate", "mhla", str(tmp_path / name), "--d", "2", "--heads", "1", "--length", "6", "--samples", "32",
+           "--causal", "--seed", "7", "--overwrite"]
+    rc, err = run_main(gen, capsys, cwd=tmp_path)
+    assert rc == 2, err
+    expect(error_line(err), rf"is being read by the scaleattn run of pid {reader.pid} on host {HOST}")
+    assert _hash(tmp_path / name) == before
+    reader.kill()
+    reader.wait()
+    writer = start(tmp_path / name, "held")  # and a reader through that name waits for no writer: refused
+    rc, err = run_main(["certify", read], capsys, cwd=tmp_path)
+    assert rc == 2, err
+    expect(error_line(err), rf"is being written by the scaleattn run of pid {writer.pid} on host {HOST}")
+    writer.kill()
+    writer.wait()
+    rc, err = run_main([*gen[:2], f"local://{tmp_path / name}", *gen[3:]], capsys, cwd=tmp_path)
+    assert rc == 0, err  # local:// is a local path: replaced in place of the old one, never lost
+    assert _hash(tmp_path / name) != before and (tmp_path / name / "zarr.json").exists()
+
+
+def test_a_store_directly_under_the_root_has_a_place_for_its_markers():
+    """``/data.zarr`` (common in containers) has ``/`` next to it; only ``/`` itself has no parent."""
+    from scaleattn._locks import _parent
+    from scaleattn._storage import Location
+
+    assert _parent(Location("/data.zarr")) == Location("/")
+    assert _parent(Location("/")) is None
