@@ -138,15 +138,20 @@ def check_companions(outputs, inputs) -> None:
                                         " temporary scaleattn keeps next to that output; choose another output path")
 
 
-def check_outside_stores(loc: Location, role: str = "output") -> None:
+def check_outside_stores(loc: Location, role: str = "output", *, into: bool = False) -> None:
     """Refuse an output inside an existing Zarr store (any: a dataset, a model, another tool's), whether or not
-    that store is an input of this command: nothing is ever written into a store from outside it.
+    that store is an input of this command: nothing is ever written into a store from outside it. ``into``: the
+    writer adds files into the directory ``loc`` itself (``plot --out``, ``bench --out``), which must then not be
+    a Zarr store either.
 
     Raises
     ------
     UnsafeOutputError
-        Naming the output and the store it lies inside.
+        Naming the output and the store it is or lies inside.
     """
+    if into and any(loc.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray")):
+        raise UnsafeOutputError(f"{role} {loc.url} is a Zarr store: this command adds files into its --out, and"
+                                " nothing is written into a store from outside it; choose another directory")
     if loc.is_remote:
         scheme, _, rest = loc.url.partition("://")
         parts = rest.rstrip("/").split("/")
@@ -181,14 +186,16 @@ _NOT_PERSISTENT = {
 }
 
 
-def check_output_location(loc: Location, role: str = "output", *, local_only: bool = False) -> None:
+def check_output_location(loc: Location, role: str = "output", *, local_only: bool = False,
+                          into: bool = False) -> None:
     """Where an output may go, checked before anything is written; every output passes here (a fit's
     ``--out`` and ``--checkpoint``, :func:`atomic_output` for ``generate``, ``import``, ``save`` and the run
     directory, ``plot --out``, ``bench --out``): a local path, or a URL of a store that keeps what is written
     after this process exits (:data:`PERSISTENT`); not a chained URL (``simplecache::s3://...``, whose writes
     go to a cache or archive layer), not the root of a bucket (the lock and temporaries go next to an output),
-    not inside an existing Zarr store (:func:`check_outside_stores`). ``local_only``: the writer writes local
-    files only (``bench``), any URL is refused.
+    not inside an existing Zarr store (:func:`check_outside_stores`; with ``into``, not one either: the writer
+    adds files into ``loc``), not a symbolic link (a replaced output would be the link, its store left aside).
+    ``local_only``: the writer writes local files only (``bench``), any URL is refused.
 
     Raises
     ------
@@ -222,7 +229,10 @@ def check_output_location(loc: Location, role: str = "output", *, local_only: bo
         if local_only:
             raise UnsupportedError(f"{role} {loc.url}: this command writes its files to a local directory; give a"
                                    " path")
-    check_outside_stores(loc, role)
+    elif os.path.islink(loc.url):
+        raise UnsafeOutputError(f"{role} {loc.url} is a symbolic link (to {os.path.realpath(loc.url)}): an output is"
+                                " written, and replaced, at its own path; give that path")
+    check_outside_stores(loc, role, into=into)
 
 
 def _known_protocol(loc: Location) -> None:

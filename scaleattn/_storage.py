@@ -362,10 +362,13 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
 
 
 def remove(url: str, storage_options: dict | None = None) -> None:
-    """Delete ``url`` recursively if it exists (:class:`StorageError` as :func:`exists`)."""
+    """Delete ``url`` recursively if it exists (a symbolic link: the link alone; :class:`StorageError` as
+    :func:`exists`)."""
     if not is_url(url):
         url = local_path(url)
-        if os.path.isdir(url):
+        if os.path.islink(url):  # the link, never what it points to
+            os.unlink(url)
+        elif os.path.isdir(url):
             shutil.rmtree(url)
         elif os.path.exists(url):
             os.remove(url)

@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from ._outputs import check_disjoint, check_output_location, hold
+from ._outputs import check_disjoint, check_output_location, hold, reading
 from ._storage import resolve
 from .dataset import Dataset, open_dataset
 from .errors import ParameterError, ScaleattnError
@@ -268,8 +268,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     out = resolve(out, storage_options)
     _check_plot_output(run, out, dataset, storage_options)  # before any work
     with contextlib.ExitStack() as stack:  # the run read and the plots written while no fit replaces either
-        if not hasattr(run, "certificate"):
-            stack.enter_context(hold(resolve(run, storage_options), "run"))
+        if not hasattr(run, "certificate"):  # read, not written (unless it is --out): marked as read
+            stack.enter_context(reading(resolve(run, storage_options), "run"))
         stack.enter_context(hold(out, "--out"))
         return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
 
@@ -289,4 +289,4 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
     if dataset:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
-    check_output_location(out, "--out")
+    check_output_location(out, "--out", into=True)

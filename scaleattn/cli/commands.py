@@ -207,7 +207,7 @@ def _cmd_bench(args) -> int:
 
     if args.only is not None and (args.suite != "krylov" or args.vs):
         raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
-    check_output_location(resolve(args.out), "--out", local_only=True)  # (as every output; and local files only)
+    check_output_location(resolve(args.out), "--out", local_only=True, into=True)  # (local files only)
     try:  # before minutes of work, not after: the folder, and a file in it
         os.makedirs(args.out, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=args.out, prefix=".probe-"):

@@ -87,7 +87,8 @@ def test_plot_is_refused_while_a_fit_holds_the_run_or_the_output(tmp_path, holde
     pid = holder(tmp_path / held)
     rc, err = run_main(["plot", "run", *(["--out", "plots"] if held == "plots" else [])], capsys, cwd=tmp_path)
     assert rc == 2
-    expect(error_line(err), rf"{'run' if held == 'run' else '--out'} \S+ is in use by the scaleattn run of pid {pid}")
+    expect(error_line(err), rf"run \S+ is being written by the scaleattn run of pid {pid}" if held == "run" else
+                            rf"--out \S+ is in use by the scaleattn run of pid {pid}")
     assert tree_hash(tmp_path / "run") == before and not (tmp_path / "plots").exists()
 
 

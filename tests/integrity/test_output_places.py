@@ -95,7 +95,7 @@ def test_an_output_needs_a_place_beside_it(url):
 def test_persistent_places_are_accepted(url, monkeypatch):
     from scaleattn import _outputs
 
-    monkeypatch.setattr(_outputs, "check_outside_stores", lambda loc, role="output": None)  # (no network here)
+    monkeypatch.setattr(_outputs, "check_outside_stores", lambda *a, **k: None)  # (no network here)
     check_output_location(resolve(url), "--out")
 
 
@@ -178,3 +178,31 @@ def test_memory_inputs_on_real_clusters(tmp_path, clean_memory):
     with LocalCluster(processes=True, n_workers=1, dashboard_address=None) as c, Client(c) as client:
         with pytest.raises(UnsupportedError, match=r"memory of this process"):
             certify_dataset(ds, client=client)
+
+
+def test_files_are_never_added_into_a_store_and_outputs_are_not_links(tmp_path, capsys):
+    """``plot --out`` and ``bench --out`` add files into their directory: an existing Zarr store there (a dataset,
+    the run's own model) is refused, as a path inside one is. An output that is a symbolic link is refused (an
+    --overwrite replaced the link and left 'Cannot call rmtree on a symbolic link' for every later run), and a
+    link left aside by such a run is removed as a link, its target untouched."""
+    from scaleattn._storage import remove
+
+    dataset(tmp_path / "d.zarr")
+    dataset(tmp_path / "e.zarr", seed=2)  # a store no command here reads
+    assert run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), *FIT], capsys)[0] == 0
+    inputs = Inputs(tmp_path / "d.zarr", tmp_path / "e.zarr", tmp_path / "run")
+    for argv in (["plot", str(tmp_path / "run"), "--out", str(tmp_path / "e.zarr")],
+                 ["plot", str(tmp_path / "run"), "--out", f"local://{tmp_path / 'run' / 'model.zarr'}"],
+                 ["bench", "--quick", "--out", str(tmp_path / "e.zarr")]):
+        rc, err = run_main(argv, capsys)
+        assert rc == 2, err
+        expect(error_line(err), r"--out \S+\.zarr (is a Zarr store: this command adds files into its --out|is the"
+                                r" input model)")
+    os.symlink(tmp_path / "d.zarr", tmp_path / "link.zarr")
+    rc, err = run_main(["generate", "mhla", str(tmp_path / "link.zarr"), "--d", "2", "--heads", "1", "--length", "6",
+                        "--samples", "32", "--overwrite"], capsys)
+    assert rc == 2, err
+    expect(error_line(err), r"--out \S+link\.zarr is a symbolic link \(to \S+d\.zarr\)|link\.zarr is a symbolic link")
+    inputs.unchanged()
+    remove(str(tmp_path / "link.zarr"))
+    assert not os.path.lexists(tmp_path / "link.zarr") and (tmp_path / "d.zarr" / "zarr.json").exists()
