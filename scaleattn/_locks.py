@@ -26,7 +26,7 @@ import uuid
 from ._storage import Location
 from .errors import OutputInUseError, ScaleattnError, StorageError, UnsafeOutputError
 
-__all__ = ["hold", "lock_location", "reading", "check_unread"]
+__all__ = ["hold", "lock_location", "reading", "check_unread", "is_store", "store_holding"]
 
 
 def _read_json(loc: Location) -> dict | None:
@@ -45,6 +45,26 @@ def physical(loc: Location) -> Location:
     """``loc`` with the symbolic links of a local path resolved: the store itself, whatever name reaches it, is
     what its lock and its readers' markers sit next to (a link's name would hide them from the store's)."""
     return loc if loc.is_remote else Location(os.path.realpath(loc.url), loc.storage_options)
+
+
+def is_store(loc: Location) -> bool:
+    """Whether ``loc`` is a Zarr store (a group or an array of zarr v3 or v2)."""
+    return any(loc.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray"))
+
+
+def store_holding(loc: Location) -> Location | None:
+    """The nearest Zarr store that ``loc`` lies inside (its parents, links resolved), or None."""
+    if loc.is_remote:
+        scheme, _, rest = loc.url.partition("://")
+        parts = rest.rstrip("/").split("/")
+        parents = [Location(f"{scheme}://{'/'.join(parts[:k])}", loc.storage_options)
+                   for k in range(len(parts) - 1, 0, -1)]
+    else:
+        p, parents = os.path.realpath(loc.url), []
+        while os.path.dirname(p) != p:
+            p = os.path.dirname(p)
+            parents.append(Location(p))
+    return next((parent for parent in parents if is_store(parent)), None)
 
 
 def lock_location(loc: Location) -> Location:
@@ -370,7 +390,9 @@ def reading(loc: Location, role: str = "input"):
         finally:
             _READING[key][0] -= 1
         return
-    release = None if _parent(phys) is None else (_mark_remote if phys.is_remote else _mark_local)(phys)
+    # no marker where there is no place next to it: a root, or inside another store (a subgroup: never written)
+    release = None if _parent(phys) is None or store_holding(phys) is not None else \
+        (_mark_remote if phys.is_remote else _mark_local)(phys)
     if release is not None:  # markers of readers that died (killed) go: ours is the one now
         with contextlib.suppress(Exception):
             for marker, _ in _markers(phys, inside=False):

@@ -22,7 +22,7 @@ import posixpath
 import uuid
 
 from . import _formats
-from ._locks import _read_json, _refused, check_unread, hold, lock_location, reading
+from ._locks import _read_json, _refused, check_unread, hold, is_store, lock_location, reading, store_holding
 from ._storage import Location, fs_for, protocols, remove
 from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
@@ -149,22 +149,13 @@ def check_outside_stores(loc: Location, role: str = "output", *, into: bool = Fa
     UnsafeOutputError
         Naming the output and the store it is or lies inside.
     """
-    if into and any(loc.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray")):
+    if into and is_store(loc):
         raise UnsafeOutputError(f"{role} {loc.url} is a Zarr store: this command adds files into its --out, and"
                                 " nothing is written into a store from outside it; choose another directory")
-    if loc.is_remote:
-        scheme, _, rest = loc.url.partition("://")
-        parts = rest.rstrip("/").split("/")
-        parents = [Location(f"{scheme}://{'/'.join(parts[:k])}", loc.storage_options) for k in range(1, len(parts))]
-    else:
-        p, parents = os.path.realpath(loc.url), []
-        while os.path.dirname(p) != p:
-            p = os.path.dirname(p)
-            parents.append(Location(p))
-    for parent in parents:
-        if any(parent.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray")):
-            raise UnsafeOutputError(f"{role} {loc.url} lies inside the Zarr store {parent.url}: nothing is written"
-                                    " into a store from outside it; choose a path outside it")
+    parent = store_holding(loc)
+    if parent is not None:
+        raise UnsafeOutputError(f"{role} {loc.url} lies inside the Zarr store {parent.url}: nothing is written"
+                                " into a store from outside it; choose a path outside it")
 
 
 # ---- outputs outlive the command ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 
 from scaleattn._outputs import check_unread, reading
 from scaleattn._storage import Location
@@ -323,3 +324,23 @@ def test_a_store_directly_under_the_root_has_a_place_for_its_markers():
 
     assert _parent(Location("/data.zarr")) == Location("/")
     assert _parent(Location("/")) is None
+
+
+def test_a_dataset_inside_another_store_is_read_without_writing_into_that_store(tmp_path, capsys):
+    """A dataset that is a subgroup of another Zarr store (``outer.zarr/ds``): the place next to it is inside
+    that store, so the reader leaves no marker there (it wrote ``outer.zarr/.ds.read-*.lock``)."""
+    import shutil
+
+    dataset(tmp_path / "d.zarr")
+    outer = zarr.open_group(str(tmp_path / "outer.zarr"), mode="w", zarr_format=3)
+    outer.attrs["what"] = "another tool's store"
+    shutil.copytree(tmp_path / "d.zarr", tmp_path / "outer.zarr" / "ds")
+    before = tree_hash(tmp_path / "outer.zarr")
+    from scaleattn._locks import reading
+    from scaleattn._storage import resolve
+
+    with reading(resolve(tmp_path / "outer.zarr" / "ds"), "dataset"):
+        assert tree_hash(tmp_path / "outer.zarr") == before
+    rc, err = run_main(["certify", str(tmp_path / "outer.zarr" / "ds")], capsys)
+    assert rc == 0, err
+    assert tree_hash(tmp_path / "outer.zarr") == before
