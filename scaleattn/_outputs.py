@@ -267,6 +267,11 @@ def owner_of(loc: Location) -> tuple[bool, str]:
                and not fnmatch.fnmatch(n, ".*.lock") and ".partial-" not in n]  # (our own companions)
     if foreign:
         return False, f"it holds {foreign[0]!r}, which scaleattn did not write"
+    # a run's store names must hold scaleattn stores: a folder of the user's under such a name is not ours
+    odd = [n for n in names if n.endswith(".zarr") and n in _formats.RUN_ENTRIES
+           and _entries(loc.join(n)) is not None and not _is_scaleattn_store(loc.join(n))]
+    if odd:
+        return False, f"its {odd[0]} is not a store scaleattn wrote"
     report = _read_json(loc.join("report.json")) if "report.json" in names else None
     if (isinstance(report, dict) and "scaleattn_version" in report) or any(
             _is_scaleattn_store(loc.join(n)) for n in names if n.endswith(".zarr")):

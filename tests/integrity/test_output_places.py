@@ -206,3 +206,23 @@ def test_files_are_never_added_into_a_store_and_outputs_are_not_links(tmp_path, 
     inputs.unchanged()
     remove(str(tmp_path / "link.zarr"))
     assert not os.path.lexists(tmp_path / "link.zarr") and (tmp_path / "d.zarr" / "zarr.json").exists()
+
+
+def test_overwrite_never_deletes_a_folder_of_the_user_under_a_run_s_store_name(tmp_path, capsys):
+    """--overwrite of a run directory looked at its top-level names only: a folder of the user's named
+    ``spectrum.zarr`` (notes in it) was deleted with the run. Each of the run's store names must hold a store
+    scaleattn wrote."""
+    import shutil
+
+    from .conftest import tree_hash
+
+    dataset(tmp_path / "d.zarr")
+    assert run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), *FIT], capsys)[0] == 0
+    shutil.rmtree(tmp_path / "run" / "spectrum.zarr")
+    (tmp_path / "run" / "spectrum.zarr").mkdir()
+    (tmp_path / "run" / "spectrum.zarr" / "notes.txt").write_text("precious")
+    before = tree_hash(tmp_path / "run")
+    rc, err = run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), "--overwrite", *FIT], capsys)
+    assert rc == 2, err
+    expect(error_line(err), r"its spectrum\.zarr is not a store scaleattn wrote")
+    assert tree_hash(tmp_path / "run") == before
