@@ -213,8 +213,8 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
     """All figures of a run: ``{"spectrum", "heads", "loss_vs_heads", "predictions"}`` -> Figure.
 
     ``run`` is a :class:`~scaleattn.pipeline.FitResult` or a run directory (read with ``storage_options``).
-    ``dataset`` (a Dataset or URL; default the report's ``dataset``) gives the predictions panel, skipped with a
-    warning when it cannot be read; ``loss_vs_heads`` is skipped when the report has no such entry.
+    ``dataset`` (a Dataset or URL; default the report's ``dataset``) gives the predictions panel; the report's,
+    when it cannot be read, is skipped with a warning (one given here raises); ``loss_vs_heads`` is skipped when the report has no such entry.
     """
     if hasattr(run, "certificate"):
         view = {"report": run.report, "eigenvalues": run.certificate.eigenvalues,
@@ -233,12 +233,15 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
     lvh = loss_vs_heads_figure(r.get("loss_vs_heads"), r.get("target_mean_square"))
     if lvh is not None:
         figs["loss_vs_heads"] = lvh
-    dataset = dataset if dataset is not None else r.get("dataset")
+    given = dataset is not None
+    dataset = dataset if given else r.get("dataset")
     if view["model"] is not None and dataset:
         try:
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], dataset,
                                                                          storage_options=storage_options))
-        except (ScaleattnError, OSError) as e:  # an unreadable or missing dataset: the other plots still go
+        except (ScaleattnError, OSError) as e:  # the report's dataset gone or moved: the other plots still go
+            if given:  # (one the caller named is an error of its own: never skipped)
+                raise
             warnings.warn(f"predictions plot skipped: {e}", stacklevel=2)
     return figs
 
