@@ -50,6 +50,8 @@ CASES = [
     ("compare-file", ["compare", "run/model.zarr", "file.txt"], "model", "file.txt", FILE + r" a model store"),
     ("plot-run-file", ["plot", "file.txt"], "run", "file.txt", FILE + r" a run directory"),
     ("plot-run-through-file", ["plot", "file.txt/run"], "run", "file.txt/run", THROUGH),
+    ("plot-dataset-file", ["plot", "run", "--out", "pl", "--dataset", "file.txt"], "dataset", "file.txt",
+     FILE + " a Zarr store"),
     ("resume-checkpoint-file", ["fit", "d.zarr", "--out", "r", "--checkpoint", "file.txt", "--resume", *FIT],
      "--checkpoint", "file.txt", FILE + r" a checkpoint store"),
     ("checkpoint-file", ["fit", "d.zarr", "--out", "r", "--checkpoint", "file.txt", *FIT], "--checkpoint",
@@ -59,7 +61,7 @@ CASES = [
 
 @pytest.mark.parametrize("argv,option,path,says", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_path_of_the_wrong_kind_says_what_it_is(place, capfd, argv, option, path, says):
-    if argv[0] in ("evaluate", "compare"):
+    if argv[0] in ("evaluate", "compare") or "--dataset" in argv:
         run_cli(capfd, "fit", "d.zarr", "--out", "run", *FIT)
     before = sorted(p.name for p in place.iterdir())
     r = run_cli(capfd, *argv, rc=2)
