@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import posixpath
+import re
 import socket
 import time
 import uuid
@@ -259,12 +260,14 @@ def _parent(loc: Location) -> Location | None:
         else Location(parent)  # (only "/" itself is a root: "/data.zarr" has "/" next to it)
 
 
+#: a reader's marker, ``.NAME.read-TOKEN.lock`` (TOKEN: 12 hex digits, the last ``.read-`` of the name)
+_MARKER = re.compile(r"\.(.+)\.read-[0-9a-f]{12}\.lock")
+
+
 def _is_marker(entry: str, name: str | None = None) -> bool:
     """Whether ``entry`` is the name of a reader's marker (of ``name``, when given): ``.NAME.read-TOKEN.lock``."""
-    if not (entry.startswith(".") and ".read-" in entry and entry.endswith(".lock")) or \
-            entry.endswith(".partial-lock"):  # (a marker being made: :func:`_mark_local`)
-        return False
-    return name is None or entry.startswith(f".{name}.read-")
+    m = _MARKER.fullmatch(entry)  # (not ``.partial-lock``: a marker being made, :func:`_mark_local`)
+    return m is not None and (name is None or m.group(1) == name)
 
 
 def _mark_local(loc: Location):
@@ -431,7 +434,7 @@ def _markers(loc: Location, inside: bool = True) -> list[tuple[Location, Locatio
                 continue
         for e in sorted(entries):
             if _is_marker(e, only):
-                store = loc if only else where.join(e[1:e.index(".read-")])
+                store = loc if only else where.join(_MARKER.fullmatch(e).group(1))
                 found.append((Location(f"{where.url.rstrip(sep)}{sep}{e}", loc.storage_options), store))
     return found
 

@@ -214,7 +214,8 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
 
     ``run`` is a :class:`~scaleattn.pipeline.FitResult` or a run directory (read with ``storage_options``).
     ``dataset`` (a Dataset or URL; default the report's ``dataset``) gives the predictions panel; the report's,
-    when it cannot be read, is skipped with a warning (one given here raises); ``loss_vs_heads`` is skipped when the report has no such entry.
+    when it cannot be read, is skipped with a warning (one given here raises); ``loss_vs_heads`` is skipped when
+    the report has no such entry.
     """
     if hasattr(run, "certificate"):
         view = {"report": run.report, "eigenvalues": run.certificate.eigenvalues,

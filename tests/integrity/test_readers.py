@@ -249,15 +249,15 @@ def test_object_store_markers(tmp_path):
             with pytest.raises(OutputInUseError, match=rf"is being read by the scaleattn run of pid {os.getpid()}"):
                 check_unread(loc)
         assert not [p for p in fs.ls("/readers", detail=False) if ".read-" in p]
-        fs.pipe("/readers/.d.zarr.read-abc.lock",
+        fs.pipe("/readers/.d.zarr.read-0123456789ab.lock",
                 json.dumps({"host": "elsewhere", "pid": 1, "started": 0, "locked_at": 0}).encode())
         with pytest.raises(OutputInUseError, match=r"pid 1 on host elsewhere.*if that run is gone, remove"
-                                                   r" memory://readers/\.d\.zarr\.read-abc\.lock"):
+                                                   r" memory://readers/\.d\.zarr\.read-0123456789ab\.lock"):
             check_unread(loc, "output")
-        fs.pipe("/readers/.d.zarr.read-abc.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 17,
-                                                              "started": 0, "locked_at": 0}).encode())
+        fs.pipe("/readers/.d.zarr.read-0123456789ab.lock",
+                json.dumps({"host": socket.gethostname(), "pid": 2**22 + 17, "started": 0, "locked_at": 0}).encode())
         check_unread(loc, "output")  # a process of this host that is gone: stale, and removed
-        assert not fs.exists("/readers/.d.zarr.read-abc.lock")
+        assert not fs.exists("/readers/.d.zarr.read-0123456789ab.lock")
     finally:
         fs.rm("/readers", recursive=True)
 
@@ -344,3 +344,18 @@ def test_a_dataset_inside_another_store_is_read_without_writing_into_that_store(
     rc, err = run_main(["certify", str(tmp_path / "outer.zarr" / "ds")], capsys)
     assert rc == 0, err
     assert tree_hash(tmp_path / "outer.zarr") == before
+
+
+def test_a_store_whose_name_extends_another_s_is_not_taken_for_it(tmp_path, capsys, start):
+    """A live reader of ``x.zarr.read-old.zarr`` (its marker ``.x.zarr.read-old.zarr.read-TOKEN.lock``) is not a
+    reader of ``x.zarr``: replacing ``x.zarr`` goes through, and the other store stays protected."""
+    dataset(tmp_path / "x.zarr")
+    dataset(tmp_path / "x.zarr.read-old.zarr", seed=2)
+    reader = start(tmp_path / "x.zarr.read-old.zarr")
+    gen = ["generate", "mhla", "--d", "2", "--heads", "1", "--length", "6", "--samples", "32", "--causal",
+           "--overwrite"]
+    rc, err = run_main([*gen[:2], str(tmp_path / "x.zarr"), *gen[2:]], capsys)
+    assert rc == 0, err
+    rc, err = run_main([*gen[:2], str(tmp_path / "x.zarr.read-old.zarr"), *gen[2:]], capsys)
+    assert rc == 2, err
+    expect(error_line(err), rf"x\.zarr\.read-old\.zarr is being read by the scaleattn run of pid {reader.pid}")
