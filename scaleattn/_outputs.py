@@ -213,7 +213,7 @@ def check_output_location(loc: Location, role: str = "output", *, local_only: bo
         if why:
             raise UnsafeOutputError(f"{role} {loc.url}: {why}; an output must outlive the command: give a local"
                                     " path or a persistent store (s3://BUCKET/PATH, gs://, az://, ...)")
-        if "/" not in loc.url.split("://", 1)[1].strip("/"):
+        if "/" not in posixpath.normpath("/" + loc.url.split("://", 1)[1]).strip("/"):  # (s3://b/., s3://b/x/..)
             raise UnsafeOutputError(f"{role} {loc.url}: the root of a bucket or file system has no place next to it"
                                     " for the output's lock and temporaries; give a path inside it"
                                     f" ({loc.url.rstrip('/')}/NAME)")

@@ -317,6 +317,8 @@ def check_kind(path, role: str, expected: str, *, directory: bool, storage_optio
         if directory:
             raise ParameterError(f"{name}: is {'a file' if os.path.isfile(p) else 'not a directory'}, expected"
                                  f" {expected}")
+        if os.path.exists(p) and not os.path.isfile(p):  # a FIFO, a socket, a device: nothing to read whole
+            raise ParameterError(f"{name}: is not a regular file, expected {expected}")
         return
     parent = os.path.dirname(p)
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:

@@ -395,6 +395,9 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     try:
         g = loc.open_group("r")
     except Exception as e:  # zarr raises several types for a non-group / corrupt metadata
+        if loc.join("report.json").exists():  # (a run directory given where its dataset goes)
+            raise DatasetError(f"{url}: a run directory, not a dataset (its report names the dataset it"
+                               " fitted)") from None
         raise DatasetError(f"{url}: not a readable Zarr group ({type(e).__name__}: {e})") from None
     try:
         names = set(g.array_keys())

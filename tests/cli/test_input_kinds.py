@@ -97,3 +97,17 @@ def test_missing_paths_still_say_no_such(place, capfd):
     r = run_cli(capfd, "fit", "dir/nope.zarr", "--out", "r", *FIT, rc=2)
     assert re.search(r"nope\.zarr: no such dataset", r.stderr), r.stderr
     np.testing.assert_equal(sorted(p.name for p in place.iterdir()), ["d.zarr", "dir", "file.txt"])
+
+
+def test_a_fifo_and_a_run_directory_say_what_they_are(place, capfd):
+    """A FIFO where a file is read whole (it said "no such file"), and a run directory given where its dataset
+    goes (it said "not a readable Zarr group")."""
+    import os
+
+    os.mkfifo(place / "fifo")
+    r = run_cli(capfd, "import", "o.zarr", "--npz", "fifo", rc=2)
+    assert re.search(r"error: --npz \S*fifo: is not a regular file, expected a \.npz", r.stderr), r.stderr
+    run_cli(capfd, "fit", "d.zarr", "--out", "run", *FIT)
+    r = run_cli(capfd, "certify", "run", "--local", rc=2)
+    assert re.search(r"error: \S*run: a run directory, not a dataset", r.stderr), r.stderr
+    assert not (place / "o.zarr").exists()

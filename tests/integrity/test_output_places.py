@@ -226,3 +226,9 @@ def test_overwrite_never_deletes_a_folder_of_the_user_under_a_run_s_store_name(t
     assert rc == 2, err
     expect(error_line(err), r"its spectrum\.zarr is not a store scaleattn wrote")
     assert tree_hash(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/.", "s3://bucket/x/..", "gs://b/./"])
+def test_a_bucket_root_spelled_with_dots_is_a_bucket_root(url):
+    with pytest.raises(UnsafeOutputError, match=r"the root of a bucket or file system has no place next to it"):
+        check_output_location(resolve(url), "--out")
