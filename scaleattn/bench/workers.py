@@ -60,16 +60,15 @@ def _env():  # what decides a build's speed in this process: glibc and BLAS vari
     blas = [int(c.num_threads) for c in k._blas_controller().lib_controllers]
     return {**out, "kernel_threads": k._blas_threads(), "blas_threads": blas}
 
-def _cpu():  # CPU seconds of this process and of its Dask task threads (Linux /proc; None elsewhere)
+def _cpu():  # CPU seconds of this process and of its Dask task threads (None where a thread's clock is unreadable)
     import threading
-    tick, tasks = os.sysconf("SC_CLK_TCK"), 0.0
+    tasks = 0.0
     for t in threading.enumerate():
         if "Dask-Default-Threads" in t.name:  # the worker's executor ("0-Dask-Default-Threads-<pid>-0")
-            try:
-                f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+            try:  # the thread's own CPU clock, in ns: /proc's 10 ms ticks read a few-ms build's tasks as 0
+                tasks += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (AttributeError, OSError, TypeError):
                 return time.process_time(), None
-            tasks += (int(f[11]) + int(f[12])) / tick  # utime + stime
     return time.process_time(), tasks
 
 def _kept():  # look-ups of this process's cut chunks (hits: reads saved)
@@ -210,7 +209,7 @@ def workers_scaling(path, split: str = "rows", rounds: int = 2) -> dict:
         busy - 1, overhead_s = wall - busiest, waits_s: {start, idle_per_worker, after_last_partial, finish},
         env: the workers' glibc and BLAS variables and their kernel / BLAS thread counts), all of the fastest
         build, and ``cpu_s`` ({client_process, workers, task_threads: CPU s per worker, beside_tasks, tasks_waited};
-        None where /proc is absent; in process: its CPU seconds);
+        None where a thread's CPU clock is unreadable; in process: its CPU seconds);
         ``worker_vs_in_process``, ``speedup_2_workers``, ``targets``, ``met``.
 
     Raises
