@@ -28,6 +28,17 @@ MAX_THREADS_PER_CORE = 4
 WORKER_BASE_BYTES = 150e6
 
 
+def dask_setup(worker) -> None:
+    """Dask preload of the embedded cluster's workers (``distributed.worker.preload``): ignore SIGINT. The job's
+    process handles Ctrl-C (checkpoint, one line) and closes the cluster; a worker that also took it printed a
+    KeyboardInterrupt traceback from inside distributed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # (signal handlers are set from there only)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def default_workers() -> int:
     """One worker process per core available to this process (cgroup and affinity limits honoured)."""
     from dask.system import CPU_COUNT
@@ -213,6 +224,11 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
             common = dict(dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING if debug else logging.CRITICAL,
                           **kwargs)
             stack.enter_context(dask.config.set(worker_config()))
+            # the workers ignore Ctrl-C (a terminal sends it to every process of the job): this process stops
+            # them as it unwinds, instead of each printing its own KeyboardInterrupt traceback
+            preload = dask.config.get("distributed.worker.preload", None) or []
+            stack.enter_context(dask.config.set({"distributed.worker.preload": [
+                *([preload] if isinstance(preload, str) else preload), __name__]}))
             if gpus:
                 try:
                     from dask_cuda import LocalCUDACluster

@@ -77,11 +77,14 @@ def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProces
                           text=True, timeout=timeout, env=e)
 
 
-def popen_cli(args, cwd=None, env=None) -> subprocess.Popen:
+def popen_cli(args, cwd=None, env=None, session: bool = False) -> subprocess.Popen:
+    """The CLI in a child process; ``session``: in a process group of its own, so that ``os.killpg`` reaches it and
+    every process it starts, as a terminal's Ctrl-C does."""
     e = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
          "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "scaleattn.cli", *map(str, args)], cwd=cwd, env=e, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint,
+                            start_new_session=session)
 
 
 def _default_sigint():

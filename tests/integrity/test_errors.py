@@ -274,6 +274,23 @@ def test_ctrl_c_says_what_was_kept_and_resume_is_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_to_the_whole_job_with_dask_workers_is_one_line(tmp_path):
+    """A terminal's Ctrl-C goes to every process of the job: the embedded cluster's workers ignore it (they
+    printed a KeyboardInterrupt traceback each), the job keeps its checkpoint and says so in one line."""
+    dataset(tmp_path / "d.zarr")
+    args = ["fit", "d.zarr", "--out", "run", "--workers", "2", "--quiet", "--no-plots", "--no-exact-mse"]
+    p = popen_cli(args, cwd=tmp_path, env={"SCALEATTN_TEST_TASK_DELAY": "1"}, session=True)
+    _wait_done(tmp_path / "run.checkpoint.zarr", 1)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    expect(error_line(err), r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps \d+ of 16 row groups:"
+                            r" run the same command with --resume to continue$")
+    assert run_cli(args + ["--resume"], cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_group_leaves_nothing(tmp_path):
     dataset(tmp_path / "d.zarr")
     p = popen_cli(["fit", "d.zarr", "--out", "run", *FIT], cwd=tmp_path, env={"SCALEATTN_TEST_TASK_DELAY": "30"})
