@@ -23,7 +23,7 @@ import uuid
 
 from . import _formats
 from ._locks import _read_json, _refused, check_unread, hold, is_store, lock_location, reading, store_holding
-from ._storage import Location, fs_for, protocols, remove
+from ._storage import Location, fs_for, protocols, remove, settle_writes
 from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "check_output_location", "PERSISTENT",
@@ -367,6 +367,7 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
             try:
                 yield loc
             except BaseException:
+                settle_writes()  # the puts still in flight land before the removal, not after it
                 loc.remove()
                 raise
             return
@@ -376,7 +377,11 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
         aside = f"{tmp}.old"
         try:
             os.makedirs(parent, exist_ok=True)
-            yield Location(tmp, loc.storage_options)
+            try:
+                yield Location(tmp, loc.storage_options)
+            except BaseException:
+                settle_writes()  # the puts still in flight land before the removal below, not after it
+                raise
             if os.path.exists(url):  # move the old output aside first: a crash now loses neither copy
                 check_unread(loc)  # again: a reader may have started meanwhile (from now on one is refused)
                 os.replace(url, aside)

@@ -23,7 +23,8 @@ import zarr
 from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
-           "transient", "with_retries", "is_url", "protocols", "check_kind", "RETRY_ATTEMPTS", "RETRY_DELAY"]
+           "transient", "with_retries", "is_url", "protocols", "check_kind", "settle_writes", "RETRY_ATTEMPTS",
+           "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -361,6 +362,39 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
     with _remote_access(url):
         fs, p = fs_for(url, storage_options)
         return fs.exists(p)
+
+
+#: how long :func:`settle_writes` waits for the writes in flight, in seconds
+SETTLE_TIMEOUT = 60.0
+
+
+def settle_writes(timeout: float = SETTLE_TIMEOUT) -> None:
+    """Wait for the store I/O this process still has in flight on zarr's and fsspec's event-loop threads.
+
+    A write (``array[a:b] = ...``) runs its chunks' puts as tasks on such a thread; when the calling thread stops
+    waiting for them (Ctrl-C, an exception), the puts go on. An output removed on failure then got chunks back
+    after its removal: a hidden temporary of 4-110 MB left behind by an interrupted ``generate``. Called before
+    removing a failed output; waits for the tasks pending now (their own sub-tasks with them), at most
+    ``timeout`` seconds per loop.
+    """
+    import asyncio
+    import sys
+    import threading
+
+    async def pending_done():
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    for name in ("zarr.core.sync", "fsspec.asyn"):
+        mod = sys.modules.get(name)
+        loop = (getattr(mod, "loop", None) or [None])[0] if mod is not None else None
+        thread = (getattr(mod, "iothread", None) or [None])[0]
+        if loop is None or loop.is_closed() or not loop.is_running() or thread is threading.current_thread():
+            continue
+        with contextlib.suppress(Exception):  # (a loop shutting down: nothing left to wait for)
+            asyncio.run_coroutine_threadsafe(pending_done(), loop).result(timeout + 1)
 
 
 def remove(url: str, storage_options: dict | None = None) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from ._outputs import RUN, atomic_output
-from ._storage import Location, check_kind, resolve
+from ._storage import Location, check_kind, resolve, settle_writes
 from .certificate import certify
 from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
@@ -115,6 +115,7 @@ def write_files(out, files: dict) -> list[str]:
                 if new:
                     created.append(loc)
         except BaseException:
+            settle_writes()  # a put still in flight lands before the removal, not after it
             for loc in created:
                 loc.remove()
             raise

@@ -26,13 +26,15 @@ def test_operator_on_workers_matches_the_dense_product(client, tmp_path):
     rs = remote_statistics(ds, client)
     op = rs.operator
     assert isinstance(rs, RemoteStatistics) and isinstance(op, DistributedGramOperator)
-    assert len(op.tiles) >= 4 and len(op.by_worker) == 2  # the tiles spread over both workers
+    # every tile on one holder; which workers hold them is Dask's choice (a busy worker may hold none)
+    n = len(op.by_worker)
+    assert len(op.tiles) >= 4 and 1 <= n <= 2 and sum(len(ts) for ts in op.by_worker.values()) == len(op.tiles)
     assert np.array_equal(rs.moments, st.moments) and rs.n_rows == st.n_rows and rs.yy == st.yy
     X = np.random.default_rng(0).standard_normal((st.psi, 3))
     assert rel(op @ X, st.gram() @ X) <= 1e-13
     assert rel(op.diagonal(), np.diag(st.gram())) <= 1e-15
     t = op.traffic[-1]
-    assert t["workers"] == 2 and t["bytes_out"] == 2 * 8 * st.psi * 3  # psi x k per worker, never a tile
+    assert t["workers"] == n and t["bytes_out"] == n * 8 * st.psi * 3  # psi x k per worker, never a tile
     with pytest.raises(ParameterError, match="held on the workers"):
         rs.gram()
     keys = {f.key for _, f in op.tiles}
@@ -64,7 +66,7 @@ def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, mo
     res = fit(ds, client=client, solver="auto", plots=False)  # auto: the dense path does not fit
     r = res.report
     assert isinstance(res.statistics, RemoteStatistics) and not res.statistics.operator.tiles  # released
-    assert r["estimates"]["solver"] == "krylov" and r["estimates"]["traffic"]["workers"] == 2
+    assert r["estimates"]["solver"] == "krylov" and 1 <= r["estimates"]["traffic"]["workers"] <= 2
     assert r["identifiable"] and r["rank"] == res.statistics.psi and r["relative_train_mse"] <= 1e-20
     per_pass = r["estimates"]["traffic"]["bytes_out_per_pass"] + r["estimates"]["traffic"]["bytes_back_per_pass"]
     assert per_pass <= 4 * 8 * res.statistics.psi * 10 < tc  # O(psi k) per worker, far below Tc

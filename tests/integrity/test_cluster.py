@@ -100,10 +100,13 @@ def remote(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sf)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    deadline = time.monotonic() + 60
-    while not sf.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    address = json.loads(sf.read_text())["address"]
+    deadline, address = time.monotonic() + 60, None
+    while address is None and time.monotonic() < deadline:  # the scheduler creates the file, then writes it
+        try:
+            address = json.loads(sf.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+    assert address, f"the scheduler wrote no address into {sf} within 60 s"
 
     def start(where, bind=None):
         cmd = (f"exec {sys.executable} -m distributed.cli.dask_worker {address} --nthreads 1 --no-nanny"
