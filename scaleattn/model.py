@@ -165,6 +165,9 @@ class MHLAModel:
             g = loc.open_group("r")
             a = dict(g.attrs)
         except Exception as e:
+            if loc.join("model.zarr").exists():  # a run directory given where its model goes
+                raise FormatError(f"{loc.url}: a run directory, not a model store: pass"
+                                  f" {loc.join('model.zarr').url}") from None
             raise FormatError(f"{loc.url}: not a readable model store ({type(e).__name__}: {e})") from None
         _formats.check_format(a, _formats.MODEL, loc.url, "model")
         _formats.check_types(a, {"d": int, "causal": bool}, loc.url, optional=("causal",))
