@@ -17,7 +17,7 @@ import time
 
 from ..errors import ScaleattnError, hint_of
 from .commands import COMMANDS
-from .parser import build_parser
+from .parser import build_parser, parse
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     import threading
 
     started = _command_start(argv)
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     _enable_faulthandler()
     if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)

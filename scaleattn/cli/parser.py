@@ -228,4 +228,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("submit", help="send a fit as a DaskJob to a Kubernetes cluster (dask-kubernetes operator)")
     submit.add_arguments(s)
+    for command in _commands(parser):  # --debug after the command too ("scaleattn fit ... --debug")
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks on errors")
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every (sub)command's parser below ``parser``, depth first."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in dict.fromkeys(action.choices.values()):  # (aliases map to the same parser)
+                out += [p, *_commands(p)]
+    return out
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
+    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser."""
+    import difflib
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser
+        for dest in ("command", "task"):  # the innermost parser the arguments reached
+            for action in command._actions:
+                if isinstance(action, argparse._SubParsersAction) and getattr(args, dest, None) in action.choices:
+                    command = action.choices[getattr(args, dest)]
+                    break
+        options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+        close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return args

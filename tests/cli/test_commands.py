@@ -306,3 +306,23 @@ def test_the_sigterm_line_says_what_was_kept():
                                                                                         " or nothing)")
     done = argparse.Namespace(command="fit", written="run")
     assert _stopped_line(done, kept) == "scaleattn fit: stopped by SIGTERM after it wrote run in full"
+
+
+def test_an_unknown_option_is_reported_by_its_command_with_the_closest_one(capsys):
+    """A typo after the command gets that command's usage and the nearest of its options (it got the top-level
+    usage, which lists no option of the command), exit code 2; ``--debug`` is taken after the command too."""
+    from scaleattn.cli.parser import parse
+
+    for argv, command, hint in ((["fit", "d.zarr", "--out", "r", "--hedas", "minimal"], "fit", "--heads"),
+                                (["generate", "mhla", "x.zarr", "--sampels", "3"], "generate mhla", "--samples"),
+                                (["certify", "d.zarr", "--nope"], "certify", None)):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"usage: scaleattn {command} "), err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"scaleattn {command}: error: unrecognized arguments: {argv[-2] if hint else argv[-1]}")
+        assert last.endswith(f"(did you mean {hint}?)") if hint else "did you mean" not in last, last
+    assert parse(["fit", "d.zarr", "--out", "r", "--debug"]).debug is True
+    assert parse(["--debug", "fit", "d.zarr", "--out", "r"]).debug is True
+    assert parse(["fit", "d.zarr", "--out", "r"]).debug is False
