@@ -388,9 +388,8 @@ def settle_writes(timeout: float = SETTLE_TIMEOUT) -> None:
             await asyncio.wait(tasks, timeout=timeout)
 
     for name in ("zarr.core.sync", "fsspec.asyn"):
-        mod = sys.modules.get(name)
-        loop = (getattr(mod, "loop", None) or [None])[0] if mod is not None else None
-        thread = (getattr(mod, "iothread", None) or [None])[0]
+        mod = sys.modules.get(name)  # (not imported: it never ran anything)
+        loop, thread = ((getattr(mod, attr, None) or [None])[0] for attr in ("loop", "iothread"))
         if loop is None or loop.is_closed() or not loop.is_running() or thread is threading.current_thread():
             continue
         with contextlib.suppress(Exception):  # (a loop shutting down: nothing left to wait for)

@@ -234,14 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    """Every (sub)command's parser below ``parser``, depth first."""
-    out = []
+def _subcommands(parser: argparse.ArgumentParser) -> tuple[str | None, dict]:
+    """The ``dest`` of ``parser``'s subcommands and their parsers by name (None, {} when it has none)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for p in dict.fromkeys(action.choices.values()):  # (aliases map to the same parser)
-                out += [p, *_commands(p)]
-    return out
+            return action.dest, action.choices
+    return None, {}
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every (sub)command's parser below ``parser``, depth first."""
+    return [q for p in dict.fromkeys(_subcommands(parser)[1].values())  # (aliases map to the same parser)
+            for q in (p, *_commands(p))]
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -253,11 +257,8 @@ def parse(argv=None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     if extra:
         command = parser
-        for dest in ("command", "task"):  # the innermost parser the arguments reached
-            for action in command._actions:
-                if isinstance(action, argparse._SubParsersAction) and getattr(args, dest, None) in action.choices:
-                    command = action.choices[getattr(args, dest)]
-                    break
+        while (sub := _subcommands(command))[1] and getattr(args, sub[0], None) in sub[1]:  # the innermost reached
+            command = sub[1][getattr(args, sub[0])]
         options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
         close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))
