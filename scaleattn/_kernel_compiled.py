@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from ._jit import njit_module
+from ._jit import njit_module, wide_vectors
 from .features import n_pairs, triu_index
 
 __all__ = ["compiled", "expand_rows", "row_pieces", "sample_pieces", "features_t", "tc_panel", "moments_panel",
@@ -138,17 +138,25 @@ def _features(z, lengths, causal, sT, xT):  # pragma: no cover - compiled
     return row
 
 
+#: columns of ``out`` per register block of :func:`_acc`: 4 where the host has 32 vector registers (AVX-512, at
+#: 512 bits), 2 where it has 16 (AVX2: a 4 x 4 block's 16 accumulators and 8 loaded vectors spill). Set by
+#: :func:`_compile` from :func:`scaleattn._jit.wide_vectors` before anything is compiled, read by numba as a
+#: constant (the on-disk cache is kept per host CPU and features, so per width too)
+_J_BLOCK = 4
+
+
 def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
-    """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: a 4 x 4 register-blocked
-    micro-kernel (a 4 x 2 one for the last two columns when ``nb`` is 2 more than a multiple of 4), vectorised
-    along ``r`` (LLVM's loop vectoriser; numba leaves its SLP vectoriser off, so a block along ``j`` would run
-    scalar). 16 accumulators and 8 loads per 16 FMAs: FMA-bound at 512 bits
-    (:func:`scaleattn._jit.wide_vectors`; measured on one Emerald Rapids core at the DGEMM's rate, 64.5 against
-    64.9 GFLOP/s; 4 x 2 blocks 44.6). Callers pad:
+    """``out[i, j] += sum_{r < R} A[i, r] B[j, r]`` for ``i < na``, ``j < nb``: register-blocked, 4 rows by
+    :data:`_J_BLOCK` columns (4 x 2 blocks for the rest), vectorised along ``r`` (LLVM's loop vectoriser; numba
+    leaves its SLP vectoriser off, so a block along ``j`` would run scalar). A 4 x 4 block: 16 accumulators and
+    8 loads per 16 FMAs, FMA-bound at 512 bits (:func:`scaleattn._jit.wide_vectors`; measured on one Emerald
+    Rapids core at the DGEMM's rate, 64.5 against 64.9 GFLOP/s; 4 x 2 blocks 44.6). With 16 vector registers
+    (AVX2) it spills: on one AMD EPYC (Zen 3) core, 4 x 4 blocks 26.4, 4 x 2 blocks 39.5 GFLOP/s, the DGEMM 44
+    (``out`` 56 x 10, 256 rows: d = 4's ``Tc``). Callers pad:
     ``na`` a multiple of 4 and ``nb`` even (``A``, ``out`` have ``na`` rows, ``B`` and ``out``'s columns ``nb``;
     an odd ``nb`` would drop or overrun a column), the padding rows zero, so every entry is summed by the same
-    loop, in an order fixed by ``R`` and ``nb`` only."""
-    n4 = nb - nb % 4
+    loop, in an order fixed by ``R``, ``nb`` and the block width only."""
+    n4 = nb - nb % 4 if _J_BLOCK == 4 else 0
     for i in range(0, na, 4):
         for j in range(0, n4, 4):
             a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = 0.0
@@ -165,8 +173,7 @@ def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
                 out[i + k, j + 1] += x1
                 out[i + k, j + 2] += x2
                 out[i + k, j + 3] += x3
-        if n4 < nb:
-            j = n4
+        for j in range(n4, nb, 2):
             a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = 0.0
             for r in range(R):
                 b0, b1 = B[j, r], B[j + 1, r]
@@ -404,6 +411,8 @@ _COMPILE_LOCK = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def _compile():
+    global _J_BLOCK
+    _J_BLOCK = 4 if wide_vectors() >= 512 else 2
     return njit_module(globals(), ("_acc", "_flush", "_stage"),
                        ("_features", "_tc_panel", "_moments_panel", "_piece", "_expand", "_u_panel"))
 

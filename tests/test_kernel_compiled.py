@@ -284,3 +284,59 @@ def test_compiled_kernels_use_the_hosts_full_vector_width(tmp_path):
     assert out["features"] == own
     if host.get("avx512f"):
         assert out["width"] == 256
+
+
+_BLOCK_CHILD = r"""
+import sys
+import numpy as np
+import scaleattn._kernel_compiled as kc
+if sys.argv[1] != "host":
+    kc.wide_vectors = lambda: int(sys.argv[1])  # the block width only: numba's vector width stays the host's
+from scaleattn.statistics import Statistics, accumulate
+rng = np.random.default_rng(3)
+out = {}
+for d, causal in ((4, True), (4, False), (6, True), (9, True)):
+    z = rng.standard_normal((40, 30, d))
+    y = rng.standard_normal((40, 30, 3) if causal else (40, 3))
+    lens = rng.integers(1, 31, 40)
+    st = accumulate(Statistics.zeros(d, 3), z, y, lens, causal, kernel="numba")
+    out[f"{d}{causal}g"], out[f"{d}{causal}m"] = st.gram_compact, st.moments
+    sT, xT = kc.features_t(z, lens, causal)
+    tc = np.zeros((kc.n_pairs(kc.n_pairs(d)), kc.n_pairs(d)))
+    kc.tc_panel(tc, sT, xT, 0, tc.shape[0])
+    out[f"{d}{causal}t"] = tc
+np.savez(sys.argv[2], block=kc._J_BLOCK, **out)
+"""
+
+
+@pytest.mark.slow
+def test_micro_kernel_blocks_of_either_width_give_the_same_bits(tmp_path):
+    """The micro-kernel's register block is 4 x 4 where the host has 32 vector registers and 4 x 2 where it has
+    16 (:data:`scaleattn._kernel_compiled._J_BLOCK`): the block changes which sums share registers, not the order
+    of any sum, so both give the same bits on one host (kernel revision unchanged), and the numpy kernel's sums
+    to 1e-14. Each width in a fresh process with a numba cache of its own (the width is a compile-time constant,
+    not part of numba's cache key)."""
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as ll
+
+    mine = ("NUMBA_CPU_FEATURES", "NUMBA_CPU_NAME", "NUMBA_ENABLE_AVX")  # a user's choices of numba's target
+    wide = bool(ll.get_host_cpu_features().get("avx512f"))
+    res = {}
+    for width in ("host", "256" if wide else "512"):  # the host's own block, then the other one
+        env = {**{k: v for k, v in os.environ.items() if k not in mine}, "NUMBA_CACHE_DIR": str(tmp_path / width)}
+        subprocess.run([sys.executable, "-c", _BLOCK_CHILD, width, str(tmp_path / f"{width}.npz")], env=env,
+                       check=True)
+        res[width] = np.load(tmp_path / f"{width}.npz")
+    host, other = res.values()
+    assert (int(host["block"]), int(other["block"])) == ((4, 2) if wide else (2, 4))
+    for key in set(host.files) - {"block"}:
+        np.testing.assert_array_equal(other[key], host[key], err_msg=key)
+    rng = np.random.default_rng(3)  # the numpy kernel on the same data (the child's first draws)
+    z, y, lens = rng.standard_normal((40, 30, 4)), rng.standard_normal((40, 30, 3)), rng.integers(1, 31, 40)
+    ref = accumulate(Statistics.zeros(4, 3), z, y, lens, True, kernel="numpy")
+    for key, want in (("4Trueg", ref.gram_compact), ("4Truem", ref.moments)):
+        np.testing.assert_allclose(host[key], want, rtol=0, atol=1e-14 * abs(want).max())
+
