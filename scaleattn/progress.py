@@ -90,6 +90,11 @@ class Reporter:
         yield
 
 
+#: seconds without a finished unit after which a live bar says what it waits for (a machine's first run compiles
+#: the kernels, about 10 s, before any row group is done: the bar sat at 0 rows and no rate meanwhile)
+PENDING_S = 3.0
+
+
 class _BarState:
     """Counts of one bar (thread-safe: Dask callbacks may advance it from the client's event loop)."""
 
@@ -113,6 +118,13 @@ class _BarState:
     def rate_text(self) -> str:
         r = self.rate()
         return "" if r is None else f"{r:,.0f} {self.unit}/s"
+
+    def live_rate_text(self) -> str:
+        """:meth:`rate_text`, or while nothing of this run is done after :data:`PENDING_S`, what is awaited."""
+        if self.fresh or not self.steps or self.done >= self.total or time.perf_counter() - self.t0 < PENDING_S:
+            return self.rate_text()
+        one = self.step_unit[:-1] if self.step_unit.endswith("s") else self.step_unit
+        return f"waiting for the first {one} (a machine's first run compiles the kernels, ~10 s)"
 
     def steps_text(self) -> str:
         return f"{self.steps_done:,}/{self.steps:,} {self.step_unit}" if self.steps else ""
@@ -166,21 +178,27 @@ class ConsoleReporter(Reporter):
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
             step_unit: str = "groups", steps_done: int = 0):
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+        from rich.text import Text
 
         st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+
+        class Rate(ProgressColumn):  # read at every refresh, so a wait for the first group shows while it lasts
+            def render(self, task):
+                return Text(st.live_rate_text())
+
         columns = [TextColumn("[bold]{task.description}"), BarColumn(),
                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} " + unit),
-                   TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[steps]}"), TimeElapsedColumn(),
-                   TimeRemainingColumn()]
+                   Rate(), TextColumn("{task.fields[steps]}"), TimeElapsedColumn(), TimeRemainingColumn()]
         with Progress(*columns, console=self.console, transient=False) as prog:
-            task = prog.add_task(name, total=st.total, completed=st.done, rate="", steps=st.steps_text())
+            task = prog.add_task(name, total=st.total, completed=st.done, steps=st.steps_text())
             if note:
                 prog.console.print(f"{name}: {note}", highlight=False)
 
             def advance(n: int = 1, steps: int = 0) -> None:
                 st.advance(n, steps)
-                prog.update(task, advance=n, rate=st.rate_text(), steps=st.steps_text())
+                prog.update(task, advance=n, steps=st.steps_text())
 
             yield advance
 

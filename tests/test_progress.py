@@ -69,3 +69,34 @@ def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
         pass
     text = buf.getvalue()
     assert "1,000/1,000 rows" in text and "resumed from the checkpoint" in text and "solve: done in" in text
+
+
+def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
+    """A machine's first run compiles the kernels (about 10 s) before any group is done: a live bar that has seen
+    nothing of this run for PENDING_S says it waits for the first group (it sat at 0 rows with no rate), and goes
+    back to the rate once a group is done; a bar whose rows were all resumed never says it."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    import scaleattn.progress as progress
+
+    monkeypatch.setattr(progress, "PENDING_S", 0.3)
+    rep = ConsoleReporter(file=io.StringIO())
+    rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
+    with rep.bar("statistics", 1000, steps=4) as advance:
+        time.sleep(0.2)
+        early = rep.console.file.getvalue()
+        time.sleep(0.5)
+        waiting = rep.console.file.getvalue()
+        advance(500, steps=1)
+        time.sleep(0.3)
+    after = rep.console.file.getvalue()[len(waiting):]
+    assert "waiting for" not in early and "0/1,000 rows" in early
+    assert "waiting for the first group (a machine's first run compiles the kernels" in waiting
+    assert "waiting for" not in after and "rows/s" in after
+    rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
+    with rep.bar("statistics", 1000, steps=4, done=1000, steps_done=4):
+        time.sleep(0.5)
+    assert "waiting for" not in rep.console.file.getvalue()
