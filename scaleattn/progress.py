@@ -178,20 +178,26 @@ class ConsoleReporter(Reporter):
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
             step_unit: str = "groups", steps_done: int = 0):
-        from rich.progress import (BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich import progress as rp
         from rich.text import Text
 
         st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+        if not self.console.is_terminal:  # a log or a pipe: the final state once, as one plain line (rich's bar
+            # columns at the default 80 columns wrapped its rate onto a second line)
+            if note:
+                self.console.print(f"{name}: {note}", highlight=False)
+            yield st.advance
+            self.console.print(st.text(final=True), highlight=False)
+            return
 
-        class Rate(ProgressColumn):  # read at every refresh, so a wait for the first group shows while it lasts
+        class Rate(rp.ProgressColumn):  # read at every refresh, so a wait for the first group shows while it lasts
             def render(self, task):
                 return Text(st.live_rate_text())
 
-        columns = [TextColumn("[bold]{task.description}"), BarColumn(),
-                   TextColumn("{task.completed:,.0f}/{task.total:,.0f} " + unit),
-                   Rate(), TextColumn("{task.fields[steps]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-        with Progress(*columns, console=self.console, transient=False) as prog:
+        columns = [rp.TextColumn("[bold]{task.description}"), rp.BarColumn(),
+                   rp.TextColumn("{task.completed:,.0f}/{task.total:,.0f} " + unit),
+                   Rate(), rp.TextColumn("{task.fields[steps]}"), rp.TimeElapsedColumn(), rp.TimeRemainingColumn()]
+        with rp.Progress(*columns, console=self.console, transient=False) as prog:
             task = prog.add_task(name, total=st.total, completed=st.done, steps=st.steps_text())
             if note:
                 prog.console.print(f"{name}: {note}", highlight=False)
