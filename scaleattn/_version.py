@@ -1,3 +1,9 @@
 """The package version (layer L0): the one place it is written; modules import it from here, never from the
-package root."""
+package root. Also when this process began importing scaleattn (the package root imports this module first),
+where the ``scaleattn`` command's clock starts."""
+import time
+
 __version__ = "0.1.0"
+
+#: ``time.perf_counter()`` when this process began importing scaleattn: before numpy, dask and the rest
+IMPORT_STARTED = time.perf_counter()
