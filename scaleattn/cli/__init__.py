@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import time
 
 from .._version import IMPORT_STARTED
-from ..errors import ScaleattnError, hint_of
+from ..errors import ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
-from .parser import build_parser, parse
+from .parser import build_parser, option_of, parse
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -102,6 +103,15 @@ def _hint(e: BaseException) -> str:
     return f"; {h}" if h else ""
 
 
+def _as_typed(e: ScaleattnError, args) -> str:
+    """The error's text, a parameter check's leading parameter name (``cutoff_rtol must be in (0, 1), got 2``,
+    from :mod:`scaleattn._params`) replaced by the command's option for it (``--cutoff-rtol``)."""
+    text = str(e)
+    name = re.match(r"(\w+) must ", text) if isinstance(e, ParameterError) else None
+    flag = name and option_of(args, name.group(1))
+    return flag + text[name.end(1):] if flag else text
+
+
 def _enable_faulthandler() -> None:
     """A native crash (SIGSEGV in BLAS, say) prints the Python traceback on stderr: the step that died (the solve:
     ``_finish``, ``cholesky_factor``, ...) instead of nothing. A stderr without a file descriptor (captured in a
@@ -148,7 +158,7 @@ def _run(args) -> int:
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
         if args.debug:
             raise
-        print(f"scaleattn {args.command}: error: {e}{_hint(e)}", file=sys.stderr)
+        print(f"scaleattn {args.command}: error: {_as_typed(e, args)}{_hint(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated as e:
         print(_stopped_line(args, e), file=sys.stderr)

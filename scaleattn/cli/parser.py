@@ -99,8 +99,16 @@ def _add_output_args(p):
                         " the result (summary, or JSON with --json) is still printed on stdout")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (the command's usage block, 13 lines for ``fit``, came
+    before it) naming where the whole usage is; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="scaleattn",
         description="Learn multi-head linear attention by certified least squares on Dask [Yau et al. 2025].",
     )
@@ -248,6 +256,23 @@ def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
             for q in (p, *_commands(p))]
 
 
+def _reached(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command's parser that ``args`` reached (``scaleattn generate mhla``'s, say)."""
+    while (sub := _subcommands(parser))[1] and getattr(args, sub[0], None) in sub[1]:
+        parser = sub[1][getattr(args, sub[0])]
+    return parser
+
+
+def option_of(args: argparse.Namespace, dest: str) -> str | None:
+    """The command line option of ``args``' command that sets ``dest`` (``"cutoff_rtol"`` -> ``"--cutoff-rtol"``),
+    or None (a positional argument, or no such option): errors raised by the library name its parameters, the
+    CLI names them as its user typed them."""
+    for action in _reached(build_parser(), args)._actions:
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return None
+
+
 def parse(argv=None) -> argparse.Namespace:
     """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
     closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser."""
@@ -256,9 +281,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        command = parser
-        while (sub := _subcommands(command))[1] and getattr(args, sub[0], None) in sub[1]:  # the innermost reached
-            command = sub[1][getattr(args, sub[0])]
+        command = _reached(parser, args)
         options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
         close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))

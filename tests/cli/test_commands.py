@@ -313,8 +313,9 @@ def test_the_sigterm_line_says_what_was_kept():
 
 
 def test_an_unknown_option_is_reported_by_its_command_with_the_closest_one(capsys):
-    """A typo after the command gets that command's usage and the nearest of its options (it got the top-level
-    usage, which lists no option of the command), exit code 2; ``--debug`` is taken after the command too."""
+    """A typo after the command is reported by that command, with the nearest of its options (it got the top-level
+    usage, which lists no option of the command), in one line that names its --help, exit code 2; ``--debug`` is
+    taken after the command too."""
     from scaleattn.cli.parser import parse
 
     for argv, command, hint in ((["fit", "d.zarr", "--out", "r", "--hedas", "minimal"], "fit", "--heads"),
@@ -323,10 +324,27 @@ def test_an_unknown_option_is_reported_by_its_command_with_the_closest_one(capsy
         with pytest.raises(SystemExit) as e:
             parse(argv)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and err.startswith(f"usage: scaleattn {command} "), err
-        last = err.strip().splitlines()[-1]
-        assert last.startswith(f"scaleattn {command}: error: unrecognized arguments: {argv[-2] if hint else argv[-1]}")
-        assert last.endswith(f"(did you mean {hint}?)") if hint else "did you mean" not in last, last
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"scaleattn {command}: error: unrecognized arguments: {argv[-2] if hint else argv[-1]}")
+        assert err.endswith(f"(did you mean {hint}?) (see scaleattn {command} --help)\n") if hint else (
+            "did you mean" not in err), err
     assert parse(["fit", "d.zarr", "--out", "r", "--debug"]).debug is True
     assert parse(["--debug", "fit", "d.zarr", "--out", "r"]).debug is True
     assert parse(["fit", "d.zarr", "--out", "r"]).debug is False
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["fit", "{ds}", "--out", "{out}", "--local", "--cutoff-rtol", "2"],
+     "scaleattn fit: error: --cutoff-rtol must be in (0, 1), got 2"),
+    (["fit", "{ds}", "--out", "{out}", "--local", "--heads", "0"], "scaleattn fit: error: --heads must be >= 1, got 0"),
+    (["fit", "{ds}", "--out", "{out}", "--local", "--ridge", "-1"],
+     "scaleattn fit: error: --ridge must be >= 0, got -1"),
+    (["generate", "mhla", "{out}", "--d", "0"], "scaleattn generate: error: --d must be >= 1, got 0"),
+])
+def test_a_parameter_error_names_the_option_as_typed(causal_ds, tmp_path, cli, argv, line):
+    """The library's parameter checks name Python parameters (``cutoff_rtol``); from the command line the same
+    check names the option the user typed (``--cutoff-rtol``), in one line, exit code 2, nothing written."""
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    assert r.stderr.strip() == line, r.stderr
+    assert not out.exists()
