@@ -400,12 +400,17 @@ def _float_input(a):
 
 #: pairs ``P`` (row groups of ``d`` rows of ``G``) per job of :func:`expand_gram`
 EXPAND_PAIRS = 16
+#: below this psi :func:`expand_gram` takes numpy's gather: as fast there (4.5 ms at psi 936, against 2.7-4.2
+#: ms compiled), and a process that has not run the compiled kernels yet (a fit's client, whose workers built the
+#: statistics) does not load numba for it (0.55 s: the solve of a psi-6 fit took 1 s on a cluster, 0.00 s in
+#: process)
+EXPAND_COMPILED_MIN_PSI = 1000
 
 
 def expand_gram(gram_compact, d: int, *, threads: int | None = None, kernel: str | None = None, out=None):
     """The feature Gram ``G`` (psi, psi) from the compact ``Tc``: :func:`scaleattn.features.expand_compact_gram`,
-    on numpy with the ``"numba"`` kernel (:func:`kernel_name`) by the compiled copy
-    (:func:`scaleattn._kernel_compiled.expand_rows`) into one new C-ordered array (or into ``out``, a
+    on numpy with the ``"numba"`` kernel (:func:`kernel_name`) from psi :data:`EXPAND_COMPILED_MIN_PSI` on by the
+    compiled copy (:func:`scaleattn._kernel_compiled.expand_rows`) into one new C-ordered array (or into ``out``, a
     C-contiguous (psi, psi) float64 array, e.g. memory already touched: a fresh 2.3 GB array costs this VM 1-4 s
     of page faults), jobs of :data:`EXPAND_PAIRS` row groups on the kernel's threads (``threads``, default the
     BLAS thread count). The same bits either way (a copy); the compiled one runs at memory speed (measured at
@@ -415,7 +420,7 @@ def expand_gram(gram_compact, d: int, *, threads: int | None = None, kernel: str
     if out is not None and (not is_numpy(xp) or out.shape != (psi, psi) or out.dtype != np.float64
                             or not out.flags.c_contiguous):
         raise ParameterError(f"expand_gram: out must be a C-contiguous ({psi}, {psi}) float64 numpy array")
-    if not is_numpy(xp) or kernel_name(xp, kernel) != "numba":
+    if not is_numpy(xp) or kernel_name(xp, kernel) != "numba" or psi < EXPAND_COMPILED_MIN_PSI:
         G = expand_compact_gram(gram_compact, d)
         if out is None:
             return G

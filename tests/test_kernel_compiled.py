@@ -205,11 +205,13 @@ def test_fused_pass_reads_any_layout_and_float32_in_place(causal):
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 8])
-def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d):
+def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d, monkeypatch):
     """The compiled expansion, the numpy row-group one and the array-API gather (strict arrays) give the same
-    bits, and the definition ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]`` entry by entry."""
+    bits, and the definition ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]`` entry by entry (the compiled one
+    at every psi here: below EXPAND_COMPILED_MIN_PSI a fit takes the gather)."""
     import array_api_strict as xs
 
+    monkeypatch.setattr(kernel, "EXPAND_COMPILED_MIN_PSI", 0)
     from scaleattn._backend import to_numpy
     from scaleattn.features import expand_compact_gram, triu_index
 
@@ -229,9 +231,12 @@ def test_expand_gram_compiled_numpy_and_gather_are_the_same_copy(d):
     np.testing.assert_array_equal(kernel.expand_gram(np.asfortranarray(Tc), d, threads=2), ref)
 
 
-def test_expand_gram_into_a_given_array():
-    """``out=``: the same bits into the caller's array (what the Cholesky path factors in place), on both kernels;
-    an array of the wrong shape, dtype or order is refused."""
+@pytest.mark.parametrize("min_psi", [0, None])
+def test_expand_gram_into_a_given_array(min_psi, monkeypatch):
+    """``out=``: the same bits into the caller's array (what the Cholesky path factors in place), on both kernels
+    and both sides of EXPAND_COMPILED_MIN_PSI; an array of the wrong shape, dtype or order is refused."""
+    if min_psi is not None:
+        monkeypatch.setattr(kernel, "EXPAND_COMPILED_MIN_PSI", min_psi)
     d = 4
     Tc = np.random.default_rng(7).standard_normal((n_pairs(n_pairs(d)), n_pairs(d)))
     ref = kernel.expand_gram(Tc, d)

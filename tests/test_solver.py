@@ -264,3 +264,30 @@ def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
     assert np.shares_memory(f.L, G) and f.G is op  # G's memory became L
     with pytest.raises(ValueError, match="needs gram="):
         cholesky_factor(G0, default_rtol(st.psi), st.n_rows, overwrite_g=True)
+
+
+_CLIENT_SOLVE = r"""
+import sys
+import numpy as np
+from scaleattn.generate import make_mhla
+from scaleattn.solver import solve
+from scaleattn.statistics import Statistics, accumulate
+from scaleattn.model import model_from_statistics
+
+D = make_mhla(d=2, heads=1, length=10, samples=64, seed=0)  # built without numba, as a fit's client gets them
+stats = accumulate(Statistics.zeros(2, 2), D["tokens"], D["targets"], None, False, kernel="numpy")
+sol = solve(stats)
+model_from_statistics(stats, False, "svd")
+print("numba" in sys.modules, sol.certificate.identifiable)
+"""
+
+
+def test_a_small_solve_does_not_load_the_compiled_kernels():
+    """A fit's client solves statistics its workers built: at small psi the solve and the heads take numpy's
+    expansion, so that process never loads numba for it (0.55 s: a psi-6 fit's solve took 1 s on a cluster and
+    0.00 s in process)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CLIENT_SOLVE], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"], out
