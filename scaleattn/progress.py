@@ -182,29 +182,32 @@ class ConsoleReporter(Reporter):
         from rich.text import Text
 
         st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+        if note:
+            self.console.print(f"{name}: {note}", highlight=False)
         if not self.console.is_terminal:  # a log or a pipe: the final state once, as one plain line (rich's bar
             # columns at the default 80 columns wrapped its rate onto a second line)
-            if note:
-                self.console.print(f"{name}: {note}", highlight=False)
             yield st.advance
             self.console.print(st.text(final=True), highlight=False)
             return
 
-        class Rate(rp.ProgressColumn):  # read at every refresh, so a wait for the first group shows while it lasts
+        class Live(rp.ProgressColumn):  # text read from the bar's counts at every refresh (a wait for the first
+            # group shows while it lasts)
+            def __init__(self, text):
+                super().__init__()
+                self.text = text
+
             def render(self, task):
-                return Text(st.live_rate_text())
+                return Text(self.text())
 
         columns = [rp.TextColumn("[bold]{task.description}"), rp.BarColumn(),
                    rp.TextColumn("{task.completed:,.0f}/{task.total:,.0f} " + unit),
-                   Rate(), rp.TextColumn("{task.fields[steps]}"), rp.TimeElapsedColumn(), rp.TimeRemainingColumn()]
+                   Live(st.live_rate_text), Live(st.steps_text), rp.TimeElapsedColumn(), rp.TimeRemainingColumn()]
         with rp.Progress(*columns, console=self.console, transient=False) as prog:
-            task = prog.add_task(name, total=st.total, completed=st.done, steps=st.steps_text())
-            if note:
-                prog.console.print(f"{name}: {note}", highlight=False)
+            task = prog.add_task(name, total=st.total, completed=st.done)
 
             def advance(n: int = 1, steps: int = 0) -> None:
                 st.advance(n, steps)
-                prog.update(task, advance=n, steps=st.steps_text())
+                prog.update(task, advance=n)
 
             yield advance
 
