@@ -6,13 +6,15 @@ Deprecated keyword names are mapped by :func:`renamed`.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import warnings
 
 from .errors import ParameterError
 
-__all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs"]
+__all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs", "positive_seconds",
+           "seed"]
 
 
 def choice(name: str, value, choices):
@@ -91,3 +93,27 @@ def no_other_kwargs(kwargs: dict, func: str) -> None:
     """``TypeError`` for keyword arguments left over after :func:`renamed` took the deprecated ones."""
     if kwargs:
         raise TypeError(f"{func}() got an unexpected keyword argument {next(iter(kwargs))!r}")
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of the command line's durations: a finite number of seconds > 0 (argparse then exits 2 naming
+    the option)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
+def seed(text: str) -> int:
+    """argparse type of a random seed: an integer >= 0 (numpy's generators refuse negative seeds with a bare
+    ValueError, which the command line reported as an internal error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n

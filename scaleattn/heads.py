@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from ._params import real
 from .errors import ParameterError
 from .features import coef_distance, n_pairs, triu_index
 
@@ -266,7 +267,8 @@ def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
     Raises
     ------
     ParameterError
-        The models have different ``(d, d_out)``.
+        The models have different ``(d, d_out)``; ``rtol`` is not a finite number > 0 (a negative or NaN one
+        called two identical models different).
 
     See Also
     --------
@@ -282,6 +284,7 @@ def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
     >>> compare_models(a, MHLAModel(a.coef, h.V, h.Q, d=2))["equivalent"]
     True
     """
+    rtol = real("rtol", rtol, 0.0, low_open=True)
     if (model_a.d, model_a.d_out) != (model_b.d, model_b.d_out):
         raise ParameterError(f"models have (d, d_out) = {(model_a.d, model_a.d_out)} and"
                              f" {(model_b.d, model_b.d_out)}: they do not map the same inputs to the same outputs")

@@ -6,6 +6,7 @@ Independent references: teacher predictions straight from the heads (``mhla_forw
 import numpy as np
 import pytest
 
+from scaleattn.errors import ParameterError
 from scaleattn.generate import make_mhla, mhla_forward
 from scaleattn.head_search import loss_vs_heads, search_heads
 from scaleattn.heads import coef_from_heads, compare_models, svd_heads
@@ -97,3 +98,8 @@ def test_compare_models_symmetries():
     assert not r["equivalent"] and r["distance"] == pytest.approx(np.linalg.norm(a.coef - d.coef), rel=1e-12)
     with pytest.raises(ValueError, match="d, d_out"):
         compare_models(a, MHLAModel(coef_from_heads(V[:, :2], Q), V[:, :2], Q, 3))
+    # a tolerance that is not a finite number > 0 is refused: -1 or NaN called a model different from itself
+    for bad, msg in ((-1.0, "rtol must be > 0"), (0.0, "rtol must be > 0"), (float("nan"), "rtol must be finite"),
+                     (float("inf"), "rtol must be finite")):
+        with pytest.raises(ParameterError, match=msg):
+            compare_models(a, a, rtol=bad)

@@ -11,7 +11,6 @@ embedded in the DaskJob are also validated as real Pods/Services against the Kub
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import importlib.util
@@ -189,12 +188,15 @@ def rendered_job(overlay: str) -> dict:
     return jobs[0]
 
 
-def submit_parser() -> argparse.ArgumentParser:
-    return submit.add_arguments(argparse.ArgumentParser(prog="scaleattn submit"))
+def cli_main(argv: list[str]) -> int:
+    """``scaleattn ARGV`` as the command line runs it (its one error-line format, exit codes)."""
+    from scaleattn.cli import main
+
+    return main(argv)
 
 
 def dry_run(capsys, argv: list[str]) -> dict:
-    rc = submit.run(submit_parser().parse_args(argv))
+    rc = cli_main(["submit", *argv])
     out, err = capsys.readouterr()
     assert rc == 0, err
     docs = [d for d in yaml.load_all(out, Loader=_Loader) if d]
@@ -404,19 +406,19 @@ def test_submit_options_bounds_node_selector_deadline(capsys):
 
 def test_submit_refuses_an_image_without_registry(monkeypatch, capsys):
     monkeypatch.delenv(submit.REGISTRY_ENV)
-    rc = submit.run(submit_parser().parse_args(["s3://data/ds.zarr", "--out", "s3://r/x", "--dry-run"]))
+    rc = cli_main(["submit", *["s3://data/ds.zarr", "--out", "s3://r/x", "--dry-run"]])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "no image given: pass --image REGISTRY/scaleattn:" in err and "--registry" in err
     for bad in ("scaleattn", "team/images"):  # Docker Hub names, not a registry host
-        rc = submit.run(submit_parser().parse_args(["s3://d/ds.zarr", "--out", "s3://r/x", "--registry", bad,
-                                                    "--dry-run"]))
+        rc = cli_main(["submit", *["s3://d/ds.zarr", "--out", "s3://r/x", "--registry", bad,
+                                                    "--dry-run"]])
         assert rc == 2 and "must start with a registry host" in capsys.readouterr().err
     # an explicit image without a registry is the user's choice (preloaded nodes, a mirror): a clear warning
     job = dry_run(capsys, ["s3://d/ds.zarr", "--out", "s3://r/x", "--image", "scaleattn:dev", "--dry-run"])
     assert pods_of(job)["runner"]["containers"][0]["image"] == "scaleattn:dev"
-    rc = submit.run(submit_parser().parse_args(["s3://d/ds.zarr", "--out", "s3://r/x", "--image", "scaleattn:dev",
-                                                "--dry-run"]))
+    rc = cli_main(["submit", *["s3://d/ds.zarr", "--out", "s3://r/x", "--image", "scaleattn:dev",
+                                                "--dry-run"]])
     err = capsys.readouterr().err
     assert rc == 0 and "warning: image 'scaleattn:dev' names no registry" in err
 
@@ -471,7 +473,7 @@ def test_render_rejects_bad_options(kwargs, match):
 
 
 def test_submit_bad_options_exit_2(capsys):
-    rc = submit.run(submit_parser().parse_args(["./local.zarr", "--out", "s3://b/r", "--dry-run"]))
+    rc = cli_main(["submit", *["./local.zarr", "--out", "s3://b/r", "--dry-run"]])
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     assert err.startswith("scaleattn submit: ") and len(err.strip().splitlines()) == 1
@@ -493,7 +495,7 @@ def test_submit_without_cluster_is_a_clear_error(tmp_path, monkeypatch, capsys):
     with pytest.raises(submit.SubmitError, match="no Kubernetes cluster reachable") as info:
         submit.apply_daskjob(job, follow=False)
     assert "\n" not in str(info.value)
-    rc = submit.run(submit_parser().parse_args(["s3://b/ds.zarr", "--out", "s3://b/run", "--name", "no-cluster"]))
+    rc = cli_main(["submit", *["s3://b/ds.zarr", "--out", "s3://b/run", "--name", "no-cluster"]])
     out, err = capsys.readouterr()
     assert rc == 2
     assert "no Kubernetes cluster reachable" in err and len(err.strip().splitlines()) == 1
@@ -591,7 +593,7 @@ def test_apply_errors_are_one_line(monkeypatch, setup, match):
 def test_submit_wait_exits_with_the_runners_code(monkeypatch, capsys, final, code):
     _fake_kr8s(monkeypatch, statuses=["Running", final], runner_exit=code)
     monkeypatch.setattr(submit.follow.time, "sleep", lambda s: None)
-    rc = submit.run(submit_parser().parse_args(["s3://b/ds.zarr", "--out", "s3://b/run", "--name", "w", "--wait"]))
+    rc = cli_main(["submit", *["s3://b/ds.zarr", "--out", "s3://b/run", "--name", "w", "--wait"]])
     err = capsys.readouterr().err
     assert rc == code
     assert ("runner exited with code" in err and "scaleattn fit: error: the last line" in err) == bool(code)
@@ -599,7 +601,7 @@ def test_submit_wait_exits_with_the_runners_code(monkeypatch, capsys, final, cod
 
 def test_submit_wait_refuses_no_follow_and_timeout(capsys):
     for extra in (["--no-follow"], ["--timeout", "60"]):
-        rc = submit.run(submit_parser().parse_args(["s3://b/ds.zarr", "--out", "s3://b/run", "--wait", *extra]))
+        rc = cli_main(["submit", *["s3://b/ds.zarr", "--out", "s3://b/run", "--wait", *extra]])
         assert rc == 2 and "--wait follows the job to its end" in capsys.readouterr().err
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .._backend import DEVICES
+from .._params import positive_seconds, seed
 from .._version import __version__
 from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
 from ..spectrum import SOLVERS
@@ -22,26 +23,15 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _positive_float(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return x
-
-
 def _add_cluster_args(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--scheduler", metavar="ADDRESS",
                    help="join a running Dask scheduler (tcp://HOST:8786 or tls://...); default $DASK_SCHEDULER_ADDRESS,"
                         " else an embedded local cluster")
-    g.add_argument("--scheduler-timeout", type=_positive_float, default=None, metavar="SECONDS",
+    g.add_argument("--scheduler-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                    help="keep trying to reach --scheduler this long (default: dask's distributed.comm.timeouts.connect,"
                         " 30 s); for jobs whose scheduler may start after the client")
-    g.add_argument("--worker-timeout", type=_positive_float, default=None, metavar="SECONDS",
+    g.add_argument("--worker-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                    help="with --scheduler: fail unless a worker joins within this time (default: no wait)")
     g.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="worker processes of the embedded cluster (default: one per core)")
@@ -128,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--noise", type=float, default=0.0, help="std of Gaussian target noise (default 0)")
     m.add_argument("--causal", action="store_true", help="targets at every prefix (N, T, d_out)")
     m.add_argument("--variable-lengths", action="store_true", help="random lengths in [1, T], zero padded")
-    m.add_argument("--seed", type=int, default=0, help="random seed of the teacher and the tokens (default 0)")
+    m.add_argument("--seed", type=seed, default=0, help="random seed of the teacher and the tokens (default 0)")
     m.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(m)
     a = gsub.add_parser("assoc", help="associative memory task [Y25 Sec. 4.2]")
@@ -137,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dim", type=int, default=None, help="key/value dimension (default K); tokens have 2*dim")
     a.add_argument("--samples", type=int, default=2**14, help="sequences (default 16384)")
     a.add_argument("--orthogonal", action="store_true", help="orthogonal keys and values: not identifiable")
-    a.add_argument("--seed", type=int, default=0, help="random seed of the keys, values and queries (default 0)")
+    a.add_argument("--seed", type=seed, default=0, help="random seed of the keys, values and queries (default 0)")
     a.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(a)
 
@@ -162,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True,
                    help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
-    f.add_argument("--heads-budget", type=_positive_float, default=None, metavar="SECONDS",
+    f.add_argument("--heads-budget", type=positive_seconds, default=None, metavar="SECONDS",
                    help="time budget of the head search for minimal / H (default 60; the report says when it ran"
                         " out)")
     _add_solver_args(f)

@@ -6,9 +6,10 @@ import secrets
 import shlex
 import sys
 
+from .._params import positive_seconds
 from .._storage import storage_option_pairs
 from .._version import __version__
-from ..errors import ParameterError, ScaleattnError, SubmitError
+from ..errors import ParameterError, ScaleattnError
 from .follow import apply_daskjob, runner_exit_code
 from .manifest import (
     DEFAULT_NAME,
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="activeDeadlineSeconds of the runner pod: stop a fit that runs longer (default none)")
     parser.add_argument("--dry-run", action="store_true", help="print the DaskJob as YAML and send nothing")
     parser.add_argument("--no-follow", action="store_true", help="return once the DaskJob is created")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_seconds, default=None, metavar="SECONDS",
                         help="stop following after this long (the job keeps running)")
     parser.add_argument("--wait", action="store_true",
                         help="follow the job to its end and exit with the runner's exit code")
@@ -74,21 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``scaleattn submit``; 0 on success or --dry-run, 1 when the job failed (with --wait: the runner's exit
     code), 2 on bad input, a refusal or no cluster."""
+    # bad input, a refusal or no cluster raise ScaleattnError: the CLI prints it in its one error-line format
+    # (options named as typed) and exits 2
+    if args.wait and (args.no_follow or args.timeout is not None):
+        raise ParameterError("--wait follows the job to its end: it cannot be combined with --no-follow or"
+                             " --timeout")
     try:
-        if args.wait and (args.no_follow or args.timeout is not None):
-            raise ParameterError("--wait follows the job to its end: it cannot be combined with --no-follow or"
-                                 " --timeout")
-        name = args.name or f"{DEFAULT_NAME}-{secrets.token_hex(3)}"
-        manifest = render_daskjob(
-            args.dataset, args.out, gpus=args.gpus, workers=args.workers, image=args.image, registry=args.registry,
-            namespace=args.namespace, name=name, storage_options=storage_option_pairs(args.storage_option),
-            fit_args=shlex.split(args.fit_args or ""), secret=args.secret or None,
-            scheduler_timeout=args.scheduler_timeout, worker_timeout=args.worker_timeout,
-            node_selector=storage_option_pairs(args.node_selector, "--node-selector") or None,
-            deadline=args.deadline)
-    except ScaleattnError as e:
-        print(f"scaleattn submit: {e}", file=sys.stderr)
-        return 2
+        fit_args = shlex.split(args.fit_args or "")
+    except ValueError as e:  # an unclosed quote
+        raise ParameterError(f"--fit-args: {e} in {args.fit_args!r}") from None
+    name = args.name or f"{DEFAULT_NAME}-{secrets.token_hex(3)}"
+    manifest = render_daskjob(
+        args.dataset, args.out, gpus=args.gpus, workers=args.workers, image=args.image, registry=args.registry,
+        namespace=args.namespace, name=name, storage_options=storage_option_pairs(args.storage_option),
+        fit_args=fit_args, secret=args.secret or None,
+        scheduler_timeout=args.scheduler_timeout, worker_timeout=args.worker_timeout,
+        node_selector=storage_option_pairs(args.node_selector, "--node-selector") or None,
+        deadline=args.deadline)
     if args.image is not None and registry_of(args.image) is None:
         print(f"scaleattn submit: warning: image {args.image!r} names no registry: the nodes pull it from Docker Hub"
               " (docker.io) unless they already have it", file=sys.stderr)
@@ -97,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         status = apply_daskjob(manifest, follow=not args.no_follow, timeout=args.timeout)
-    except SubmitError as e:
-        print(f"scaleattn submit: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"scaleattn submit: stopped following; the job keeps running (kubectl get daskjob {name}"
               f" -n {args.namespace})", file=sys.stderr)
@@ -112,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:  # pragma: no cover - ``python -m scaleattn.submit`` before the CLI wiring
-    return run(add_arguments(argparse.ArgumentParser(prog="scaleattn submit")).parse_args(argv))
+    try:
+        return run(add_arguments(argparse.ArgumentParser(prog="scaleattn submit")).parse_args(argv))
+    except ScaleattnError as e:  # as the CLI prints it
+        print(f"scaleattn submit: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

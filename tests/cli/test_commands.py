@@ -348,3 +348,20 @@ def test_a_parameter_error_names_the_option_as_typed(causal_ds, tmp_path, cli, a
     r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
     assert r.stderr.strip() == line, r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "mhla", "{out}", "--seed", "-1"],
+     "scaleattn generate mhla: error: argument --seed: must be >= 0, got -1 (see scaleattn generate mhla --help)"),
+    (["generate", "assoc", "{out}", "--seed=-3"],
+     "scaleattn generate assoc: error: argument --seed: must be >= 0, got -3 (see scaleattn generate assoc --help)"),
+    (["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--timeout", "0"],
+     "scaleattn submit: error: argument --timeout: must be a finite number > 0, got 0 (see scaleattn submit --help)"),
+])
+def test_values_numpy_or_the_follower_would_reject_are_refused_by_the_parser(tmp_path, cli, argv, line):
+    """A negative seed reached numpy's generator (a bare ValueError: "internal error", exit 1); submit's --timeout
+    took 0, -1 or NaN. Both are refused as the command line's other values are: one line, exit 2, nothing written."""
+    out = tmp_path / "out"
+    r = cli(*[a.format(out=out) for a in argv], rc=2)
+    assert r.stderr.strip() == line, r.stderr
+    assert not out.exists()

@@ -123,6 +123,10 @@ CASES = [
     ("heads-0", ["generate", "mhla", "o.zarr", "--heads", "0"], r"--heads must be >= 1, got 0"),
     ("chunk-0", ["generate", "mhla", "o.zarr", "--chunk-samples", "0"], r"--chunk-samples must be >= 1, got 0"),
     ("assoc-pairs-0", ["generate", "assoc", "o.zarr", "--pairs", "0"], r"--pairs must be >= 1, got 0"),
+    ("submit-gpus-negative", ["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--dry-run", "--image", "r.io/x",
+                              "--gpus=-1"], r"^scaleattn submit: error: --gpus must be >= 0, got -1$"),
+    ("submit-fit-args-quote", ["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--dry-run", "--image", "r.io/x",
+                               "--fit-args", '"open'], r"^scaleattn submit: error: --fit-args: No closing quotation"),
     ("assoc-orthogonal", ["generate", "assoc", "o.zarr", "--pairs", "3", "--dim", "2", "--orthogonal"],
      r"orthogonal keys need pairs <= dim"),
     # an output the file system refuses is the user's problem (exit 2), not a bug: a file where a folder goes, a
