@@ -19,7 +19,7 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
-           "check_format", "check_types", "json_default", "dumps"]
+           "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -33,6 +33,9 @@ READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2), MODEL[0]: (1, 2), CHECKPO
 PREFIX = "scaleattn-"
 #: what a run directory holds (besides ``*.png`` plots): report.json and the stores of :mod:`scaleattn.run`
 RUN_ENTRIES = ("report.json", "model.zarr", "stats.zarr", "spectrum.zarr")
+#: the start of the PNG ``Software`` text of every plot scaleattn draws (:func:`scaleattn.plot.figure_pngs`):
+#: how ``--overwrite`` and ``plot --out`` tell its plots from a user's images of the same name
+PLOT_SOFTWARE = "scaleattn"
 
 
 def stamp(kind: tuple[str, int]) -> dict:

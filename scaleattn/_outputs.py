@@ -16,9 +16,9 @@ once, never over what another run reads, never where it would not last, all or n
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import posixpath
+import re
 import uuid
 
 from . import _formats
@@ -28,7 +28,7 @@ from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "check_output_location", "PERSISTENT",
            "relation", "owner_of", "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers",
-           "lock_location", "companions", "is_temporary_of", "reading", "check_unread"]
+           "is_scaleattn_plot", "lock_location", "companions", "is_temporary_of", "reading", "check_unread"]
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -252,29 +252,96 @@ def _is_scaleattn_store(loc: Location) -> str | None:
     return fmt if isinstance(fmt, str) and fmt.startswith(_formats.PREFIX) else None
 
 
+def _files(loc: Location) -> list[str]:
+    """Every file under the directory ``loc``, as ``/``-separated paths relative to it (links are listed, never
+    followed)."""
+    if loc.is_remote:
+        fs, p = loc.fs()
+        base = p.rstrip("/") + "/"
+        return [f[len(base):] for f in fs.find(p) if f.startswith(base)]
+    out = []
+    for root, dirs, files in os.walk(loc.url):
+        rel = os.path.relpath(root, loc.url)
+        for n in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            out.append(n if rel == "." else posixpath.join(*rel.split(os.sep), n))
+    return out
+
+
+def _stray(files) -> str | None:
+    """The first of ``files`` (paths inside a Zarr v3 store) that is not part of the store: neither a node's
+    ``zarr.json`` nor a chunk under an array's ``c/`` (a user's notes saved inside a run's model.zarr, say,
+    which ``--overwrite`` would delete with it)."""
+    nodes = {posixpath.dirname(f) for f in files if posixpath.basename(f) == "zarr.json"}
+    for f in sorted(files):
+        parts = f.split("/")
+        if parts[-1] != "zarr.json" and not any(
+                parts[i] == "c" and "/".join(parts[:i]) in nodes for i in range(len(parts) - 1)):
+            return f
+    return None
+
+
+def is_scaleattn_plot(loc: Location) -> bool:
+    """Whether ``loc`` is a PNG file scaleattn drew: a plain file whose ``Software`` text starts with
+    :data:`scaleattn._formats.PLOT_SOFTWARE` (read by Pillow, matplotlib's image library, from the chunks before
+    the image data). A user's ``spectrum.png`` is not, whoever drew it."""
+    from PIL import Image
+
+    try:
+        if loc.is_remote:
+            fs, p = loc.fs()
+            f = fs.open(p, "rb") if fs.isfile(p) else None
+        else:
+            f = open(loc.url, "rb") if os.path.isfile(loc.url) and not os.path.islink(loc.url) else None
+        if f is None:
+            return False
+        with f, Image.open(f) as im:
+            return str(im.info.get("Software", "")).startswith(_formats.PLOT_SOFTWARE)
+    except Exception:  # not an image, unreadable: not ours
+        return False
+
+
+def _companion_of_run_entry(n: str) -> bool:
+    """Whether ``n`` is a lock or reader's marker (or one being made) of a run directory's member."""
+    m = re.fullmatch(r"\.(.+?)(?:\.read-[0-9a-f]{12})?\.(?:partial-)?lock", n)
+    return m is not None and (m.group(1) in _formats.RUN_ENTRIES or m.group(1).endswith(".png"))
+
+
+def _not_run_member(loc: Location, n: str) -> str | None:
+    """Why the entry ``n`` of ``loc`` is not something a run directory holds (None when it is): report.json (a
+    file), the run's stores (scaleattn stores holding nothing else), plots scaleattn drew, and the locks and
+    readers' markers of these."""
+    sub = loc.join(n)
+    if n == _formats.RUN_ENTRIES[0]:
+        return None if _entries(sub) is None else f"its {n} is not a file"
+    if n in _formats.RUN_ENTRIES:
+        if _entries(sub) is None or not _is_scaleattn_store(sub):
+            return f"its {n} is not a store scaleattn wrote"
+        stray = _stray(_files(sub))
+        return f"its {n} holds {stray!r}, which is not part of a Zarr store" if stray else None
+    if n.endswith(".png"):
+        return None if is_scaleattn_plot(sub) else f"it holds {n!r}, which is not a plot scaleattn drew"
+    return None if _companion_of_run_entry(n) else f"it holds {n!r}, which scaleattn did not write"
+
+
 def owner_of(loc: Location) -> tuple[bool, str]:
-    """``(ours, what)`` for an existing output: a scaleattn store (``what`` its format), a run directory, an
-    empty directory; otherwise ``(False, reason)`` naming what scaleattn did not write."""
+    """``(ours, what)`` for an existing output: a scaleattn store (``what`` its format) holding nothing but its
+    Zarr metadata and chunks, a run directory (:func:`_not_run_member`), an empty directory; otherwise
+    ``(False, reason)`` naming what scaleattn did not write."""
     fmt = _is_scaleattn_store(loc)
     if fmt:
-        return True, fmt
+        stray = _stray(_files(loc))
+        return (False, f"it holds {stray!r}, which is not part of a Zarr store") if stray else (True, fmt)
     names = _entries(loc)
     if names is None:
         return False, "it is a file"
     if not names:
         return True, "an empty directory"
-    foreign = [n for n in names if n not in _formats.RUN_ENTRIES and not fnmatch.fnmatch(n, "*.png")
-               and not fnmatch.fnmatch(n, ".*.lock") and ".partial-" not in n]  # (our own companions)
-    if foreign:
-        return False, f"it holds {foreign[0]!r}, which scaleattn did not write"
-    # a run's store names must hold scaleattn stores: a folder of the user's under such a name is not ours
-    odd = [n for n in names if n.endswith(".zarr") and n in _formats.RUN_ENTRIES
-           and _entries(loc.join(n)) is not None and not _is_scaleattn_store(loc.join(n))]
-    if odd:
-        return False, f"its {odd[0]} is not a store scaleattn wrote"
+    for n in names:
+        if (why := _not_run_member(loc, n)) is not None:
+            return False, why
     report = _read_json(loc.join("report.json")) if "report.json" in names else None
     if (isinstance(report, dict) and "scaleattn_version" in report) or any(
-            _is_scaleattn_store(loc.join(n)) for n in names if n.endswith(".zarr")):
+            n.endswith(".zarr") for n in names):
         return True, "a run directory"
     return False, "it is not a scaleattn store or run directory"
 
@@ -319,17 +386,31 @@ def _temporaries(loc: Location) -> tuple[str, str]:
     return parent, f".{name}.partial-"
 
 
+def _written_here(loc: Location) -> bool:
+    """Whether the temporary ``loc`` holds only what a run writes, perhaps half of it: a directory whose files
+    are Zarr metadata and chunks, or a run directory's report.json, plots and their ``write_files``
+    temporaries. A user's file or folder that merely has a temporary's name is never removed."""
+    if _entries(loc) is None:
+        return False  # atomic_output's temporaries are directories
+    files = _files(loc)
+    run = [f for f in files if "/" not in f and (f == _formats.RUN_ENTRIES[0] or ".png" in f)]
+    return _stray([f for f in files if f not in run]) is None
+
+
 def clean_leftovers(loc: Location, protect=()) -> list[str]:
-    """Remove the temporaries a killed run left next to local output ``loc`` (``.NAME.partial-*``), restoring
+    """Remove the temporaries a killed run left next to local output ``loc`` (``.NAME.partial-XXXXXXXX``, holding
+    only what a run writes: :func:`_written_here`), restoring
     the previous output when a run died between moving it aside and putting the new one in place; never
     anything in ``protect`` (input Locations). Call only while holding the lock of ``loc`` (:func:`hold`).
     Returns the paths removed."""
     if loc.is_remote:
         return []
     parent, prefix = _temporaries(loc)
+    ours = re.compile(re.escape(prefix) + r"[0-9a-f]{8}(?:\.old)?")  # the names atomic_output gives them
     try:
-        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and not any(
-            relation(Location(os.path.join(parent, n)), p) for p in protect))
+        names = sorted(n for n in os.listdir(parent) if ours.fullmatch(n) and not any(
+            relation(Location(os.path.join(parent, n)), p) for p in protect)
+            and _written_here(Location(os.path.join(parent, n))))
     except FileNotFoundError:
         return []
     asides = [n for n in names if n.endswith(".old") and owner_of(Location(os.path.join(parent, n)))[0]]

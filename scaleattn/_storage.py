@@ -167,8 +167,26 @@ def resolve(url, storage_options=None) -> Location:
     if is_url(text):
         bare = text.rstrip("/")
         return Location(bare if not bare.endswith(":") else bare + "//", opts)  # (a root "s3://" stays a URL)
-    path = os.path.abspath(os.path.expanduser(local_path(text)))
-    return Location(path, opts)
+    return Location(_absolute(local_path(text)), opts)
+
+
+def _absolute(path: str) -> str:
+    """``path`` made absolute as the operating system reads it: ``..`` after a symbolic link leaves the link's
+    target, not the link's directory (``os.path.abspath`` alone would drop ``link/..`` as text, and a fit would
+    read another store than ``ls`` shows at that path); without ``..`` the two readings agree, and links stay
+    as given (the stores' checks see them).
+
+    Examples
+    --------
+    >>> _absolute("/a/./b/")
+    '/a/b'
+    """
+    full = os.path.join(os.getcwd(), os.path.expanduser(path))
+    parts = full.split(os.sep)
+    if ".." not in parts:
+        return os.path.abspath(full)
+    last = len(parts) - 1 - parts[::-1].index("..")
+    return os.path.abspath(os.path.join(os.path.realpath(os.sep.join(parts[: last + 1])), *parts[last + 1 :]))
 
 
 def access_error(url: str, e: BaseException) -> StorageError | None:

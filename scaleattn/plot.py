@@ -19,10 +19,12 @@ import warnings
 
 import numpy as np
 
-from ._outputs import check_disjoint, check_output_location, hold, reading
+from . import _formats
+from ._outputs import RUN, check_disjoint, check_output_location, hold, owner_of, reading, relation
 from ._storage import resolve
+from ._version import __version__
 from .dataset import Dataset, open_dataset
-from .errors import ParameterError, ScaleattnError
+from .errors import ParameterError, ScaleattnError, UnsafeOutputError
 from .report import minimal_heads
 from .run import MODEL, SPECTRUM, STATS, read_run, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
@@ -252,7 +254,9 @@ def figure_pngs(figs: dict, dpi: int = 120) -> dict:
     out = {}
     for name, fig in figs.items():
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=dpi)
+        # the Software text marks the file as scaleattn's: only such a file is ever replaced by a later plot or
+        # removed with a run (scaleattn._outputs.is_scaleattn_plot)
+        fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": f"{_formats.PLOT_SOFTWARE} {__version__}"})
         out[f"{name}.png"] = buf.getvalue()
     return out
 
@@ -294,3 +298,8 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
     check_output_location(out, "--out", into=True)
+    # another run's directory keeps its own plots: drawing this run's there would pass them off as that run's
+    if out.exists() and owner_of(out) == (True, RUN) and (hasattr(run, "certificate") or relation(
+            out, resolve(run, storage_options)) != "is"):
+        raise UnsafeOutputError(f"--out {out.url} is another run's directory: this run's plots would replace its"
+                                " own; choose another --out")

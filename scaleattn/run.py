@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 
 from . import _formats, _integrity
-from ._outputs import RUN, atomic_output
+from ._outputs import RUN, atomic_output, is_scaleattn_plot
 from ._storage import Location, check_kind, resolve, settle_writes
 from .certificate import certify
 from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
@@ -107,6 +107,7 @@ def write_files(out, files: dict) -> list[str]:
     out = resolve(out)
     targets = [out.join(name) for name in files]
     if out.is_remote:
+        _check_replaceable_files(targets)
         created = []
         try:
             for loc, data in zip(targets, files.values()):
@@ -123,6 +124,7 @@ def write_files(out, files: dict) -> list[str]:
     clash = [loc.url for loc in targets if os.path.lexists(loc.url) and not os.path.isfile(loc.url)]
     if clash:
         raise UnsafeOutputError(f"{clash[0]} exists and is not a file: not replaced (choose another --out)")
+    _check_replaceable_files(targets)
     made = not os.path.isdir(out.url)
     token = uuid.uuid4().hex[:8]
     tmps = [f"{loc.url}.{token}.partial" for loc in targets]
@@ -156,6 +158,14 @@ def write_files(out, files: dict) -> list[str]:
         if aside:
             os.remove(aside)
     return [loc.url for loc in targets]
+
+
+def _check_replaceable_files(targets) -> None:
+    """Refuse to replace an existing file that is not a plot scaleattn drew (a user's ``spectrum.png``)."""
+    for loc in targets:
+        if loc.exists() and not is_scaleattn_plot(loc):
+            raise UnsafeOutputError(f"{loc.url} exists and is not a plot scaleattn drew: not replaced; move it or"
+                                    " choose another --out")
 
 
 def read_run(run, storage_options=None) -> dict:

@@ -29,6 +29,7 @@ from .conftest import (
     run_main,
     same_stats,
     stats_of,
+    tree_hash,
 )
 
 
@@ -234,6 +235,22 @@ def test_leftover_temporaries_of_a_killed_run_are_cleaned(tmp_path, capsys):
     rc, err = run_main(["generate", "mhla", "g.zarr", "--samples", "4", "--length", "3"], capsys, cwd=tmp_path)
     assert rc == 0, err
     assert sorted(os.listdir(tmp_path)) == ["d.zarr", "g.zarr", "run"]
+
+
+def test_user_entries_named_like_temporaries_are_kept(tmp_path, capsys):
+    """Only what a run writes, under the exact names it gives its temporaries, is cleaned: a user's file or
+    folder next to the output with such a name (even the exact pattern) stays, contents and all."""
+    dataset(tmp_path / "d.zarr")
+    mine = {".run.partial-mine/thesis.txt", ".run.partial-notes.txt", ".run.partial-1234abcd/notes.txt",
+            ".run.partial-1234abcd.old/model.zarr/README.txt"}
+    for rel in mine:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("the user's own")
+    before = tree_hash(tmp_path)
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    after = tree_hash(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("run")} == before
 
 
 def test_a_lost_output_moved_aside_by_a_killed_run_is_restored(tmp_path, capsys):

@@ -59,6 +59,21 @@ def _setup(w, case):
         (w / ".new.lock").write_text("my shopping list")
     if case == "dataset-named-like-the-lock":
         shutil.copytree(w / "d.zarr", w / ".new.lock")
+    user_files = {"run-user-folder-named-like-a-plot": "run/figs.png/thesis.tex",
+                  "run-user-image-named-like-a-plot": "run/spectrum.png",
+                  "run-user-file-named-like-a-lock": "run/.mynotes.lock",
+                  "run-user-file-named-like-a-temporary": "run/draft.partial-1.txt",
+                  "run-store-holds-a-user-file": "run/model.zarr/README.txt",
+                  "dataset-holds-a-user-file": "d.zarr/notes.txt",
+                  "plot-over-a-user-image": "figs/spectrum.png"}
+    if case in user_files:
+        (w / user_files[case]).parent.mkdir(exist_ok=True)
+        (w / user_files[case]).write_text("the user's own")
+    if case == "plot-into-another-run":
+        shutil.copytree(w / "run", w / "run2")
+    if case == "dotdot-after-a-symlink":  # the OS reads sym/../d.zarr as a/d.zarr, which does not exist
+        (w / "a" / "b").mkdir(parents=True)
+        os.symlink(w / "a" / "b", w / "sym")
 
 
 FIT_D = ["fit", "d.zarr"]
@@ -114,6 +129,24 @@ CASES = [
     ("generate-inside-a-store", ["generate", "mhla", "d.zarr/x.zarr", "--samples", "4", "--length", "3"],
      r"output \S*x\.zarr lies inside the Zarr store \S*d\.zarr"),
     ("plot-into-model", ["plot", "run", "--out", "run/model.zarr"], r"--out \S*model\.zarr is the input model\.zarr"),
+    # --overwrite and plots replace only what scaleattn wrote, whatever the user's file is named
+    ("run-user-folder-named-like-a-plot", FIT_D + ["--out", "run", "--overwrite"],
+     r"it holds 'figs\.png', which is not a plot scaleattn drew"),
+    ("run-user-image-named-like-a-plot", FIT_D + ["--out", "run", "--overwrite"],
+     r"it holds 'spectrum\.png', which is not a plot scaleattn drew"),
+    ("run-user-file-named-like-a-lock", FIT_D + ["--out", "run", "--overwrite"],
+     r"it holds '\.mynotes\.lock', which scaleattn did not write"),
+    ("run-user-file-named-like-a-temporary", FIT_D + ["--out", "run", "--overwrite"],
+     r"it holds 'draft\.partial-1\.txt', which scaleattn did not write"),
+    ("run-store-holds-a-user-file", FIT_D + ["--out", "run", "--overwrite"],
+     r"its model\.zarr holds 'README\.txt', which is not part of a Zarr store"),
+    ("dataset-holds-a-user-file", ["generate", "mhla", "d.zarr", "--samples", "4", "--length", "3", "--overwrite"],
+     r"output \S*d\.zarr exists and was not written by scaleattn \(it holds 'notes\.txt', which is not part of a"),
+    ("plot-over-a-user-image", ["plot", "run", "--out", "figs"],
+     r"\S*figs/spectrum\.png exists and is not a plot scaleattn drew: not replaced"),
+    ("plot-into-another-run", ["plot", "run", "--out", "run2"],
+     r"--out \S*run2 is another run's directory: this run's plots would replace its own"),
+    ("dotdot-after-a-symlink", ["fit", "sym/../d.zarr", "--out", "new"], r"\S*/a/d\.zarr"),
 ]
 
 
@@ -144,6 +177,11 @@ def test_overwrite_replaces_our_own_outputs(base, tmp_path, capsys):
     rc, err = run_main(["generate", "mhla", "d.zarr", "--samples", "8", "--length", "3", "--overwrite"], capsys, cwd=w)
     assert rc == 0, err
     rc, err = run_main(["plot", "run"], capsys, cwd=w)  # plots into the run directory itself: fine
+    assert rc == 0, err
+    for _ in range(2):  # its plots are scaleattn's: redrawn, and replaced with the run
+        rc, err = run_main(["plot", "run"], capsys, cwd=w)
+        assert rc == 0, err
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--overwrite", *FIT], capsys, cwd=w)
     assert rc == 0, err
     assert sorted(os.listdir(w)) == sorted(os.listdir(base))  # no lock, no temporary left
 
