@@ -318,7 +318,7 @@ def _not_run_member(loc: Location, n: str) -> str | None:
             return f"its {n} is not a store scaleattn wrote"
         stray = _stray(_files(sub))
         return f"its {n} holds {stray!r}, which is not part of a Zarr store" if stray else None
-    if n.endswith(".png"):
+    if re.fullmatch(r".+\.png(?:\.[0-9a-f]{8}\.(?:partial|old))?", n):  # (or a killed replot's copy of one)
         return None if is_scaleattn_plot(sub) else f"it holds {n!r}, which is not a plot scaleattn drew"
     return None if _companion_of_run_entry(n) else f"it holds {n!r}, which scaleattn did not write"
 
