@@ -53,8 +53,9 @@ def is_store(loc: Location) -> bool:
     return any(loc.join(doc).exists() for doc in ("zarr.json", ".zgroup", ".zarray"))
 
 
-def store_holding(loc: Location) -> Location | None:
-    """The nearest Zarr store that ``loc`` lies inside (its parents, links resolved), or None."""
+def store_holding(loc: Location, test=is_store) -> Location | None:
+    """The nearest Zarr store (or other directory for which ``test`` holds) that ``loc`` lies inside (its
+    parents, links resolved), or None."""
     if loc.is_remote:
         scheme, _, rest = loc.url.partition("://")
         parts = rest.rstrip("/").split("/")
@@ -65,7 +66,7 @@ def store_holding(loc: Location) -> Location | None:
         while os.path.dirname(p) != p:
             p = os.path.dirname(p)
             parents.append(Location(p))
-    return next((parent for parent in parents if is_store(parent)), None)
+    return next((parent for parent in parents if test(parent)), None)
 
 
 def lock_location(loc: Location) -> Location:

@@ -28,7 +28,8 @@ from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "check_output_location", "PERSISTENT",
            "relation", "owner_of", "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers",
-           "is_scaleattn_plot", "lock_location", "companions", "is_temporary_of", "reading", "check_unread"]
+           "is_scaleattn_plot", "is_run_directory", "lock_location", "companions", "is_temporary_of", "reading",
+           "check_unread"]
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -156,6 +157,21 @@ def check_outside_stores(loc: Location, role: str = "output", *, into: bool = Fa
     if parent is not None:
         raise UnsafeOutputError(f"{role} {loc.url} lies inside the Zarr store {parent.url}: nothing is written"
                                 " into a store from outside it; choose a path outside it")
+    # a run directory holds one run's report, stores and plots: another output in it would pass for that run's
+    # (and make it foreign to its own --overwrite)
+    if into and is_run_directory(loc):
+        raise UnsafeOutputError(f"{role} {loc.url} is a run directory: this command adds files into its --out, and"
+                                " a run directory holds only its own run's files; choose another directory")
+    run = store_holding(loc, is_run_directory)
+    if run is not None:
+        raise UnsafeOutputError(f"{role} {loc.url} lies inside the run directory {run.url}, which holds only its"
+                                " own run's files; choose a path outside it")
+
+
+def is_run_directory(loc: Location) -> bool:
+    """Whether ``loc`` is a run directory of ``scaleattn fit`` (its report.json names the scaleattn version)."""
+    report = _read_json(loc.join(_formats.RUN_ENTRIES[0]))
+    return isinstance(report, dict) and "scaleattn_version" in report
 
 
 # ---- outputs outlive the command ----------------------------------------------------------------------
@@ -339,9 +355,7 @@ def owner_of(loc: Location) -> tuple[bool, str]:
     for n in names:
         if (why := _not_run_member(loc, n)) is not None:
             return False, why
-    report = _read_json(loc.join("report.json")) if "report.json" in names else None
-    if (isinstance(report, dict) and "scaleattn_version" in report) or any(
-            n.endswith(".zarr") for n in names):
+    if ("report.json" in names and is_run_directory(loc)) or any(n.endswith(".zarr") for n in names):
         return True, "a run directory"
     return False, "it is not a scaleattn store or run directory"
 

@@ -20,11 +20,11 @@ import warnings
 import numpy as np
 
 from . import _formats
-from ._outputs import RUN, check_disjoint, check_output_location, hold, owner_of, reading, relation
+from ._outputs import check_disjoint, check_output_location, hold, reading, relation
 from ._storage import resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
-from .errors import ParameterError, ScaleattnError, UnsafeOutputError
+from .errors import ParameterError, ScaleattnError
 from .report import minimal_heads
 from .run import MODEL, SPECTRUM, STATS, read_run, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
@@ -297,9 +297,6 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
     if dataset:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
-    check_output_location(out, "--out", into=True)
-    # another run's directory keeps its own plots: drawing this run's there would pass them off as that run's
-    if out.exists() and owner_of(out) == (True, RUN) and (hasattr(run, "certificate") or relation(
-            out, resolve(run, storage_options)) != "is"):
-        raise UnsafeOutputError(f"--out {out.url} is another run's directory: this run's plots would replace its"
-                                " own; choose another --out")
+    # into a directory, but never another run's (the plots would pass for that run's); the run's own is its place
+    own = not hasattr(run, "certificate") and relation(out, resolve(run, storage_options)) == "is"
+    check_output_location(out, "--out", into=not own)

@@ -145,7 +145,13 @@ CASES = [
     ("plot-over-a-user-image", ["plot", "run", "--out", "figs"],
      r"\S*figs/spectrum\.png exists and is not a plot scaleattn drew: not replaced"),
     ("plot-into-another-run", ["plot", "run", "--out", "run2"],
-     r"--out \S*run2 is another run's directory: this run's plots would replace its own"),
+     r"--out \S*run2 is a run directory: this command adds files into its --out"),
+    ("checkpoint-inside-a-run", FIT_D + ["--out", "new", "--checkpoint", "run/ck.zarr"],
+     r"--checkpoint \S*run/ck\.zarr lies inside the run directory \S*run, which holds only its own"),
+    ("out-inside-a-run", FIT_D + ["--out", "run/sub"], r"--out \S*run/sub lies inside the run directory"),
+    ("bench-into-a-run", ["bench", "--quick", "--out", "run"], r"--out \S*run is a run directory"),
+    ("generate-inside-a-run", ["generate", "mhla", "run/d2.zarr", "--samples", "4", "--length", "3"],
+     r"output \S*run/d2\.zarr lies inside the run directory"),
     ("dotdot-after-a-symlink", ["fit", "sym/../d.zarr", "--out", "new"], r"\S*/a/d\.zarr"),
 ]
 
@@ -222,11 +228,11 @@ def test_file_uris_name_the_local_path_in_any_spelling(spelling, tmp_path, capsy
     (["fit", "f.zarr", "--out", "d.zarr", "--overwrite", *FIT], "d.zarr",
      r"--out .*d\.zarr is a dataset store, not a run directory"),
     (["fit", "f.zarr", "--out", "run/model.zarr", "--overwrite", *FIT], "run",
-     r"--out .*model\.zarr is a model store, not a run directory"),
+     r"--out .*model\.zarr lies inside the run directory \S*run"),
     (["fit", "f.zarr", "--out", "r2", "--checkpoint", "run", "--overwrite", *FIT], "run",
      r"--checkpoint .*run is a run directory, not a checkpoint store"),
     (["generate", "mhla", "run/model.zarr", "--samples", "8", "--length", "3", "--overwrite"], "run",
-     r"output .*model\.zarr is a model store, not a dataset store"),
+     r"output .*model\.zarr lies inside the run directory \S*run"),
     (["generate", "mhla", "run", "--samples", "8", "--length", "3", "--overwrite"], "run",
      r"output .*run is a run directory, not a dataset store"),
 ])
