@@ -383,3 +383,24 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path):
             raise e
         assert type(got.value) is type(e)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["dataset chunk", "dataset metadata", "report.json", "model chunk"])
+def test_a_fifo_in_an_input_is_refused_not_waited_on(where, tmp_path, capsys):
+    """A FIFO (or socket, device) where a file is read blocks the read for ever: refused up front, naming it
+    (a subprocess with a deadline, so that a regression fails instead of hanging the suite)."""
+    dataset(tmp_path / "d.zarr")
+    if where in ("report.json", "model chunk"):
+        rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+        assert rc == 0, err
+    target = {"dataset chunk": "d.zarr/tokens/c/0/0/0", "dataset metadata": "d.zarr/targets/zarr.json",
+              "report.json": "run/report.json", "model chunk": "run/model.zarr/coef/c/0/0"}[where]
+    os.remove(tmp_path / target)
+    os.mkfifo(tmp_path / target)
+    argv = {"report.json": ["plot", "run"], "model chunk": ["evaluate", "run/model.zarr", "d.zarr", "--local"]}.get(
+        where, ["fit", "d.zarr", "--out", "new", *FIT])
+    p = run_cli(argv, cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stderr
+    expect(error_line(p.stderr), re.escape(str(tmp_path / target)) + r": not a regular file \(a FIFO")
+    assert not (tmp_path / "new").exists()
