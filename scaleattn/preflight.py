@@ -6,6 +6,7 @@ interrupted build leaves behind (a checkpoint worth resuming, with its hint, or 
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 
 from . import _formats
@@ -56,6 +57,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
         An output overlaps the input, or ``overwrite`` would replace something scaleattn did not write.
     OutputExistsError
         ``out`` exists and not ``overwrite``, or a checkpoint exists without ``resume`` or ``overwrite``.
+    OutputInUseError
+        A live run holds ``out`` or the checkpoint (said first: its name and pid).
     """
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     if not ds.has_targets:
@@ -69,6 +72,13 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
             check_output_location(loc, role)
     if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)
         check_kind(ckpt, "--checkpoint", "a checkpoint store (a Zarr directory)", directory=True)
+    # an output a live run writes is in use, before whatever else is true of it (the advice of "exists", pass
+    # --overwrite or --resume, would only meet the lock next); --out first, as the fit takes the locks
+    if any(loc is not None and loc.exists() for loc in (out, ckpt)):
+        for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+            if loc is not None and (loc.is_remote or os.path.isdir(os.path.dirname(loc.url))):
+                with hold(loc, role):
+                    pass
     if out is not None and out.exists():
         if not overwrite:
             if resume and not (ckpt is not None and ckpt.exists()):

@@ -70,6 +70,27 @@ def test_a_second_run_is_refused_naming_the_first(tmp_path, holder, capsys, targ
     inputs.unchanged()
 
 
+@pytest.mark.parametrize("existing, flags", [("run", []), ("run", ["--resume"]), ("ckpt", []),
+                                            ("ckpt", ["--resume"])])
+def test_an_existing_output_a_live_run_holds_is_in_use_first(tmp_path, holder, capsys, existing, flags):
+    """An existing output (or checkpoint) that a live run holds: "in use by pid", not "already exists (pass
+    --overwrite)" or "pass --resume", whose advice would only meet the lock next."""
+    dataset(tmp_path / "d.zarr")
+    if existing == "run":
+        rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+        assert rc == 0, err
+    else:
+        (tmp_path / "run.checkpoint.zarr").mkdir()
+    held = "run" if existing == "run" else "run.checkpoint.zarr"
+    before = tree_hash(tmp_path / held)
+    pid = holder(tmp_path / held)
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", *flags, *FIT], capsys, cwd=tmp_path)
+    assert rc == 2
+    role = "--out" if existing == "run" else "--checkpoint"
+    expect(error_line(err), rf"{role} \S+ is in use by the scaleattn run of pid {pid}")
+    assert tree_hash(tmp_path / held) == before
+
+
 def test_generate_and_import_take_the_lock_too(tmp_path, holder, capsys):
     holder(tmp_path / "d.zarr")
     rc, err = run_main(["generate", "mhla", "d.zarr", "--samples", "4", "--length", "3"], capsys, cwd=tmp_path)
