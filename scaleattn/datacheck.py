@@ -29,10 +29,14 @@ ARRAYS = ("tokens", "lengths", "targets")
 MAX_TOKEN = 1e38
 #: the largest |target| accepted: beyond it y^2 and the moments (degree 3 in tokens times y) can overflow
 MAX_TARGET = 1e100
+#: the largest |integer| accepted in integer tokens and targets: float64 holds every integer up to 2^53, not all
+#: beyond (2^53 + 1 would be read as 2^53)
+MAX_EXACT_INTEGER = 2**53
 
 
 def check_values(name: str, a, start: int) -> None:
-    """NaN/Inf, and values so large that the cubic features overflow float64, naming the first bad sample
+    """NaN/Inf, values so large that the cubic features overflow float64, and integers float64 cannot hold
+    exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays before converting them), naming the first bad sample
     (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one
     transfer of a flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
@@ -44,6 +48,15 @@ def check_values(name: str, a, start: int) -> None:
         raise DatasetError(f"{name}: sample {start + _first(bad, xp)} contains NaN or Inf")
     if not flat.shape[1]:
         return
+    if _dtype_is(a, ("integral",)):  # exact in float64, in which everything is computed, up to 2^53 only
+        big = xp.any((flat > MAX_EXACT_INTEGER) | (flat < -MAX_EXACT_INTEGER), axis=1)
+        if bool(xp.any(big)):
+            i = _first(big, xp)
+            v = int(flat[i][_first((flat[i] > MAX_EXACT_INTEGER) | (flat[i] < -MAX_EXACT_INTEGER), xp)])
+            raise DatasetError(f"{name}: sample {start + i} holds the integer {v}, beyond 2^53: float64, in which"
+                               " scaleattn computes, cannot hold it exactly; rescale the data or store it as"
+                               " floating point")
+        return  # (and far below the overflow limits)
     limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
     mag = xp.astype(xp.max(xp.abs(flat), axis=1), xp.float64)  # (float16 cannot hold the limit: no cast warning)
     big = mag > limit

@@ -208,12 +208,12 @@ def write_dataset(
         sums = {}
         for a in range(0, N, step):
             b = min(N, a + step)
-            tok = np.asarray(tokens[a:b], dtype=np.float64)
-            y = None if targets is None else np.asarray(targets[a:b], dtype=np.float64)
+            tok, y = np.asarray(tokens[a:b]), None if targets is None else np.asarray(targets[a:b])
             lens = None if lengths is None else np.asarray(lengths[a:b])
-            check_values("tokens", tok, a)
+            check_values("tokens", tok, a)  # (before the conversion: integers beyond 2^53 would be rounded by it)
             if y is not None:
                 check_values("targets", y, a)
+            tok, y = tok.astype(np.float64, copy=False), None if y is None else y.astype(np.float64, copy=False)
             if lens is not None:
                 check_lengths(lens, a, T)
             write_block(g, a, tok, y, lens, sums)

@@ -33,9 +33,8 @@ def _as_float(name: str, a):
     if a.ndim == 0 or not is_real(a):
         raise DatasetError(f"{name}: expected an array of a float (or integer) dtype, got {a.dtype}"
                            + (" (a scalar)" if a.ndim == 0 else ""))
-    a = as_float64(a, xp)
-    check_values(name, a, 0)
-    return a
+    check_values(name, a, 0)  # (before the conversion: integers beyond 2^53 would be rounded by it)
+    return as_float64(a, xp)
 
 
 def _as_lengths(lengths):

@@ -16,7 +16,7 @@ import numpy as np
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import check_kind, resolve
-from .datacheck import is_real
+from .datacheck import check_values, is_real
 from .dataset_writer import write_dataset
 from .errors import DatasetError, InputNotFoundError, MissingDependencyError
 
@@ -60,6 +60,8 @@ def _real(name: str, a, path):
         return None
     if not is_real(a):
         raise DatasetError(f"{name}: expected a float (or integer) dtype, got {a.dtype} in {path}")
+    if a.ndim and np.issubdtype(a.dtype, np.integer):
+        check_values(name, a, 0)  # (before the conversion: integers beyond 2^53 would be rounded by it)
     return a.astype(np.float64, copy=False)
 
 

@@ -12,6 +12,7 @@ from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
 from ._storage import check_kind, resolve
+from .datacheck import check_lengths, check_values
 from .errors import FormatError, InputNotFoundError, ParameterError
 from .features import predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
@@ -109,12 +110,18 @@ class MHLAModel:
         """
         xp = get_xp(tokens)
         dev = device_of(tokens)
-        z = as_float64(tokens, xp)
+        z = np.asarray(tokens) if isinstance(tokens, (list, tuple)) else tokens
         single = z.ndim == 2
         if single:
             z = z[None, ...]
         if z.ndim != 3 or z.shape[-1] != self.d:
             raise ParameterError(f"tokens: expected shape (n, T, {self.d}), got {tuple(tokens.shape)}")
+        # the checks of a dataset's reads and of the estimator: a NaN never comes back as a prediction
+        check_values("tokens", z, 0)
+        if lengths is not None:
+            lengths = np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths
+            check_lengths(lengths, 0, z.shape[1])
+        z = as_float64(z, xp)
         causal = self.causal if causal is None else causal
         s, x = token_features(z, lengths, causal)
         if use_heads:  # sum_h V_h S Q_h x with S (rows, d, d) gathered from vech(S): three batched matmuls

@@ -53,3 +53,43 @@ def test_estimator_refuses_bad_values_and_lengths_naming_the_sample():
             est.predict(D["tokens"], lens)
     with pytest.raises(DatasetError, match="tokens: expected an array of a float"):
         est.predict(D["tokens"] > 0, D["lengths"])
+
+
+def test_integers_float64_cannot_hold_are_refused_and_a_loaded_model_checks_its_tokens(tmp_path):
+    """int64 tokens beyond 2^53 would be rounded by the conversion to float64 (2^53 + 1 read as 2^53): refused
+    naming the sample, by the estimator, a dataset's reads and the importer, while 2^53 itself passes; and a
+    model, loaded or fitted, refuses NaN tokens and bad lengths in predict as the estimator does (it returned
+    NaN predictions)."""
+    import pytest
+    import zarr
+
+    from scaleattn.cli import main
+    from scaleattn.errors import DatasetError
+    from scaleattn.model import MHLAModel
+
+    D = make_mhla(d=2, heads=1, length=6, samples=12, causal=False, seed=3)
+    tok = np.round(D["tokens"] * 1000).astype(np.int64)
+    tok[4, 2, 1] = 2**53 + 1
+    message = r"tokens: sample 4 holds the integer 9007199254740993, beyond 2\^53"
+    with pytest.raises(DatasetError, match=message):
+        MHLARegressor().fit(tok, D["targets"])
+    g = zarr.open_group(str(tmp_path / "ints.zarr"), mode="w", zarr_format=3)
+    g.create_array("tokens", data=tok, chunks=(4, 6, 2))
+    g.create_array("targets", data=D["targets"], chunks=(4, 2))
+    assert main(["fit", str(tmp_path / "ints.zarr"), "--out", str(tmp_path / "r"), "--local", "--quiet"]) == 2
+    np.savez(tmp_path / "ints.npz", tokens=tok, targets=D["targets"])
+    assert main(["import", str(tmp_path / "i.zarr"), "--npz", str(tmp_path / "ints.npz")]) == 2
+    assert not (tmp_path / "r").exists() and not (tmp_path / "i.zarr").exists()
+    tok[4, 2, 1] = -(2**53)
+    MHLARegressor().fit(tok, D["targets"])  # exact in float64: accepted
+
+    est = MHLARegressor().fit(D["tokens"], D["targets"])
+    est.model_.save(str(tmp_path / "m.zarr"))
+    model = MHLAModel.load(str(tmp_path / "m.zarr"))
+    bad = D["tokens"].copy()
+    bad[5, 1, 0] = np.nan
+    with pytest.raises(DatasetError, match="tokens: sample 5 contains NaN or Inf"):
+        model.predict(bad)
+    with pytest.raises(DatasetError, match="lengths: sample 2 has length 7"):
+        model.predict(D["tokens"], np.r_[6, 6, 7, np.full(9, 6)])
+    assert np.array_equal(model.predict(D["tokens"]), est.predict(D["tokens"]))
