@@ -407,7 +407,11 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
         if name not in names and loc.join(f"{name}/zarr.json").exists():
             raise DatasetError(f"{name}: corrupt Zarr metadata in {url} (not a readable array)")
     if "tokens" not in names:
-        raise DatasetError(f"{url}: missing array 'tokens' (found: {sorted(names) or 'none'})")
+        fmt = g.attrs.get("format")  # another store of scaleattn's given where a dataset goes: say which
+        kind = fmt[len(_formats.PREFIX):] if isinstance(fmt, str) and fmt.startswith(_formats.PREFIX) and \
+            fmt != FORMAT else None
+        raise DatasetError(f"{url}: a {kind} store, not a dataset" if kind else
+                           f"{url}: missing array 'tokens' (found: {sorted(names) or 'none'})")
 
     def get(name):
         try:

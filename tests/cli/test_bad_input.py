@@ -170,6 +170,15 @@ def _evaluate_d_out(d):
     return ["evaluate", "model.zarr", "in.zarr", "--local", "--quiet"]
 
 
+def _model_as_dataset(d):
+    from scaleattn.model import MHLAModel
+
+    rng = _rng()
+    MHLAModel(rng.standard_normal((6, 2)), rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2)), 2,
+              False).save(str(d / "model.zarr"))
+    return ["fit", "model.zarr", "--out", "out", "--local", "--quiet"]
+
+
 def _certify_empty(d):
     raw(d / "in.zarr", tokens=np.zeros((0, T, D)))
     return ["certify", "in.zarr", "--local", "--quiet"]
@@ -247,6 +256,11 @@ CASES = [
     Case("empty-d0", store(tokens=np.zeros((N, T, 0)), targets=_y()), r"tokens: empty dataset"),
     Case("certify-empty", _certify_empty, r"tokens: empty dataset"),
     Case("missing-tokens", store(targets=_y()), r"missing array 'tokens'"),
+    Case("a-model-as-dataset", _model_as_dataset, r"model\.zarr: a model store, not a dataset"),
+    Case("tokens-int-beyond-2^53", store(tokens=with_(np.ones((N, T, D), np.int64), 4, 2**53 + 1), targets=_y()),
+         r"tokens: sample 4 holds the integer 9007199254740993, beyond 2\^53"),
+    Case("targets-uint-beyond-2^53", store(tokens=_tok(), targets=with_(np.ones((N, D_OUT), np.uint64), 2, 2**60)),
+         r"targets: sample 2 holds the integer 1152921504606846976, beyond 2\^53"),
     Case("missing-targets", store(tokens=_tok()), r"has no 'targets' array"),
     Case("missing-store", _missing, r"in\.zarr: no such dataset"),
     # not a Zarr group, corrupt metadata and data
