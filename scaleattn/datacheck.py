@@ -156,11 +156,7 @@ def check_attrs(attrs: dict, url: str, has_targets: bool, causal: bool) -> bool:
         if isinstance(m, dict) and m.get("pending"):
             raise IntegrityError(f"{url}: an unfinished dataset (its writer stopped before it was complete)")
     if m is not None:
-        ok = isinstance(m, dict) and isinstance(m.get("arrays"), dict) and all(
-            isinstance(e, dict) and isinstance(e.get("crc32c"), str) and isinstance(e.get("rows"), int)
-            and isinstance(e.get("shape"), list) and e["rows"] > 0 and len(e["crc32c"]) % 8 == 0
-            for e in m["arrays"].values())
-        if not ok:
+        if not _integrity.well_formed(m):
             raise IntegrityError(f"{url}: the attribute 'manifest' is damaged (not the manifest scaleattn wrote)")
     return causal if has_targets else bool(c)
 

@@ -163,9 +163,11 @@ def _nan_on_cluster(d):
 def _evaluate_d_out(d):
     from scaleattn.model import MHLAModel
 
+    from scaleattn.heads import coef_from_heads
+
     rng = _rng()
-    MHLAModel(rng.standard_normal((6, 2)), rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2)), 2,
-              False).save(str(d / "model.zarr"))
+    V, Q = rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2))
+    MHLAModel(coef_from_heads(V, Q), V, Q, 2, False).save(str(d / "model.zarr"))
     raw(d / "in.zarr", tokens=_tok(), targets=_rng().standard_normal((N, 3)))
     return ["evaluate", "model.zarr", "in.zarr", "--local", "--quiet"]
 
