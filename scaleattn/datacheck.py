@@ -21,7 +21,7 @@ from .errors import DatasetError, IntegrityError
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
-           "check_objects", "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
+           "check_objects", "expected_rows", "check_underflow", "ARRAYS", "MAX_TOKEN", "MAX_TARGET", "MIN_TOKEN"]
 
 #: the arrays of a dataset whose rows are samples (DESIGN §7)
 ARRAYS = ("tokens", "lengths", "targets")
@@ -29,6 +29,10 @@ ARRAYS = ("tokens", "lengths", "targets")
 MAX_TOKEN = 1e38
 #: the largest |target| accepted: beyond it y^2 and the moments (degree 3 in tokens times y) can overflow
 MAX_TARGET = 1e100
+#: the smallest largest |token| of a sample that is not all zero: below it the compact Gram (degree 6) leaves
+#: float64's normal range (1e-38 ** 6 = 1e-228; at 1e-53 it is subnormal, at 1e-60 zero, and a realizable
+#: dataset would be certified "not identifiable")
+MIN_TOKEN = 1e-38
 
 
 def check_values(name: str, a, start: int) -> None:
@@ -51,6 +55,35 @@ def check_values(name: str, a, start: int) -> None:
         i = _first(big, xp)
         raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
                            f" features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
+    if name == "tokens":
+        _check_tiny(mag, start, xp)
+
+
+def check_underflow(tokens, start: int = 0) -> None:
+    """Refuse tokens whose features underflow float64: a sample that is not all zero but whose largest
+    |token| is below :data:`MIN_TOKEN` (its degree-6 Gram terms are subnormal or zero), naming the first such
+    sample (``start`` + its index) and how to rescale. ``tokens``: (n, ...) numpy or any array API array.
+
+    Raises
+    ------
+    DatasetError
+        ``"tokens: sample i has values of magnitude at most 1.0e-60: ..."``.
+    """
+    if tokens.ndim == 0 or tokens.shape[0] == 0 or not math.prod(tokens.shape[1:]):
+        return
+    xp = get_xp(tokens)
+    _check_tiny(xp.astype(xp.max(xp.abs(xp.reshape(tokens, (tokens.shape[0], -1))), axis=1), xp.float64),
+                start, xp)
+
+
+def _check_tiny(mag, start: int, xp) -> None:
+    tiny = (mag > 0) & (mag < MIN_TOKEN)
+    if bool(xp.any(tiny)):
+        i = _first(tiny, xp)
+        m = float(mag[i])
+        raise DatasetError(f"tokens: sample {start + i} has values of magnitude at most {m:.1e}: its degree-6"
+                           f" features underflow float64 (a sample that is not all zero needs a |token| >="
+                           f" {MIN_TOKEN:.0e}); rescale the tokens (multiply them by 1e{-math.floor(math.log10(m))})")
 
 
 def check_lengths(lens, start: int, T: int) -> None:

@@ -21,7 +21,7 @@ from . import report as _report
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, resolve
-from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays
+from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
 from .errors import DatasetError, FormatError, IntegrityError, ParameterError
 from .features import (
     n_features,
@@ -405,7 +405,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     Raises
     ------
     DatasetError
-        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`).
+        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`); tokens so small
+        that the features underflow float64 (:func:`scaleattn.datacheck.check_underflow`).
 
     See Also
     --------
@@ -420,6 +421,7 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     (500, 6, (6, 3))
     """
     check_arrays(tokens, targets, lengths)
+    check_underflow(tokens)  # (a Gram underflowed to zero looks like all-zero data: refused here, not after)
     if causal is None:
         causal = targets is not None and targets.ndim == 3
     xp = get_xp(tokens, targets)
