@@ -17,7 +17,7 @@ import numpy as np
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import check_kind, resolve
-from .datacheck import MAX_TOKEN, MIN_TOKEN, is_real
+from .datacheck import MAX_TOKEN, is_real
 from .dataset_writer import write_dataset
 from .errors import DatasetError, InputNotFoundError, IntegrityError, MissingDependencyError, hint_of, with_hint
 
@@ -204,13 +204,13 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
     if standardize_columns:
         x = standardize(x)
-    else:  # the values go in as they are: one the features cannot represent is refused by its line and column
-        bad = (np.abs(x) > MAX_TOKEN) | ((x != 0) & (np.abs(x) < MIN_TOKEN))
+    else:  # the values go in as they are: one whose cubic features overflow is refused by its line and column
+        bad = np.abs(x) > MAX_TOKEN  # (windows too small as a whole are refused by the write, by sample)
         if bad.any():
             i, j = np.argwhere(bad)[0]
-            raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: {x[i, j]:.1e} is outside"
-                               f" {MIN_TOKEN:.0e} <= |value| <= {MAX_TOKEN:.0e}, where the cubic features of"
-                               " float64 hold it; rescale the column (or standardise it)")
+            raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: {x[i, j]:.1e} is beyond"
+                               f" |value| <= {MAX_TOKEN:.0e}, where the cubic features fit in float64; rescale the"
+                               " column (or standardise it)")
     tok, y = windows(x, length, horizon, step, causal)
     attrs = {"description": f"windows of {os.path.basename(str(path))}", "columns": [header[c] for c in cols],
              "window": {"length": length, "horizon": horizon, "step": step}}

@@ -43,14 +43,16 @@ def test_csv_with_huge_values_is_standardised_without_overflow(tmp_path):
     np.testing.assert_allclose(tok[0, 1, 1], np.sqrt(10), rtol=1e-12)  # 1e200 among 10 small: z = sqrt(n - 1)
 
 
-def test_csv_values_the_features_cannot_hold_are_refused_naming_line_and_column(tmp_path):
+def test_unstandardised_csv_values_the_features_cannot_hold_are_refused(tmp_path):
     from scaleattn.errors import DatasetError
     from scaleattn.importers import import_csv
 
-    for big in ("1e200", "1e-60"):
-        with pytest.raises(DatasetError, match=r"s\.csv: line 3, column 'b': 1\.0e[+-]\d+ is outside 1e-38 <= \|value\|"):
-            import_csv(tmp_path / "c.zarr", _csv(tmp_path / "s.csv", big), length=4, standardize_columns=False)
+    with pytest.raises(DatasetError, match=r"s\.csv: line 3, column 'b': 1\.0e\+200 is beyond \|value\| <= 1e\+38"):
+        import_csv(tmp_path / "c.zarr", _csv(tmp_path / "s.csv", "1e200"), length=4, standardize_columns=False)
     assert not (tmp_path / "c.zarr").exists()
+    (tmp_path / "t.csv").write_text("a,b\n" + "".join(f"{i}e-60,{i + 1}e-60\n" for i in range(1, 12)))
+    with pytest.raises(DatasetError, match=r"t\.csv: tokens: sample 0 has values of magnitude at most 3\.0e-60"):
+        import_csv(tmp_path / "c.zarr", tmp_path / "t.csv", length=2, standardize_columns=False)
 
 
 def test_npz_import_errors_name_the_file(tmp_path, capsys):
