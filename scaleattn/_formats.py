@@ -6,8 +6,11 @@ Each store records ``format`` and ``format_version`` in its attributes; readers 
 Version 2 of every store (scaleattn 0.1 after the integrity work): arrays use the crc32c codec, every chunk
 is stored (even all-zero ones), and the attributes carry a ``manifest`` of array shapes and value checksums
 (:mod:`scaleattn._integrity`); checkpoints bind each partial to its input rows and carry its checksum.
-Version 1 datasets, statistics, models and spectra are still read (without the checks they do not carry);
-version 1 checkpoints are refused (their partials cannot be verified).
+Version 3 of statistics, models and spectra: the manifest also records every other attribute as written (an
+edited ``d``, ``causal`` or ``n_rows`` is refused). Older versions are still read without the checks they do not
+carry (v1 datasets, statistics, models and spectra; v2 statistics, models and spectra), with every chunk present
+and the attributes checked against the arrays; version 1 checkpoints are refused (their partials cannot be
+verified).
 """
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ __all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
-STATISTICS = ("scaleattn-statistics", 2)
-MODEL = ("scaleattn-model", 2)
+STATISTICS = ("scaleattn-statistics", 3)
+MODEL = ("scaleattn-model", 3)
 CHECKPOINT = ("scaleattn-checkpoint", 2)
-SPECTRUM = ("scaleattn-spectrum", 2)
+SPECTRUM = ("scaleattn-spectrum", 3)
 #: versions each kind's reader accepts
-READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2), MODEL[0]: (1, 2), CHECKPOINT[0]: (2,), SPECTRUM[0]: (1, 2)}
+READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2, 3), MODEL[0]: (1, 2, 3), CHECKPOINT[0]: (2,),
+            SPECTRUM[0]: (1, 2, 3)}
 #: the ``format`` of every scaleattn store starts with this (how ``--overwrite`` recognises its own outputs)
 PREFIX = "scaleattn-"
 #: what a run directory holds (besides ``*.png`` plots): report.json and the stores of :mod:`scaleattn.run`

@@ -28,12 +28,13 @@ import os
 
 import numpy as np
 
-from .errors import IntegrityError
+from . import _formats
+from .errors import FormatError, IntegrityError
 
 __all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
            "object_signatures", "informative", "block_keys", "expected_keys", "absent_chunks", "storage_grid",
            "signature_digest", "digest64", "manifest_digest", "checksum_failure", "create_checked", "read_checked",
-           "MANIFEST"]
+           "read_store", "store_attrs", "well_formed", "small_manifest", "bound_attrs", "MANIFEST"]
 
 #: the group attribute holding a store's manifest
 MANIFEST = "manifest"
@@ -254,22 +255,69 @@ def create_checked(group, name: str, data, sums: dict, **kwargs):
     """``group.create_array(name, data=data, ...)`` with the crc32c codec; the array's manifest entry (one
     checksum for the whole array) goes into ``sums[name]``. For the small stores: statistics, models, spectra."""
     data = np.asarray(data)
-    arr = group.create_array(name, data=data, compressors=compressors(), **kwargs)
+    arr = group.create_array(name, data=data, compressors=compressors(), config={"write_empty_chunks": True},
+                             **kwargs)  # (an all-zero array is stored too: from v3 an absent chunk is refused)
     sums[name] = manifest_entry(data.shape, max(1, data.shape[0]) if data.ndim else 1, [crc32c(data)])
+    return arr
+
+
+def well_formed(manifest) -> bool:
+    """Whether ``manifest`` has the layout scaleattn writes: ``{"arrays": {name: entry}}`` with each entry's
+    ``shape``, ``rows`` and ``crc32c`` of the right types (and, optionally, ``attrs``: a dict)."""
+    return (isinstance(manifest, dict) and isinstance(manifest.get("arrays"), dict)
+            and isinstance(manifest.get("attrs", {}), dict) and all(
+                isinstance(e, dict) and isinstance(e.get("crc32c"), str) and isinstance(e.get("rows"), int)
+                and isinstance(e.get("shape"), list) and e["rows"] > 0 and len(e["crc32c"]) % 8 == 0
+                for e in manifest["arrays"].values()))
+
+
+def small_manifest(sums: dict, attrs: dict) -> dict:
+    """The manifest of a small store (v3): the arrays' entries ``sums`` and a copy of ``attrs``, the other
+    attributes written with it (:func:`read_store` refuses any that differ)."""
+    return {"arrays": sums, "attrs": bound_attrs(attrs)}
+
+
+def bound_attrs(attrs: dict) -> dict:
+    """The attributes a small store's manifest records (all but the manifest itself), for :func:`read_store`."""
+    return {k: v for k, v in attrs.items() if k != MANIFEST}
+
+
+def _same(a, b) -> bool:
+    # as JSON: True is not 1, and a NaN equals the NaN written
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def _array(group, name: str, where: str):
+    """Array ``name`` of a small store, its metadata readable and its data type float64 (what scaleattn writes):
+    an edited or damaged zarr.json is one :class:`FormatError` naming the array, not zarr's own error."""
+    try:
+        arr = group[name]
+    except KeyError:
+        raise IntegrityError(f"{where}: array {name!r} is missing") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a zarr.json that is not JSON, or not an array's metadata
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise FormatError(f"{name} in {where}: its metadata (zarr.json) cannot be read ({type(e).__name__}:"
+                          f" {msg[:200]}): the store is damaged or was edited") from None
+    if not hasattr(arr, "dtype"):
+        raise FormatError(f"{name} in {where}: a group where scaleattn writes an array")
+    if arr.dtype != np.float64:
+        raise FormatError(f"{name} in {where}: data type {arr.dtype} in its metadata (zarr.json), scaleattn writes"
+                          " float64: the metadata was edited")
     return arr
 
 
 def read_checked(group, name: str, where: str):
     """The values of array ``name`` of a small store, checked against the store's manifest when it has one
-    (stores of format v1 have none). Raises :class:`IntegrityError` naming the array and the store."""
+    (stores of format v1 have none). Raises :class:`IntegrityError` naming the array and the store
+    (:class:`FormatError` for metadata that cannot be read or is not float64)."""
+    arr = _array(group, name, where)
     try:
-        values = np.asarray(group[name][...])
-    except KeyError:
-        raise IntegrityError(f"{where}: array {name!r} is missing") from None
+        values = np.asarray(arr[...])
     except ValueError as e:
         if checksum_failure(e):
             raise IntegrityError(f"{name} in {where}: a stored chunk fails its crc32c checksum (damaged)") from None
-        raise
+        raise FormatError(f"{name} in {where}: its chunks cannot be decoded with its metadata (zarr.json):"
+                          f" {str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}") from None
     manifest = group.attrs.get(MANIFEST)
     if manifest is not None:
         entry = (manifest.get("arrays") or {}).get(name) if isinstance(manifest, dict) else None
@@ -277,3 +325,97 @@ def read_checked(group, name: str, where: str):
             raise IntegrityError(f"{where}: array {name!r} is not in the store's manifest (damaged attributes)")
         verify_whole(entry, name, values, where)
     return values
+
+
+def _has_crc32c(arr) -> bool:
+    return "crc32c" in json.dumps(arr.metadata.to_dict().get("codecs", []), default=str)
+
+
+def read_store(loc, group, kind: tuple[str, int], what: str, names) -> tuple[dict, dict]:
+    """Check a small store scaleattn wrote (statistics, model, spectrum) and read its arrays: ``(attributes,
+    {name: values})``. Every check refuses rather than read something other than what was written.
+
+    - format and version (:func:`scaleattn._formats.check_format`);
+    - from v2 on, the manifest is there and well formed; from v3 on it also records every attribute as written
+      (an edited, added or removed attribute is refused; a v3 store whose version was edited down is refused
+      by the attributes its manifest records, a v2 or later one edited to v1 by its crc32c codec);
+    - every chunk each array's shape implies is stored (zarr would read an absent one as zeros), none beyond it
+      (in v2 stores, which left all-zero chunks out, the manifest's checksums decide);
+    - each array's metadata is readable and float64, its values those the manifest records.
+
+    Parameters
+    ----------
+    loc : Location
+        The store (for the listing and the messages).
+    group : zarr.Group
+        The store, opened for reading.
+    kind : (str, int)
+        :data:`scaleattn._formats.MODEL`, ...; ``what``: its name in messages ("model", ...).
+    names : iterable of str
+        The arrays to read.
+
+    Raises
+    ------
+    FormatError
+        Not a store of ``kind`` in a version read here; an array's metadata unreadable or not float64.
+    IntegrityError
+        Naming the store and the array or attribute: a manifest missing, damaged or not matching, an absent
+        chunk, values that are not the ones written.
+    """
+    where = loc.url
+    attrs, version = store_attrs(group, kind, what, where)
+    values = {}
+    for name in names:
+        arr = _array(group, name, where)
+        if version < 2 and _has_crc32c(arr):
+            raise IntegrityError(f"{name} in {where}: stored with the crc32c codec scaleattn writes since format v2,"
+                                 f" but the attributes say v{version} and hold no manifest: they were edited")
+        # (v2 wrote all-zero chunks of these stores as absent keys: there the manifest's checksum decides)
+        ranges, stray = absent_chunks(arr, list_chunks(loc, name)) if version != 2 else ([], [])
+        if ranges or stray:
+            which = (f"no chunk stored for rows [{ranges[0][0]}, {ranges[0][1]})" if ranges else
+                     f"a stored chunk beyond its shape {tuple(arr.shape)} ({stray[0]!r})")
+            raise IntegrityError(f"{name} in {where}: {which} (zarr would read missing rows as zeros): the store"
+                                 " was damaged, partly copied or its metadata edited")
+        values[name] = read_checked(group, name, where)
+    return attrs, values
+
+
+def store_attrs(group, kind: tuple[str, int], what: str, where: str) -> tuple[dict, int]:
+    """``(attributes, format version)`` of a small store, checked without reading its arrays: the attribute
+    checks of :func:`read_store` (format, manifest, from v3 every attribute as written)."""
+    attrs = dict(group.attrs)
+    version = _formats.check_format(attrs, kind, where, what)
+    m = attrs.get(MANIFEST)
+    if version >= 2 and m is None:
+        raise IntegrityError(f"{where}: a scaleattn v{version} {what} store without its manifest (its attributes"
+                             " were edited)")
+    if version < 2 and m is not None:
+        raise IntegrityError(f"{where}: format_version {version} but a manifest, which scaleattn writes since v2:"
+                             " the attributes were edited")
+    if m is not None and not well_formed(m):
+        raise IntegrityError(f"{where}: the attribute 'manifest' is damaged (not the manifest scaleattn wrote)")
+    if version >= 3:
+        _check_attrs(m, attrs, where)
+    elif m is not None and "attrs" in m:
+        raise IntegrityError(f"{where}: format_version {version} but its manifest records the attributes, which"
+                             f" scaleattn writes since v3: the attributes were edited")
+    return attrs, version
+
+
+def _check_attrs(m: dict, attrs: dict, where: str) -> None:
+    """The attributes are those the manifest recorded when the store was written (v3 stores)."""
+    rec = m.get("attrs")
+    if rec is None:
+        raise IntegrityError(f"{where}: its manifest does not record the attributes (a v3 store always does):"
+                             " the manifest was edited")
+    now = bound_attrs(attrs)
+    for k in sorted(set(rec) | set(now)):
+        if k not in now:
+            raise IntegrityError(f"{where}: attribute {k!r} was removed after the store was written (manifest)")
+        if k not in rec:
+            raise IntegrityError(f"{where}: attribute {k!r} was added after the store was written (manifest)")
+        if not _same(rec[k], now[k]):
+            shown = json.dumps(now[k], default=str)[:60]
+            raise IntegrityError(f"{where}: attribute {k!r} is {shown}, not the value written (manifest): the"
+                                 " attributes were edited")

@@ -139,6 +139,12 @@ class Location:
             with fs.open(p, "r") as f:
                 return f.read()
 
+    def read_bytes(self) -> bytes:
+        with _remote_access(self.url):
+            fs, p = self.fs()
+            with fs.open(p, "rb") as f:
+                return f.read()
+
     def write_bytes(self, data: bytes) -> None:
         with _remote_access(self.url):
             fs, p = self.fs()

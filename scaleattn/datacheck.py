@@ -21,7 +21,7 @@ from .errors import DatasetError, IntegrityError
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
-           "check_objects", "expected_rows", "ARRAYS", "MAX_TOKEN", "MAX_TARGET"]
+           "check_objects", "expected_rows", "check_underflow", "ARRAYS", "MAX_TOKEN", "MAX_TARGET", "MIN_TOKEN"]
 
 #: the arrays of a dataset whose rows are samples (DESIGN §7)
 ARRAYS = ("tokens", "lengths", "targets")
@@ -32,12 +32,16 @@ MAX_TARGET = 1e100
 #: the largest |integer| accepted in integer tokens and targets: float64 holds every integer up to 2^53, not all
 #: beyond (2^53 + 1 would be read as 2^53)
 MAX_EXACT_INTEGER = 2**53
+#: the smallest largest |token| of a sample that is not all zero: below it the compact Gram (degree 6) leaves
+#: float64's normal range (1e-38 ** 6 = 1e-228; at 1e-53 it is subnormal, at 1e-60 zero, and a realizable
+#: dataset would be certified "not identifiable")
+MIN_TOKEN = 1e-38
 
 
 def check_values(name: str, a, start: int) -> None:
-    """NaN/Inf, values so large that the cubic features overflow float64, and integers float64 cannot hold
-    exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays before converting them), naming the first bad sample
-    (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one
+    """NaN/Inf, values so large that the cubic features overflow float64 (tokens: or so small that they
+    underflow), and integers float64 cannot hold exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays
+    before converting them), naming the first bad sample (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one
     transfer of a flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
         return
@@ -64,6 +68,35 @@ def check_values(name: str, a, start: int) -> None:
         i = _first(big, xp)
         raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
                            f" features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
+    if name == "tokens":
+        _check_tiny(mag, start, xp)
+
+
+def check_underflow(tokens, start: int = 0) -> None:
+    """Refuse tokens whose features underflow float64: a sample that is not all zero but whose largest
+    |token| is below :data:`MIN_TOKEN` (its degree-6 Gram terms are subnormal or zero), naming the first such
+    sample (``start`` + its index) and how to rescale. ``tokens``: (n, ...) numpy or any array API array.
+
+    Raises
+    ------
+    DatasetError
+        ``"tokens: sample i has values of magnitude at most 1.0e-60: ..."``.
+    """
+    if tokens.ndim == 0 or tokens.shape[0] == 0 or not math.prod(tokens.shape[1:]):
+        return
+    xp = get_xp(tokens)
+    _check_tiny(xp.astype(xp.max(xp.abs(xp.reshape(tokens, (tokens.shape[0], -1))), axis=1), xp.float64),
+                start, xp)
+
+
+def _check_tiny(mag, start: int, xp) -> None:
+    tiny = (mag > 0) & (mag < MIN_TOKEN)
+    if bool(xp.any(tiny)):
+        i = _first(tiny, xp)
+        m = float(mag[i])
+        raise DatasetError(f"tokens: sample {start + i} has values of magnitude at most {m:.1e}: its degree-6"
+                           f" features underflow float64 (a sample that is not all zero needs a |token| >="
+                           f" {MIN_TOKEN:.0e}); rescale the tokens (multiply them by 1e{-math.floor(math.log10(m))})")
 
 
 def check_lengths(lens, start: int, T: int) -> None:
@@ -169,11 +202,7 @@ def check_attrs(attrs: dict, url: str, has_targets: bool, causal: bool) -> bool:
         if isinstance(m, dict) and m.get("pending"):
             raise IntegrityError(f"{url}: an unfinished dataset (its writer stopped before it was complete)")
     if m is not None:
-        ok = isinstance(m, dict) and isinstance(m.get("arrays"), dict) and all(
-            isinstance(e, dict) and isinstance(e.get("crc32c"), str) and isinstance(e.get("rows"), int)
-            and isinstance(e.get("shape"), list) and e["rows"] > 0 and len(e["crc32c"]) % 8 == 0
-            for e in m["arrays"].values())
-        if not ok:
+        if not _integrity.well_formed(m):
             raise IntegrityError(f"{url}: the attribute 'manifest' is damaged (not the manifest scaleattn wrote)")
     return causal if has_targets else bool(c)
 

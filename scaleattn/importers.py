@@ -6,6 +6,7 @@ Every argument is checked before anything is written; a bad file or argument rai
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import zipfile
@@ -16,9 +17,9 @@ import numpy as np
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import check_kind, resolve
-from .datacheck import check_values, is_real
+from .datacheck import MAX_TOKEN, check_values, is_real
 from .dataset_writer import write_dataset
-from .errors import DatasetError, InputNotFoundError, MissingDependencyError
+from .errors import DatasetError, InputNotFoundError, IntegrityError, MissingDependencyError, hint_of, with_hint
 
 __all__ = ["windows", "standardize", "import_arrays", "import_csv", "load_digits_dataset"]
 
@@ -48,8 +49,15 @@ def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool =
 
 
 def standardize(series):
-    """Per-column z-score of a (time, d) series (constant columns are left centred)."""
+    """Per-column z-score of a (time, d) series (constant columns are left centred).
+
+    Each column is divided by its largest magnitude first: the z-score does not change, and columns with
+    values up to float64's largest are standardised without overflow (``std`` of a column holding 1e200 is
+    inf, which made the whole column 0)."""
     x = np.asarray(series, dtype=np.float64)
+    if x.size:
+        top = np.abs(x).max(axis=0)
+        x = x / np.where(top > 0, top, 1.0)
     sd = x.std(axis=0)
     return (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
 
@@ -135,9 +143,10 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
         tok, y, lens = arrs[tokens], arrs.get(targets), arrs.get(lengths)
     tok, y = _real("tokens", tok, path), _real("targets", y, path)
     if tok.ndim != 3:
-        raise DatasetError(f"tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
+        raise DatasetError(f"{path}: tokens: expected 3 dimensions (sample, position, embed), got shape {tok.shape}")
     attrs = {"description": f"imported from {os.path.basename(str(path))}"}
-    return write_dataset(url, tok, y, lens, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+    with _naming(path):
+        return write_dataset(url, tok, y, lens, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
 
 
 def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causal=False, columns=None,
@@ -197,10 +206,34 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
     if standardize_columns:
         x = standardize(x)
+    else:  # the values go in as they are: one whose cubic features overflow is refused by its line and column
+        bad = np.abs(x) > MAX_TOKEN  # (windows too small as a whole are refused by the write, by sample)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: {x[i, j]:.1e} is beyond"
+                               f" |value| <= {MAX_TOKEN:.0e}, where the cubic features fit in float64; rescale the"
+                               " column (or standardise it)")
     tok, y = windows(x, length, horizon, step, causal)
     attrs = {"description": f"windows of {os.path.basename(str(path))}", "columns": [header[c] for c in cols],
              "window": {"length": length, "horizon": horizon, "step": step}}
-    return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+    with _naming(path):
+        return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+@contextlib.contextmanager
+def _naming(path):
+    """A bad value found while writing (an array and a sample) is named with the file it came from."""
+    try:
+        yield
+    except IntegrityError:  # (the output's, not the file's)
+        raise
+    except DatasetError as e:
+        if str(e).startswith(str(path)):
+            raise
+        named = DatasetError(f"{path}: {e}")
+        if hint_of(e):
+            with_hint(named, hint_of(e))
+        raise named from None
 
 
 def load_digits_dataset(url, *, overwrite=False, storage_options=None):

@@ -13,14 +13,14 @@ from ._outputs import atomic_output
 from ._params import heads_spec
 from ._storage import check_kind, resolve
 from .datacheck import check_lengths, check_values
-from .errors import FormatError, InputNotFoundError, ParameterError
-from .features import predict_rows, token_features, triu_index
+from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
+from .features import n_features, predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
 from .solver import Solution, shared_gram, solve
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
-           "EXACT_HEADS_RTOL"]
+           "check_heads", "EXACT_HEADS_RTOL", "HEADS_MATCH_RTOL"]
 
 FORMAT, FORMAT_VERSION = _formats.MODEL
 
@@ -143,8 +143,13 @@ class MHLAModel:
                 y = full
         return y[0, ...] if single else y
 
-    def save(self, url, overwrite: bool = False, storage_options=None) -> None:
-        """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location."""
+    def save(self, url, overwrite: bool = False, storage_options=None, attrs=None) -> None:
+        """Write ``coef``, ``V``, ``Q`` to a Zarr v3 group (atomically); ``url`` a path, URL or Location.
+        ``attrs``: attributes written besides ``self.attrs`` (a run's binding to its report).
+
+        Raises :class:`~scaleattn.errors.ParameterError` when the heads do not compute the coefficients'
+        function (:func:`check_heads`): such a store would be one model to ``evaluate``, another to ``compare``."""
+        check_heads(self.coef, self.V, self.Q, self.d, "model")
         with atomic_output(resolve(url, storage_options), overwrite, _formats.MODEL[0]) as tmp:
             g = tmp.open_group("w")
             sums = {}
@@ -154,34 +159,87 @@ class MHLAModel:
                                       attributes={"description": "value/output matrices V_h"})
             _integrity.create_checked(g, "Q", self.Q, sums, dimension_names=("head", "embed", "embed_2"),
                                       attributes={"description": "fused key-query matrices Q_h"})
-            g.attrs.update({**self.attrs, "format": FORMAT, "format_version": FORMAT_VERSION, "d": self.d,
-                            "d_out": self.d_out, "n_heads": self.n_heads, "causal": bool(self.causal),
-                            "description": "one-layer multi-head linear attention y = sum_h V_h Z^T Z Q_h x",
-                            _integrity.MANIFEST: {"arrays": sums}})
+            meta = {**self.attrs, **(attrs or {}), "format": FORMAT, "format_version": FORMAT_VERSION, "d": self.d,
+                    "d_out": self.d_out, "n_heads": self.n_heads, "causal": bool(self.causal),
+                    "description": "one-layer multi-head linear attention y = sum_h V_h Z^T Z Q_h x"}
+            g.attrs.update({**meta, _integrity.MANIFEST: _integrity.small_manifest(sums, meta)})
 
     @classmethod
     def load(cls, url, storage_options=None) -> MHLAModel:
-        """Read a model written by :meth:`save`; :class:`~scaleattn.errors.FormatError` if the store is not a
-        model, :class:`~scaleattn.errors.InputNotFoundError` if there is nothing at ``url``,
-        :class:`~scaleattn.errors.ParameterError` if it is a file (or a path through one)."""
+        """Read a model written by :meth:`save`.
+
+        Raises
+        ------
+        FormatError
+            The store is not a model, or an array's metadata cannot be read.
+        IntegrityError
+            The store is not the one written (:func:`scaleattn._integrity.read_store`: manifest, attributes,
+            absent chunks), or its attributes, coefficients and heads do not describe one model.
+        InputNotFoundError
+            Nothing at ``url``.
+        ParameterError
+            ``url`` is a file (or a path through one).
+        """
         loc = resolve(url, storage_options)
         check_kind(loc, "model", "a model store (a Zarr directory)", directory=True)
         if not loc.exists():
             raise InputNotFoundError(f"{loc.url}: no such model store")
         try:
             g = loc.open_group("r")
-            a = dict(g.attrs)
+            dict(g.attrs)
         except Exception as e:
             if loc.join("model.zarr").exists():  # a run directory given where its model goes
                 raise FormatError(f"{loc.url}: a run directory, not a model store: pass"
                                   f" {loc.join('model.zarr').url}") from None
             raise FormatError(f"{loc.url}: not a readable model store ({type(e).__name__}: {e})") from None
-        _formats.check_format(a, _formats.MODEL, loc.url, "model")
-        _formats.check_types(a, {"d": int, "causal": bool}, loc.url, optional=("causal",))
-        keep = {k: v for k, v in a.items()
-                if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal", _integrity.MANIFEST)}
-        coef, V, Q = (_integrity.read_checked(g, n, loc.url) for n in ("coef", "V", "Q"))
-        return cls(coef, V, Q, int(a["d"]), bool(a.get("causal", False)), keep)
+        a, arrays = _integrity.read_store(loc, g, _formats.MODEL, "model", ("coef", "V", "Q"))
+        _formats.check_types(a, {"d": int, "causal": bool, "d_out": int, "n_heads": int}, loc.url,
+                             optional=("causal", "d_out", "n_heads"))
+        coef, V, Q = arrays["coef"], arrays["V"], arrays["Q"]
+        d, d_out, H = int(a["d"]), coef.shape[1] if coef.ndim == 2 else -1, V.shape[0] if V.ndim == 3 else -1
+        want = {"coef": (n_features(d), d_out), "V": (H, d_out, d), "Q": (H, d, d)}
+        for name, x in arrays.items():
+            if d < 1 or x.shape != want[name]:
+                raise IntegrityError(f"{name} in {loc.url}: shape {x.shape}, but d = {a['d']} in the attributes"
+                                     f" means {want[name]}: the store was edited")
+        for k, n in (("d_out", d_out), ("n_heads", H)):
+            if k in a and a[k] != n:
+                raise IntegrityError(f"{loc.url}: attribute {k!r} is {a[k]} but the arrays hold {n}: the store was"
+                                     " edited")
+        try:
+            check_heads(coef, V, Q, d, loc.url)
+        except ParameterError as e:
+            raise IntegrityError(str(e)) from None
+        keep = {k: v for k, v in a.items() if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal",
+                                                        "run", _integrity.MANIFEST)}
+        return cls(coef, V, Q, d, bool(a.get("causal", False)), keep)
+
+
+#: a model's heads and coefficients compute the same function to this relative distance (``compare``'s default
+#: tolerance: models that pass it are one model to ``evaluate``, which uses ``coef``, and to ``compare``)
+HEADS_MATCH_RTOL = 1e-8
+
+
+def check_heads(coef, V, Q, d: int, where: str) -> None:
+    """Refuse a model whose heads ``V``, ``Q`` do not compute the function of its coefficients ``coef`` (relative
+    distance above :data:`HEADS_MATCH_RTOL`): ``predict`` uses ``coef``, ``compare`` the heads.
+
+    Raises
+    ------
+    ParameterError
+        Naming ``where``, the distance and what to do.
+    """
+    coef, V, Q = np.asarray(coef), np.asarray(V), np.asarray(Q)
+    if coef.shape != (n_features(d), coef.shape[-1] if coef.ndim else 0) or V.ndim != 3 or Q.shape != (
+            V.shape[0], d, d) or V.shape[1:] != (coef.shape[1], d):
+        raise ParameterError(f"{where}: coef {coef.shape}, V {V.shape}, Q {Q.shape} are not the shapes of one"
+                             f" model of d = {d} ((psi, d_out), (H, d_out, d), (H, d, d))")
+    ref = float(np.linalg.norm(coef))
+    dist = float(np.linalg.norm(coef_from_heads(V, Q) - coef)) if V.shape[0] else ref
+    if not dist <= HEADS_MATCH_RTOL * ref:
+        raise ParameterError(f"{where}: its heads V, Q compute other coefficients than its coef (relative distance"
+                             f" {dist / max(ref, 1e-300):.2e} > {HEADS_MATCH_RTOL:.0e}): predictions and comparisons"
+                             " would disagree; give heads that compute coef (scaleattn.heads.svd_heads)")
 
 
 #: heads reproducing the fitted coefficients to this relative residual define the same model

@@ -11,6 +11,7 @@ Layout::
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -21,23 +22,31 @@ from . import _formats, _integrity
 from ._outputs import RUN, atomic_output, is_scaleattn_plot
 from ._storage import Location, check_kind, resolve, settle_writes
 from .certificate import certify
-from .errors import InputNotFoundError, ParameterError, StorageError, UnsafeOutputError
+from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
 from .statistics import Statistics
 
-__all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "REPORT", "MODEL", "STATS",
-           "SPECTRUM"]
+__all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "report_digest",
+           "REPORT", "MODEL", "STATS", "SPECTRUM", "RUN_ATTR"]
 
 REPORT, MODEL, STATS, SPECTRUM = "report.json", "model.zarr", "stats.zarr", "spectrum.zarr"
+#: the attribute of each store of a run holding :func:`report_digest` of its report.json
+RUN_ATTR = "run"
 
 
-def save_spectrum(certificate, loc: Location) -> None:
+def report_digest(text: bytes) -> str:
+    """sha256 of a run's report.json bytes (16 hex digits): what binds the run's stores to that report."""
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def save_spectrum(certificate, loc: Location, attrs=None) -> None:
     """Write a certificate's spectra as a Zarr v3 group (a run's ``spectrum.zarr``): arrays ``eigenvalues``
     (eigenvalues of ``Lambda_D``) and ``eigenvalues_scaled`` (Jacobi-scaled Gram), both (psi,) float64
     ascending with dimension ``eigenvalue``; the certificate summary in the attributes.
 
     Raises :class:`~scaleattn.errors.ParameterError` when the certificate has no spectrum of ``Lambda_D``
-    (the Cholesky path keeps only the extreme eigenvalues)."""
+    (the Cholesky path keeps only the extreme eigenvalues). ``attrs``: further attributes (a run's binding to
+    its report)."""
     if certificate.eigenvalues is None:
         raise ParameterError("certificate has no eigenvalues of Lambda_D")
     g = loc.open_group("w")
@@ -51,15 +60,30 @@ def save_spectrum(certificate, loc: Location) -> None:
                               attributes={"description": "eigenvalues of the Jacobi-scaled Gram D^-1/2 G D^-1/2,"
                                                          " ascending; the rank counts those above cutoff_rtol * max",
                                           "units": "1"})
-    g.attrs.update({**certificate.summary(), **_formats.stamp(_formats.SPECTRUM), _integrity.MANIFEST: {"arrays": sums},
-                    "description": "eigenvalues of the certificate's matrices [Yau et al. 2025, Lemma 2.3]"})
+    meta = {**certificate.summary(), **(attrs or {}), **_formats.stamp(_formats.SPECTRUM),
+            "description": "eigenvalues of the certificate's matrices [Yau et al. 2025, Lemma 2.3]"}
+    g.attrs.update({**meta, _integrity.MANIFEST: _integrity.small_manifest(sums, meta)})
 
 
 def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
     """``(eigenvalues, eigenvalues_scaled)`` of a ``spectrum.zarr`` written by :func:`save_spectrum`."""
-    g = loc.open_group("r")
-    _formats.check_format(dict(g.attrs), _formats.SPECTRUM, loc.url, "spectrum")
-    return _integrity.read_checked(g, "eigenvalues", loc.url), _integrity.read_checked(g, "eigenvalues_scaled", loc.url)
+    return _read_spectrum(loc)[1:]
+
+
+def _read_spectrum(loc: Location):
+    """``(attributes, eigenvalues, eigenvalues_scaled)`` of a spectrum store, checked
+    (:func:`scaleattn._integrity.read_store`; both arrays (psi,))."""
+    try:
+        g = loc.open_group("r")
+        dict(g.attrs)
+    except Exception as e:
+        raise FormatError(f"{loc.url}: not a readable spectrum store ({type(e).__name__}: {e})") from None
+    a, arrays = _integrity.read_store(loc, g, _formats.SPECTRUM, "spectrum", ("eigenvalues", "eigenvalues_scaled"))
+    ev, ws = arrays["eigenvalues"], arrays["eigenvalues_scaled"]
+    if ev.ndim != 1 or ev.shape != ws.shape or ("psi" in a and a["psi"] != ev.shape[0]):
+        raise IntegrityError(f"{loc.url}: eigenvalues {ev.shape} and eigenvalues_scaled {ws.shape} are not two"
+                             f" spectra of psi = {a.get('psi', '?')} values: the store was edited")
+    return a, ev, ws
 
 
 def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> list[str]:
@@ -74,16 +98,18 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
     out = resolve(out)
     on_workers = getattr(result.statistics, "operator", None) is not None  # krylov on a cluster: Tc never gathered
     names = [REPORT, MODEL] + ([] if on_workers else [STATS])
+    text = _formats.dumps(result.report).encode()
+    bind = {RUN_ATTR: report_digest(text)}  # each store names the report it belongs to (checked by read_run)
     with atomic_output(out, overwrite, RUN) as tmp:
         if not tmp.is_remote:
             os.makedirs(tmp.url, exist_ok=True)
-        result.model.save(tmp.join(MODEL))
+        result.model.save(tmp.join(MODEL), attrs=bind)
         if not on_workers:
-            result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", "")})
+            result.statistics.save(tmp.join(STATS), attrs={"dataset": result.report.get("dataset", ""), **bind})
         if result.certificate.eigenvalues is not None:
-            save_spectrum(result.certificate, tmp.join(SPECTRUM))
+            save_spectrum(result.certificate, tmp.join(SPECTRUM), attrs=bind)
             names.append(SPECTRUM)
-        tmp.join(REPORT).write_bytes(_formats.dumps(result.report).encode())
+        tmp.join(REPORT).write_bytes(text)
         write_files(tmp, files or {})
     return names + list(files or {})
 
@@ -172,12 +198,19 @@ def read_run(run, storage_options=None) -> dict:
     """Read a run directory: ``dict(report, eigenvalues, eigenvalues_scaled, model)``.
 
     The spectra come from ``spectrum.zarr``, or are recomputed from ``stats.zarr`` when it is missing (runs
-    of the Cholesky path); ``model`` is None when ``model.zarr`` is missing.
+    of the Cholesky path); ``model`` is None when ``model.zarr`` is missing. Every store present must belong to
+    this ``report.json`` (the digest of the report it records; stores of format v3): a store copied from another
+    run, or a report edited since, is refused.
 
     Raises
     ------
     InputNotFoundError
         ``report.json`` is missing (not a run directory written by ``scaleattn fit``).
+    FormatError
+        ``report.json`` is not JSON, or a value the plots use has the wrong type.
+    IntegrityError
+        A store does not belong to this report (or was written before runs bound their stores to it), or is
+        not the store written (:func:`scaleattn._integrity.read_store`).
     ParameterError
         ``run`` is a file, or a path through a file.
     """
@@ -186,13 +219,70 @@ def read_run(run, storage_options=None) -> dict:
     rp = run.join(REPORT)
     if not rp.exists():
         raise InputNotFoundError(f"{run.url}: no report.json (not a run directory written by `scaleattn fit`)")
-    report = json.loads(rp.read_text())
-    sp = run.join(SPECTRUM)
+    text = rp.read_bytes()
+    report = _report_json(text, rp.url)
+    digest = report_digest(text)
+    sp, mp, st = run.join(SPECTRUM), run.join(MODEL), run.join(STATS)
+    if st.exists():  # read only when the spectrum is recomputed from it (Tc can be large): else its attributes
+        _check_member(_member_attrs(st, _formats.STATISTICS, "statistics"), STATS, run, digest)
     if sp.exists():
-        ev, ws = load_spectrum(sp)
+        attrs, ev, ws = _read_spectrum(sp)
+        _check_member(attrs, SPECTRUM, run, digest)
     else:
-        cert = certify(Statistics.load(run.join(STATS)), report.get("cutoff_rtol"))
+        cert = certify(Statistics.load(st), report.get("cutoff_rtol"))
         ev, ws = cert.eigenvalues, cert.spectrum_scaled
-    mp = run.join(MODEL)
-    model = MHLAModel.load(mp) if mp.exists() else None
+    model = None
+    if mp.exists():
+        model = MHLAModel.load(mp)
+        _check_member(_member_attrs(mp, _formats.MODEL, "model"), MODEL, run, digest)
     return {"report": report, "eigenvalues": ev, "eigenvalues_scaled": ws, "model": model}
+
+
+def _member_attrs(loc: Location, kind, what: str) -> dict:
+    """The checked attributes of a store of the run (:func:`scaleattn._integrity.store_attrs`)."""
+    try:
+        g = loc.open_group("r")
+        dict(g.attrs)
+    except Exception as e:
+        raise FormatError(f"{loc.url}: not a readable {what} store ({type(e).__name__}: {e})") from None
+    return _integrity.store_attrs(g, kind, what, loc.url)[0]
+
+
+def _check_member(attrs: dict, name: str, run: Location, digest: str) -> None:
+    """Refuse a store of the run that does not record this report.json (``RUN_ATTR``, bound by its manifest)."""
+    have = attrs.get(RUN_ATTR)
+    if have == digest:
+        return
+    if have is None:
+        raise IntegrityError(f"{run.url}: {name} does not record which report.json it belongs to (a store from"
+                             " elsewhere, or a run written before scaleattn bound them): its parts cannot be shown"
+                             " to belong together; fit again")
+    raise IntegrityError(f"{run.url}: {name} was written with another report.json than this one (copied from"
+                         " another run, or report.json edited since): the run's parts do not belong together")
+
+
+#: JSON types of the report values the plots use (None allowed for each)
+_REPORT_TYPES = {"cutoff_rtol": float, "lambda_min": float, "identifiable": bool, "n_heads": int,
+                 "target_mean_square": float, "d": int, "psi": int}
+
+
+def _report_json(text: bytes, url: str) -> dict:
+    """The report, parsed strictly, with the types of the values the plots use checked (one error line)."""
+    try:
+        report = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{url}: not valid JSON ({e}): the report is damaged") from None
+    if not isinstance(report, dict):
+        raise FormatError(f"{url}: not a run report (a JSON object expected, got {type(report).__name__})")
+    _formats.check_types({k: v for k, v in report.items() if v is not None}, _REPORT_TYPES, url,
+                         optional=tuple(_REPORT_TYPES))
+    for key, item in (("head_singular_values", (int, float)), ("loss_vs_heads", dict)):
+        v = report.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, item) and not isinstance(x, bool)
+                                                               for x in v)):
+            raise FormatError(f"{url}: {key!r} must be a list of {'numbers' if key[0] == 'h' else 'objects'}")
+    for row in report.get("loss_vs_heads") or ():
+        _formats.check_types(row, {"heads": int, "train_mse_stats": float}, f"{url}: loss_vs_heads")
+    if not isinstance(report.get("dataset", ""), (str, type(None))):
+        raise FormatError(f"{url}: 'dataset' must be a string")
+    return report

@@ -21,8 +21,8 @@ from . import report as _report
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, resolve
-from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays
-from .errors import DatasetError, ParameterError
+from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
+from .errors import DatasetError, FormatError, IntegrityError, ParameterError
 from .features import (
     n_features,
     n_pairs,
@@ -236,27 +236,42 @@ class Statistics:
                                                   "units": "1"})
             _integrity.create_checked(g, "moments", s.moments, sums, dimension_names=("feature", "output"),
                                       attributes={"description": "B = sum_i phi_i y_i^T"})
-            g.attrs.update({**(attrs or {}), "format": FORMAT, "format_version": FORMAT_VERSION,
-                            "yy": float(s.yy), "n_rows": int(s.n_rows), "d": int(s.d), "d_out": s.d_out,
-                            _integrity.MANIFEST: {"arrays": sums}})
+            meta = {**(attrs or {}), "format": FORMAT, "format_version": FORMAT_VERSION,
+                    "yy": float(s.yy), "n_rows": int(s.n_rows), "d": int(s.d), "d_out": s.d_out}
+            g.attrs.update({**meta, _integrity.MANIFEST: _integrity.small_manifest(sums, meta)})
 
     @classmethod
     def load(cls, url, storage_options=None) -> Statistics:
         """Read statistics written by :meth:`save`.
 
         Raises :class:`~scaleattn.errors.FormatError` if the store is not a statistics group of a supported
-        version or its attributes have the wrong types, :class:`~scaleattn.errors.IntegrityError` if an array
-        is missing, damaged or not the one written (manifest), :class:`~scaleattn.errors.ParameterError` if
-        ``url`` is a file (or a path through one).
+        version, its attributes have the wrong types or an array's metadata cannot be read,
+        :class:`~scaleattn.errors.IntegrityError` if the store is not the one written (an array missing, damaged,
+        with absent chunks or not matching the manifest; attributes edited or not matching the arrays:
+        :func:`scaleattn._integrity.read_store`), :class:`~scaleattn.errors.ParameterError` if ``url`` is a
+        file (or a path through one).
         """
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
-        g = loc.open_group("r")
-        a = dict(g.attrs)
-        _formats.check_format(a, _formats.STATISTICS, loc.url, "statistics")
-        _formats.check_types(a, {"yy": float, "n_rows": int, "d": int}, loc.url)
-        gram = _integrity.read_checked(g, "gram_compact", loc.url)
-        return cls(gram, _integrity.read_checked(g, "moments", loc.url), float(a["yy"]), int(a["n_rows"]), int(a["d"]))
+        try:
+            g = loc.open_group("r")
+            dict(g.attrs)
+        except Exception as e:
+            raise FormatError(f"{loc.url}: not a readable statistics store ({type(e).__name__}: {e})") from None
+        a, arrays = _integrity.read_store(loc, g, _formats.STATISTICS, "statistics", ("gram_compact", "moments"))
+        _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, loc.url, optional=("d_out",))
+        gram, moments = arrays["gram_compact"], arrays["moments"]
+        d, m = int(a["d"]), n_pairs(int(a["d"]))
+        want = {"gram_compact": (m * (m + 1) // 2, d * (d + 1) // 2),
+                "moments": (n_features(d), moments.shape[1] if moments.ndim == 2 else -1)}
+        for name, x in arrays.items():
+            if d < 1 or x.shape != want[name]:
+                raise IntegrityError(f"{name} in {loc.url}: shape {x.shape}, but d = {a['d']} in the attributes"
+                                     f" means {want[name]}: the store was edited")
+        if a.get("d_out", moments.shape[1]) != moments.shape[1]:
+            raise IntegrityError(f"{loc.url}: attribute 'd_out' is {a['d_out']} but the moments hold"
+                                 f" {moments.shape[1]}: the store was edited")
+        return cls(gram, moments, float(a["yy"]), int(a["n_rows"]), d)
 
 
 def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
@@ -390,7 +405,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     Raises
     ------
     DatasetError
-        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`).
+        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`); tokens so small
+        that the features underflow float64 (:func:`scaleattn.datacheck.check_underflow`).
 
     See Also
     --------
@@ -405,6 +421,7 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     (500, 6, (6, 3))
     """
     check_arrays(tokens, targets, lengths)
+    check_underflow(tokens)  # (a Gram underflowed to zero looks like all-zero data: refused here, not after)
     if causal is None:
         causal = targets is not None and targets.ndim == 3
     xp = get_xp(tokens, targets)

@@ -1,5 +1,7 @@
 """Real data: the built-in digits dataset imports with its shape and fits with a real error and a failed
-certificate."""
+certificate. Imports of files: values the features cannot hold, and errors that name the file."""
+import re
+
 import pytest
 
 from scaleattn.pipeline import fit
@@ -16,3 +18,58 @@ def test_real_digits_dataset(tmp_path):
     # the digits is almost always blank, so some cubic features never vary
     assert 0.05 < res.report["relative_train_mse"] < 0.2
     assert res.report["psi"] == 288 and not res.report["identifiable"] and 150 < res.report["rank"] < 288
+
+
+def _csv(path, big):
+    rows = [f"{2 * i + 1},{2 * i + 2}" for i in range(11)]
+    rows[1] = f"3,{big}"  # line 3 of the file (after the header)
+    path.write_text("a,b\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_csv_with_huge_values_is_standardised_without_overflow(tmp_path):
+    """std of a column holding 1e200 overflowed to inf and the whole column became 0 (rc 0, a RuntimeWarning)."""
+    import warnings
+
+    import numpy as np
+
+    from scaleattn.importers import import_csv
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = import_csv(tmp_path / "c.zarr", _csv(tmp_path / "s.csv", "1e200"), length=4)
+    tok, _, y = ds.read(0, ds.n_samples)
+    assert np.isfinite(tok).all() and np.ptp(tok[:, :, 1]) > 1  # the column kept (z-scores), not zeroed
+    np.testing.assert_allclose(tok[0, 1, 1], np.sqrt(10), rtol=1e-12)  # 1e200 among 10 small: z = sqrt(n - 1)
+
+
+def test_unstandardised_csv_values_the_features_cannot_hold_are_refused(tmp_path):
+    from scaleattn.errors import DatasetError
+    from scaleattn.importers import import_csv
+
+    with pytest.raises(DatasetError, match=r"s\.csv: line 3, column 'b': 1\.0e\+200 is beyond \|value\| <= 1e\+38"):
+        import_csv(tmp_path / "c.zarr", _csv(tmp_path / "s.csv", "1e200"), length=4, standardize_columns=False)
+    assert not (tmp_path / "c.zarr").exists()
+    (tmp_path / "t.csv").write_text("a,b\n" + "".join(f"{i}e-60,{i + 1}e-60\n" for i in range(1, 12)))
+    with pytest.raises(DatasetError, match=r"t\.csv: tokens: sample 0 has values of magnitude at most 3\.0e-60"):
+        import_csv(tmp_path / "c.zarr", tmp_path / "t.csv", length=2, standardize_columns=False)
+
+
+def test_npz_import_errors_name_the_file(tmp_path, capsys):
+    import numpy as np
+
+    from scaleattn.cli import main
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "tiny.npz", tokens=rng.standard_normal((20, 4, 2)) * 1e-60, targets=np.ones((20, 2)))
+    tok = rng.standard_normal((20, 4, 2))
+    tok[3, 1, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", tokens=tok, targets=np.ones((20, 2)))
+    for name, what in (("tiny.npz", r"tokens: sample 0 has values of magnitude at most 1\.\de-60: its degree-6"
+                                    r" features underflow float64 .*multiply them by 1e60\)$"),
+                       ("nan.npz", r"tokens: sample 3 contains NaN or Inf")):
+        capsys.readouterr()
+        assert main(["import", str(tmp_path / "out.zarr"), "--npz", str(tmp_path / name)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert re.match(rf"scaleattn import: error: \S*{name}: {what}", line), line
+        assert not (tmp_path / "out.zarr").exists()

@@ -1,6 +1,6 @@
 """Plots of a fit: checked through the matplotlib objects against independent numpy computations."""
-import json
 import os
+import re
 import shutil
 
 import matplotlib
@@ -125,14 +125,9 @@ def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, cli):
     ds, res, out = run
     copy = str(tmp_path / "run")
     shutil.copytree(out, copy)
-    with open(os.path.join(copy, "report.json")) as f:
-        report = json.load(f)
-    report["loss_vs_heads"] = [{"heads": h, "train_mse_stats": 10.0 ** -h} for h in (1, 2)]
-    with open(os.path.join(copy, "report.json"), "w") as f:
-        json.dump(report, f)
     shutil.rmtree(os.path.join(copy, "spectrum.zarr"))  # older runs: recomputed from stats.zarr
     cli("plot", copy, "--out", tmp_path / "png")
-    assert sorted(os.listdir(tmp_path / "png")) == ["heads.png", "loss_vs_heads.png", "predictions.png", "spectrum.png"]
+    assert sorted(os.listdir(tmp_path / "png")) == ["heads.png", "predictions.png", "spectrum.png"]
     view = plot.load_run(copy)
     np.testing.assert_allclose(view["eigenvalues"], res.certificate.eigenvalues, rtol=1e-10, atol=1e-18)
     assert "no report.json" in cli("plot", tmp_path / "nope", rc=2).stderr
@@ -144,3 +139,44 @@ def test_cli_fit_no_plots(run, tmp_path, cli):
     cli("fit", ds.url, "--out", tmp_path / "r", "--local", "--no-plots", "--quiet")
     files = sorted(os.listdir(tmp_path / "r"))
     assert not [f for f in files if f.endswith(".png")] and "spectrum.zarr" in files
+
+
+def _one_error(r) -> str:
+    (line,) = r.stderr.strip().splitlines()
+    return line
+
+
+@pytest.mark.slow
+def test_cli_plot_refuses_parts_that_do_not_belong_together(run, tmp_path, cli):
+    """A spectrum.zarr from elsewhere, or report.json edited since the fit (d, psi), was drawn silently."""
+    from scaleattn._storage import resolve
+    from scaleattn.run import save_spectrum
+
+    ds, res, out = run
+    mixed, edited = str(tmp_path / "mixed"), str(tmp_path / "edited")
+    shutil.copytree(out, mixed)
+    shutil.rmtree(os.path.join(mixed, "spectrum.zarr"))
+    save_spectrum(res.certificate, resolve(os.path.join(mixed, "spectrum.zarr")))  # not bound to this report
+    assert re.match(r"scaleattn plot: error: \S+mixed: spectrum\.zarr does not record which report\.json it belongs"
+                    r" to", _one_error(cli("plot", mixed, "--out", tmp_path / "png", rc=2)))
+    shutil.copytree(out, edited)
+    p = os.path.join(edited, "report.json")
+    with open(p) as f:
+        text = f.read()
+    with open(p, "w") as f:
+        f.write(text.replace('"psi": 6', '"psi": 7'))
+    assert re.match(r"scaleattn plot: error: \S+edited: \S+\.zarr was written with another report\.json than this"
+                    r" one", _one_error(cli("plot", edited, "--out", tmp_path / "png", rc=2)))
+    assert not os.path.exists(tmp_path / "png")
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("{bad", r"report\.json: not valid JSON \(Expecting property name"),
+    ('{"lambda_min": "abc"}', r"report\.json: attribute 'lambda_min' must be a number, got 'abc'"),
+    ('{"loss_vs_heads": [{"heads": "2", "train_mse_stats": 1.0}]}', r"loss_vs_heads: attribute 'heads' must be an"),
+    ("[1, 2]", r"report\.json: not a run report"),
+], ids=["not-json", "lambda_min", "loss_vs_heads", "list"])
+def test_cli_plot_damaged_report_is_one_line_exit_2(tmp_path, cli, text, pattern):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text(text)
+    assert re.search(pattern, _one_error(cli("plot", tmp_path / "r", rc=2)))

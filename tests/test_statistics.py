@@ -117,3 +117,33 @@ def test_solver_node_refuses_non_finite_statistics(where, value, named):
     for call in (scaleattn.solve, scaleattn.certify):
         with pytest.raises(DatasetError, match=f"statistics: {named} contain NaN or Inf"):
             call(st)
+
+
+def test_tokens_whose_gram_underflows_are_refused_not_certified():
+    """|tokens| ~ 1e-60: the degree-6 Gram underflowed to 0 and a realizable dataset read "not identifiable",
+    rank 0, margin nan. Refused, naming the sample and the factor; 1e-30 still certifies; all-zero samples pass."""
+    from scaleattn.certificate import certify
+    from scaleattn.errors import DatasetError
+
+    rng = np.random.default_rng(0)
+    z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))
+    with pytest.raises(DatasetError, match=r"tokens: sample 0 has values of magnitude at most \d\.\de-60: its degree-6"
+                                           r" features underflow float64 .*multiply them by 1e60"):
+        statistics_from_arrays(z * 1e-60, y)
+    assert certify(statistics_from_arrays(z * 1e-30, y)).verdict == "identifiable"
+    z[:5] = 0.0
+    z[5:] *= 1e-20
+    assert certify(statistics_from_arrays(z, y)).verdict == "identifiable"
+
+
+def test_dataset_reads_refuse_tokens_whose_gram_underflows(tmp_path):
+    import zarr
+
+    from scaleattn.dataset import open_dataset
+    from scaleattn.errors import DatasetError
+
+    g = zarr.open_group(str(tmp_path / "t.zarr"), mode="w")  # another tool's store: read unchecked before
+    g.create_array("tokens", data=np.full((8, 3, 2), 1e-60))
+    g.create_array("targets", data=np.ones((8, 2)))
+    with pytest.raises(DatasetError, match=r"tokens: sample 0 has values of magnitude at most 1\.0e-60"):
+        open_dataset(str(tmp_path / "t.zarr")).read(0, 8)

@@ -161,21 +161,23 @@ def _nan_on_cluster(d):
 
 
 def _evaluate_d_out(d):
+    from scaleattn.heads import coef_from_heads
     from scaleattn.model import MHLAModel
 
     rng = _rng()
-    MHLAModel(rng.standard_normal((6, 2)), rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2)), 2,
-              False).save(str(d / "model.zarr"))
+    V, Q = rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2))
+    MHLAModel(coef_from_heads(V, Q), V, Q, 2, False).save(str(d / "model.zarr"))
     raw(d / "in.zarr", tokens=_tok(), targets=_rng().standard_normal((N, 3)))
     return ["evaluate", "model.zarr", "in.zarr", "--local", "--quiet"]
 
 
 def _model_as_dataset(d):
+    from scaleattn.heads import coef_from_heads
     from scaleattn.model import MHLAModel
 
     rng = _rng()
-    MHLAModel(rng.standard_normal((6, 2)), rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2)), 2,
-              False).save(str(d / "model.zarr"))
+    V, Q = rng.standard_normal((1, 2, 2)), rng.standard_normal((1, 2, 2))
+    MHLAModel(coef_from_heads(V, Q), V, Q, 2, False).save(str(d / "model.zarr"))
     return ["fit", "model.zarr", "--out", "out", "--local", "--quiet"]
 
 
