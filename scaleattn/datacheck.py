@@ -41,8 +41,8 @@ MIN_TOKEN = 1e-38
 def check_values(name: str, a, start: int) -> None:
     """NaN/Inf, values so large that the cubic features overflow float64 (tokens: or so small that they
     underflow), and integers float64 cannot hold exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays
-    before converting them), naming the first bad sample (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one
-    transfer of a flag per check)."""
+    before converting them), naming the first bad sample (``start`` + its index in ``a``). ``a``: numpy or any
+    array API array (checked on its device; one transfer of a flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
         return
     xp = get_xp(a)
