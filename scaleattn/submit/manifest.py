@@ -11,6 +11,8 @@ import os
 import re
 from urllib.parse import urlsplit
 
+from .._outputs import relation
+from .._storage import Location
 from .._version import __version__
 from ..errors import ParameterError
 
@@ -312,8 +314,10 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
     """
     _check_url("DATASET", dataset, need_path=False)
     _check_url("--out", out, need_path=True)
-    if dataset.rstrip("/") == out.rstrip("/"):
-        raise ParameterError(f"--out must differ from DATASET: {out!r}")
+    rel = relation(Location(out.rstrip("/")), Location(dataset.rstrip("/")))  # (by prefix, as every output)
+    if rel is not None:
+        raise ParameterError(f"--out {out} {rel} the DATASET {dataset}: scaleattn never writes into or removes an"
+                             " input; choose a path outside it")
     gpus = _check_int("gpus", gpus, 0)
     workers = _check_int("workers", workers, 1)
     scheduler_timeout = _check_int("scheduler timeout", scheduler_timeout, 1)
