@@ -28,15 +28,39 @@ MAX_THREADS_PER_CORE = 4
 WORKER_BASE_BYTES = 150e6
 
 
-def dask_setup(worker) -> None:
-    """Dask preload of the embedded cluster's workers (``distributed.worker.preload``): ignore SIGINT. The job's
-    process handles Ctrl-C (checkpoint, one line) and closes the cluster; a worker that also took it printed a
-    KeyboardInterrupt traceback from inside distributed."""
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C (SIGINT) and SIGTERM while an embedded cluster starts, and raise one that came meanwhile once
+    it stands (then in the caller's exit stack, it is closed in order). Raised mid-start, it left a half-started
+    cluster whose atexit close failed (``AssertionError: Status.init``) and its workers behind.
+
+    SIGINT also stays blocked in the threads started meanwhile (distributed's event loops, the nannies' threads)
+    and so in the worker processes they spawn, from their first instruction on: a terminal's Ctrl-C goes to every
+    process of the job, and a worker that took it while still importing printed a KeyboardInterrupt traceback.
+    This process stops them. Only in the main thread (where signal handlers live)."""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():  # (signal handlers are set from there only)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # started here, not by distributed's first queue in its event loop thread: starting it unblocks SIGINT in the
+    # thread that starts it (the stdlib's own mask trick), which would reach the worker processes spawned after
+    resource_tracker.ensure_running()
+    got = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in held}
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (a pending one is recorded here)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(got):  # the handlers of this process take it now (KeyboardInterrupt, the CLI's 143)
+            signal.raise_signal(s)
 
 
 def default_workers() -> int:
@@ -224,23 +248,20 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
             common = dict(dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING if debug else logging.CRITICAL,
                           **kwargs)
             stack.enter_context(dask.config.set(worker_config()))
-            # the workers ignore Ctrl-C (a terminal sends it to every process of the job): this process stops
-            # them as it unwinds, instead of each printing its own KeyboardInterrupt traceback
-            preload = dask.config.get("distributed.worker.preload", None) or []
-            stack.enter_context(dask.config.set({"distributed.worker.preload": [
-                *([preload] if isinstance(preload, str) else preload), __name__]}))
-            if gpus:
-                try:
-                    from dask_cuda import LocalCUDACluster
-                except ImportError:
-                    raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
-                cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+            with _signals_held():
+                if gpus:
+                    try:
+                        from dask_cuda import LocalCUDACluster
+                    except ImportError:
+                        raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
+                    cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+                                               **common)
+                else:
+                    cluster = LocalCluster(n_workers=workers or default_workers(),
+                                           threads_per_worker=threads_per_worker, processes=True, host="127.0.0.1",
                                            **common)
-            else:
-                cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=threads_per_worker,
-                                       processes=True, host="127.0.0.1", **common)
-            stack.enter_context(cluster)
-            client = stack.enter_context(Client(cluster, **kwargs))
+                stack.enter_context(cluster)
+                client = stack.enter_context(Client(cluster, **kwargs))
         link = getattr(client, "dashboard_link", None)
         n = len(client.scheduler_info().get("workers", {}))
         reporter.line(f"dask: {n} worker{'s' if n != 1 else ''} ready in {time.perf_counter() - t0:.1f} s, dashboard"
