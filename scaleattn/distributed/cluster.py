@@ -40,11 +40,11 @@ def _signals_held():
     SIGINT also stays blocked in the threads started meanwhile (distributed's event loops, the nannies' threads)
     and so in the worker processes they spawn, from their first instruction on: a terminal's Ctrl-C goes to every
     process of the job, and a worker that took it while still importing printed a KeyboardInterrupt traceback.
-    This process stops them. Only in the main thread (where signal handlers live)."""
+    This process stops them. Only in the main thread (where signal handlers live), on POSIX."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
     from multiprocessing import resource_tracker
@@ -117,7 +117,8 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     if address.startswith("tls://") and args.get("ssl_context") is None:
         raise ParameterError(f"{where} {address}: a TLS address needs --tls-ca-file, --tls-cert and --tls-key (or"
                              " the dask config distributed.comm.tls.*)")
-    if scheduler_timeout is None:  # one try: its failure is the answer (with the option, retried until it ends)
+    tcp = address.split("://")[0] in ("tcp", "tls", "ws", "wss") or "://" not in address  # (ucx: not TCP)
+    if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
         _connect_once(address, host, port, where,
                       parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s"))
     # connected (or retried within --scheduler-timeout, as distributed does); the handshake then has its own bound
@@ -140,7 +141,8 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
         if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
             return
         within = f" within {scheduler_timeout:g} s (--scheduler-timeout)"
-        _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if it is one
+        if tcp:
+            _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if it is one
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
     finally:
         runner.stop()

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _live(pgid: int) -> list[str]:
     """The processes of the job's group still running (zombies left to an init that does not reap aside)."""
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    ps = ["ps", "-ww", "-o", "pid=,stat=,args=", "-g", str(pgid)]
+    out = subprocess.run(ps, capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if ln.split()[1][0] != "Z"]
 
 
