@@ -29,8 +29,10 @@ def _add_cluster_args(p):
                    help="join a running Dask scheduler (tcp://HOST:8786 or tls://...); default $DASK_SCHEDULER_ADDRESS,"
                         " else an embedded local cluster")
     g.add_argument("--scheduler-timeout", type=positive_seconds, default=None, metavar="SECONDS",
-                   help="keep trying to reach --scheduler this long (default: dask's distributed.comm.timeouts.connect,"
-                        " 30 s); for jobs whose scheduler may start after the client")
+                   help="keep trying to reach --scheduler this long, also while the connection is refused (default:"
+                        " no retry: a refused connection or an unknown host fails at once; no answer at all after"
+                        " dask's distributed.comm.timeouts.connect, 30 s); for jobs whose scheduler may start after"
+                        " the client")
     g.add_argument("--worker-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                    help="with --scheduler: fail unless a worker joins within this time (default: no wait)")
     g.add_argument("--workers", type=_positive_int, default=None, metavar="N",

@@ -26,17 +26,130 @@ __all__ = ["connect", "tls_security", "default_workers", "check_workers", "embed
 MAX_THREADS_PER_CORE = 4
 #: memory a worker process needs before it holds any data (interpreter, numpy, distributed)
 WORKER_BASE_BYTES = 150e6
+#: how long a port that accepted the connection has to answer the Dask handshake (a scheduler answers at once;
+#: distributed itself waits forever, so another service on the port hung the job)
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
-def dask_setup(worker) -> None:
-    """Dask preload of the embedded cluster's workers (``distributed.worker.preload``): ignore SIGINT. The job's
-    process handles Ctrl-C (checkpoint, one line) and closes the cluster; a worker that also took it printed a
-    KeyboardInterrupt traceback from inside distributed."""
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C (SIGINT) and SIGTERM while an embedded cluster starts, and raise one that came meanwhile once
+    it stands (then in the caller's exit stack, it is closed in order). Raised mid-start, it left a half-started
+    cluster whose atexit close failed (``AssertionError: Status.init``) and its workers behind.
+
+    SIGINT also stays blocked in the threads started meanwhile (distributed's event loops, the nannies' threads)
+    and so in the worker processes they spawn, from their first instruction on: a terminal's Ctrl-C goes to every
+    process of the job, and a worker that took it while still importing printed a KeyboardInterrupt traceback.
+    This process stops them. Only in the main thread (where signal handlers live), on POSIX."""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():  # (signal handlers are set from there only)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # started here, not by distributed's first queue in its event loop thread: starting it unblocks SIGINT in the
+    # thread that starts it (the stdlib's own mask trick), which would reach the worker processes spawned after
+    resource_tracker.ensure_running()
+    got = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in held}
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (a pending one is recorded here)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(got):  # the handlers of this process take it now (KeyboardInterrupt, the CLI's 143)
+            signal.raise_signal(s)
+
+
+def _connect_once(address: str, host: str, port: int, where: str, timeout: float, within: str = "") -> None:
+    """One plain TCP connection to the scheduler's port, closed at once; its failure raises the ClusterError that
+    names it (connection refused, a host name that does not resolve, no answer)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except socket.gaierror:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: the host name {host!r} does not"
+                           f" resolve (a typo in {where}, or no such service yet?)") from None
+    except ConnectionRefusedError:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: connection refused (nothing"
+                           f" listens on port {port} of {host}: is the scheduler running, on that port?)") from None
+    except TimeoutError:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: no answer within {timeout:g} s"
+                           + ("" if within else " (distributed.comm.timeouts.connect; --scheduler-timeout waits"
+                                                " longer)")) from None
+    except OSError as e:
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {e.strerror or e}") from None
+
+
+def _reach_scheduler(address: str, where: str, security, scheduler_timeout: float | None) -> None:
+    """Check that ``address`` is a Dask scheduler before the client connects, so that a definite answer ends the
+    wait at once: distributed retries a refused connection and a host name that does not resolve for its whole
+    connect timeout (30 s), and waits forever for the handshake of a port that accepts and never answers.
+
+    Raises
+    ------
+    ParameterError
+        Not an address (``foo``, ``tcp://:x``), or a ``tls://`` one without TLS settings.
+    ClusterError
+        Without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does not resolve,
+        no answer within distributed's connect timeout); with it, no connection within it (the cause named); or
+        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more.
+    """
+    import dask
+    from dask.utils import parse_timedelta
+    from distributed import Security
+    from distributed.comm import connect as comm_connect
+    from distributed.comm import get_address_host_port
+    from distributed.utils import LoopRunner, sync, wait_for
+
+    try:
+        host, port = get_address_host_port(address)
+    except ValueError as e:
+        raise ParameterError(f"{where} {address!r} is not a Dask scheduler address ({e}): expected tcp://HOST:PORT"
+                             " or tls://HOST:PORT") from None
+    args = (security or Security()).get_connection_args("client")
+    if address.startswith("tls://") and args.get("ssl_context") is None:
+        raise ParameterError(f"{where} {address}: a TLS address needs --tls-ca-file, --tls-cert and --tls-key (or"
+                             " the dask config distributed.comm.tls.*)")
+    tcp = address.split("://")[0] in ("tcp", "tls", "ws", "wss") or "://" not in address  # (ucx: not TCP)
+    if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
+        _connect_once(address, host, port, where,
+                      parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s"))
+    # connected (or retried within --scheduler-timeout, as distributed does); the handshake then has its own bound
+    waited = (scheduler_timeout or 0) + HANDSHAKE_TIMEOUT_S
+
+    async def handshake():
+        comm = await wait_for(comm_connect(address, timeout=scheduler_timeout or HANDSHAKE_TIMEOUT_S, **args),
+                              waited)
+        await comm.close()
+
+    runner = LoopRunner()
+    runner.start()
+    try:
+        sync(runner.loop, handshake)
+    except TimeoutError:  # (an OSError too) connected, and no handshake came back
+        raise ClusterError(f"{host}:{port} ({where} {address}) accepted the connection but gave no Dask handshake"
+                           f" within {waited:g} s: not a Dask scheduler (its dashboard port, 8787, or another"
+                           " service?)") from None
+    except OSError as e:
+        if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
+            return
+        within = f" within {scheduler_timeout:g} s (--scheduler-timeout)"
+        if tcp:
+            _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if it is one
+        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
+    finally:
+        runner.stop()
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def default_workers() -> int:
@@ -148,9 +261,10 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Where the cluster lines go (default :func:`~scaleattn.progress.as_reporter` of ``not quiet``: stderr, or
         the cell in a notebook); a transient spinner shows while the embedded cluster stops.
     scheduler_timeout : float, optional
-        Seconds to keep trying to reach ``scheduler`` (default: the dask config
-        ``distributed.comm.timeouts.connect``, 30 s): a scheduler that starts after this process (a Kubernetes
-        job's pods start in any order) is waited for.
+        Seconds to keep trying to reach ``scheduler``, also while the connection is refused or its host name does
+        not resolve: a scheduler that starts after this process (a Kubernetes job's pods start in any order) is
+        waited for. Default: one try, so a refused connection or an unknown host fails at once (no answer at all:
+        after the dask config ``distributed.comm.timeouts.connect``, 30 s).
     worker_timeout : float, optional
         With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here).
     debug : bool
@@ -163,13 +277,13 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     Raises
     ------
     ParameterError
-        ``workers``/``gpus`` together with a scheduler address, or more workers than the machine can run
-        (:func:`check_workers`).
+        ``workers``/``gpus`` together with a scheduler address, more workers than the machine can run
+        (:func:`check_workers`), or ``scheduler`` not an address (or a ``tls://`` one without TLS settings).
     MissingDependencyError
         ``gpus`` without dask-cuda.
     ClusterError
-        The scheduler was not reached within ``scheduler_timeout``, or no worker joined within
-        ``worker_timeout``.
+        The scheduler was not reached (at once when refused or unknown, else within ``scheduler_timeout``), the
+        port does not answer as a Dask scheduler, or no worker joined within ``worker_timeout``.
 
     The embedded cluster's scheduler, workers and dashboard listen on 127.0.0.1 only, over TLS with ephemeral
     credentials by default; its workers start with :func:`~scaleattn.distributed.memory.worker_config` (large
@@ -188,6 +302,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     import dask
     from distributed import Client, LocalCluster
 
+    where = "--scheduler" if scheduler else "$DASK_SCHEDULER_ADDRESS"
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if scheduler and (workers or gpus):
         raise ParameterError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own"
@@ -202,13 +317,14 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
         if scheduler:
             reporter.line(f"connecting to the Dask scheduler {scheduler} ...")
+            _reach_scheduler(scheduler, where, security or None, scheduler_timeout)
             timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
             try:
                 client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
             except OSError as e:  # distributed raises OSError (TimeoutError) after the connect timeout
-                raise ClusterError(f"could not reach the Dask scheduler at {scheduler}"
+                raise ClusterError(f"cannot reach the Dask scheduler at {scheduler}"
                                    + (f" within {scheduler_timeout:g} s (--scheduler-timeout)" if timeout else "")
-                                   + f": {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                                   + f": {_first_line(e)}") from None
             if worker_timeout is not None:
                 try:
                     client.wait_for_workers(1, timeout=worker_timeout)
@@ -224,23 +340,20 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
             common = dict(dashboard_address="127.0.0.1:0", silence_logs=logging.WARNING if debug else logging.CRITICAL,
                           **kwargs)
             stack.enter_context(dask.config.set(worker_config()))
-            # the workers ignore Ctrl-C (a terminal sends it to every process of the job): this process stops
-            # them as it unwinds, instead of each printing its own KeyboardInterrupt traceback
-            preload = dask.config.get("distributed.worker.preload", None) or []
-            stack.enter_context(dask.config.set({"distributed.worker.preload": [
-                *([preload] if isinstance(preload, str) else preload), __name__]}))
-            if gpus:
-                try:
-                    from dask_cuda import LocalCUDACluster
-                except ImportError:
-                    raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
-                cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+            with _signals_held():
+                if gpus:
+                    try:
+                        from dask_cuda import LocalCUDACluster
+                    except ImportError:
+                        raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
+                    cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
+                                               **common)
+                else:
+                    cluster = LocalCluster(n_workers=workers or default_workers(),
+                                           threads_per_worker=threads_per_worker, processes=True, host="127.0.0.1",
                                            **common)
-            else:
-                cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=threads_per_worker,
-                                       processes=True, host="127.0.0.1", **common)
-            stack.enter_context(cluster)
-            client = stack.enter_context(Client(cluster, **kwargs))
+                stack.enter_context(cluster)
+                client = stack.enter_context(Client(cluster, **kwargs))
         link = getattr(client, "dashboard_link", None)
         n = len(client.scheduler_info().get("workers", {}))
         reporter.line(f"dask: {n} worker{'s' if n != 1 else ''} ready in {time.perf_counter() - t0:.1f} s, dashboard"

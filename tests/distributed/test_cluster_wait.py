@@ -17,7 +17,7 @@ from scaleattn.errors import ClusterError
 @pytest.mark.slow
 def test_unreachable_scheduler_fails_after_the_scheduler_timeout():
     t0 = time.monotonic()
-    with pytest.raises(ClusterError, match=r"could not reach the Dask scheduler at tcp://127.0.0.1:9 within 2 s"
+    with pytest.raises(ClusterError, match=r"cannot reach the Dask scheduler at tcp://127.0.0.1:9 within 2 s"
                                            r" \(--scheduler-timeout\)") as info:
         with connect("tcp://127.0.0.1:9", scheduler_timeout=2, quiet=True):
             pass
@@ -50,7 +50,7 @@ def test_cli_reports_a_cluster_error_in_one_line_exit_2(tmp_path, capsys):
                    "--scheduler", "tcp://127.0.0.1:9", "--scheduler-timeout", "1"])
     err = capsys.readouterr().err
     assert rc == 2  # our error (the cluster is not there), not a bug
-    assert re.fullmatch(r"scaleattn fit: error: could not reach the Dask scheduler at tcp://127\.0\.0\.1:9 within 1 s"
+    assert re.fullmatch(r"scaleattn fit: error: cannot reach the Dask scheduler at tcp://127\.0\.0\.1:9 within 1 s"
                         r" \(--scheduler-timeout\): .*\n", err), err
 
 
@@ -81,3 +81,96 @@ def test_sigterm_stops_a_command_cleanly(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("scaleattn fit: stopped by SIGTERM") and "--resume" in err[0]
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is only installed while a command runs
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    from scaleattn import generate
+
+    generate.generate_mhla(str(tmp_path / "ds.zarr"), 2, 1, 4, 16, seed=0)
+    return str(tmp_path / "ds.zarr")
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never says anything (another service, not a Dask scheduler)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield s.getsockname()[1]
+
+
+def _fails_in_one_line(dataset, tmp_path, capsys, *options):
+    t0 = time.monotonic()
+    rc = cli.main(["fit", dataset, "--out", str(tmp_path / "run"), "--quiet", *options])
+    err = capsys.readouterr().err
+    assert rc == 2, err  # our error (no scheduler there), not a bug
+    assert len(err.splitlines()) == 1 and err.startswith("scaleattn fit: error: "), err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    return err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("address, says", [
+    ("tcp://127.0.0.1:1", r"cannot reach the Dask scheduler at tcp://127\.0\.0\.1:1: connection refused \(nothing"
+                          r" listens on port 1 of 127\.0\.0\.1"),
+    ("127.0.0.1:1", r"cannot reach the Dask scheduler at 127\.0\.0\.1:1: connection refused"),
+    ("tcp://no-such-host.invalid:8786", r"cannot reach the Dask scheduler at tcp://no-such-host\.invalid:8786: the"
+                                        r" host name 'no-such-host\.invalid' does not resolve \(a typo in --scheduler"),
+    ("foo", r"--scheduler 'foo' is not a Dask scheduler address \(missing port number .*\): expected"
+            r" tcp://HOST:PORT or tls://HOST:PORT"),
+    ("tcp://:x", r"--scheduler 'tcp://:x' is not a Dask scheduler address"),
+    ("tls://127.0.0.1:1", r"--scheduler tls://127\.0\.0\.1:1: a TLS address needs --tls-ca-file, --tls-cert and"
+                          r" --tls-key"),
+])
+def test_a_definite_answer_fails_at_once_in_one_line(dataset, tmp_path, capsys, address, says):
+    """A refused connection or a name that does not resolve is the answer: distributed retried both for its whole
+    connect timeout (30 s); a malformed address was an internal error (exit 1)."""
+    err, seconds = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", address)
+    assert re.search(says, err), err
+    assert seconds < 15  # (30 s and more before; a second or two on a loaded machine now)
+
+
+def test_the_environment_s_address_is_named_as_such(dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "foo")
+    err, _ = _fails_in_one_line(dataset, tmp_path, capsys)
+    assert "$DASK_SCHEDULER_ADDRESS 'foo' is not a Dask scheduler address" in err, err
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "tcp://127.0.0.1:1")
+    err, seconds = _fails_in_one_line(dataset, tmp_path, capsys)
+    assert "tcp://127.0.0.1:1: connection refused" in err and seconds < 15, err
+
+
+@pytest.mark.parametrize("options", [[], ["--scheduler-timeout", "1"]])
+def test_a_port_that_never_answers_the_handshake_is_not_a_scheduler(dataset, tmp_path, capsys, silent_port,
+                                                                     monkeypatch, options):
+    """distributed waits forever for the handshake of a port that accepted the connection (a job hung)."""
+    from scaleattn.distributed import cluster
+
+    monkeypatch.setattr(cluster, "HANDSHAKE_TIMEOUT_S", 1.0)
+    err, seconds = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", f"tcp://127.0.0.1:{silent_port}",
+                                      *options)
+    waited = 2 if options else 1
+    assert re.search(rf"127\.0\.0\.1:{silent_port} \(--scheduler tcp://127\.0\.0\.1:{silent_port}\) accepted the"
+                     rf" connection but gave no Dask handshake within {waited} s: not a Dask scheduler", err), err
+    assert seconds < 15
+
+
+def test_with_a_scheduler_timeout_a_refused_connection_is_retried_until_it_ends(dataset, tmp_path, capsys):
+    err, seconds = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", "tcp://127.0.0.1:1",
+                                      "--scheduler-timeout", "2")
+    assert ("cannot reach the Dask scheduler at tcp://127.0.0.1:1 within 2 s (--scheduler-timeout): connection"
+            " refused") in err, err
+    assert 1.8 <= seconds < 15
+
+
+@pytest.mark.slow
+def test_the_cli_names_the_worker_timeout_when_no_worker_joins(dataset, tmp_path, capsys):
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as lc:
+        err, _ = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", lc.scheduler_address,
+                                    "--worker-timeout", "1")
+    assert re.search(r"no Dask worker joined the scheduler at tcp://127\.0\.0\.1:\d+ within 1 s"
+                     r" \(--worker-timeout\)", err), err
