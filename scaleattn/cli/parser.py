@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from .._backend import DEVICES
 from .._params import positive_seconds, seed
@@ -91,7 +92,13 @@ def _add_output_args(p):
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line (the command's usage block, 13 lines for ``fit``, came
-    before it) naming where the whole usage is; its subcommands' parsers are of this class too."""
+    before it) naming where the whole usage is; its subcommands' parsers are of this class too. A value with an
+    exponent or ``-inf`` (``--ridge -1e-3``) is a negative number, as ``-1`` is, not an option: argparse's own
+    pattern answered "expected one argument" instead of the option's check."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -263,16 +270,55 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     return None
 
 
-def parse(argv=None) -> argparse.Namespace:
-    """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
-    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser."""
+def _misplaced(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The error for the first option before the command that the top-level parser does not take (argparse would
+    read ``scaleattn --local fit ...`` as "--local ... did you mean --local?", and ``scaleattn --bogus`` as a
+    missing COMMAND): an option of some commands is told to go after the command; any other is named."""
     import difflib
 
+    top = {o for a in parser._actions for o in a.option_strings}
+    names = _subcommands(parser)[1]
+    for i, arg in enumerate(argv):
+        if arg in names or arg == "--":
+            return None
+        option = arg.split("=")[0]
+        if not arg.startswith("-") or option in top:
+            continue
+        owners = [q.prog.removeprefix("scaleattn ") for q in _commands(parser)
+                  if any(option in a.option_strings for a in q._actions)]
+        if not owners:
+            close = difflib.get_close_matches(option, sorted(top), 1)
+            return f"unrecognized arguments: {arg}" + (f" (did you mean {close[0]}?)" if close else "")
+        words, sub = [], parser
+        for a in argv[i + 1:]:  # the command given after it (``generate mhla``), if any
+            if a in _subcommands(sub)[1]:
+                words.append(a)
+                sub = _subcommands(sub)[1][a]
+            elif words:
+                break
+        example = f"scaleattn {' '.join(words) or 'COMMAND'} {arg} ..."
+        return (f"{option} is an option of the command{'s' if len(owners) > 1 else ''} ({', '.join(owners)}): put it"
+                f" after the command: {example}")
+    return None
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
+    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before the
+    command by the top-level parser (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
+    (``scaleattn generate mhla``)."""
+    import difflib
+    import sys
+
     parser = build_parser()
+    misplaced = _misplaced(parser, list(sys.argv[1:] if argv is None else argv))
+    if misplaced:
+        parser.error(misplaced)
     args, extra = parser.parse_known_args(argv)
+    command = _reached(parser, args)
     if extra:
-        command = _reached(parser, args)
         options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
         close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    args.prog = command.prog
     return args

@@ -124,7 +124,8 @@ CASES = [
     ("chunk-0", ["generate", "mhla", "o.zarr", "--chunk-samples", "0"], r"--chunk-samples must be >= 1, got 0"),
     ("assoc-pairs-0", ["generate", "assoc", "o.zarr", "--pairs", "0"], r"--pairs must be >= 1, got 0"),
     ("submit-gpus-negative", ["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--dry-run", "--image", "r.io/x",
-                              "--gpus=-1"], r"^scaleattn submit: error: --gpus must be >= 0, got -1$"),
+                              "--gpus=-1"],
+     r"^scaleattn submit: error: --gpus must be >= 0, got -1 \(see scaleattn submit --help\)$"),
     ("submit-fit-args-quote", ["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--dry-run", "--image", "r.io/x",
                                "--fit-args", '"open'], r"^scaleattn submit: error: --fit-args: No closing quotation"),
     ("assoc-orthogonal", ["generate", "assoc", "o.zarr", "--pairs", "3", "--dim", "2", "--orthogonal"],
@@ -205,7 +206,7 @@ def test_a_store_that_keeps_failing_is_a_local_file_error_and_leaves_no_checkpoi
     line = error_line(err)
     expect(line, r"\S*d\.zarr: cannot read or write it on the local file system \(ConnectionError: injected")
     assert "object store" not in line
-    expect(line, r"; no checkpoint was kept$")
+    expect(line, r"; no checkpoint was kept \(see scaleattn fit --help\)$")
     assert _testing._reads[0] == 3  # the retry policy: three attempts in all
     assert sorted(os.listdir(tmp_path)) == ["d.zarr"]
 
