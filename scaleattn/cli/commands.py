@@ -25,17 +25,31 @@ def _cluster(args, reporter=None):
     from ..distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
-    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
+    return connect(args.scheduler, args.workers, args.threads_per_worker or 1, args.gpus, security=security,
                    quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
                    worker_timeout=args.worker_timeout, debug=args.debug)
 
 
+#: the cluster options (dests) that --local, which runs without Dask, would ignore
+_CLUSTER_ONLY = ("scheduler", "scheduler_timeout", "worker_timeout", "workers", "threads_per_worker", "gpus",
+                 "tls_ca_file", "tls_cert", "tls_key")
+
+
 def _check_cluster_args(args) -> None:
-    """Cluster options that cannot work, refused before anything starts."""
-    if not (getattr(args, "local", False) or args.scheduler or args.gpus):
+    """Cluster options that cannot work, refused before anything starts: with --local (no cluster), any of them
+    (it was ignored without a word); else too many workers for this machine."""
+    from .parser import option_of
+
+    if getattr(args, "local", False):
+        given = [option_of(args, dest) for dest in _CLUSTER_ONLY if getattr(args, dest) is not None]
+        if given:
+            raise ParameterError(f"--local runs in this process without Dask: it cannot be combined with"
+                                 f" {', '.join(given)} (cluster option{'s' if len(given) > 1 else ''}): drop"
+                                 f" {'them' if len(given) > 1 else 'it'} or --local")
+    elif not (args.scheduler or args.gpus):
         from ..distributed.cluster import check_workers
 
-        check_workers(args.workers, args.threads_per_worker)
+        check_workers(args.workers, args.threads_per_worker or 1)
 
 
 def _reporter(args):
@@ -162,8 +176,8 @@ def _cmd_evaluate(args) -> int:
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
-    model = MHLAModel.load(args.model, opts)
     _check_cluster_args(args)
+    model = MHLAModel.load(args.model, opts)
     ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)

@@ -36,7 +36,7 @@ def _add_cluster_args(p):
                    help="with --scheduler: fail unless a worker joins within this time (default: no wait)")
     g.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="worker processes of the embedded cluster (default: one per core)")
-    g.add_argument("--threads-per-worker", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--threads-per-worker", type=_positive_int, default=None, metavar="N",  # None: not given
                    help="threads per worker (default 1)")
     g.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                    help="start a dask-cuda cluster with N GPU workers (needs the gpu extra)")
