@@ -160,7 +160,7 @@ def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, 
     """
     dim = pairs if dim is None else dim
     if orthogonal and pairs > dim:
-        raise ParameterError(f"orthogonal keys need pairs <= dim, got pairs={pairs}, dim={dim}")
+        raise ParameterError(f"orthogonal keys need `pairs` <= `dim`, got `pairs={pairs}`, `dim={dim}`")
     rng = np.random.default_rng(seed)
 
     def draw():

@@ -249,8 +249,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
                               dense=ridge > 0, heads=heads)["path"]
     if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
-        raise ParameterError(f"heads={heads!r} needs the dense Gram (loss-weighted head fits); a krylov fit on a"
-                             " cluster keeps Tc on the workers: use heads='svd' (or solver='cholesky' where G fits)")
+        raise ParameterError(f"`heads={heads!r}` needs the dense Gram (loss-weighted head fits); a krylov fit on a"
+                             " cluster keeps Tc on the workers: use `heads='svd'` (or `solver='cholesky'` where G"
+                             " fits)")
     if certificate == "qr":
         check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups

@@ -219,8 +219,8 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
     """[Y25] Alg. 1 on the matrix-free operator (:func:`scaleattn.krylov.krylov_solve`), in the statistics'
     own array module (numpy, or cupy on a GPU); the coefficients come back to the host."""
     if ridge > 0:
-        raise ParameterError("ridge > 0 is not available with solver='krylov' (its effective degrees of freedom"
-                             " need the whole spectrum): use solver='cholesky' or 'eigh'")
+        raise ParameterError("`ridge` > 0 is not available with `solver='krylov'` (its effective degrees of freedom"
+                             " need the whole spectrum): use `solver='cholesky'` or `solver='eigh'`")
     op = operator_of(stats)
     ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, **(options or {}))
     cert = certificate_from_krylov(ks.spectrum, stats.n_rows)

@@ -128,12 +128,20 @@ def _hint(e: BaseException) -> str:
 
 
 def _as_typed(e: ScaleattnError, args) -> str:
-    """The error's text, a parameter check's leading parameter name (``cutoff_rtol must be in (0, 1), got 2``,
-    from :mod:`scaleattn._params`) replaced by the command's option for it (``--cutoff-rtol``)."""
+    """The error's text with the library's parameter names replaced by the command's options for them: a parameter
+    check's leading name (``cutoff_rtol must be in (0, 1), got 2``, from :mod:`scaleattn._params`) and every name
+    the message quotes in backticks (:mod:`scaleattn.errors`: ```solver='krylov'``` -> ``--solver krylov``,
+    ```d_out``` -> ``--d-out``); a name the command has no option for stays as it is."""
     text = str(e)
     name = re.match(r"(\w+) must ", text) if isinstance(e, ParameterError) else None
     flag = name and option_of(args, name.group(1))
-    return flag + text[name.end(1):] if flag else text
+    text = flag + text[name.end(1):] if flag else text
+
+    def typed(m):
+        flag = option_of(args, m.group(1))
+        return m.group(0) if not flag else flag if m.group(2) is None else f"{flag} {m.group(2).strip(chr(39))}"
+
+    return re.sub(r"`(\w+)(?:=([^`]*))?`", typed, text)
 
 
 def _enable_faulthandler() -> None:

@@ -129,7 +129,7 @@ CASES = [
     ("submit-fit-args-quote", ["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--dry-run", "--image", "r.io/x",
                                "--fit-args", '"open'], r"^scaleattn submit: error: --fit-args: No closing quotation"),
     ("assoc-orthogonal", ["generate", "assoc", "o.zarr", "--pairs", "3", "--dim", "2", "--orthogonal"],
-     r"orthogonal keys need pairs <= dim"),
+     r"orthogonal keys need --pairs <= --dim"),
     # an output the file system refuses is the user's problem (exit 2), not a bug: a file where a folder goes, a
     # place where nothing can be created
     ("out-under-a-file", FIT_D[:3] + ["afile/run", *FIT], r"cannot write --out .*afile/run: (File exists|Not a dir)"),
