@@ -115,17 +115,18 @@ def _cmd_import(args) -> int:
 
 def _cmd_fit(args) -> int:
     from .._backend import check_device
-    from .._params import heads_spec, real
+    from .._params import heads_spec
     from ..certificate import check_cutoff
     from ..pipeline import fit
     from ..preflight import holding, preflight
     from ..report import fit_summary
+    from ..solver import check_ridge
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
     check_cutoff(args.cutoff_rtol)
-    real("--ridge", args.ridge, 0.0)
+    check_ridge(args.ridge)
     check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
     _check_cluster_args(args)
     ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
@@ -238,11 +239,13 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_compare(args) -> int:
+    from .._params import real
     from ..heads import compare_models
     from ..model import MHLAModel
     from ..report import comparison_summary
 
     opts = _storage_options(args.storage_option)
+    real("rtol", args.rtol, 0.0, low_open=True)  # compare_models' check, before the models are read
     r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
     _emit(args, r, comparison_summary(r))
     return 0 if r["equivalent"] else 1

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " out)")
     _add_solver_args(f)
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
-                   help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
+                   help="ridge on features scaled to unit mean square, for noisy or short data, at most 1e12"
+                        " (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor)")
     f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")

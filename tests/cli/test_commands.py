@@ -339,7 +339,7 @@ def test_an_unknown_option_is_reported_by_its_command_with_the_closest_one(capsy
     (["fit", "{ds}", "--out", "{out}", "--local", "--heads", "0"],
      "scaleattn fit: error: --heads must be >= 1, got 0 (see scaleattn fit --help)"),
     (["fit", "{ds}", "--out", "{out}", "--local", "--ridge", "-1"],
-     "scaleattn fit: error: --ridge must be >= 0, got -1 (see scaleattn fit --help)"),
+     "scaleattn fit: error: --ridge must be in [0, 1e+12], got -1 (see scaleattn fit --help)"),
     (["generate", "mhla", "{out}", "--d", "0"],
      "scaleattn generate mhla: error: --d must be >= 1, got 0 (see scaleattn generate mhla --help)"),
 ])
