@@ -95,17 +95,25 @@ def _cmd_generate(args) -> int:
 
 def _cmd_import(args) -> int:
     from .. import importers
+    from .parser import option_of
 
     opts = _storage_options(args.storage_option)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
+    given = [option_of(args, dest) for dest in ("length", "horizon", "step", "causal", "columns") if getattr(args, dest)
+             not in (None, False)]
+    if given and not args.csv:  # (they were ignored without a word)
+        raise ParameterError(f"{', '.join(given)} cut{'' if len(given) > 1 else 's'} a --csv series into windows: not"
+                             f" used with {'--npz' if args.npz else '--builtin'}")
     for option, path, expected in (("--npz", args.npz, importers.NPZ), ("--csv", args.csv, importers.CSV)):
         if path is not None:  # (named by its option here; the library names the path alone)
             check_kind(path, option, expected, directory=False)
     if args.npz:
         ds = importers.import_arrays(args.path, args.npz, **kw)
     elif args.csv:
-        ds = importers.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
-                                  causal=args.causal, columns=args.columns, **kw)
+        ds = importers.import_csv(args.path, args.csv, length=16 if args.length is None else args.length,
+                                  horizon=1 if args.horizon is None else args.horizon,
+                                  step=1 if args.step is None else args.step, causal=args.causal,
+                                  columns=args.columns, **kw)
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
     args.written = args.path

@@ -147,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--csv", metavar="FILE", help="CSV of a multivariate time series (header row), cut into windows")
     src.add_argument("--builtin", choices=["digits"],
                      help="digits: scikit-learn's 8x8 digits, 7 pixel rows predict the 8th")
-    imp.add_argument("--length", type=int, default=16, help="CSV: tokens per window (default 16)")
-    imp.add_argument("--horizon", type=int, default=1, help="CSV: steps ahead to predict (default 1)")
-    imp.add_argument("--step", type=int, default=1, help="CSV: stride between windows (default 1)")
+    # (defaults None: not given, so that --npz and --builtin can refuse them; the CSV import fills them in)
+    imp.add_argument("--length", type=int, default=None, help="CSV: tokens per window (default 16)")
+    imp.add_argument("--horizon", type=int, default=None, help="CSV: steps ahead to predict (default 1)")
+    imp.add_argument("--step", type=int, default=None, help="CSV: stride between windows (default 1)")
     imp.add_argument("--causal", action="store_true", help="CSV: predict the next value at every prefix")
     imp.add_argument("--columns", nargs="+", default=None, help="CSV: columns to use (default all)")
     _add_io_args(imp)

@@ -143,3 +143,27 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
     with pytest.raises(ParameterError, match=r"^orthogonal keys need `pairs` <= `dim`, got `pairs=3`, `dim=2`$"):
         generate_assoc(tmp_path / "x.zarr", 3, 10, dim=2, orthogonal=True)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, line", [
+    # the CSV options were ignored without a word with --npz or --builtin, --horizon with --causal
+    (["import", "{out}", "--builtin", "digits", "--length", "5"],
+     "scaleattn import: error: --length cuts a --csv series into windows: not used with --builtin"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--npz", "{csv}", "--step", "2", "--causal"],
+     "scaleattn import: error: --step, --causal cut a --csv series into windows: not used with --npz"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--csv", "{csv}", "--causal", "--horizon", "3"],
+     "scaleattn import: error: --horizon must be 1 with --causal (each prefix predicts the next value), got 3"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--csv", "{csv}", "--length", "100000000000000"],
+     "scaleattn import: error: series of 40 steps is too short for one window of --length 100000000000000 +"
+     " --horizon 1 (see scaleattn import --help)"),
+])
+def test_import_names_the_csv_options(tmp_path, cli, argv, line):
+    csv = tmp_path / "s.csv"
+    csv.write_text("a,b\n" + "\n".join(f"{i},{i % 3}" for i in range(40)))
+    out = tmp_path / "out.zarr"
+    r = cli(*[a.format(out=out, csv=csv) for a in argv], rc=2)
+    assert _line(r) == line
+    assert not out.exists()
