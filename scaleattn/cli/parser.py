@@ -272,42 +272,50 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     return None
 
 
-def _misplaced(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """The error for the first option before the command that the top-level parser does not take (argparse would
-    read ``scaleattn --local fit ...`` as "--local ... did you mean --local?", and ``scaleattn --bogus`` as a
-    missing COMMAND): an option of some commands is told to go after the command; any other is named."""
+def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
+    """``(the parser that reports it, the error)`` for the first option given before its (sub)command that the
+    parser at that point does not take, or None: argparse read ``scaleattn --local fit ...`` as "--local ...
+    did you mean --local?", ``scaleattn generate --seed=3 mhla`` as "did you mean --seed?", and ``scaleattn
+    --bogus`` as a missing COMMAND. An option of some commands below is told to go after the command; any other
+    is named."""
     import difflib
 
-    top = {o for a in parser._actions for o in a.option_strings}
-    names = _subcommands(parser)[1]
+    level, words = parser, []
     for i, arg in enumerate(argv):
-        if arg in names or arg == "--":
+        subs = _subcommands(level)[1]
+        if not subs or arg == "--":  # a command's own options: its parse reports them
             return None
-        option = arg.split("=")[0]
-        if not arg.startswith("-") or option in top:
+        if arg in subs:
+            level = subs[arg]
+            words.append(arg)
             continue
-        owners = [q.prog.removeprefix("scaleattn ") for q in _commands(parser)
+        option = arg.split("=")[0]
+        known = {o for a in level._actions for o in a.option_strings}
+        if not arg.startswith("-") or option in known:
+            continue
+        owners = [q.prog.removeprefix("scaleattn ") for q in _commands(level)
                   if any(option in a.option_strings for a in q._actions)]
         if not owners:
-            close = difflib.get_close_matches(option, sorted(top), 1)
-            return f"unrecognized arguments: {arg}" + (f" (did you mean {close[0]}?)" if close else "")
-        words, sub = [], parser
+            close = difflib.get_close_matches(option, sorted(known), 1)
+            return level, f"unrecognized arguments: {arg}" + (f" (did you mean {close[0]}?)" if close else "")
+        sub = level
         for a in argv[i + 1:]:  # the command given after it (``generate mhla``), if any
             if a in _subcommands(sub)[1]:
                 words.append(a)
                 sub = _subcommands(sub)[1][a]
-            elif words:
+            elif sub is not level:
                 break
-        example = f"scaleattn {' '.join(words) or 'COMMAND'} {arg} ..."
-        return (f"{option} is an option of the command{'s' if len(owners) > 1 else ''} ({', '.join(owners)}): put it"
-                f" after the command: {example}")
+        if _subcommands(sub)[1]:
+            words.append(_subcommands(sub)[0].upper())  # COMMAND, TASK: the one still to choose
+        return level, (f"{option} is an option of the command{'s' if len(owners) > 1 else ''} ({', '.join(owners)}):"
+                       f" put it after the command: scaleattn {' '.join(words)} {arg} ...")
     return None
 
 
 def parse(argv=None) -> argparse.Namespace:
     """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
-    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before the
-    command by the top-level parser (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
+    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before its
+    command by the parser it was given to (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
     (``scaleattn generate mhla``)."""
     import difflib
     import sys
@@ -315,7 +323,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser = build_parser()
     misplaced = _misplaced(parser, list(sys.argv[1:] if argv is None else argv))
     if misplaced:
-        parser.error(misplaced)
+        misplaced[0].error(misplaced[1])
     args, extra = parser.parse_known_args(argv)
     command = _reached(parser, args)
     if extra:

@@ -22,6 +22,13 @@ def _line(r) -> str:
     (["--seed", "3", "generate", "mhla", "{out}"],
      "scaleattn: error: --seed is an option of the commands (generate mhla, generate assoc): put it after the"
      " command: scaleattn generate mhla --seed ... (see scaleattn --help)"),
+    # the same one level down: generate's, not "did you mean --seed?"
+    (["generate", "--seed=3", "mhla", "{out}"],
+     "scaleattn generate: error: --seed is an option of the commands (generate mhla, generate assoc): put it after"
+     " the command: scaleattn generate mhla --seed=3 ... (see scaleattn generate --help)"),
+    (["--local"],
+     "scaleattn: error: --local is an option of the commands (fit, certify, evaluate): put it after the command:"
+     " scaleattn COMMAND --local ... (see scaleattn --help)"),
     # an unknown option is named, not "the following arguments are required: COMMAND"
     (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (see scaleattn --help)"),
     (["--verison", "fit", "{ds}", "--out", "{out}"],
