@@ -5,7 +5,9 @@ Each subclass also derives from the builtin it refines where that helps callers 
 ``MemoryError``, ``ImportError``, ...), as zarr-python's ``zarr.errors`` does. The CLI maps any
 :class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 1).
 
-Messages name the problem and where it is (the array and sample, the option, the path), in one line.
+Messages name the problem and where it is (the array and sample, the option, the path), in one line. A message
+names a parameter as ``NAME must ...`` at its start, or anywhere in backticks, ```NAME``` or ```NAME=VALUE```: the
+command line prints these as its options (``--NAME``, ``--NAME VALUE``).
 """
 from __future__ import annotations
 

@@ -7,13 +7,13 @@ import warnings
 import numpy as np
 
 from ._backend import as_float64, get_xp, is_numpy, to_numpy
-from ._params import choice, heads_spec, real
+from ._params import choice, heads_spec
 from .certificate import check_cutoff
 from .datacheck import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
-from .solver import shared_gram, solve
+from .solver import check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import statistics_from_arrays
 
@@ -122,7 +122,7 @@ class MHLARegressor:
             warnings.warn("rtol= is deprecated; use cutoff_rtol=", DeprecationWarning, stacklevel=3)
             cutoff = self.rtol
         return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(cutoff),
-                "ridge": real("ridge", self.ridge, 0.0), "solver": choice("solver", self.solver, SOLVERS),
+                "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, SOLVERS),
                 "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
     def fit(self, tokens, targets, lengths=None):

@@ -14,9 +14,18 @@ from . import _formats
 from ._outputs import atomic_output
 from ._params import integer, real
 from ._storage import resolve
+from .datacheck import MAX_TARGET
 from .dataset import open_dataset
-from .dataset_writer import create_dataset, finish_dataset, write_block, write_dataset, write_teacher
-from .errors import ParameterError
+from .dataset_writer import (
+    create_dataset,
+    default_chunk_samples,
+    finish_dataset,
+    write_block,
+    write_dataset,
+    write_teacher,
+)
+from .distributed.memory import GIB, available_memory
+from .errors import InsufficientMemoryError, ParameterError
 from .importers import (  # noqa: F401 (moved)
     import_arrays,
     import_csv,
@@ -98,7 +107,8 @@ def generate_mhla(
     d_out : int, optional
         Output dimension (default d).
     noise : float
-        Standard deviation of Gaussian target noise (finite, >= 0).
+        Standard deviation of Gaussian target noise, in ``[0, MAX_TARGET / 10]`` (larger targets are refused by a
+        fit: :data:`scaleattn.datacheck.MAX_TARGET`).
     causal : bool
         Targets at every prefix (N, T, d_out).
     variable_lengths : bool
@@ -129,8 +139,13 @@ def generate_mhla(
     d, heads, length, samples = (integer(k, v, 1) for k, v in
                                  (("d", d), ("heads", heads), ("length", length), ("samples", samples)))
     d_out = integer("d_out", d_out, 1, none_ok=True)
-    noise = real("noise", noise, 0.0)
+    noise = real("noise", noise, 0.0, MAX_TARGET / 10)  # (a 10-sigma draw stays within what a fit accepts)
     chunk_samples = integer("chunk_samples", chunk_samples, 1, none_ok=True)
+    o = d if d_out is None else d_out
+    n = min(samples, chunk_samples or default_chunk_samples(length, d))  # one slab of samples at a time
+    per_sample = length * (2 * d + 2 * o + (d * d if causal else 0)) + d * d  # tokens, targets, S = sum z z^T
+    _check_memory(f"the teacher (`heads={heads}`, `d={d}`, `d_out={o}`) and one chunk ({n:,} sample{'s' * (n > 1)}"
+                  f" of `length={length}`{', causal' if causal else ''})", 8.0 * (heads * d * (d + o) + n * per_sample))
     loc = resolve(url, storage_options)
     V, Q = make_teacher(d, heads, d_out, seed)
     attrs = {"generator": {"task": "mhla", "d": d, "heads": heads, "length": length, "samples": samples,
@@ -151,6 +166,15 @@ def generate_mhla(
     return open_dataset(loc)
 
 
+def _check_memory(what: str, need: float) -> None:
+    """Refuse sizes whose arrays cannot exist in this machine's memory (numpy's MemoryError came after the output
+    was opened, as an internal error), naming the sizes and the bytes they would take."""
+    have = available_memory()
+    if need > have:
+        raise InsufficientMemoryError(f"{what} need {need / GIB:,.1f} GiB of memory at once; this machine has"
+                                      f" {have / GIB:,.1f} GiB available: use smaller sizes")
+
+
 def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, orthogonal: bool = False, seed=0):
     """Associative-memory data ([Y25] §4.2; DESIGN §9): ``dict(tokens, targets)``.
 
@@ -160,7 +184,7 @@ def make_assoc(pairs: int = 2, samples: int = 2**14, *, dim: int | None = None, 
     """
     dim = pairs if dim is None else dim
     if orthogonal and pairs > dim:
-        raise ParameterError(f"orthogonal keys need pairs <= dim, got pairs={pairs}, dim={dim}")
+        raise ParameterError(f"orthogonal keys need `pairs` <= `dim`, got `pairs={pairs}`, `dim={dim}`")
     rng = np.random.default_rng(seed)
 
     def draw():
@@ -188,6 +212,9 @@ def generate_assoc(url, pairs: int = 2, samples: int = 2**14, *, dim=None, ortho
     pairs, samples = integer("pairs", pairs, 1), integer("samples", samples, 1)
     dim = integer("dim", dim, 1, none_ok=True)
     chunk_samples = integer("chunk_samples", chunk_samples, 1, none_ok=True)
+    k = dim or pairs  # all samples in memory: keys, values, tokens (twice), targets; a QR per sample if orthogonal
+    _check_memory(f"`samples={samples}`, `pairs={pairs}`, `dim={k}`{' (orthogonal)' if orthogonal else ''}",
+                  8.0 * samples * (8 * (pairs + 1) * k + (3 * k * k if orthogonal else 0)))
     data = make_assoc(pairs, samples, dim=dim, orthogonal=orthogonal, seed=seed)
     attrs = {"generator": {"task": "assoc", "pairs": pairs, "dim": dim or pairs, "samples": samples,
                            "orthogonal": orthogonal, "seed": seed},

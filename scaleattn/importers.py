@@ -19,7 +19,15 @@ from ._params import integer
 from ._storage import check_kind, resolve
 from .datacheck import MAX_TOKEN, check_values, is_real
 from .dataset_writer import write_dataset
-from .errors import DatasetError, InputNotFoundError, IntegrityError, MissingDependencyError, hint_of, with_hint
+from .errors import (
+    DatasetError,
+    InputNotFoundError,
+    IntegrityError,
+    MissingDependencyError,
+    ParameterError,
+    hint_of,
+    with_hint,
+)
 
 __all__ = ["windows", "standardize", "import_arrays", "import_csv", "load_digits_dataset"]
 
@@ -29,17 +37,21 @@ def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool =
 
     Last-token targets: the value ``horizon`` steps after each window, (N, d). Causal targets: every
     prefix predicts its next value, (N, T, d) (``horizon`` = 1). Raises
-    :class:`~scaleattn.errors.ParameterError` for ``length``, ``horizon`` or ``step`` below 1 and
+    :class:`~scaleattn.errors.ParameterError` for ``length``, ``horizon`` or ``step`` below 1, or another
+    ``horizon`` with ``causal``, and
     :class:`~scaleattn.errors.DatasetError` for a series too short for one window.
     """
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
+    if causal and horizon != 1:  # (it was ignored without a word)
+        raise ParameterError(f"`horizon` must be 1 with `causal` (each prefix predicts the next value), got {horizon}")
     x = np.asarray(series, dtype=np.float64)
     if x.ndim == 1:
         x = x[:, None]
     span = length + (1 if causal else horizon)
     starts = np.arange(0, x.shape[0] - span + 1, step)
     if starts.size == 0:
-        raise DatasetError(f"series of {x.shape[0]} steps is too short for windows of {length} + {horizon}")
+        ahead = "1 (causal: each prefix predicts the next value)" if causal else f"`horizon={horizon}`"
+        raise DatasetError(f"series of {x.shape[0]} steps is too short for one window of `length={length}` + {ahead}")
     tokens = np.stack([x[s : s + length] for s in starts])
     if causal:
         targets = np.stack([x[s + 1 : s + length + 1] for s in starts])

@@ -49,7 +49,7 @@ from .preflight import (
 from .progress import as_reporter
 from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
-from .solver import Solution, shared_gram, solve
+from .solver import Solution, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
@@ -234,7 +234,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     no_other_kwargs(deprecated, "fit")
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
-    ridge = real("ridge", ridge, 0.0)
+    ridge = check_ridge(ridge)
     heads_budget = real("heads_budget", heads_budget, 0.0, low_open=True, none_ok=True)
     choice("solver", solver, SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
@@ -249,8 +249,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
                               dense=ridge > 0, heads=heads)["path"]
     if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
-        raise ParameterError(f"heads={heads!r} needs the dense Gram (loss-weighted head fits); a krylov fit on a"
-                             " cluster keeps Tc on the workers: use heads='svd' (or solver='cholesky' where G fits)")
+        raise ParameterError(f"`heads={heads!r}` needs the dense Gram (loss-weighted head fits); a krylov fit on a"
+                             " cluster keeps Tc on the workers: use `heads='svd'` (or `solver='cholesky'` where G"
+                             " fits)")
     if certificate == "qr":
         check_qr_memory(ds.d, ds.d_out, client)
     release_large_buffers()  # peak memory must not creep up with the number of row groups

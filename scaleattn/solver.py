@@ -30,7 +30,16 @@ from .errors import ParameterError
 from .krylov import krylov_solve
 from .spectrum import EIGH_FALLBACK_PSI, default_rtol, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve", "shared_gram"]
+__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "MAX_RIDGE"]
+
+#: the largest ridge accepted. The scaled eigenvalues are at most psi, so past it the effective dof is below
+#: psi / 1e12 (the coefficients are zero to round-off); near 1e308, ``ridge * diag(G)`` overflows float64
+MAX_RIDGE = 1e12
+
+
+def check_ridge(ridge) -> float:
+    """``ridge`` validated: a number in ``[0, MAX_RIDGE]``."""
+    return real("ridge", ridge, 0.0, MAX_RIDGE)
 
 
 def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
@@ -128,7 +137,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     refine : bool
         One step of iterative refinement ``c += G^+ (B - G c)``.
     ridge : float
-        Ridge strength lambda >= 0 (default 0).
+        Ridge strength lambda in [0, MAX_RIDGE = 1e12] (default 0).
     solver : {"auto", "eigh", "cholesky", "krylov"}
         Solver path (:func:`~scaleattn.spectrum.solver_path`): above ``large_psi`` (default
         :data:`~scaleattn.spectrum.LARGE_PSI`) a Cholesky factor of the scaled Gram and Lanczos for the
@@ -179,7 +188,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     solver = renamed(deprecated, "method", "solver", solver, "auto")
     no_other_kwargs(deprecated, "solve")
-    ridge = real("ridge", ridge, 0.0)
+    ridge = check_ridge(ridge)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     if stats.d_out == 0:
         raise ParameterError("these statistics have no targets (built for the certificate only); cannot solve")
@@ -219,8 +228,8 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
     """[Y25] Alg. 1 on the matrix-free operator (:func:`scaleattn.krylov.krylov_solve`), in the statistics'
     own array module (numpy, or cupy on a GPU); the coefficients come back to the host."""
     if ridge > 0:
-        raise ParameterError("ridge > 0 is not available with solver='krylov' (its effective degrees of freedom"
-                             " need the whole spectrum): use solver='cholesky' or 'eigh'")
+        raise ParameterError("`ridge` > 0 is not available with `solver='krylov'` (its effective degrees of freedom"
+                             " need the whole spectrum): use `solver='cholesky'` or `solver='eigh'`")
     op = operator_of(stats)
     ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, **(options or {}))
     cert = certificate_from_krylov(ks.spectrum, stats.n_rows)

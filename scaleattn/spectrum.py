@@ -130,8 +130,9 @@ def solver_path(psi: int, solver: str = "auto", large_psi: int | None = None, kr
     """
     choice("solver", solver, SOLVERS)
     if dense and solver == "krylov":
-        raise ParameterError("ridge > 0 needs a dense solver (its effective degrees of freedom need the whole"
-                             " spectrum): use solver='auto', 'cholesky' or 'eigh', or ridge=0 with krylov")
+        raise ParameterError("`ridge` > 0 needs a dense solver (its effective degrees of freedom need the whole"
+                             " spectrum): use `solver='auto'`, `solver='cholesky'` or `solver='eigh'`, or `ridge=0`"
+                             " with `solver='krylov'`")
     if solver != "auto":
         return solver
     if psi <= (LARGE_PSI if large_psi is None else int(large_psi)):

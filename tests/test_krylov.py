@@ -430,5 +430,5 @@ def test_ridge_never_takes_krylov_and_is_refused_with_it_before_the_build(monkey
         raise AssertionError("the statistics were built before the refusal")
 
     monkeypatch.setattr(pipeline, "compute_statistics", no_build)
-    with pytest.raises(ParameterError, match="ridge > 0 needs a dense solver"):
+    with pytest.raises(ParameterError, match="`ridge` > 0 needs a dense solver"):
         scaleattn.fit(causal_ds, solver="krylov", ridge=0.1)

@@ -2,7 +2,8 @@
 submit``.
 
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
-line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2; anything else is a bug: one line saying so and exit
+line ``scaleattn COMMAND: error: MESSAGE (see scaleattn COMMAND --help)``, as argparse's usage errors, and exit code
+2, as does a MemoryError (named by the step that ran out); anything else is a bug: one line saying so and exit
 code 1 (``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
@@ -59,7 +60,7 @@ def _stopped_line(args, e: BaseException | None = None) -> str:
     else:
         tail = (" (finished row groups are in the fit's checkpoint, if one was kept: rerun the same command with"
                 " --resume to continue)")
-    return f"scaleattn {args.command}: stopped by SIGTERM{tail}"
+    return f"{_prog(args)}: stopped by SIGTERM{tail}"
 
 
 def _kept(args, e: BaseException | None) -> str:
@@ -98,18 +99,49 @@ def _on_sigterm(signum, frame, args=None, timers=None):
 WRITERS = ("generate", "import", "fit", "plot")
 
 
+def _prog(args) -> str:
+    """The command as every line of it names it: ``scaleattn generate mhla``, as its usage errors do."""
+    return getattr(args, "prog", None) or f"scaleattn {args.command}"
+
+
+def _error_line(args, message: str) -> str:
+    """The one error line of the command line, the same for usage errors (:meth:`.parser._Parser.error`) and for
+    the errors the commands raise."""
+    return f"{_prog(args)}: error: {message} (see {_prog(args)} --help)"
+
+
+def _step(e: BaseException) -> str:
+    """The innermost scaleattn function in ``e``'s traceback (``scaleattn.generate.make_teacher``): the step that
+    ran out of memory."""
+    tb, step = e.__traceback__, "the command"
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.startswith("scaleattn."):
+            step = f"{module}.{tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return step
+
+
 def _hint(e: BaseException) -> str:
     h = hint_of(e)
     return f"; {h}" if h else ""
 
 
 def _as_typed(e: ScaleattnError, args) -> str:
-    """The error's text, a parameter check's leading parameter name (``cutoff_rtol must be in (0, 1), got 2``,
-    from :mod:`scaleattn._params`) replaced by the command's option for it (``--cutoff-rtol``)."""
+    """The error's text with the library's parameter names replaced by the command's options for them: a parameter
+    check's leading name (``cutoff_rtol must be in (0, 1), got 2``, from :mod:`scaleattn._params`) and every name
+    the message quotes in backticks (:mod:`scaleattn.errors`: ```solver='krylov'``` -> ``--solver krylov``,
+    ```d_out``` -> ``--d-out``); a name the command has no option for stays as it is."""
     text = str(e)
     name = re.match(r"(\w+) must ", text) if isinstance(e, ParameterError) else None
     flag = name and option_of(args, name.group(1))
-    return flag + text[name.end(1):] if flag else text
+    text = flag + text[name.end(1):] if flag else text
+
+    def typed(m):
+        flag = option_of(args, m.group(1))
+        return m.group(0) if not flag else flag if m.group(2) is None else f"{flag} {m.group(2).strip(chr(39))}"
+
+    return re.sub(r"`(\w+)(?:=([^`]*))?`", typed, text)
 
 
 def _enable_faulthandler() -> None:
@@ -158,19 +190,26 @@ def _run(args) -> int:
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
         if args.debug:
             raise
-        print(f"scaleattn {args.command}: error: {_as_typed(e, args)}{_hint(e)}", file=sys.stderr)
+        print(_error_line(args, f"{_as_typed(e, args)}{_hint(e)}"), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemoryError as e:  # sizes no up-front check caught: the machine's limit, not a bug
+        if args.debug:
+            raise
+        print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a machine"
+                                f" with more memory{_kept(args, e)}"), file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated as e:
         print(_stopped_line(args, e), file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt as e:
-        print(f"scaleattn {args.command}: interrupted{_kept(args, e)}", file=sys.stderr)
+        print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
         if args.debug:
             raise
-        print(f"scaleattn {args.command}: internal error (this is a bug; please report it with the output of"
-              f" `scaleattn --debug {args.command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
+        command = _prog(args).removeprefix("scaleattn ")
+        print(f"{_prog(args)}: internal error (this is a bug; please report it with the output of"
+              f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
         return EXIT_BUG
 
 

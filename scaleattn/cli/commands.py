@@ -25,17 +25,31 @@ def _cluster(args, reporter=None):
     from ..distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
-    return connect(args.scheduler, args.workers, args.threads_per_worker, args.gpus, security=security,
+    return connect(args.scheduler, args.workers, args.threads_per_worker or 1, args.gpus, security=security,
                    quiet=args.quiet, progress=reporter, scheduler_timeout=args.scheduler_timeout,
                    worker_timeout=args.worker_timeout, debug=args.debug)
 
 
+#: the cluster options (dests) that --local, which runs without Dask, would ignore
+_CLUSTER_ONLY = ("scheduler", "scheduler_timeout", "worker_timeout", "workers", "threads_per_worker", "gpus",
+                 "tls_ca_file", "tls_cert", "tls_key")
+
+
 def _check_cluster_args(args) -> None:
-    """Cluster options that cannot work, refused before anything starts."""
-    if not (getattr(args, "local", False) or args.scheduler or args.gpus):
+    """Cluster options that cannot work, refused before anything starts: with --local (no cluster), any of them
+    (it was ignored without a word); else too many workers for this machine."""
+    from .parser import option_of
+
+    if getattr(args, "local", False):
+        given = [option_of(args, dest) for dest in _CLUSTER_ONLY if getattr(args, dest) is not None]
+        if given:
+            raise ParameterError(f"--local runs in this process without Dask: it cannot be combined with"
+                                 f" {', '.join(given)} (cluster option{'s' if len(given) > 1 else ''}): drop"
+                                 f" {'them' if len(given) > 1 else 'it'} or --local")
+    elif not (args.scheduler or args.gpus):
         from ..distributed.cluster import check_workers
 
-        check_workers(args.workers, args.threads_per_worker)
+        check_workers(args.workers, args.threads_per_worker or 1)
 
 
 def _reporter(args):
@@ -81,17 +95,25 @@ def _cmd_generate(args) -> int:
 
 def _cmd_import(args) -> int:
     from .. import importers
+    from .parser import option_of
 
     opts = _storage_options(args.storage_option)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
+    given = [option_of(args, dest) for dest in ("length", "horizon", "step", "causal", "columns") if getattr(args, dest)
+             not in (None, False)]
+    if given and not args.csv:  # (they were ignored without a word)
+        raise ParameterError(f"{', '.join(given)} cut{'' if len(given) > 1 else 's'} a --csv series into windows: not"
+                             f" used with {'--npz' if args.npz else '--builtin'}")
     for option, path, expected in (("--npz", args.npz, importers.NPZ), ("--csv", args.csv, importers.CSV)):
         if path is not None:  # (named by its option here; the library names the path alone)
             check_kind(path, option, expected, directory=False)
     if args.npz:
         ds = importers.import_arrays(args.path, args.npz, **kw)
     elif args.csv:
-        ds = importers.import_csv(args.path, args.csv, length=args.length, horizon=args.horizon, step=args.step,
-                                  causal=args.causal, columns=args.columns, **kw)
+        ds = importers.import_csv(args.path, args.csv, length=16 if args.length is None else args.length,
+                                  horizon=1 if args.horizon is None else args.horizon,
+                                  step=1 if args.step is None else args.step, causal=args.causal,
+                                  columns=args.columns, **kw)
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
     args.written = args.path
@@ -101,17 +123,18 @@ def _cmd_import(args) -> int:
 
 def _cmd_fit(args) -> int:
     from .._backend import check_device
-    from .._params import heads_spec, real
+    from .._params import heads_spec
     from ..certificate import check_cutoff
     from ..pipeline import fit
     from ..preflight import holding, preflight
     from ..report import fit_summary
+    from ..solver import check_ridge
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
     heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
     check_cutoff(args.cutoff_rtol)
-    real("--ridge", args.ridge, 0.0)
+    check_ridge(args.ridge)
     check_device(args.device, need_gpu_here=not (args.scheduler or args.gpus))
     _check_cluster_args(args)
     ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
@@ -162,8 +185,8 @@ def _cmd_evaluate(args) -> int:
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option)
-    model = MHLAModel.load(args.model, opts)
     _check_cluster_args(args)
+    model = MHLAModel.load(args.model, opts)
     ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)
@@ -224,11 +247,13 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_compare(args) -> int:
+    from .._params import real
     from ..heads import compare_models
     from ..model import MHLAModel
     from ..report import comparison_summary
 
     opts = _storage_options(args.storage_option)
+    real("rtol", args.rtol, 0.0, low_open=True)  # compare_models' check, before the models are read
     r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
     _emit(args, r, comparison_summary(r))
     return 0 if r["equivalent"] else 1

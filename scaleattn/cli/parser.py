@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from .._backend import DEVICES
 from .._params import positive_seconds, seed
@@ -37,7 +38,7 @@ def _add_cluster_args(p):
                    help="with --scheduler: fail unless a worker joins within this time (default: no wait)")
     g.add_argument("--workers", type=_positive_int, default=None, metavar="N",
                    help="worker processes of the embedded cluster (default: one per core)")
-    g.add_argument("--threads-per-worker", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--threads-per-worker", type=_positive_int, default=None, metavar="N",  # None: not given
                    help="threads per worker (default 1)")
     g.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                    help="start a dask-cuda cluster with N GPU workers (needs the gpu extra)")
@@ -93,7 +94,13 @@ def _add_output_args(p):
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line (the command's usage block, 13 lines for ``fit``, came
-    before it) naming where the whole usage is; its subcommands' parsers are of this class too."""
+    before it) naming where the whole usage is; its subcommands' parsers are of this class too. A value with an
+    exponent or ``-inf`` (``--ridge -1e-3``) is a negative number, as ``-1`` is, not an option: argparse's own
+    pattern answered "expected one argument" instead of the option's check."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -142,9 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--csv", metavar="FILE", help="CSV of a multivariate time series (header row), cut into windows")
     src.add_argument("--builtin", choices=["digits"],
                      help="digits: scikit-learn's 8x8 digits, 7 pixel rows predict the 8th")
-    imp.add_argument("--length", type=int, default=16, help="CSV: tokens per window (default 16)")
-    imp.add_argument("--horizon", type=int, default=1, help="CSV: steps ahead to predict (default 1)")
-    imp.add_argument("--step", type=int, default=1, help="CSV: stride between windows (default 1)")
+    # (defaults None: not given, so that --npz and --builtin can refuse them; the CSV import fills them in)
+    imp.add_argument("--length", type=int, default=None, help="CSV: tokens per window (default 16)")
+    imp.add_argument("--horizon", type=int, default=None, help="CSV: steps ahead to predict (default 1)")
+    imp.add_argument("--step", type=int, default=None, help="CSV: stride between windows (default 1)")
     imp.add_argument("--causal", action="store_true", help="CSV: predict the next value at every prefix")
     imp.add_argument("--columns", nargs="+", default=None, help="CSV: columns to use (default all)")
     _add_io_args(imp)
@@ -159,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " out)")
     _add_solver_args(f)
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
-                   help="ridge on features scaled to unit mean square, for noisy or short data (default 0)")
+                   help="ridge on features scaled to unit mean square, for noisy or short data, at most 1e12"
+                        " (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor)")
     f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")
@@ -265,16 +274,63 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     return None
 
 
-def parse(argv=None) -> argparse.Namespace:
-    """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
-    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser."""
+def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
+    """``(the parser that reports it, the error)`` for the first option given before its (sub)command that the
+    parser at that point does not take, or None: argparse read ``scaleattn --local fit ...`` as "--local ...
+    did you mean --local?", ``scaleattn generate --seed=3 mhla`` as "did you mean --seed?", and ``scaleattn
+    --bogus`` as a missing COMMAND. An option of some commands below is told to go after the command; any other
+    is named."""
     import difflib
 
+    level, words = parser, []
+    for i, arg in enumerate(argv):
+        subs = _subcommands(level)[1]
+        if not subs or arg == "--":  # a command's own options: its parse reports them
+            return None
+        if arg in subs:
+            level = subs[arg]
+            words.append(arg)
+            continue
+        option = arg.split("=")[0]
+        known = {o for a in level._actions for o in a.option_strings}
+        if not arg.startswith("-") or option in known:
+            continue
+        owners = [q.prog.removeprefix("scaleattn ") for q in _commands(level)
+                  if any(option in a.option_strings for a in q._actions)]
+        if not owners:
+            close = difflib.get_close_matches(option, sorted(known), 1)
+            return level, f"unrecognized arguments: {arg}" + (f" (did you mean {close[0]}?)" if close else "")
+        sub = level
+        for a in argv[i + 1:]:  # the command given after it (``generate mhla``), if any
+            if a in _subcommands(sub)[1]:
+                words.append(a)
+                sub = _subcommands(sub)[1][a]
+            elif sub is not level:
+                break
+        if _subcommands(sub)[1]:
+            words.append(_subcommands(sub)[0].upper())  # COMMAND, TASK: the one still to choose
+        return level, (f"{option} is an option of the command{'s' if len(owners) > 1 else ''} ({', '.join(owners)}):"
+                       f" put it after the command: scaleattn {' '.join(words)} {arg} ...")
+    return None
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
+    closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before its
+    command by the parser it was given to (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
+    (``scaleattn generate mhla``)."""
+    import difflib
+    import sys
+
     parser = build_parser()
+    misplaced = _misplaced(parser, list(sys.argv[1:] if argv is None else argv))
+    if misplaced:
+        misplaced[0].error(misplaced[1])
     args, extra = parser.parse_known_args(argv)
+    command = _reached(parser, args)
     if extra:
-        command = _reached(parser, args)
         options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
         close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    args.prog = command.prog
     return args

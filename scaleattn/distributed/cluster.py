@@ -172,13 +172,13 @@ def check_workers(workers: int | None, threads_per_worker: int = 1) -> None:
     n = default_workers() if workers is None else int(workers)
     limit = MAX_THREADS_PER_CORE * cores
     if n * int(threads_per_worker) > limit:
-        raise ParameterError(f"--workers {n} x --threads-per-worker {threads_per_worker}: at most {limit} worker"
+        raise ParameterError(f"`workers={n}` x `threads_per_worker={threads_per_worker}`: at most {limit} worker"
                              f" threads on this machine ({MAX_THREADS_PER_CORE} per core, {cores} cores); to use more,"
-                             " join a cluster with --scheduler")
+                             " join a cluster with `scheduler`")
     have = available_memory()
     if n * WORKER_BASE_BYTES > have:
         most = max(1, int(have // WORKER_BASE_BYTES))
-        raise ParameterError(f"--workers {n}: this machine has memory for at most {most} worker processes"
+        raise ParameterError(f"`workers={n}`: this machine has memory for at most {most} worker processes"
                              f" ({have / 2**30:.1f} GiB available, about"
                              f" {WORKER_BASE_BYTES / 1e6:.0f} MB each before any data)")
 
@@ -305,8 +305,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     where = "--scheduler" if scheduler else "$DASK_SCHEDULER_ADDRESS"
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if scheduler and (workers or gpus):
-        raise ParameterError("--workers/--gpus shape an embedded cluster; with --scheduler the cluster has its own"
-                             " workers")
+        raise ParameterError("`workers` and `gpus` shape an embedded cluster; with `scheduler` the cluster has its"
+                             " own workers")
     reporter = progress if isinstance(progress, Reporter) else as_reporter(not quiet)
     if not scheduler and not gpus:
         check_workers(workers, threads_per_worker)

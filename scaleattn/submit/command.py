@@ -115,7 +115,7 @@ def main(argv=None) -> int:  # pragma: no cover - ``python -m scaleattn.submit``
     try:
         return run(add_arguments(argparse.ArgumentParser(prog="scaleattn submit")).parse_args(argv))
     except ScaleattnError as e:  # as the CLI prints it
-        print(f"scaleattn submit: error: {e}", file=sys.stderr)
+        print(f"scaleattn submit: error: {e} (see scaleattn submit --help)", file=sys.stderr)
         return 2
 
 

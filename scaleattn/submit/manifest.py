@@ -320,8 +320,8 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
                              " input; choose a path outside it")
     gpus = _check_int("gpus", gpus, 0)
     workers = _check_int("workers", workers, 1)
-    scheduler_timeout = _check_int("scheduler timeout", scheduler_timeout, 1)
-    worker_timeout = _check_int("worker timeout", worker_timeout, 1)
+    scheduler_timeout = _check_int("scheduler_timeout", scheduler_timeout, 1)
+    worker_timeout = _check_int("worker_timeout", worker_timeout, 1)
     if deadline is not None:
         deadline = _check_int("deadline", deadline, 1)
     name = DEFAULT_NAME if name is None else name

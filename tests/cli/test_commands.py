@@ -335,11 +335,13 @@ def test_an_unknown_option_is_reported_by_its_command_with_the_closest_one(capsy
 
 @pytest.mark.parametrize("argv, line", [
     (["fit", "{ds}", "--out", "{out}", "--local", "--cutoff-rtol", "2"],
-     "scaleattn fit: error: --cutoff-rtol must be in (0, 1), got 2"),
-    (["fit", "{ds}", "--out", "{out}", "--local", "--heads", "0"], "scaleattn fit: error: --heads must be >= 1, got 0"),
+     "scaleattn fit: error: --cutoff-rtol must be in (0, 1), got 2 (see scaleattn fit --help)"),
+    (["fit", "{ds}", "--out", "{out}", "--local", "--heads", "0"],
+     "scaleattn fit: error: --heads must be >= 1, got 0 (see scaleattn fit --help)"),
     (["fit", "{ds}", "--out", "{out}", "--local", "--ridge", "-1"],
-     "scaleattn fit: error: --ridge must be >= 0, got -1"),
-    (["generate", "mhla", "{out}", "--d", "0"], "scaleattn generate: error: --d must be >= 1, got 0"),
+     "scaleattn fit: error: --ridge must be in [0, 1e+12], got -1 (see scaleattn fit --help)"),
+    (["generate", "mhla", "{out}", "--d", "0"],
+     "scaleattn generate mhla: error: --d must be >= 1, got 0 (see scaleattn generate mhla --help)"),
 ])
 def test_a_parameter_error_names_the_option_as_typed(causal_ds, tmp_path, cli, argv, line):
     """The library's parameter checks name Python parameters (``cutoff_rtol``); from the command line the same

@@ -61,7 +61,7 @@ def test_cluster_krylov_fit_with_less_client_memory_than_tc(client, tmp_path, mo
     ds = generate_mhla(tmp_path / "d.zarr", d=d, heads=2, length=100, samples=120, causal=True, d_out=1, seed=0)
     with pytest.raises(InsufficientMemoryError, match="cholesky solver"):
         fit(ds, client=client, solver="cholesky", plots=False, exact_mse=False)
-    with pytest.raises(ParameterError, match="heads='svd'"):  # the loss-weighted head fits need the dense G
+    with pytest.raises(ParameterError, match="`heads='svd'`"):  # the loss-weighted head fits need the dense G
         fit(ds, client=client, solver="krylov", heads="minimal", plots=False)
     res = fit(ds, client=client, solver="auto", plots=False)  # auto: the dense path does not fit
     r = res.report

@@ -1,0 +1,176 @@
+"""Every error line of the command line has one format, ``PROG: error: MESSAGE (see PROG --help)``, with one PROG
+per command (``scaleattn generate mhla`` for its usage and its value errors alike), exit code 2, names the option
+as typed, and leaves nothing behind. Each case is refused before any data are read: no fit runs here."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+def _line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, line", [
+    # an option of the commands before the command: where it belongs, not "did you mean --local?"
+    (["--local", "fit", "{ds}", "--out", "{out}"],
+     "scaleattn: error: --local is an option of the commands (fit, certify, evaluate): put it after the command:"
+     " scaleattn fit --local ... (see scaleattn --help)"),
+    (["--seed", "3", "generate", "mhla", "{out}"],
+     "scaleattn: error: --seed is an option of the commands (generate mhla, generate assoc): put it after the"
+     " command: scaleattn generate mhla --seed ... (see scaleattn --help)"),
+    # the same one level down: generate's, not "did you mean --seed?"
+    (["generate", "--seed=3", "mhla", "{out}"],
+     "scaleattn generate: error: --seed is an option of the commands (generate mhla, generate assoc): put it after"
+     " the command: scaleattn generate mhla --seed=3 ... (see scaleattn generate --help)"),
+    (["--local"],
+     "scaleattn: error: --local is an option of the commands (fit, certify, evaluate): put it after the command:"
+     " scaleattn COMMAND --local ... (see scaleattn --help)"),
+    # an unknown option is named, not "the following arguments are required: COMMAND"
+    (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (see scaleattn --help)"),
+    (["--verison", "fit", "{ds}", "--out", "{out}"],
+     "scaleattn: error: unrecognized arguments: --verison (did you mean --version?) (see scaleattn --help)"),
+])
+def test_an_option_before_the_command_is_named(causal_ds, tmp_path, cli, argv, line):
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    assert _line(r) == line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    # one prefix per command: the value errors of generate mhla as its usage errors
+    (["generate", "mhla", "{out}", "--d", "0"],
+     "scaleattn generate mhla: error: --d must be >= 1, got 0 (see scaleattn generate mhla --help)"),
+    # the (see ... --help) tail on the errors the commands raise, as on argparse's
+    (["fit", "{ds}", "--out", "{out}", "--local", "--storage-option", "foo"],
+     "scaleattn fit: error: --storage-option expects KEY=VALUE, got 'foo' (see scaleattn fit --help)"),
+    # cluster options with --local were ignored without a word
+    (["fit", "{ds}", "--out", "{out}", "--local", "--workers", "2"],
+     "scaleattn fit: error: --local runs in this process without Dask: it cannot be combined with --workers (cluster"
+     " option): drop it or --local (see scaleattn fit --help)"),
+    (["certify", "{ds}", "--local", "--threads-per-worker", "1", "--tls-cert", "c.pem", "--scheduler-timeout", "5"],
+     "scaleattn certify: error: --local runs in this process without Dask: it cannot be combined with"
+     " --scheduler-timeout, --threads-per-worker, --tls-cert (cluster options): drop them or --local"
+     " (see scaleattn certify --help)"),
+    # the library's messages name Python parameters in backticks: the command line names its options
+    (["fit", "{ds}", "--out", "{out}", "--local", "--solver", "krylov", "--ridge", "1"],
+     "scaleattn fit: error: --ridge > 0 needs a dense solver (its effective degrees of freedom need the whole"
+     " spectrum): use --solver auto, --solver cholesky or --solver eigh, or --ridge 0 with --solver krylov"
+     " (see scaleattn fit --help)"),
+    (["generate", "assoc", "{out}", "--pairs", "3", "--dim", "2", "--orthogonal"],
+     "scaleattn generate assoc: error: orthogonal keys need --pairs <= --dim, got --pairs 3, --dim 2"
+     " (see scaleattn generate assoc --help)"),
+    (["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--dry-run", "--worker-timeout", "0"],
+     "scaleattn submit: error: --worker-timeout must be >= 1, got 0 (see scaleattn submit --help)"),
+])
+def test_every_error_line_has_one_format(causal_ds, tmp_path, cli, argv, line):
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    assert _line(r) == line
+    assert not out.exists()
+
+
+def test_too_many_workers_names_both_options(causal_ds, tmp_path, cli):
+    r = cli("fit", causal_ds.url, "--out", tmp_path / "out", "--workers", "100000", rc=2)
+    assert re.fullmatch(r"scaleattn fit: error: --workers 100000 x --threads-per-worker 1: at most \d+ worker threads"
+                        r" on this machine .*; to use more, join a cluster with --scheduler"
+                        r" \(see scaleattn fit --help\)", _line(r)), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+FIT = ["fit", "{ds}", "--out", "{out}", "--local", "--quiet"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    # finite values that overflowed later (an internal error and RuntimeWarnings), refused up front
+    ([*FIT, "--ridge", "1e308"], "--ridge must be in [0, 1e+12], got 1e+308"),
+    ([*FIT, "--ridge", "-1e-300"], "--ridge must be in [0, 1e+12], got -1e-300"),
+    ([*FIT, "--ridge", "nan"], "--ridge must be finite, got nan"),
+    ([*FIT, "--ridge", "-inf"], "--ridge must be finite, got -inf"),
+    ([*FIT, "--cutoff-rtol", "1e308"], "--cutoff-rtol must be in (0, 1), got 1e+308"),
+    ([*FIT, "--rtol", "0"], "--cutoff-rtol must be in (0, 1), got 0"),
+    (["generate", "mhla", "{out}", "--noise", "1e200"], "--noise must be in [0, 1e+99], got 1e+200"),
+    (["generate", "mhla", "{out}", "--noise", "inf"], "--noise must be finite, got inf"),
+    (["compare", "{out}", "{out}", "--rtol", "-1"], "--rtol must be > 0, got -1"),
+])
+def test_float_options_out_of_range_are_refused_up_front(causal_ds, tmp_path, cli, argv, says):
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    line = _line(r)
+    assert says in line and line.endswith("--help)") and "Warning" not in r.stderr, r.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["generate", "mhla", "{out}", "--d", "100000000"], "--d 100000000"),
+    (["generate", "mhla", "{out}", "--heads", "100000000000000"], "--heads 100000000000000"),
+    (["generate", "mhla", "{out}", "--d-out", "100000000000000"], "--d-out 100000000000000"),
+    (["generate", "mhla", "{out}", "--length", "100000000000000"], "--length 100000000000000"),
+    (["generate", "mhla", "{out}", "--samples", "10000000000", "--chunk-samples", "10000000000"],
+     "10,000,000,000 samples"),
+    (["generate", "assoc", "{out}", "--samples", "100000000000000"], "--samples 100000000000000"),
+    (["generate", "assoc", "{out}", "--pairs", "3", "--dim", "1000000", "--orthogonal"], "--dim 1000000"),
+])
+def test_sizes_that_cannot_fit_in_memory_are_refused_saying_how_much(tmp_path, cli, argv, names):
+    """A MemoryError from numpy was an internal error, after the output had been opened."""
+    out = tmp_path / "out.zarr"
+    r = cli(*[a.format(out=out) for a in argv], rc=2)
+    line = _line(r)
+    prog = " ".join(argv[:2])
+    assert re.fullmatch(rf"scaleattn {prog}: error: .* need [\d,.]+ GiB of memory at once; this machine has [\d,.]+"
+                        rf" GiB available: use smaller sizes \(see scaleattn {prog} --help\)", line), line
+    assert names in line, line
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_memory_error_anywhere_is_one_line_naming_the_step(tmp_path, cli, monkeypatch):
+    """Sizes no check foresaw: the step that ran out, exit code 2, not an internal error."""
+    from scaleattn import generate
+
+    def teacher(*a, **k):
+        raise MemoryError("Unable to allocate 9.0 TiB for an array")
+
+    monkeypatch.setattr(generate, "make_teacher", teacher)
+    r = cli("generate", "mhla", tmp_path / "x.zarr", rc=2)
+    assert _line(r) == ("scaleattn generate mhla: error: out of memory in scaleattn.generate.generate_mhla: Unable to"
+                        " allocate 9.0 TiB for an array: use smaller sizes or a machine with more memory; nothing was"
+                        " written (outputs are written all or nothing) (see scaleattn generate mhla --help)")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_python_api_keeps_naming_its_parameters(tmp_path):
+    """The backticked names are the Python parameters there; only the command line turns them into options."""
+    from scaleattn.errors import ParameterError
+    from scaleattn.generate import generate_assoc
+
+    with pytest.raises(ParameterError, match=r"^orthogonal keys need `pairs` <= `dim`, got `pairs=3`, `dim=2`$"):
+        generate_assoc(tmp_path / "x.zarr", 3, 10, dim=2, orthogonal=True)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, line", [
+    # the CSV options were ignored without a word with --npz or --builtin, --horizon with --causal
+    (["import", "{out}", "--builtin", "digits", "--length", "5"],
+     "scaleattn import: error: --length cuts a --csv series into windows: not used with --builtin"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--npz", "{csv}", "--step", "2", "--causal"],
+     "scaleattn import: error: --step, --causal cut a --csv series into windows: not used with --npz"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--csv", "{csv}", "--causal", "--horizon", "3"],
+     "scaleattn import: error: --horizon must be 1 with --causal (each prefix predicts the next value), got 3"
+     " (see scaleattn import --help)"),
+    (["import", "{out}", "--csv", "{csv}", "--length", "100000000000000"],
+     "scaleattn import: error: series of 40 steps is too short for one window of --length 100000000000000 +"
+     " --horizon 1 (see scaleattn import --help)"),
+])
+def test_import_names_the_csv_options(tmp_path, cli, argv, line):
+    csv = tmp_path / "s.csv"
+    csv.write_text("a,b\n" + "\n".join(f"{i},{i % 3}" for i in range(40)))
+    out = tmp_path / "out.zarr"
+    r = cli(*[a.format(out=out, csv=csv) for a in argv], rc=2)
+    assert _line(r) == line
+    assert not out.exists()
