@@ -704,3 +704,23 @@ def test_operator_version_is_pinned_in_the_docs_and_ci():
     except Exception:
         pytest.skip("dask-kubernetes is not installed")
     assert installed == pin, f"installed dask-kubernetes {installed} (its CRDs are validated) != documented {pin}"
+
+
+@pytest.mark.parametrize("fit_args, message", [
+    ("--heads foo", r"--fit-args '--heads foo': --heads must be 'svd', 'minimal' or a positive integer, got 'foo'"),
+    ("--bogus-option", r"--fit-args '--bogus-option': not options `scaleattn fit` takes: unrecognized arguments:"
+                       r" --bogus-option"),
+    ("--cutoff-rtol x", r"not options `scaleattn fit` takes: argument --cutoff-rtol/--rtol: invalid float value"),
+    ("-h", r"--fit-args '-h': not options `scaleattn fit` takes: it asks for help"),
+])
+def test_fit_args_are_parsed_as_the_runner_s_fit_will(capsys, fit_args, message):
+    """A typo in --fit-args fails at submit, in one line, not in the runner pod minutes later (it was accepted)."""
+    rc = cli_main(["submit", "s3://b/ds.zarr", "--out", "s3://b/run", "--registry", "r.example.com/ml", "--dry-run",
+                   f"--fit-args={fit_args}"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaleattn submit: error: ") and re.search(message, lines[0]), err
+    assert lines[0].endswith("(see scaleattn submit --help)")
+    assert dry_run(capsys, ["s3://b/ds.zarr", "--out", "s3://b/run", "--registry", "r.example.com/ml", "--dry-run",
+                            "--fit-args", "--heads minimal --no-plots"])

@@ -10,6 +10,7 @@ terminal unless ``--debug``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -170,16 +171,39 @@ def main(argv=None) -> int:
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     args.started = started
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        return _run(args)
+        with _warning_lines(args):
+            return _run(args)
     timers = []
     previous = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, args=args, timers=timers))
     try:
-        return _run(args)
+        with _warning_lines(args):
+            return _run(args)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if argv is not None:  # called in a process that goes on (tests, notebooks): no deadline left behind
             for t in timers:
                 t.cancel()
+
+
+@contextlib.contextmanager
+def _warning_lines(args):
+    """A warning prints as one line, ``PROG: warning: MESSAGE``, as the error lines do (Python's own format adds
+    the file, line number and source line of the code that warned); with ``--debug`` as Python prints it."""
+    import warnings
+
+    if args.debug:
+        yield
+        return
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{_prog(args)}: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _run(args) -> int:

@@ -262,7 +262,36 @@ def _cmd_compare(args) -> int:
 def _cmd_submit(args) -> int:
     from .. import submit
 
+    _check_fit_args(args.fit_args)
     return submit.run(args)
+
+
+def _check_fit_args(text: str) -> None:
+    """``submit --fit-args`` go to ``scaleattn fit`` in the runner pod: parsed here as that fit will parse them,
+    so that a typo fails now, in one line, not in a pod minutes later (an unclosed quote: submit says so)."""
+    import contextlib
+    import io
+    import shlex
+
+    from .._params import heads_spec
+    from .parser import parse
+
+    try:
+        extra = shlex.split(text or "")
+    except ValueError:
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            fit = parse(["fit", "DATASET", "--out", "OUT", *extra])
+        heads_spec(fit.heads)  # (the one value fit checks only once it runs)
+    except SystemExit as e:
+        why = said.getvalue().strip().splitlines()
+        why = "it asks for help" if e.code == 0 or not why else why[-1].removeprefix("scaleattn fit: error: ")
+        raise ParameterError(f"--fit-args {text!r}: not options `scaleattn fit` takes: {why.rsplit(' (see ', 1)[0]}"
+                             ) from None
+    except ParameterError as e:
+        raise ParameterError(f"--fit-args {text!r}: --{e}") from None
 
 
 COMMANDS = {"generate": _cmd_generate, "import": _cmd_import, "fit": _cmd_fit, "certify": _cmd_certify,

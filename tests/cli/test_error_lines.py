@@ -174,3 +174,22 @@ def test_import_names_the_csv_options(tmp_path, cli, argv, line):
     r = cli(*[a.format(out=out, csv=csv) for a in argv], rc=2)
     assert _line(r) == line
     assert not out.exists()
+
+
+def test_a_warning_is_one_line_of_the_command(tmp_path, capsys):
+    """A warning prints as ``PROG: warning: MESSAGE``, one line (Python's format added the warning code's file,
+    line and source line, ``return write_files(...)`` after "predictions plot skipped")."""
+    import shutil
+
+    from scaleattn.cli import main
+    from scaleattn.generate import generate_mhla
+
+    generate_mhla(str(tmp_path / "d.zarr"), d=2, heads=1, length=4, samples=16, causal=True, seed=0)
+    assert main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), "--local", "--quiet",
+                 "--no-plots"]) == 0
+    shutil.rmtree(tmp_path / "d.zarr")  # the run's dataset gone: its predictions plot is skipped with a warning
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"scaleattn plot: warning: predictions plot skipped: \S*d\.zarr: no such"
+                                          r" dataset", err[0]), err
