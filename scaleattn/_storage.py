@@ -132,14 +132,11 @@ class Location:
         return fs_for(self.url, self.storage_options)
 
     def read_text(self) -> str:
-        if not self.is_remote:
-            check_regular(self.url)
-        with _remote_access(self.url):
-            fs, p = self.fs()
-            with fs.open(p, "r") as f:
-                return f.read()
+        return self.read_bytes().decode()
 
     def read_bytes(self) -> bytes:
+        if not self.is_remote:
+            check_regular(self.url)  # (a FIFO would block the read for ever)
         with _remote_access(self.url):
             fs, p = self.fs()
             with fs.open(p, "rb") as f:

@@ -159,11 +159,20 @@ def test_write_files_puts_old_files_back_and_refuses_a_directory_in_the_way(tmp_
     (exit 2 from the CLI, not 'this is a bug') before anything is written; a directory this call made goes."""
     import os
 
+    from matplotlib.figure import Figure
+
     from scaleattn import run
     from scaleattn.errors import StorageError, UnsafeOutputError
+    from scaleattn.plot import figure_pngs
 
+    def png(text):  # a plot as scaleattn draws it (only such a file is ever replaced)
+        fig = Figure(figsize=(1, 1))
+        fig.text(0.5, 0.5, text)
+        return figure_pngs({"x": fig})["x.png"]
+
+    old_a, old_b = png("old a"), png("old b")
     d = tmp_path / "plots"
-    run.write_files(d, {"a.png": b"old a", "b.png": b"old b"})
+    run.write_files(d, {"a.png": old_a, "b.png": old_b})
     real = os.replace
 
     def fail_on_b(src, dst):
@@ -176,7 +185,7 @@ def test_write_files_puts_old_files_back_and_refuses_a_directory_in_the_way(tmp_
         run.write_files(d, {"a.png": b"new a", "b.png": b"new b"})
     monkeypatch.setattr(run.os, "replace", real)
     assert sorted(p.name for p in d.iterdir()) == ["a.png", "b.png"]
-    assert (d / "a.png").read_bytes() == b"old a" and (d / "b.png").read_bytes() == b"old b"
+    assert (d / "a.png").read_bytes() == old_a and (d / "b.png").read_bytes() == old_b
     (tmp_path / "clash" / "b.png").mkdir(parents=True)
     with pytest.raises(UnsafeOutputError, match="is not a file"):
         run.write_files(tmp_path / "clash", {"a.png": b"1", "b.png": b"2"})
