@@ -331,6 +331,17 @@ def _has_crc32c(arr) -> bool:
     return "crc32c" in json.dumps(arr.metadata.to_dict().get("codecs", []), default=str)
 
 
+def open_store(loc, what: str):
+    """The Zarr group of a small store scaleattn wrote (``what``: "model", ...), opened read-only with its
+    attributes read. Raises :class:`FormatError` ``not a readable {what} store`` naming why."""
+    try:
+        g = loc.open_group("r")
+        dict(g.attrs)
+    except Exception as e:
+        raise FormatError(f"{loc.url}: not a readable {what} store ({type(e).__name__}: {e})") from None
+    return g
+
+
 def read_store(loc, group, kind: tuple[str, int], what: str, names) -> tuple[dict, dict]:
     """Check a small store scaleattn wrote (statistics, model, spectrum) and read its arrays: ``(attributes,
     {name: values})``. Every check refuses rather than read something other than what was written.

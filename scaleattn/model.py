@@ -185,13 +185,12 @@ class MHLAModel:
         if not loc.exists():
             raise InputNotFoundError(f"{loc.url}: no such model store")
         try:
-            g = loc.open_group("r")
-            dict(g.attrs)
-        except Exception as e:
+            g = _integrity.open_store(loc, "model")
+        except FormatError:
             if loc.join("model.zarr").exists():  # a run directory given where its model goes
                 raise FormatError(f"{loc.url}: a run directory, not a model store: pass"
                                   f" {loc.join('model.zarr').url}") from None
-            raise FormatError(f"{loc.url}: not a readable model store ({type(e).__name__}: {e})") from None
+            raise
         a, arrays = _integrity.read_store(loc, g, _formats.MODEL, "model", ("coef", "V", "Q"))
         _formats.check_types(a, {"d": int, "causal": bool, "d_out": int, "n_heads": int}, loc.url,
                              optional=("causal", "d_out", "n_heads"))

@@ -73,12 +73,8 @@ def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
 def _read_spectrum(loc: Location):
     """``(attributes, eigenvalues, eigenvalues_scaled)`` of a spectrum store, checked
     (:func:`scaleattn._integrity.read_store`; both arrays (psi,))."""
-    try:
-        g = loc.open_group("r")
-        dict(g.attrs)
-    except Exception as e:
-        raise FormatError(f"{loc.url}: not a readable spectrum store ({type(e).__name__}: {e})") from None
-    a, arrays = _integrity.read_store(loc, g, _formats.SPECTRUM, "spectrum", ("eigenvalues", "eigenvalues_scaled"))
+    a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "spectrum"), _formats.SPECTRUM, "spectrum",
+                                      ("eigenvalues", "eigenvalues_scaled"))
     ev, ws = arrays["eigenvalues"], arrays["eigenvalues_scaled"]
     if ev.ndim != 1 or ev.shape != ws.shape or ("psi" in a and a["psi"] != ev.shape[0]):
         raise IntegrityError(f"{loc.url}: eigenvalues {ev.shape} and eigenvalues_scaled {ws.shape} are not two"
@@ -240,12 +236,7 @@ def read_run(run, storage_options=None) -> dict:
 
 def _member_attrs(loc: Location, kind, what: str) -> dict:
     """The checked attributes of a store of the run (:func:`scaleattn._integrity.store_attrs`)."""
-    try:
-        g = loc.open_group("r")
-        dict(g.attrs)
-    except Exception as e:
-        raise FormatError(f"{loc.url}: not a readable {what} store ({type(e).__name__}: {e})") from None
-    return _integrity.store_attrs(g, kind, what, loc.url)[0]
+    return _integrity.store_attrs(_integrity.open_store(loc, what), kind, what, loc.url)[0]
 
 
 def _check_member(attrs: dict, name: str, run: Location, digest: str) -> None:

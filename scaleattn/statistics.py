@@ -22,7 +22,7 @@ from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, resolve
 from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
-from .errors import DatasetError, FormatError, IntegrityError, ParameterError
+from .errors import DatasetError, IntegrityError, ParameterError
 from .features import (
     n_features,
     n_pairs,
@@ -253,12 +253,8 @@ class Statistics:
         """
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
-        try:
-            g = loc.open_group("r")
-            dict(g.attrs)
-        except Exception as e:
-            raise FormatError(f"{loc.url}: not a readable statistics store ({type(e).__name__}: {e})") from None
-        a, arrays = _integrity.read_store(loc, g, _formats.STATISTICS, "statistics", ("gram_compact", "moments"))
+        a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "statistics"), _formats.STATISTICS,
+                                          "statistics", ("gram_compact", "moments"))
         _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, loc.url, optional=("d_out",))
         gram, moments = arrays["gram_compact"], arrays["moments"]
         d, m = int(a["d"]), n_pairs(int(a["d"]))
