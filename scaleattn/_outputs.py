@@ -412,11 +412,10 @@ def _written_here(loc: Location) -> bool:
 
 
 def clean_leftovers(loc: Location, protect=()) -> list[str]:
-    """Remove the temporaries a killed run left next to local output ``loc`` (``.NAME.partial-XXXXXXXX``, holding
-    only what a run writes: :func:`_written_here`), restoring
-    the previous output when a run died between moving it aside and putting the new one in place; never
-    anything in ``protect`` (input Locations). Call only while holding the lock of ``loc`` (:func:`hold`).
-    Returns the paths removed."""
+    """Remove the temporaries a killed run left next to local output ``loc`` (``.NAME.partial-`` and 8 hex digits,
+    holding only what a run writes: :func:`_written_here`), restoring the previous output when a run died between
+    moving it aside and putting the new one in place; never anything in ``protect`` (input Locations). Call only
+    while holding the lock of ``loc`` (:func:`hold`). Returns the paths removed."""
     if loc.is_remote:
         return []
     parent, prefix = _temporaries(loc)

@@ -14,7 +14,7 @@ import warnings
 from .errors import ParameterError
 
 __all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs", "positive_seconds",
-           "seed"]
+           "int_at_least", "seed"]
 
 
 def choice(name: str, value, choices):
@@ -107,13 +107,26 @@ def positive_seconds(text: str) -> float:
     return x
 
 
-def seed(text: str) -> int:
-    """argparse type of a random seed: an integer >= 0 (numpy's generators refuse negative seeds with a bare
-    ValueError, which the command line reported as an internal error)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+def int_at_least(low: int):
+    """argparse type of an integer ``>= low`` (argparse then exits 2 naming the option).
+
+    Examples
+    --------
+    >>> int_at_least(1)("3")
+    3
+    """
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    return parse
+
+
+#: argparse type of a random seed: an integer >= 0 (numpy's generators refuse negative seeds with a bare
+#: ValueError, which the command line reported as an internal error)
+seed = int_at_least(0)

@@ -5,7 +5,7 @@ import argparse
 import re
 
 from .._backend import DEVICES
-from .._params import positive_seconds, seed
+from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
 from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
 from ..spectrum import SOLVERS
@@ -13,15 +13,7 @@ from ..spectrum import SOLVERS
 __all__ = ["build_parser"]
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse then exits 2 with the option's name)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+_positive_int = int_at_least(1)  # argparse type of --workers, --gpus, ...
 
 
 def _add_cluster_args(p):
