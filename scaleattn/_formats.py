@@ -22,7 +22,7 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
-           "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps"]
+           "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "loss_curve", "check_format", "check_types", "json_default", "dumps"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -100,3 +100,25 @@ def _strict(o):
 def dumps(obj, indent: int | None = 2) -> str:
     """Strict JSON text of ``obj`` (numpy values converted; NaN and Infinity written as ``null``)."""
     return json.dumps(_strict(json.loads(json.dumps(obj, default=json_default))), indent=indent, allow_nan=False)
+
+
+#: the loss of a report's ``loss_vs_heads`` entries, by their key: the train MSE, or with a ridge the ridge fit's
+#: objective per row and output (the head search measures what the fit minimised; docs/report.md)
+LOSS_KEYS = {"train_mse_stats": "train MSE", "train_objective_stats": "train MSE + ridge penalty"}
+
+
+def loss_key(ridge: float) -> str:
+    """The key of a fit's ``loss_vs_heads`` entries (:data:`LOSS_KEYS`) after a fit with scaled ``ridge``."""
+    return "train_objective_stats" if ridge > 0 else "train_mse_stats"
+
+
+def loss_curve(entries) -> tuple[str, list[tuple[int, float]]]:
+    """What a report's ``loss_vs_heads`` measures (:data:`LOSS_KEYS`) and its points ``[(H, loss), ...]``.
+
+    Examples
+    --------
+    >>> loss_curve([{"heads": 1, "train_objective_stats": 0.5}, {"heads": 2, "train_objective_stats": 0.25}])
+    ('train MSE + ridge penalty', [(1, 0.5), (2, 0.25)])
+    """
+    key = next((k for k in LOSS_KEYS if entries and k in entries[0]), "train_mse_stats")
+    return LOSS_KEYS[key], [(int(e["heads"]), float(e[key])) for e in entries]

@@ -60,6 +60,31 @@ PROBE_STARTS, PROBE_ITERS, PROBE_STALL = 3, 60, 0.3
 
 
 # ---- the search -----------------------------------------------------------------------------------------
+class _RidgeGram:
+    """``G + ridge diag(G)`` without a copy of ``G``: the Gram of the scaled ridge objective
+    ``||y - Phi c||^2 + ridge sum_j G_jj ||c_j||^2`` (:func:`scaleattn.solve`), whose minimiser is the ridge fit.
+    The search measures its models with it, so that the losses are those of the objective the fit minimised
+    (with the plain Gram, the lossy models of the curve fit the data better than the ridge fit itself). Has what
+    the search uses of a Gram: ``@``, ``diagonal()`` and, for the loss factor, :meth:`dense`."""
+
+    def __init__(self, G, ridge: float):
+        self.G, self.ridge, self.shape = G, float(ridge), G.shape
+        self._shift = self.ridge * np.asarray(G.diagonal(), np.float64)
+
+    def __matmul__(self, x):
+        x = np.asarray(x, np.float64)
+        return np.asarray(self.G @ x) + (self._shift[:, None] * x if x.ndim == 2 else self._shift * x)
+
+    def diagonal(self) -> np.ndarray:
+        return np.asarray(self.G.diagonal(), np.float64) + self._shift
+
+    def dense(self, stats) -> np.ndarray:
+        """The psi x psi array (a copy; the statistics expand it when ``G`` is the matrix-free operator)."""
+        G = stats.gram() if isinstance(self.G, GramOperator) else np.array(self.G, np.float64)
+        G[np.diag_indices_from(G)] += self._shift
+        return G
+
+
 class _Search:
     """State of one head search (:func:`search_heads`): targets, budget, the best models found per head count."""
 
@@ -76,7 +101,10 @@ class _Search:
     def loss_tg(self) -> _Target:
         if self._loss_tg is None:
             # the loss-weighted head fits need the loss factor of the dense Gram (an eigh): expanded only here
-            G = self.stats.gram() if isinstance(self.G, GramOperator) else self.G
+            if isinstance(self.G, _RidgeGram):
+                G = self.G.dense(self.stats)
+            else:
+                G = self.stats.gram() if isinstance(self.G, GramOperator) else self.G
             self._loss_tg = _Target(self.coef, self.d, _loss_factor(G))
         return self._loss_tg
 
@@ -154,7 +182,7 @@ class _Curve:
 
 
 def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, iters: int = 200,
-                 budget: float | None = DEFAULT_BUDGET, starts: int = 4, seed: int = 0) -> Heads:
+                 budget: float | None = DEFAULT_BUDGET, starts: int = 4, seed: int = 0, ridge: float = 0.0) -> Heads:
     """Heads for the fitted coefficients ``coef`` (psi, d_out), with losses from the statistics (DESIGN §5).
 
     ``heads``:
@@ -198,6 +226,10 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
         (``minimal`` without an exact model below the maximum: the SVD heads) and ``budget_exhausted`` is set.
     starts, seed : int
         Starts per head count in step (2), and their seed (results are deterministic).
+    ridge : float
+        The scaled ridge ``coef`` was fitted with (:func:`scaleattn.solve`; 0: least squares). The search's loss
+        is then the fit's objective, the training sum of squares plus ``ridge * sum_j G_jj ||c_j||^2``, which
+        ``coef`` minimises: ``curve`` and ``loss_gap`` are in it, ``sse`` stays the heads' sum of squares.
 
     Returns
     -------
@@ -238,6 +270,7 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
         raise ValueError(f"heads must be 'svd', 'minimal' or a positive integer, got {heads!r}")
     G = gram_for(stats) if gram is None else gram  # the operator past DENSE_GRAM_MAX_PSI: only G @ c is needed
     G = G if isinstance(G, GramOperator) else np.asarray(G, np.float64)
+    plain, G = G, (_RidgeGram(G, ridge) if ridge > 0 else G)  # G: the loss the search minimises
     from threadpoolctl import threadpool_limits
 
     deadline = math.inf if budget is None else t0 + budget
@@ -249,11 +282,11 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
             h.method = "svd"
             h.sse = stats.sse(coef_from_heads(h.V, h.Q), G) if h.n_heads else float(stats.yy)
             h.curve = [(h.n_heads, h.sse)]
-            return _finish(h, stats, coef, G, tol, (every_c, KIND_EVERY_C), every_c, generic, False, t0)
+            return _finish(h, stats, coef, G, plain, tol, (every_c, KIND_EVERY_C), every_c, generic, False, t0)
         s = _Search(stats, coef, G, tol, iters, starts, seed, deadline)
         h = _run_search(s, heads, every_c, generic)
     bound = _reported_bound(h.n_heads, h.exact, every_c, generic)
-    return _finish(h, stats, coef, G, tol, bound, every_c, generic, s.exhausted, t0)
+    return _finish(h, stats, coef, G, plain, tol, bound, every_c, generic, s.exhausted, t0)
 
 
 def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
@@ -339,11 +372,15 @@ def _monotone(points):
     return out
 
 
-def _finish(h: Heads, stats, coef, G, tol, bound, every_c, generic, exhausted, t0) -> Heads:
+def _finish(h: Heads, stats, coef, G, plain, tol, bound, every_c, generic, exhausted, t0) -> Heads:
+    """The search's result fields; ``G`` the Gram of its loss, ``plain`` the statistics' own."""
     c = coef_from_heads(h.V, h.Q) if h.n_heads else np.zeros_like(coef)
     delta = c - coef
-    # sse(c) - sse(coef) without cancellation against yy: delta^T G delta + 2 delta^T (G coef - B)
+    # loss(c) - loss(coef) without cancellation against yy: delta^T G delta + 2 delta^T (G coef - B)
     h.loss_gap = float(np.sum(delta * (G @ delta)) + 2 * np.sum(delta * (G @ coef - np.asarray(stats.moments))))
+    if G is not plain:  # the curve is in the ridge objective; the heads' own training loss is the plain one
+        h.ridge = G.ridge
+        h.sse = stats.sse(c, plain) if h.n_heads else float(stats.yy)
     h.exact = bool(h.residual <= tol)
     h.lower_bound, h.lower_bound_kind = int(bound[0]), bound[1]
     h.bound_every_c, h.bound_generic = int(every_c), int(generic)

@@ -128,12 +128,15 @@ class Heads:
     method: str
     #: training sum of squared residuals of these heads from the statistics (None when not computed)
     sse: float | None = None
-    #: loss-versus-heads curve: ``[(H, sse), ...]`` for each head count tried, non-increasing in H
+    #: loss-versus-heads curve: ``[(H, loss), ...]`` for each head count tried, non-increasing in H; the loss is
+    #: the training sum of squares, plus the penalty ``ridge * sum_j G_jj c_j^2`` when ``ridge`` > 0
     curve: list = dataclasses.field(default_factory=list)
     #: whether the heads reproduce the coefficients to the search tolerance (None when not searched)
     exact: bool | None = None
-    #: training sum of squares of the heads minus that of the coefficients (0 up to round-off when exact)
+    #: the curve's loss of the heads minus that of the coefficients (0 up to round-off when exact)
     loss_gap: float | None = None
+    #: the scaled ridge of the fit the heads were searched for (its objective is the curve's loss)
+    ridge: float = 0.0
     #: no model with fewer heads reproduces the coefficients, by a bound of kind ``lower_bound_kind``
     lower_bound: int | None = None
     #: ``"flattening rank (every c)"`` (holds for any coefficients) or ``"dimension count (generic data)"``

@@ -251,12 +251,14 @@ def heads_are_exact(heads: Heads) -> bool:
     return heads.residual <= EXACT_HEADS_RTOL
 
 
-def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: float | None = DEFAULT_BUDGET) -> Heads:
+def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: float | None = DEFAULT_BUDGET,
+                  ridge: float = 0.0) -> Heads:
     """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
     With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
     loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.head_search.search_heads`,
-    ``budget`` seconds); without, only ``"svd"`` is available.
+    ``budget`` seconds; with ``ridge``, the scaled ridge ``coef`` was fitted with, its losses are that fit's
+    objective); without, only ``"svd"`` is available.
     Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
     """
     heads = heads_spec(heads)
@@ -264,7 +266,7 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
         if heads != "svd":
             raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")
         return svd_heads(coef, d)
-    return search_heads(stats, coef, heads, gram=gram, budget=budget)
+    return search_heads(stats, coef, heads, gram=gram, budget=budget, ridge=ridge)
 
 
 def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
@@ -282,7 +284,7 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     stats = stats.to_numpy()
     G = shared_gram(stats, solver) if gram is None else gram  # krylov: no psi x psi array past 4,096 features
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
-    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget)
+    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget, ridge=sol.ridge)
     return model_from_heads(sol, h, stats.d, causal), sol, h
 
 

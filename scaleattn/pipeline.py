@@ -16,7 +16,7 @@ import dataclasses
 import time
 import warnings
 
-from . import _testing
+from . import _formats, _testing
 from . import report as _text
 from ._backend import check_device
 from ._outputs import reading
@@ -383,9 +383,11 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
         "target_mean_square": stats.target_mean_square,
         "n_heads": model.n_heads, "heads_method": h.method, "heads_residual": h.residual,
         "head_singular_values": h.spectrum.tolist(),
-        "loss_vs_heads": [{"heads": int(k), "train_mse_stats": max(v, 0.0) / n_out} for k, v in h.curve],
+        "loss_vs_heads": [{"heads": int(k), _formats.loss_key(h.ridge): max(v, 0.0) / n_out} for k, v in h.curve],
         "ridge": sol.ridge, "effective_dof": sol.effective_dof,
     }
+    if sol.ridge > 0:  # what the ridge fit minimised (the curve's loss): its MSE plus the penalty
+        report["train_objective_stats"] = max(sol.objective(gram), 0.0) / n_out
     if h.sse is not None:
         report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
     report.update(_heads_search_report(h, n_out))

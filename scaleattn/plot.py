@@ -147,23 +147,25 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
 
 
 def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None, title: str | None = None):
-    """Training MSE against the number of heads H from ``report["loss_vs_heads"]``
-    (a list of ``{"heads": H, "train_mse_stats": mse, ...}``); None when it has fewer than two points (the
-    ``svd`` heads give one point: no curve).
+    """Training loss against the number of heads H from ``report["loss_vs_heads"]``
+    (a list of ``{"heads": H, "train_mse_stats": mse}``, or ``"train_objective_stats"`` after a ridge fit:
+    :func:`scaleattn._formats.loss_curve`); None when it has fewer than two points (the ``svd`` heads give one
+    point: no curve).
     With ``target_mean_square`` the zero-model MSE (mean y^2) is drawn for reference."""
     if not loss_vs_heads or len(loss_vs_heads) < 2:
         return None
-    rows = sorted((int(r["heads"]), float(r["train_mse_stats"])) for r in loss_vs_heads)
+    what, rows = _formats.loss_curve(loss_vs_heads)
+    rows = sorted(rows)
     H = np.array([h for h, _ in rows])
     mse = np.array([m for _, m in rows])
     top = max(float(np.max(np.abs(mse))), float(target_mean_square or 0.0), 1e-300)
     shown, _ = _positive_floor(mse, top)
     fig, (ax,) = _figure(1)
-    ax.semilogy(H, shown, "o-", color="C0", label="train MSE (from statistics)")
+    ax.semilogy(H, shown, "o-", color="C0", label=f"{what} (from statistics)")
     if target_mean_square:
         ax.axhline(target_mean_square, color="0.5", ls=":", gid="mean_square", label="mean $y^2$ (zero model)")
     ax.set_xlabel("number of heads H")
-    ax.set_ylabel("train MSE")
+    ax.set_ylabel(what)
     ax.set_xticks(H)
     ax.set_title(title or "Loss against number of heads")
     ax.legend(fontsize="small")

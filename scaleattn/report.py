@@ -13,8 +13,10 @@ import math
 
 import numpy as np
 
-__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
-           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "spectrum_svg", "certificate_html",
+from ._formats import loss_curve
+
+__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary",
+           "evaluation_summary", "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "spectrum_svg", "certificate_html",
            "fit_html", "statistics_html", "model_html", "safe_html"]
 
 
@@ -111,8 +113,8 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"fewer heads suffice: the teacher's {heads} {verb} the fitted function"
                      " (--heads minimal finds the fewest)")
     if len(r.get("loss_vs_heads", [])) > 1:
-        lines.append("loss vs heads: " + "  ".join(f"{e['heads']}:{e['train_mse_stats']:.3g}"
-                                                   for e in r["loss_vs_heads"]))
+        what, points = loss_curve(r["loss_vs_heads"])
+        lines.append(f"loss vs heads ({what}): " + "  ".join(f"{h}:{v:.3g}" for h, v in points))
     if r.get("ridge"):
         lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")
     if "witness" in r:
@@ -388,8 +390,8 @@ def _heads_card(r: dict) -> str:
                                  "(||c(heads) - c|| / ||c||)</span>"))
     lvh = r.get("loss_vs_heads") or []
     if len(lvh) > 1:
-        rows.append(("loss vs heads", " &middot; ".join(f"{e['heads']}: {_f(e['train_mse_stats'], '.3g')}"
-                                                        for e in lvh)))
+        what, points = loss_curve(lvh)
+        rows.append((f"loss vs heads ({what})", " &middot; ".join(f"{h}: {_f(v, '.3g')}" for h, v in points)))
     if r.get("heads_budget_exhausted"):
         note += (f'<div style="margin-top:0.25em">the head search stopped at its budget after'
                  f' {_f(r.get("heads_search_seconds"), ".1f")} s</div>')

@@ -272,8 +272,10 @@ def _report_json(text: bytes, url: str) -> dict:
         if v is not None and not (isinstance(v, list) and all(isinstance(x, item) and not isinstance(x, bool)
                                                                for x in v)):
             raise FormatError(f"{url}: {key!r} must be a list of {'numbers' if key[0] == 'h' else 'objects'}")
-    for row in report.get("loss_vs_heads") or ():
-        _formats.check_types(row, {"heads": int, "train_mse_stats": float}, f"{url}: loss_vs_heads")
+    rows = report.get("loss_vs_heads") or ()
+    for row in rows:  # one loss per entry, the same in all (_formats.LOSS_KEYS)
+        key = next((k for k in _formats.LOSS_KEYS if k in rows[0]), "train_mse_stats")
+        _formats.check_types(row, {"heads": int, key: float}, f"{url}: loss_vs_heads")
     if not isinstance(report.get("dataset", ""), (str, type(None))):
         raise FormatError(f"{url}: 'dataset' must be a string")
     return report

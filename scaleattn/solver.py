@@ -117,6 +117,15 @@ class Solution:
     def rank(self) -> int:
         return self.certificate.rank
 
+    def objective(self, gram) -> float:
+        """What the fit minimised, summed over outputs: ``sse + ridge sum_j G_jj ||c_j||^2`` (:func:`solve`'s
+        scaled ridge; ``sse`` when ``ridge`` is 0). ``gram``: the statistics' Gram, an array or the matrix-free
+        operator (only its diagonal is read)."""
+        if self.ridge == 0:
+            return float(self.sse)
+        dg = np.asarray(gram.diagonal(), np.float64)
+        return float(self.sse) + self.ridge * float(np.sum(dg[:, None] * np.asarray(self.coef, np.float64) ** 2))
+
 
 def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: float = 0.0, solver: str = "auto",
           large_psi: int | None = None, *, gram=None, krylov: dict | None = None, **deprecated) -> Solution:

@@ -293,6 +293,55 @@ def test_heads_h_exact_when_enough_else_lossy_with_its_gap():
     assert "minimal: yes, meets the bound 4 (dimension count (generic data))" in _line(r4)
 
 
+def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_path):
+    """After a ridge fit the loss of the curve and of the gap is what the fit minimised, ||F c - Y||^2 +
+    ridge sum_j (F^T F)_jj ||c_j||^2 on the explicit features: every H-head model is at or above the ridge fit's
+    value, the curve ends at the returned model's, and ``sse`` stays the heads' own sum of squares. With the plain
+    training loss the 1-head model of a 1-head teacher fitted with a ridge was below the returned model (the
+    curve never reached the fit it was drawn for)."""
+    import scaleattn
+    from scaleattn.plot import loss_vs_heads_figure
+    from scaleattn._formats import loss_curve
+    from scaleattn.run import read_run
+
+    d, d_out, lam = 3, 3, 1e-3
+    z, y = _agnostic(d, d_out, seed=1)
+    st = statistics_from_arrays(z, y)
+    sol = solve(st, ridge=lam)
+    s, x = token_features(z, causal=True)
+    F, Y = phi(s, x), row_targets(y, causal=True)
+    dg = np.einsum("ij,ij->j", F, F)
+
+    def objective(c):
+        return float(np.sum((F @ c - Y) ** 2) + lam * np.sum(dg[:, None] * c**2))
+
+    J = objective(sol.coef)
+    assert sol.objective(st.gram()) == pytest.approx(J, rel=1e-9)
+    for H in (2, 3, 4):
+        h = search_heads(st, sol.coef, H, ridge=lam)
+        c = coef_from_heads(h.V, h.Q)
+        values = [v for _, v in h.curve]
+        assert h.ridge == lam and values == sorted(values, reverse=True)
+        assert min(values) >= J * (1 - 1e-9)  # nothing beats what the ridge fit minimised
+        assert values[-1] == pytest.approx(objective(c), rel=1e-8)
+        assert h.loss_gap == pytest.approx(objective(c) - J, rel=1e-6, abs=1e-9 * J)
+        assert h.sse == pytest.approx(float(np.sum((F @ c - Y) ** 2)), rel=1e-9)
+    assert h.exact and values[-1] == pytest.approx(J, rel=1e-8)  # 4 heads reproduce the ridge coefficients
+    # the fit's report: the curve's entries and the objective it reaches, read back and labelled as such
+    with threadpool_limits(limits=1):
+        scaleattn.fit(causal_ds, tmp_path / "run", heads=2, ridge=1e-4)
+    r = read_run(tmp_path / "run")["report"]  # (its validation knows the entries' key)
+    assert (tmp_path / "run" / "loss_vs_heads.png").is_file()
+    assert loss_vs_heads_figure(r["loss_vs_heads"]).axes[0].get_ylabel() == "train MSE + ridge penalty"
+    what, points = loss_curve(r["loss_vs_heads"])
+    assert what == "train MSE + ridge penalty" and len(points) == 2
+    assert points[-1][1] == pytest.approx(r["train_objective_stats"], rel=1e-8)
+    assert min(v for _, v in points) >= r["train_objective_stats"] * (1 - 1e-9) > r["lstsq_train_mse_stats"]
+    assert "loss vs heads (train MSE + ridge penalty): " in scaleattn.report.fit_summary(r)
+    plain = scaleattn.fit(causal_ds, heads=2, plots=False).report
+    assert "train_objective_stats" not in plain and loss_curve(plain["loss_vs_heads"])[0] == "train MSE"
+
+
 def _line(r):
     from scaleattn.report import heads_line as _heads_line
 
