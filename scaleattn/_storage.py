@@ -23,8 +23,8 @@ import zarr
 from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
-           "transient", "with_retries", "is_url", "protocols", "check_kind", "settle_writes", "RETRY_ATTEMPTS",
-           "RETRY_DELAY"]
+           "transient", "with_retries", "is_url", "protocols", "check_kind", "settle_writes", "did_you_mean",
+           "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -356,6 +356,25 @@ def local_path(path) -> str:
     """``file:///x/y`` -> ``/x/y``; other paths and URLs unchanged."""
     p = str(path)
     return p[len("file://"):] if p.startswith("file://") else p
+
+
+def did_you_mean(path) -> str:
+    """``" (did you mean /x/data.zarr?)"`` for a local path that does not exist when its folder holds a close
+    name (a typo: ``difflib``'s ratio at least 0.6), else ``""``: the tail of a "no such ..." message.
+
+    """
+    import difflib
+
+    p = local_path(path)
+    if is_url(p) or os.path.exists(p):
+        return ""
+    parent, name = os.path.split(os.path.abspath(p))
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean {os.path.join(parent, close[0])}?)" if close else ""
 
 
 def join(base: str, name: str) -> str:

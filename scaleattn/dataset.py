@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from . import _formats, _integrity, _testing
-from ._storage import Location, access_error, check_kind, resolve
+from ._storage import Location, access_error, check_kind, did_you_mean, resolve
 from .datacheck import (
     ARRAYS,
     check_arrays,
@@ -391,7 +391,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     url = loc.url
     check_kind(loc, "dataset", "a Zarr store (a directory)", directory=True)  # a file: say so, not "not a group"
     if not loc.exists():
-        raise DatasetError(f"{url}: no such dataset")
+        raise DatasetError(f"{url}: no such dataset{did_you_mean(url)}")
     try:
         g = loc.open_group("r")
     except Exception as e:  # zarr raises several types for a non-group / corrupt metadata

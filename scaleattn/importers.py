@@ -16,7 +16,7 @@ import numpy as np
 
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from ._storage import check_kind, resolve
+from ._storage import check_kind, did_you_mean, resolve
 from .datacheck import MAX_TOKEN, check_values, is_real
 from .dataset_writer import write_dataset
 from .errors import (
@@ -101,7 +101,7 @@ def _check_source(path, expected: str, role: str = "") -> None:
     """The source file exists and is a file (:func:`scaleattn._storage.check_kind`; ``role`` names the option)."""
     check_kind(path, role, expected, directory=False)
     if not os.path.isfile(path):
-        raise InputNotFoundError(f"{path}: no such file")
+        raise InputNotFoundError(f"{path}: no such file{did_you_mean(path)}")
 
 
 def _check_output(url, path, storage_options) -> None:

@@ -11,7 +11,7 @@ from . import report as _report
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
-from ._storage import check_kind, resolve
+from ._storage import check_kind, did_you_mean, resolve
 from .datacheck import check_lengths, check_values
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
 from .features import n_features, predict_rows, token_features, triu_index
@@ -183,7 +183,7 @@ class MHLAModel:
         loc = resolve(url, storage_options)
         check_kind(loc, "model", "a model store (a Zarr directory)", directory=True)
         if not loc.exists():
-            raise InputNotFoundError(f"{loc.url}: no such model store")
+            raise InputNotFoundError(f"{loc.url}: no such model store{did_you_mean(loc.url)}")
         try:
             g = _integrity.open_store(loc, "model")
         except FormatError:

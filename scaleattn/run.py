@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from ._outputs import RUN, atomic_output, is_scaleattn_plot
-from ._storage import Location, check_kind, resolve, settle_writes
+from ._storage import Location, check_kind, did_you_mean, resolve, settle_writes
 from .certificate import certify
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
@@ -213,6 +213,8 @@ def read_run(run, storage_options=None) -> dict:
     run = resolve(run, storage_options)
     check_kind(run, "run", "a run directory", directory=True)
     rp = run.join(REPORT)
+    if not run.exists():
+        raise InputNotFoundError(f"{run.url}: no such run directory{did_you_mean(run.url)}")
     if not rp.exists():
         raise InputNotFoundError(f"{run.url}: no report.json (not a run directory written by `scaleattn fit`)")
     text = rp.read_bytes()

@@ -130,7 +130,11 @@ def test_cli_plot_run_dir_and_recompute_without_spectrum(run, tmp_path, cli):
     assert sorted(os.listdir(tmp_path / "png")) == ["heads.png", "predictions.png", "spectrum.png"]
     view = plot.load_run(copy)
     np.testing.assert_allclose(view["eigenvalues"], res.certificate.eigenvalues, rtol=1e-10, atol=1e-18)
-    assert "no report.json" in cli("plot", tmp_path / "nope", rc=2).stderr
+    assert "nope: no such run directory" in cli("plot", tmp_path / "nope", rc=2).stderr
+    os.makedirs(tmp_path / "empty")
+    assert "no report.json" in cli("plot", tmp_path / "empty", rc=2).stderr
+    # a typo: the closest name in the folder is suggested
+    assert f"(did you mean {os.path.join(str(tmp_path), 'run')}?)" in cli("plot", tmp_path / "rnu", rc=2).stderr
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ store or run directory goes (a dataset, ``--checkpoint``, a model, a run), and a
 (``file.txt/sub``), which does not exist because a file has no entries."""
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -95,7 +96,11 @@ def test_missing_paths_still_say_no_such(place, capfd):
     r = run_cli(capfd, "import", "o.zarr", "--npz", "dir/nope.npz", rc=2)
     assert re.search(r"dir/nope\.npz: no such file", r.stderr), r.stderr
     r = run_cli(capfd, "fit", "dir/nope.zarr", "--out", "r", *FIT, rc=2)
-    assert re.search(r"nope\.zarr: no such dataset", r.stderr), r.stderr
+    assert re.search(r"nope\.zarr: no such dataset", r.stderr) and "did you mean" not in r.stderr, r.stderr
+    os.makedirs("dir/data.zarr")  # a typo of a name in the folder gets the name
+    r = run_cli(capfd, "fit", "dir/dta.zarr", "--out", "r", *FIT, rc=2)
+    assert re.search(r"dta\.zarr: no such dataset \(did you mean \S*dir/data\.zarr\?\)", r.stderr), r.stderr
+    os.rmdir("dir/data.zarr")
     np.testing.assert_equal(sorted(p.name for p in place.iterdir()), ["d.zarr", "dir", "file.txt"])
 
 
