@@ -67,9 +67,9 @@ def _mark_clipped(ax, x, values, floor, color, what: str):
     legend entry saying how many and where they were clipped; returns the mask of the clipped values."""
     low = np.asarray(values, np.float64) <= floor
     if low.any():
-        ax.semilogy(np.asarray(x)[low], np.full(int(low.sum()), floor), "v", color=color, mfc="none", ms=5,
-                    gid="clipped", label=f"{int(low.sum())} {what} below {floor:.0e} (or ≤ 0): clipped, drawn at"
-                                         " the floor")
+        k = int(low.sum())
+        ax.semilogy(np.asarray(x)[low], np.full(k, floor), "v", color=color, mfc="none", ms=5, gid="clipped",
+                    label=f"{k} of the {what} below {floor:.0e} (or ≤ 0): clipped, drawn at the floor")
     return low
 
 
@@ -181,17 +181,19 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
 
     ``exact`` (``heads_exact``), ``train_mse`` and ``residual`` (``heads_residual``) say in the ``n_heads`` label
     what the heads kept compute when they are fewer than the rank of W (``--heads minimal`` or ``H``: heads found
-    by a search, not the leading terms of the SVD): exact heads are then not a cut of the spectrum drawn, lossy
-    ones are."""
+    by a search, not the leading terms of the SVD): exact heads are then not a cut of the spectrum drawn; heads
+    that are not exact compute another function than the fit (at a higher train MSE, or, on data that do not
+    determine the function, at the same). Singular values at or below the floor are marked ``gid="clipped"``."""
     s = np.sort(np.asarray(singular_values, np.float64))[::-1]
     if s.size == 0:
         raise ParameterError("singular_values: empty")
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax,) = _figure(1)
-    shown, _ = _positive_floor(s, s[0])
+    shown, floor = _positive_floor(s, s[0])
     r = np.arange(1, s.size + 1)
     ax.semilogy(r, shown, "o-", color="C1", ms=4, lw=0.8, label=r"$\sigma_r(W)$")
+    _mark_clipped(ax, r, s, floor, "C1", "singular values")
     if n_heads is not None:
         rank = int((s > SVD_RANK_RTOL * s[0]).sum()) if s[0] > 0 else 0
         label = f"heads kept: {n_heads}" + (f" ({method})" if method else "")
@@ -201,8 +203,9 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
         if n_heads < rank and exact:
             label += (f": exact, {'they compute' if n_heads > 1 else 'it computes'} the fitted function{facts}"
                       f"\nthe SVD of W has rank {rank}: fewer heads were found,\nnot a cut of the SVD")
-        elif n_heads < rank and exact is False:
-            label += f": lossy, fewer than the rank {rank} of W{facts}"
+        elif n_heads < rank and exact is False:  # (on a singular Gram at no loss: another function, as good a fit)
+            label += (f": not exact, {'they compute' if n_heads > 1 else 'it computes'} another function than the"
+                      f" fit{facts}\nfewer heads than the rank {rank} of W")
         ax.axvline(n_heads + 0.5, color="k", ls="--", lw=1, gid="n_heads", label=label)
     if minimal is not None and (n_heads is None or minimal["count"] < n_heads):
         who = "head search" if minimal["source"] == "head search" else "the teacher's"
@@ -227,9 +230,10 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
     H = np.array([h for h, _ in rows])
     mse = np.array([m for _, m in rows])
     top = max(float(np.max(np.abs(mse))), float(target_mean_square or 0.0), 1e-300)
-    shown, _ = _positive_floor(mse, top)
+    shown, floor = _positive_floor(mse, top)
     fig, (ax,) = _figure(1)
     ax.semilogy(H, shown, "o-", color="C0", label="train MSE (from statistics)")
+    _mark_clipped(ax, H, mse, floor, "C0", "MSE values")
     if target_mean_square:
         ax.axhline(target_mean_square, color="0.5", ls=":", gid="mean_square", label="mean $y^2$ (zero model)")
     ax.set_xlabel("number of heads H")

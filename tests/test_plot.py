@@ -118,6 +118,11 @@ def test_loss_vs_heads_panel_when_present():
     np.testing.assert_allclose(ln.get_ydata()[:2], [0.2, 0.01])
     assert 0 < ln.get_ydata()[2] < 1e-15  # zero drawn at the log floor
     assert _by_gid(ax, "mean_square")
+    (clipped,) = _by_gid(ax, "clipped")  # and said to be clipped there
+    np.testing.assert_array_equal(clipped.get_xdata(), [3])
+    assert clipped.get_ydata()[0] == ln.get_ydata()[2] and "1 of the MSE values below" in clipped.get_label()
+    (heads,) = plot.head_spectrum_figure([1.0, 0.5, 0.0, 0.0], 2).axes
+    np.testing.assert_array_equal(_by_gid(heads, "clipped")[0].get_xdata(), [3, 4])
 
 
 @pytest.mark.slow
@@ -200,7 +205,7 @@ def test_spectrum_says_which_values_are_clipped_at_the_floor():
     (clipped,) = _by_gid(ax, "clipped")
     np.testing.assert_array_equal(clipped.get_xdata(), [4, 5])
     np.testing.assert_allclose(clipped.get_ydata(), floor)
-    assert "2 eigenvalues below 1e-18" in clipped.get_label() and "clipped" in clipped.get_label()
+    assert "2 of the eigenvalues below 1e-18" in clipped.get_label() and "clipped" in clipped.get_label()
     (lmin,) = _by_gid(ax, "lambda_min")
     assert lmin.get_ydata()[0] == pytest.approx(floor)
     assert "1.49e-66" in lmin.get_label() and "below 1e-18: clipped" in lmin.get_label()
@@ -330,6 +335,7 @@ def test_heads_plot_says_minimal_heads_are_exact_not_a_cut(causal_ds):
     assert f"the SVD of W has rank {rank}" in label and "not a cut of the SVD" in label
     lossy = plot.head_spectrum_figure(s, 2, method="best-2", exact=False, train_mse=0.5)
     (nh,) = _by_gid(lossy.axes[0], "n_heads")
-    assert "lossy, fewer than the rank 4 of W" in nh.get_label() and "train MSE 0.5" in nh.get_label()
+    assert "not exact, they compute another function than the fit" in nh.get_label()
+    assert "fewer heads than the rank 4 of W" in nh.get_label() and "train MSE 0.5" in nh.get_label()
     svd = plot.head_spectrum_figure(s, 4, method="svd", exact=True)  # all of the SVD: nothing to explain
     assert _by_gid(svd.axes[0], "n_heads")[0].get_label() == "heads kept: 4 (svd)"
