@@ -16,7 +16,7 @@ __all__ = [
     "OutputExistsError",
     "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
     "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "DeviceMismatchError", "with_hint",
-    "hint_of",
+    "hint_of", "Note",
 ]
 
 
@@ -31,6 +31,11 @@ class ScaleattnError(ValueError):
     >>> issubclass(ParameterError, ScaleattnError) and issubclass(ScaleattnError, ValueError)
     True
     """
+
+
+class Note(UserWarning):
+    """Not a problem, but something the user would otherwise miss, issued with :func:`warnings.warn`: e.g. a
+    plot not drawn and why. The CLI prints ``scaleattn COMMAND: note: MESSAGE``."""
 
 
 class ParameterError(ScaleattnError):

@@ -2,19 +2,22 @@
 
 Every ``*_figure`` function returns a :class:`matplotlib.figure.Figure` built without pyplot (no global state,
 no GUI backend; Jupyter displays it inline, :meth:`Figure.savefig` writes PNG through Agg). Marked elements
-carry a ``gid`` (``"lambda_min"``, ``"lambda_max"``, ``"cutoff"``, ``"n_heads"``, ``"minimal_heads"``,
-``"identity"``) so they can be found programmatically.
+carry a ``gid`` (``"lambda_min"``, ``"lambda_max"``, ``"cutoff"``, ``"dropped"``, ``"clipped"`` (values below a
+log axis' floor, drawn at it), ``"lambda_min_clipped"``, ``"n_heads"``, ``"minimal_heads"``, ``"identity"``) so
+they can be found programmatically. Legends lie outside the axes (figure legends below them), never on the data.
 
-:func:`save_run_plots` writes ``spectrum.png``, ``heads.png``, ``loss_vs_heads.png`` (when the report's
-``loss_vs_heads`` has two or more points) and ``predictions.png`` (when the dataset is reachable) next to
-``report.json``.
+:func:`save_run_plots` writes ``spectrum.png`` (when the whole spectrum is known), ``heads.png``,
+``loss_vs_heads.png`` (when the report's ``loss_vs_heads`` has two or more points) and ``predictions.png`` (when
+the dataset is reachable) next to ``report.json``.
 The eigenvalues of ``Lambda_D`` come from the run's ``spectrum.zarr`` (:func:`scaleattn.run.read_run`), or are
-recomputed from ``stats.zarr`` for runs without one. Layer L4.
+recomputed from ``stats.zarr`` for runs without one (psi > 2,000) up to psi = 4,000 (at any psi with
+``full_spectrum``); past it a :class:`~scaleattn.errors.Note` says why there is no ``spectrum.png``. Layer L4.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 
 import numpy as np
@@ -24,22 +27,24 @@ from ._outputs import check_disjoint, check_output_location, hold, reading, rela
 from ._storage import resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
-from .errors import ParameterError, ScaleattnError
+from .errors import Note, ParameterError, ScaleattnError
 from .report import minimal_heads
-from .run import MODEL, SPECTRUM, STATS, read_run, write_files
+from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spectrum_not_kept, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
-           "sample_predictions", "run_figures", "figure_pngs", "save_run_plots"]
+           "sample_predictions", "dataset_rows", "run_figures", "figure_pngs", "save_run_plots"]
 #: rows (samples or prefixes) drawn in the predictions-against-targets scatter
 PREDICTION_POINTS = 2000
+#: outputs drawn on panels of their own in the predictions figure (pooled on one panel beyond)
+PREDICTION_PANELS = 16
 
 
-def _figure(ncols: int = 1, width: float = 5.0):
+def _figure(ncols: int = 1, width: float = 5.0, nrows: int = 1, height: float = 3.8):
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width * ncols, 3.8), layout="constrained")
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     return fig, axes
 
 
@@ -49,9 +54,28 @@ def _positive_floor(values, top, rel: float = 1e-18):
     return np.maximum(np.asarray(values, np.float64), floor), floor
 
 
+def _legend_outside(fig, ax, side: str = "center", ncols: int = 1):
+    """The legend of ``ax`` below the axes, outside them (constrained layout makes room): it never covers a
+    point or a line of the plot (a legend inside the axes did, e.g. the cutoff running through its text)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc=f"outside lower {side}", fontsize="small", ncols=ncols, markerscale=1.5)
+
+
+def _mark_clipped(ax, x, values, floor, color, what: str):
+    """Values at or below the log axis' ``floor`` drawn at it as open down-triangles (``gid="clipped"``), with a
+    legend entry saying how many and where they were clipped; returns the mask of the clipped values."""
+    low = np.asarray(values, np.float64) <= floor
+    if low.any():
+        k = int(low.sum())
+        ax.semilogy(np.asarray(x)[low], np.full(k, floor), "v", color=color, mfc="none", ms=5, gid="clipped",
+                    label=f"{k} of the {what} below {floor:.0e} (or ≤ 0): clipped, drawn at the floor")
+    return low
+
+
 # ---- the certificate's spectrum ---------------------------------------------------------------------------
 def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None = None, lambda_min=None,
-                    title: str | None = None, identifiable: bool | None = None):
+                    title: str | None = None, identifiable: bool | None = None, method: str | None = None):
     """Eigenvalue spectrum of ``Lambda_D = G / N`` with ``lambda_min`` / ``lambda_max`` marked ([Y25] Lemma 2.3;
     DESIGN §4), and, when ``eigenvalues_scaled`` is given, the Jacobi-scaled spectrum with the relative cutoff
     ``rtol * max`` that decides the rank (eigenvalues below it are the ambiguous directions, drawn in red).
@@ -70,12 +94,20 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
         The certificate's verdict (``report["identifiable"]``) for the ``lambda_min`` label; default: lambda_min
         at the plot's floor means not identifiable. The floor is ``1e-18`` of the largest value, lower when the
         cutoff is (a QR certificate's spectrum resolves ``(psi eps)^2``).
+    method : {"gram", "qr"}, optional
+        The report's ``certificate_method``: with ``"qr"`` the spectra are squared singular values of R (the
+        scaled R on the right), and the cutoff is labelled as the CLI states it, ``sqrt(rtol) x sigma_max of R``.
+
+    Values at or below the floor are drawn at it as open down-triangles (``gid="clipped"``) and said to be
+    clipped in the legend, as is ``lambda_min`` when it lies below the floor (its line then sits at the floor,
+    with a downward arrow, ``gid="lambda_min_clipped"``). The legends lie below the axes.
 
     Returns a Figure with one axis (two with ``eigenvalues_scaled``), log y, eigenvalues in descending order.
     """
     ev = np.sort(np.asarray(eigenvalues, np.float64))[::-1]
     if ev.size == 0:
         raise ParameterError("eigenvalues: empty spectrum")
+    qr = method == "qr"
     fig, axes = _figure(1 if eigenvalues_scaled is None else 2)
     lam_max = float(ev[0])
     lam_min = float(max(ev[-1], 0.0)) if lambda_min is None else float(lambda_min)
@@ -84,18 +116,27 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     not_identifiable = lam_min <= floor if identifiable is None else not identifiable
     ax = axes[0]
     idx = np.arange(1, ev.size + 1)
-    ax.semilogy(idx, shown, ".-", color="C0", ms=3, lw=0.8, label=r"eigenvalues of $\Lambda_D$")
+    low = ev <= floor
+    ax.semilogy(idx[~low], shown[~low], ".-", color="C0", ms=3, lw=0.8,
+                label=r"eigenvalues of $\Lambda_D$" + (r" ($\sigma^2$ of R / N)" if qr else ""))
+    _mark_clipped(ax, idx, ev, floor, "C0", "eigenvalues")
     ax.axhline(lam_max, color="C2", ls=":", lw=1, gid="lambda_max", label=rf"$\lambda_{{\max}}$ = {lam_max:.3g}")
-    ax.axhline(max(lam_min, floor), color="C3", ls="--", lw=1.2, gid="lambda_min",
-               label=rf"$\lambda_{{\min}}$ = {lam_min:.3g}" + (" (not identifiable)" if not_identifiable else ""))
+    verdict = " not identifiable" if not_identifiable else ""
+    if lam_min < floor:  # the line sits at the floor: say so, and point down
+        label = rf"$\lambda_{{\min}}$ = {lam_min:.3g} (below {floor:.0e}: clipped, drawn at the floor;{verdict})"
+        ax.annotate("", xy=(0.97, floor), xycoords=("axes fraction", "data"), xytext=(0.97, floor * 1e3),
+                    textcoords=("axes fraction", "data"), gid="lambda_min_clipped",
+                    arrowprops={"arrowstyle": "->", "color": "C3", "lw": 1.2})
+    else:
+        label = rf"$\lambda_{{\min}}$ = {lam_min:.3g}" + (f" ({verdict.strip()})" if verdict else "")
+    ax.axhline(max(lam_min, floor), color="C3", ls="--", lw=1.2, gid="lambda_min", label=label)
     ax.set_xlabel("eigenvalue index (descending)")
     ax.set_ylabel(r"eigenvalue of $\Lambda_D = G/N$")
     ax.set_title(title or r"Certificate: spectrum of $\Lambda_D$")
-    ax.legend(fontsize="small", loc="lower left")
     if eigenvalues_scaled is not None:
         ws = np.sort(np.asarray(eigenvalues_scaled, np.float64))[::-1]
         top = max(float(ws[0]), 0.0)
-        shown_s, _ = _positive_floor(ws, top, rel)
+        shown_s, floor_s = _positive_floor(ws, top, rel)
         ax2 = axes[1]
         cut = None if rtol is None else float(rtol) * top
         kept = np.ones(ws.size, bool) if cut is None else ws > cut
@@ -104,36 +145,68 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
         if (~kept).any():
             ax2.semilogy(j[~kept], shown_s[~kept], "x", color="C3", ms=5, gid="dropped",
                          label=f"below cutoff ({int((~kept).sum())}: ambiguous)")
+        _mark_clipped(ax2, j, ws, floor_s, "C3", "values")
         if cut is not None:
-            ax2.axhline(max(cut, _positive_floor([cut], top, rel)[1]), color="k", ls="--", lw=1, gid="cutoff",
-                        label=f"cutoff {float(rtol):.1e} x max")
+            label = (f"cutoff ({math.sqrt(float(rtol)):.1e} x $\\sigma_{{\\max}}$ of R)$^2$ = {float(rtol):.1e} x max"
+                     if qr else f"cutoff {float(rtol):.1e} x max")
+            ax2.axhline(max(cut, floor_s), color="k", ls="--", lw=1, gid="cutoff", label=label)
         ax2.set_xlabel("eigenvalue index (descending)")
-        ax2.set_ylabel(r"eigenvalue of $D^{-1/2} G D^{-1/2}$")
-        ax2.set_title("Jacobi-scaled Gram: rank decision")
-        ax2.legend(fontsize="small", loc="lower left")
+        if qr:
+            ax2.set_ylabel(r"$\sigma^2$ of the Jacobi-scaled R")
+            ax2.set_title("QR of the features: rank decision")
+        else:
+            ax2.set_ylabel(r"eigenvalue of $D^{-1/2} G D^{-1/2}$")
+            ax2.set_title("Jacobi-scaled Gram: rank decision")
+        _legend_outside(fig, ax, "left")
+        _legend_outside(fig, ax2, "right")
+    else:
+        _legend_outside(fig, ax)
     return fig
 
 
+#: singular values of W above this fraction of the largest count towards its rank (as :func:`scaleattn.heads.svd_heads`
+#: keeps them)
+SVD_RANK_RTOL = 1e-12
+
+
 def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str | None = None, *,
-                         minimal: dict | None = None, method: str | None = None):
+                         minimal: dict | None = None, method: str | None = None, exact: bool | None = None,
+                         train_mse: float | None = None, residual: float | None = None):
     """Singular values ``sigma_r`` of ``W`` (d_out*d, d*d), the head spectrum of [Y25] Alg. 1 (DESIGN §5), with
     the number of heads kept marked (``gid="n_heads"``). Log y; zeros are drawn at a floor.
 
     ``minimal`` (:func:`scaleattn.report.minimal_heads` of the report: ``{"count", "exact", "source"}``) marks
     the fewest heads known to compute the function (``gid="minimal_heads"``) when it is below ``n_heads``,
-    labelled "fewer heads suffice"; ``method`` (the report's ``heads_method``) names the heads kept."""
+    labelled "fewer heads suffice"; ``method`` (the report's ``heads_method``) names the heads kept.
+
+    ``exact`` (``heads_exact``), ``train_mse`` and ``residual`` (``heads_residual``) say in the ``n_heads`` label
+    what the heads kept compute when they are fewer than the rank of W (``--heads minimal`` or ``H``: heads found
+    by a search, not the leading terms of the SVD): exact heads are then not a cut of the spectrum drawn; heads
+    that are not exact compute another function than the fit (at a higher train MSE, or, on data that do not
+    determine the function, at the same). Singular values at or below the floor are marked ``gid="clipped"``."""
     s = np.sort(np.asarray(singular_values, np.float64))[::-1]
     if s.size == 0:
         raise ParameterError("singular_values: empty")
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax,) = _figure(1)
-    shown, _ = _positive_floor(s, s[0])
+    shown, floor = _positive_floor(s, s[0])
     r = np.arange(1, s.size + 1)
     ax.semilogy(r, shown, "o-", color="C1", ms=4, lw=0.8, label=r"$\sigma_r(W)$")
+    _mark_clipped(ax, r, s, floor, "C1", "singular values")
     if n_heads is not None:
-        ax.axvline(n_heads + 0.5, color="k", ls="--", lw=1, gid="n_heads",
-                   label=f"heads kept: {n_heads}" + (f" ({method})" if method else ""))
+        rank = int((s > SVD_RANK_RTOL * s[0]).sum()) if s[0] > 0 else 0
+        label = f"heads kept: {n_heads}" + (f" ({method})" if method else "")
+        facts = ", ".join(([f"heads residual {residual:.1e}"] if residual is not None else [])
+                          + ([f"train MSE {train_mse:.3g}"] if train_mse is not None else []))
+        facts = f"\n({facts})" if facts else ""
+        if n_heads < rank and exact:
+            label += (f": exact, {'they compute' if n_heads > 1 else 'it computes'} the fitted function{facts}"
+                      f"\nthe SVD of W has rank {rank}: fewer heads were found,\nnot a cut of the SVD")
+        elif n_heads < rank and exact is False:  # (on a singular Gram at no loss: another function, as good a fit)
+            label += (f": not exact, {'they compute' if n_heads > 1 else 'it computes'} another function than the"
+                      f" fit{facts}\nfewer heads than the rank {rank} of W")
+        ax.axvline(n_heads + 0.5, color="k", ls="--", lw=1, gid="n_heads", label=label)
     if minimal is not None and (n_heads is None or minimal["count"] < n_heads):
         who = "head search" if minimal["source"] == "head search" else "the teacher's"
         ax.axvline(minimal["count"] + 0.5, color="C2", ls="-.", lw=1.4, gid="minimal_heads",
@@ -142,7 +215,7 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("singular value of W")
     ax.set_title(title or "Head spectrum (SVD of W)")
-    ax.legend(fontsize="small")
+    _legend_outside(fig, ax)
     return fig
 
 
@@ -159,16 +232,17 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
     H = np.array([h for h, _ in rows])
     mse = np.array([m for _, m in rows])
     top = max(float(np.max(np.abs(mse))), float(target_mean_square or 0.0), 1e-300)
-    shown, _ = _positive_floor(mse, top)
+    shown, floor = _positive_floor(mse, top)
     fig, (ax,) = _figure(1)
     ax.semilogy(H, shown, "o-", color="C0", label=f"{what} (from statistics)")
+    _mark_clipped(ax, H, mse, floor, "C0", "MSE values" if what == "train MSE" else "values")
     if target_mean_square:
         ax.axhline(target_mean_square, color="0.5", ls=":", gid="mean_square", label="mean $y^2$ (zero model)")
     ax.set_xlabel("number of heads H")
     ax.set_ylabel(what)
     ax.set_xticks(H)
     ax.set_title(title or "Loss against number of heads")
-    ax.legend(fontsize="small")
+    _legend_outside(fig, ax)
     return fig
 
 
@@ -189,52 +263,106 @@ def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, stor
     return y, yhat
 
 
-def predictions_figure(y, y_hat, title: str | None = None):
-    """Predictions against targets (all outputs pooled, one colour per output up to 10) with the identity
-    line (``gid="identity"``); the title gives the MSE of the points shown."""
+def dataset_rows(ds: Dataset) -> int:
+    """The rows of a dataset (what a fit's ``n_rows`` counts): its samples, or with causal data their valid
+    prefixes (the sum of the lengths)."""
+    if not ds.causal:
+        return int(ds.n_samples)
+    return int(ds.read_lengths(0, ds.n_samples).sum()) if ds.has_lengths else int(ds.n_samples) * int(ds.length)
+
+
+def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | None = None,
+                       training: bool | None = None, total_rows: int | None = None):
+    """Predictions against targets with the identity line (``gid="identity"``): one panel per output up to
+    :data:`PREDICTION_PANELS` outputs (each titled with its MSE; outputs pooled on one panel beyond, one colour
+    per output, translucent), so that no output hides another.
+
+    The title names the rows drawn: ``"first n of N rows"`` (``total_rows`` = N, the dataset's rows; ``"all N
+    rows"`` when they are all drawn) and their MSE, which is that of these rows, not the report's ``train_mse``
+    unless they are all the rows; and the dataset they come from, ``dataset`` (its name), with ``training``:
+    True "the training data", False "not the training data" (a held-out plot is never taken for the fit's)."""
     y, y_hat = np.asarray(y, np.float64), np.asarray(y_hat, np.float64)
     if y.shape != y_hat.shape or y.size == 0:
         raise ParameterError(f"y and y_hat: expected equal non-empty shapes, got {y.shape} and {y_hat.shape}")
     y2, p2 = y.reshape(y.shape[0], -1), y_hat.reshape(y.shape[0], -1)
-    fig, (ax,) = _figure(1, width=4.6)
-    d_out = y2.shape[1]
+    n, d_out = y2.shape
+    pooled = d_out > PREDICTION_PANELS
+    ncols = 1 if pooled else min(d_out, 4)
+    nrows = 1 if pooled else -(-d_out // 4)
+    width, height = (4.6, 3.8) if ncols == 1 else (2.7, 2.6)
+    fig, axes = _figure(ncols, width, nrows, height)
     for a in range(d_out):
-        kw = {"color": f"C{a % 10}", "label": f"output {a}"} if d_out <= 10 else {"color": "C0"}
-        ax.scatter(y2[:, a], p2[:, a], s=4, alpha=0.5, lw=0, **kw)
-    lo, hi = float(min(y2.min(), p2.min())), float(max(y2.max(), p2.max()))
-    ax.plot([lo, hi], [lo, hi], "k--", lw=1, gid="identity", label="y = ŷ")
+        ax = axes[0 if pooled else a]
+        if pooled:
+            ax.scatter(y2[:, a], p2[:, a], s=5, alpha=0.35, lw=0, color=f"C{a % 10}",
+                       marker="os^Dv<>ph*"[(a // 10) % 10], zorder=2)
+        else:
+            ax.scatter(y2[:, a], p2[:, a], s=5, alpha=0.6, lw=0, color=f"C{a % 10}", zorder=2)
+        if not pooled and d_out > 1:
+            ax.set_title(f"output {a}: MSE {float(np.mean((y2[:, a] - p2[:, a]) ** 2)):.3g}", fontsize="medium")
+    panels = axes[:1] if pooled else axes[:d_out]
+    for i, ax in enumerate(panels):
+        cols = slice(None) if pooled else slice(i, i + 1)
+        lo = float(min(y2[:, cols].min(), p2[:, cols].min()))
+        hi = float(max(y2[:, cols].max(), p2[:, cols].max()))
+        # under the points (an exact fit's points lie on it)
+        ax.plot([lo, hi], [lo, hi], "--", color="0.4", lw=0.8, zorder=1, gid="identity", label="y = ŷ")
+        if i + ncols >= len(panels):  # the bottom panel of its column
+            ax.set_xlabel("target y")
+        if i % ncols == 0:
+            ax.set_ylabel("prediction ŷ")
+        if ncols > 1:
+            ax.tick_params(labelsize="small")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     mse = float(np.mean((y2 - p2) ** 2))
-    ax.set_xlabel("target y")
-    ax.set_ylabel("prediction ŷ")
-    ax.set_title(title or f"Predictions against targets\n{y2.shape[0]:,} rows, MSE {mse:.3g}")
-    if d_out <= 10:
-        ax.legend(fontsize="small", markerscale=3)
+    if total_rows is None or total_rows <= n:
+        rows = f"all {n:,} rows" if total_rows is not None else f"{n:,} rows"
+    else:
+        rows = f"first {n:,} of {total_rows:,} rows"
+    where = ("the training data" if training else "not the training data") if training is not None else ""
+    if dataset:
+        where = f"{dataset} ({where})" if where else dataset
+    head = f"Predictions against targets on {where}" if where else "Predictions against targets"
+    text = title or (f"{head}\n{rows}, MSE {mse:.3g} (of these rows, all outputs); dashed: y = ŷ"
+                     + (f"\n{d_out} outputs pooled (colour and marker by output)" if pooled else ""))
+    fig.suptitle(text, fontsize="medium" if ncols > 1 else "large")
     return fig
 
 
 # ---- runs -------------------------------------------------------------------------------------------------
-def run_figures(run, dataset=None, storage_options=None) -> dict:
+def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool = False) -> dict:
     """All figures of a run: ``{"spectrum", "heads", "loss_vs_heads", "predictions"}`` -> Figure.
 
-    ``run`` is a :class:`~scaleattn.pipeline.FitResult` or a run directory (read with ``storage_options``).
+    ``run`` is a :class:`~scaleattn.pipeline.FitResult` or a run directory (read with ``storage_options``;
+    ``full_spectrum``: recompute a missing spectrum at any psi, :func:`scaleattn.run.read_run`).
     ``dataset`` (a Dataset or URL; default the report's ``dataset``) gives the predictions panel; the report's,
     when it cannot be read, is skipped with a warning (one given here raises); ``loss_vs_heads`` is skipped when
-    the report has no such entry.
+    the report has no such entry. A run without the whole spectrum (the Cholesky and krylov paths, psi > 2,000)
+    has no ``spectrum`` figure: a :class:`~scaleattn.errors.Note` says why and what draws it.
     """
     if hasattr(run, "certificate"):
-        view = {"report": run.report, "eigenvalues": run.certificate.eigenvalues,
-                "eigenvalues_scaled": run.certificate.spectrum_scaled, "model": run.model}
+        r = run.report
+        view = {"report": r, "eigenvalues": run.certificate.eigenvalues,
+                "eigenvalues_scaled": run.certificate.spectrum_scaled, "model": run.model,
+                "spectrum_method": r.get("certificate_method"),
+                "spectrum_note": None if run.certificate.eigenvalues is not None else
+                spectrum_not_kept(r.get("psi"), recompute=(r.get("psi") or 0) <= SPECTRUM_RECOMPUTE_PSI,
+                                  stats_kept=getattr(run.statistics, "operator", None) is None)}
     else:
-        view = read_run(run, storage_options)
+        view = read_run(run, storage_options, full_spectrum=full_spectrum)
     r = view["report"]
     figs = {}
     if view["eigenvalues"] is not None:
         figs["spectrum"] = spectrum_figure(view["eigenvalues"], view["eigenvalues_scaled"],
                                            rtol=r.get("cutoff_rtol"), lambda_min=r.get("lambda_min"),
-                                           identifiable=r.get("identifiable"))
+                                           identifiable=r.get("identifiable"), method=view["spectrum_method"])
+    else:
+        warnings.warn(f"no spectrum.png: {view['spectrum_note']}", Note, stacklevel=2)
     if r.get("head_singular_values"):
         figs["heads"] = head_spectrum_figure(r["head_singular_values"], r.get("n_heads"), minimal=minimal_heads(r),
-                                             method=r.get("heads_method"))
+                                             method=r.get("heads_method"), exact=r.get("heads_exact"),
+                                             train_mse=r.get("train_mse"), residual=r.get("heads_residual"))
     lvh = loss_vs_heads_figure(r.get("loss_vs_heads"), r.get("target_mean_square"))
     if lvh is not None:
         figs["loss_vs_heads"] = lvh
@@ -242,13 +370,32 @@ def run_figures(run, dataset=None, storage_options=None) -> dict:
     dataset = dataset if given else r.get("dataset")
     if view["model"] is not None and dataset:
         try:
-            figs["predictions"] = predictions_figure(*sample_predictions(view["model"], dataset,
-                                                                         storage_options=storage_options))
+            ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
+            figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
+                                                     dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
+                                                     training=_is_training(ds, r, storage_options))
         except (ScaleattnError, OSError) as e:  # the report's dataset gone or moved: the other plots still go
             if given:  # (one the caller named is an error of its own: never skipped)
                 raise
             warnings.warn(f"predictions plot skipped: {e}", stacklevel=2)
     return figs
+
+
+def _dataset_name(url: str) -> str:
+    """The last part of a dataset's path or URL (``fresh.zarr``)."""
+    return url.rstrip("/").rsplit("/", 1)[-1] or url
+
+
+def _is_training(ds: Dataset, report: dict, storage_options=None) -> bool | None:
+    """Whether ``ds`` is the dataset the run was fitted on (``report["dataset"]``, resolved as ``fit`` resolved
+    it; None when the report does not say)."""
+    fitted = report.get("dataset")
+    if not fitted:
+        return None
+    try:
+        return resolve(fitted, storage_options).url.rstrip("/") == ds.url.rstrip("/")
+    except (ScaleattnError, OSError):  # a report's path that no longer resolves: not this dataset
+        return False
 
 
 def figure_pngs(figs: dict, dpi: int = 120) -> dict:
@@ -263,11 +410,13 @@ def figure_pngs(figs: dict, dpi: int = 120) -> dict:
     return out
 
 
-def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: int = 120) -> list[str]:
+def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: int = 120,
+                   full_spectrum: bool = False) -> list[str]:
     """Write the run's figures as PNG files (``spectrum.png``, ``heads.png``, ``loss_vs_heads.png``,
     ``predictions.png``) into ``out`` (default: the run directory itself) and return their paths.
 
-    ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required).
+    ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required);
+    ``full_spectrum``: see :func:`run_figures`.
     Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out``, and
     :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
@@ -281,7 +430,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
         if not hasattr(run, "certificate"):  # read, not written (unless it is --out): marked as read
             stack.enter_context(reading(resolve(run, storage_options), "run"))
         stack.enter_context(hold(out, "--out"))
-        return write_files(out, figure_pngs(run_figures(run, dataset, storage_options), dpi))
+        return write_files(out, figure_pngs(run_figures(run, dataset, storage_options, full_spectrum=full_spectrum),
+                                            dpi))
 
 
 def _check_plot_output(run, out, dataset, storage_options) -> None:

@@ -6,7 +6,8 @@ Layout::
     RUN/report.json     every number of the fit (strict JSON)
     RUN/model.zarr      coefficients and heads (:class:`~scaleattn.model.MHLAModel`)
     RUN/stats.zarr      sufficient statistics (:class:`~scaleattn.statistics.Statistics`), mergeable
-    RUN/spectrum.zarr   eigenvalues of Lambda_D and of the Jacobi-scaled Gram (eigh path only)
+    RUN/spectrum.zarr   eigenvalues of Lambda_D and of the Jacobi-scaled Gram (eigh path only: psi <= 2,000
+                        or a singular Gram)
     RUN/*.png           plots (:mod:`scaleattn.plot`)
 """
 from __future__ import annotations
@@ -24,14 +25,18 @@ from ._storage import Location, check_kind, did_you_mean, resolve, settle_writes
 from .certificate import certify
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .model import MHLAModel
+from .spectrum import LARGE_PSI
 from .statistics import Statistics
 
 __all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "report_digest",
-           "REPORT", "MODEL", "STATS", "SPECTRUM", "RUN_ATTR"]
+           "spectrum_not_kept", "REPORT", "MODEL", "STATS", "SPECTRUM", "RUN_ATTR", "SPECTRUM_RECOMPUTE_PSI"]
 
 REPORT, MODEL, STATS, SPECTRUM = "report.json", "model.zarr", "stats.zarr", "spectrum.zarr"
 #: the attribute of each store of a run holding :func:`report_digest` of its report.json
 RUN_ATTR = "run"
+#: psi up to which :func:`read_run` recomputes the whole spectrum (two eigh of psi x psi, ~20 s on one core at
+#: psi = 4,000) for a run without spectrum.zarr; ``full_spectrum`` (``plot --full-spectrum``) at any psi
+SPECTRUM_RECOMPUTE_PSI = 4_000
 
 
 def report_digest(text: bytes) -> str:
@@ -190,13 +195,34 @@ def _check_replaceable_files(targets) -> None:
                                     " choose another --out")
 
 
-def read_run(run, storage_options=None) -> dict:
-    """Read a run directory: ``dict(report, eigenvalues, eigenvalues_scaled, model)``.
+def spectrum_not_kept(psi, *, recompute: bool = True, stats_kept: bool = True) -> str:
+    """Why a run has no spectrum (no ``spectrum.zarr``, nothing recomputed), and what gives it, in one line.
 
-    The spectra come from ``spectrum.zarr``, or are recomputed from ``stats.zarr`` when it is missing (runs
-    of the Cholesky path); ``model`` is None when ``model.zarr`` is missing. Every store present must belong to
-    this ``report.json`` (the digest of the report it records; stores of format v3): a store copied from another
-    run, or a report edited since, is refused.
+    ``recompute``: whether :func:`read_run` (``scaleattn plot RUN_DIR``) recomputes it by default (psi up to
+    :data:`SPECTRUM_RECOMPUTE_PSI`); ``stats_kept``: whether the run has a ``stats.zarr`` to recompute it from."""
+    path = ("the fit took the Cholesky or krylov path, which keeps only the extreme eigenvalues (lambda_min,"
+            " lambda_max in report.json)")
+    why = f"psi = {psi:,} > {LARGE_PSI:,}: {path}" if psi is not None and psi > LARGE_PSI else "T" + path[1:]
+    if not stats_kept:
+        return (f"{why}, and the run has no stats.zarr to recompute the spectrum from (the statistics stayed on the"
+                " workers); `scaleattn certify DATA --solver eigh` computes the whole spectrum")
+    if recompute:
+        return f"{why}; `scaleattn plot RUN_DIR` recomputes the whole spectrum from stats.zarr and draws it"
+    return (f"{why}; recomputing the whole spectrum from stats.zarr (eigh, ~9 psi^3 flops: minutes) is only done"
+            f" by default up to psi = {SPECTRUM_RECOMPUTE_PSI:,}: `scaleattn plot RUN_DIR --full-spectrum` does it")
+
+
+def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
+    """Read a run directory: ``dict(report, eigenvalues, eigenvalues_scaled, model, spectrum_method,
+    spectrum_note)``.
+
+    The spectra come from ``spectrum.zarr``, or are recomputed (eigh) from ``stats.zarr`` when it is missing
+    (runs of the Cholesky and krylov paths, psi > 2,000) up to psi = :data:`SPECTRUM_RECOMPUTE_PSI`, at any psi
+    with ``full_spectrum``; otherwise they are None and ``spectrum_note`` says why
+    (:func:`spectrum_not_kept`). ``spectrum_method`` is ``"qr"`` when the spectra are squared singular values of
+    a QR certificate's R (``spectrum.zarr`` of such a run), else ``"gram"``. ``model`` is None when
+    ``model.zarr`` is missing. Every store present must belong to this ``report.json`` (the digest of the report
+    it records; stores of format v3): a store copied from another run, or a report edited since, is refused.
 
     Raises
     ------
@@ -223,17 +249,27 @@ def read_run(run, storage_options=None) -> dict:
     sp, mp, st = run.join(SPECTRUM), run.join(MODEL), run.join(STATS)
     if st.exists():  # read only when the spectrum is recomputed from it (Tc can be large): else its attributes
         _check_member(_member_attrs(st, _formats.STATISTICS, "statistics"), STATS, run, digest)
+    ev = ws = note = None
+    method = "gram"  # what the spectra are: eigenvalues of the Gram's, or (qr) squared singular values of R
     if sp.exists():
         attrs, ev, ws = _read_spectrum(sp)
         _check_member(attrs, SPECTRUM, run, digest)
+        method = attrs.get("certificate_method", "gram")
+    elif not st.exists():
+        note = spectrum_not_kept(report.get("psi"), stats_kept=False)
     else:
-        cert = certify(Statistics.load(st), report.get("cutoff_rtol"))
-        ev, ws = cert.eigenvalues, cert.spectrum_scaled
+        stats = Statistics.load(st)
+        if stats.psi > SPECTRUM_RECOMPUTE_PSI and not full_spectrum:
+            note = spectrum_not_kept(stats.psi, recompute=False)
+        else:  # the whole spectrum (eigh) whatever path the fit took (past psi = 2,000 it kept the extremes)
+            cert = certify(stats, report.get("cutoff_rtol"), solver="eigh")
+            ev, ws = cert.eigenvalues, cert.spectrum_scaled
     model = None
     if mp.exists():
         model = MHLAModel.load(mp)
         _check_member(_member_attrs(mp, _formats.MODEL, "model"), MODEL, run, digest)
-    return {"report": report, "eigenvalues": ev, "eigenvalues_scaled": ws, "model": model}
+    return {"report": report, "eigenvalues": ev, "eigenvalues_scaled": ws, "model": model,
+            "spectrum_method": method, "spectrum_note": note}
 
 
 def _member_attrs(loc: Location, kind, what: str) -> dict:

@@ -92,14 +92,14 @@ def test_head_spectrum_is_svd_of_W(run):
 def test_predictions_against_targets(run):
     ds, res, _ = run
     fig = plot.run_figures(res)["predictions"]
-    (ax,) = fig.axes
+    ax = fig.axes[0]  # one panel per output (d_out = 2, side by side)
     assert ax.get_xlabel() == "target y" and ax.get_ylabel() == "prediction ŷ"
-    assert _by_gid(ax, "identity")
+    assert all(_by_gid(a, "identity") for a in fig.axes)
     # independent: the teacher's outputs on the same samples (realizable data: prediction = target)
     tok, _, y = ds.read(0, ds.n_samples)
     V, Q = ds.teacher()
     want = generate.mhla_forward(V, Q, tok, causal=True)
-    pts = np.concatenate([c.get_offsets() for c in ax.collections])
+    pts = np.concatenate([c.get_offsets() for a in fig.axes for c in a.collections])
     assert pts.shape[0] == want.size  # 96 sequences x 10 prefixes x 2 outputs <= PREDICTION_POINTS rows
     np.testing.assert_allclose(np.sort(pts[:, 0]), np.sort(y.ravel()), rtol=0, atol=1e-12)
     np.testing.assert_allclose(np.sort(pts[:, 1]), np.sort(want.ravel()), rtol=0, atol=1e-10)
@@ -118,6 +118,11 @@ def test_loss_vs_heads_panel_when_present():
     np.testing.assert_allclose(ln.get_ydata()[:2], [0.2, 0.01])
     assert 0 < ln.get_ydata()[2] < 1e-15  # zero drawn at the log floor
     assert _by_gid(ax, "mean_square")
+    (clipped,) = _by_gid(ax, "clipped")  # and said to be clipped there
+    np.testing.assert_array_equal(clipped.get_xdata(), [3])
+    assert clipped.get_ydata()[0] == ln.get_ydata()[2] and "1 of the MSE values below" in clipped.get_label()
+    (heads,) = plot.head_spectrum_figure([1.0, 0.5, 0.0, 0.0], 2).axes
+    np.testing.assert_array_equal(_by_gid(heads, "clipped")[0].get_xdata(), [3, 4])
 
 
 @pytest.mark.slow
@@ -184,3 +189,157 @@ def test_cli_plot_damaged_report_is_one_line_exit_2(tmp_path, cli, text, pattern
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "report.json").write_text(text)
     assert re.search(pattern, _one_error(cli("plot", tmp_path / "r", rc=2)))
+
+
+# ---- what the figures say (a user's report: clipped values, legends on the data, QR units, missing spectrum,
+# hidden outputs, a minimal head count that looked like a lossy cut) --------------------------------------------
+def _legends(fig):
+    return list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+
+
+def test_spectrum_says_which_values_are_clipped_at_the_floor():
+    """lambda_min = 1.49e-66 was drawn at the axis floor with no sign that it lies far below it."""
+    ev = np.array([1.0, 0.5, 1e-3, 1.49e-66, 0.0])
+    ws = np.array([2.0, 1.0, 1e-2, 3e-40, -1e-30])
+    fig = plot.spectrum_figure(ev, ws, rtol=1e-14, lambda_min=1.49e-66, identifiable=False)
+    ax, ax2 = fig.axes
+    floor = 1e-18  # 1e-18 of the largest value (1e-2 * rtol when that is lower)
+    (line,) = [ln for ln in ax.get_lines() if ln.get_gid() is None]
+    np.testing.assert_allclose(line.get_ydata(), [1.0, 0.5, 1e-3])  # no clipped value on the curve
+    (clipped,) = _by_gid(ax, "clipped")
+    np.testing.assert_array_equal(clipped.get_xdata(), [4, 5])
+    np.testing.assert_allclose(clipped.get_ydata(), floor)
+    assert "2 of the eigenvalues below 1e-18" in clipped.get_label() and "clipped" in clipped.get_label()
+    (lmin,) = _by_gid(ax, "lambda_min")
+    assert lmin.get_ydata()[0] == pytest.approx(floor)
+    assert "1.49e-66" in lmin.get_label() and "below 1e-18: clipped" in lmin.get_label()
+    assert "not identifiable" in lmin.get_label()
+    assert [t for t in ax.texts if t.get_gid() == "lambda_min_clipped"]  # the arrow pointing down
+    (clipped2,) = _by_gid(ax2, "clipped")
+    np.testing.assert_array_equal(clipped2.get_xdata(), [4, 5])
+    np.testing.assert_allclose(clipped2.get_ydata(), 2e-18)
+    # nothing clipped: no clipped marks, lambda_min at its value
+    fig = plot.spectrum_figure(ev[:3], ws[:3], rtol=1e-14)
+    assert not _by_gid(fig.axes[0], "clipped") and not _by_gid(fig.axes[1], "clipped")
+    assert "clipped" not in _by_gid(fig.axes[0], "lambda_min")[0].get_label()
+
+
+def test_legends_never_cover_the_axes(run):
+    """The cutoff line ran through the legend text of the right panel: every legend lies outside every axes."""
+    ds, res, _ = run
+    data = generate.make_assoc(pairs=2, samples=512, orthogonal=True, seed=0)
+    cert = sa.certify(sa.statistics_from_arrays(data["tokens"], data["targets"]))
+    figs = dict(plot.run_figures(res))
+    figs["dropped"] = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.rtol)
+    figs["loss"] = plot.loss_vs_heads_figure([{"heads": 1, "train_mse_stats": 0.1},
+                                              {"heads": 2, "train_mse_stats": 0.0}], 0.5)
+    for name, fig in figs.items():
+        fig.draw_without_rendering()
+        renderer = fig._get_renderer()
+        legends = _legends(fig)
+        assert legends or name == "predictions", name
+        for leg in legends:
+            box = leg.get_window_extent(renderer)
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), (name, ax.get_title())
+
+
+def test_qr_cutoff_is_labelled_as_the_cli_states_it(causal_ds, tmp_path):
+    """After a QR decision the panel said `1.0e-24 x max` (of the scaled Gram) while the CLI said
+    `1.0e-12 x sigma_max of R`: the label gives both, and the axis says it shows sigma^2 of R."""
+    import math
+
+    from scaleattn.report import _cutoff
+
+    out = str(tmp_path / "qr")
+    res = sa.fit(causal_ds, out, certificate="qr", plots=False)
+    assert res.report["certificate_method"] == "qr"
+    cli_number = re.search(r"cutoff (\S+) x sigma_max of R", _cutoff(res.report)).group(1)
+    for fig in (plot.run_figures(res)["spectrum"], plot.run_figures(out)["spectrum"]):
+        ax2 = fig.axes[1]
+        (cut,) = _by_gid(ax2, "cutoff")
+        assert f"({cli_number} x $\\sigma_{{\\max}}$ of R)$^2$" in cut.get_label()
+        assert f"{res.report['cutoff_rtol']:.1e} x max" in cut.get_label()
+        assert cli_number == f"{math.sqrt(res.report['cutoff_rtol']):.1e}"
+        assert "R" in ax2.get_ylabel() and "QR" in ax2.get_title()
+    gram = plot.run_figures(sa.fit(causal_ds, certificate="gram"))["spectrum"].axes[1]
+    assert "R" not in _by_gid(gram, "cutoff")[0].get_label() and "Jacobi" in gram.get_title()
+
+
+def test_spectrum_of_a_run_past_the_eigh_path(causal_ds, tmp_path, monkeypatch, cli):
+    """psi > 2,000 (here: the switch moved below psi = 6): the fit keeps no spectrum.zarr and `plot` wrote no
+    spectrum.png, silently. Now plot recomputes it (eigh) when affordable, and says why not otherwise."""
+    import scaleattn.run
+    import scaleattn.spectrum
+    from scaleattn.errors import Note
+
+    monkeypatch.setattr(scaleattn.spectrum, "LARGE_PSI", 3)
+    out = str(tmp_path / "run")
+    with pytest.warns(Note, match=r"no spectrum\.png: .*Cholesky .*`scaleattn plot RUN_DIR` recomputes"):
+        res = sa.fit(causal_ds, out)
+    assert res.certificate.eigenvalues is None
+    assert "spectrum.zarr" not in os.listdir(out) and "spectrum.png" not in os.listdir(out)
+    fig = plot.run_figures(out)["spectrum"]  # recomputed from stats.zarr, the whole spectrum
+    lam = np.linalg.eigvalsh(res.statistics.gram() / res.statistics.n_rows)
+    (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_gid() is None]
+    np.testing.assert_allclose(line.get_ydata(), lam[::-1], rtol=1e-10)
+    r = cli("plot", out, "--out", tmp_path / "png")
+    assert "spectrum.png" in os.listdir(tmp_path / "png") and "note" not in r.stderr
+    monkeypatch.setattr(scaleattn.run, "SPECTRUM_RECOMPUTE_PSI", 5)  # past what plot recomputes by default
+    r = cli("plot", out, "--out", tmp_path / "png2")
+    (line,) = r.stderr.strip().splitlines()
+    assert re.match(r"scaleattn plot: note: no spectrum\.png: .* up to psi = 5: `scaleattn plot RUN_DIR"
+                    r" --full-spectrum` does it$", line)
+    assert sorted(os.listdir(tmp_path / "png2")) == ["heads.png", "predictions.png"]
+    cli("plot", out, "--out", tmp_path / "png3", "--full-spectrum")
+    assert "spectrum.png" in os.listdir(tmp_path / "png3")
+
+
+def test_predictions_show_every_output_and_say_which_rows(run, tmp_path):
+    """Output 0 was hidden under output 1, and the title `2,000 rows, MSE ...` named neither the sample nor the
+    dataset: one panel per output, `all/first n of N rows`, and training or not."""
+    ds, res, out = run
+    fig = plot.run_figures(res)["predictions"]
+    assert len(fig.axes) == res.report["d_out"] == 2
+    tok, _, y = ds.read(0, ds.n_samples)
+    for a, ax in enumerate(fig.axes):
+        (pts,) = [c.get_offsets() for c in ax.collections]
+        np.testing.assert_allclose(np.sort(pts[:, 0]), np.sort(y[..., a].ravel()), atol=1e-12)
+        assert ax.get_title().startswith(f"output {a}: MSE")
+    title = fig.get_suptitle()
+    assert f"{os.path.basename(ds.url)} (the training data)" in title
+    assert f"all {res.report['n_rows']:,} rows" in title
+    # another copy of the data: not the training data, even with the same values
+    shutil.copytree(ds.url, tmp_path / "fresh.zarr")
+    held = plot.run_figures(out, dataset=str(tmp_path / "fresh.zarr"))["predictions"].get_suptitle()
+    assert "fresh.zarr (not the training data)" in held
+    # a sample of the rows says so
+    rng = np.random.default_rng(0)
+    yy = rng.standard_normal((50, 3))
+    fig = plot.predictions_figure(yy, yy + 0.1, total_rows=5000, dataset="d.zarr", training=True)
+    assert "first 50 of 5,000 rows" in fig.get_suptitle() and len(fig.axes) == 3
+    many = plot.predictions_figure(rng.standard_normal((20, 40)), rng.standard_normal((20, 40)))
+    assert len(many.axes) == 1 and "40 outputs pooled" in many.get_suptitle()
+    assert len(many.axes[0].collections) == 40
+
+
+def test_heads_plot_says_minimal_heads_are_exact_not_a_cut(causal_ds):
+    """`--heads minimal` kept 1 head next to 4 clearly non-zero singular values of W: it looked like a lossy cut."""
+    res = sa.fit(causal_ds, heads="minimal")
+    r = res.report
+    assert r["n_heads"] == 1 and r["heads_exact"]
+    (ax,) = plot.run_figures(res)["heads"].axes
+    (nh,) = _by_gid(ax, "n_heads")
+    s = np.asarray(r["head_singular_values"])
+    rank = int((s > 1e-12 * s[0]).sum())
+    assert rank == 4
+    label = nh.get_label()
+    assert "heads kept: 1 (minimal): exact, it computes the fitted function" in label
+    assert f"train MSE {r['train_mse']:.3g}" in label and f"heads residual {r['heads_residual']:.1e}" in label
+    assert f"the SVD of W has rank {rank}" in label and "not a cut of the SVD" in label
+    lossy = plot.head_spectrum_figure(s, 2, method="best-2", exact=False, train_mse=0.5)
+    (nh,) = _by_gid(lossy.axes[0], "n_heads")
+    assert "not exact, they compute another function than the fit" in nh.get_label()
+    assert "fewer heads than the rank 4 of W" in nh.get_label() and "train MSE 0.5" in nh.get_label()
+    svd = plot.head_spectrum_figure(s, 4, method="svd", exact=True)  # all of the SVD: nothing to explain
+    assert _by_gid(svd.axes[0], "n_heads")[0].get_label() == "heads kept: 4 (svd)"

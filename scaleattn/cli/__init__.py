@@ -19,7 +19,7 @@ import sys
 import time
 
 from .._version import IMPORT_STARTED
-from ..errors import ParameterError, ScaleattnError, hint_of
+from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
 from .parser import build_parser, option_of, parse
 
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
 @contextlib.contextmanager
 def _warning_lines(args):
     """A warning prints as one line, ``PROG: warning: MESSAGE``, as the error lines do (Python's own format adds
-    the file, line number and source line of the code that warned); with ``--debug`` as Python prints it."""
+    the file, line number and source line of the code that warned), a :class:`~scaleattn.errors.Note` as
+    ``PROG: note: MESSAGE``; with ``--debug`` as Python prints it."""
     import warnings
 
     if args.debug:
@@ -197,7 +198,8 @@ def _warning_lines(args):
     previous = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        print(f"{_prog(args)}: warning: {message}", file=file or sys.stderr)
+        kind = "note" if issubclass(category, Note) else "warning"
+        print(f"{_prog(args)}: {kind}: {message}", file=file or sys.stderr)
 
     warnings.showwarning = show
     try:

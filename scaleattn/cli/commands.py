@@ -201,7 +201,8 @@ def _cmd_plot(args) -> int:
 
     opts = _storage_options(args.storage_option)
     where = (args.out or args.run).rstrip("/")
-    paths = save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts)
+    paths = save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts,
+                           full_spectrum=args.full_spectrum)
     args.written = f"{len(paths)} plots in {where}"
     for p in paths:
         print(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it

@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, metavar="DIR", help="where to write the PNG files (default RUN_DIR)")
     pl.add_argument("--dataset", default=None,
                     help="dataset for the predictions plot (default: the one recorded in report.json)")
+    pl.add_argument("--full-spectrum", action="store_true",
+                    help="recompute the whole spectrum from stats.zarr for spectrum.png at any psi (a run without"
+                         " spectrum.zarr, psi > 2,000: by default only up to psi = 4,000; eigh, minutes past it)")
     _add_io_args(pl, out=False)
 
     b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default), tensor attention, gpu kernels,"
