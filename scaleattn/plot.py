@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import textwrap
 import math
 import warnings
 
@@ -324,8 +325,13 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
     if dataset:
         where = f"{dataset} ({where})" if where else dataset
     head = f"Predictions against targets on {where}" if where else "Predictions against targets"
-    text = title or (f"{head}\n{rows}, MSE {mse:.3g} (of these rows, all outputs); dashed: y = ŷ"
+    of = "of these rows, all outputs" if d_out > 1 else "of these rows"
+    text = title or (f"{head}\n{rows}, MSE {mse:.3g} ({of}); dashed: y = ŷ"
                      + (f"\n{d_out} outputs pooled (colour and marker by output)" if pooled else ""))
+    # wrapped to the figure's width (a long dataset name or the rows line ran off both edges): about 13
+    # characters per inch at 10 pt, 11 at 12 pt
+    per_inch = 13 if ncols > 1 else 11
+    text = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
     fig.suptitle(text, fontsize="medium" if ncols > 1 else "large")
     return fig
 

@@ -12,6 +12,8 @@ import pytest
 
 import scaleattn as sa
 from scaleattn import generate, plot
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
 from scaleattn.heads import coef_to_W
 
 
@@ -343,3 +345,19 @@ def test_heads_plot_says_minimal_heads_are_exact_not_a_cut(causal_ds):
     assert "fewer heads than the rank 4 of W" in nh.get_label() and "train MSE 0.5" in nh.get_label()
     svd = plot.head_spectrum_figure(s, 4, method="svd", exact=True)  # all of the SVD: nothing to explain
     assert _by_gid(svd.axes[0], "n_heads")[0].get_label() == "heads kept: 4 (svd)"
+
+
+@pytest.mark.parametrize("d_out", [1, 2, 20])
+def test_predictions_title_stays_inside_the_figure(d_out):
+    """The title (dataset name, rows drawn, MSE) is wrapped to the figure: drawn, its box lies inside the
+    figure's (a one-line rows line ran off both edges of the 2-output figure)."""
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((50, d_out))
+    fig = plot.predictions_figure(y, y + 1e-3, dataset="a-rather-long-dataset-name-from-a-real-project.zarr",
+                                  training=False, total_rows=51_200)
+    fig.canvas = FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    box, inside = fig._suptitle.get_window_extent(renderer), fig.bbox
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and box.y1 <= inside.y1, (box, inside)
+    assert "first 50 of 51,200 rows" in fig._suptitle.get_text().replace("\n", " ")
