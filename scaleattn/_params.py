@@ -14,7 +14,11 @@ import warnings
 from .errors import ParameterError
 
 __all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs", "positive_seconds",
-           "int_at_least", "seed"]
+           "int_at_least", "seed", "seconds", "MAX_SECONDS"]
+
+#: the longest duration any option or parameter takes (a timeout, a time budget): 30 days. Longer is no
+#: deliberate choice (``1e308`` was taken as is and handed to Dask's, asyncio's and the OS's timers)
+MAX_SECONDS = 30 * 86400
 
 
 def choice(name: str, value, choices):
@@ -95,15 +99,28 @@ def no_other_kwargs(kwargs: dict, func: str) -> None:
         raise TypeError(f"{func}() got an unexpected keyword argument {next(iter(kwargs))!r}")
 
 
+def seconds(name: str, value, none_ok: bool = True):
+    """A duration parameter (a timeout, a time budget): ``float(value)`` in ``(0, MAX_SECONDS]``, or None.
+
+    Raises
+    ------
+    ParameterError
+        Naming ``name``, e.g. ``heads_budget must be in (0, 2.592e+06], got 1e+308``.
+    """
+    return real(name, value, 0.0, MAX_SECONDS, low_open=True, none_ok=none_ok)
+
+
 def positive_seconds(text: str) -> float:
-    """argparse type of the command line's durations: a finite number of seconds > 0 (argparse then exits 2 naming
-    the option)."""
+    """argparse type of the command line's durations: a number of seconds in ``(0, MAX_SECONDS]`` (argparse then
+    exits 2 naming the option)."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not x > 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if x > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS} seconds (30 days), got {text}")
     return x
 
 

@@ -96,6 +96,14 @@ FIT = ["fit", "{ds}", "--out", "{out}", "--local", "--quiet"]
     (["generate", "mhla", "{out}", "--noise", "1e200"], "--noise must be in [0, 1e+99], got 1e+200"),
     (["generate", "mhla", "{out}", "--noise", "inf"], "--noise must be finite, got inf"),
     (["compare", "{out}", "{out}", "--rtol", "-1"], "--rtol must be > 0, got -1"),
+    # durations: finite but absurd ones were handed to Dask's, asyncio's and the OS's timers
+    ([*FIT, "--heads-budget", "1e308"], "argument --heads-budget: must be at most 2592000 seconds (30 days), got 1e308"),
+    (["fit", "{ds}", "--out", "{out}", "--scheduler-timeout", "1e308"],
+     "argument --scheduler-timeout: must be at most 2592000 seconds (30 days), got 1e308"),
+    (["evaluate", "{out}", "{ds}", "--worker-timeout", "2592001"],
+     "argument --worker-timeout: must be at most 2592000 seconds (30 days), got 2592001"),
+    (["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--dry-run", "--scheduler-timeout",
+      "100000000000"], "--scheduler-timeout must be <= 2592000, got 100000000000"),
 ])
 def test_float_options_out_of_range_are_refused_up_front(causal_ds, tmp_path, cli, argv, says):
     out = tmp_path / "out"
