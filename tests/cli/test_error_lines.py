@@ -30,7 +30,16 @@ def _line(r) -> str:
      "scaleattn: error: --local is an option of the commands (fit, certify, evaluate): put it after the command:"
      " scaleattn COMMAND --local ... (see scaleattn --help)"),
     # an unknown option is named, not "the following arguments are required: COMMAND"
-    (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (see scaleattn --help)"),
+    (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (did you mean --gpus, an option of the commands"
+                  " (fit, certify, evaluate, submit)? put it after the command) (see scaleattn --help)"),
+    (["--zzzz"], "scaleattn: error: unrecognized arguments: --zzzz (see scaleattn --help)"),
+    # a typo of a command's option before it: the commands' options are matched too ("did you mean --help?")
+    (["--hedas", "fit", "{ds}", "--out", "{out}"],
+     "scaleattn: error: unrecognized arguments: --hedas (did you mean --heads, an option of the commands (generate"
+     " mhla, fit)? put it after the command) (see scaleattn --help)"),
+    (["generate", "--sed", "3", "mhla", "{out}"],
+     "scaleattn generate: error: unrecognized arguments: --sed (did you mean --seed, an option of the commands"
+     " (generate mhla, generate assoc)? put it after the command) (see scaleattn generate --help)"),
     (["--verison", "fit", "{ds}", "--out", "{out}"],
      "scaleattn: error: unrecognized arguments: --verison (did you mean --version?) (see scaleattn --help)"),
 ])
