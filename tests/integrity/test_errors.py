@@ -44,6 +44,10 @@ def base(tmp_path_factory):
     yb = y.copy()
     yb[30, 2, 1] = -1e200
     foreign(b / "big-targets.zarr", tok, yb)
+    ys = y.copy()
+    ys[11] *= 1e-200  # (its square underflows to zero: a fit said "train MSE 0 (relative nan)", bound 0 heads)
+    foreign(b / "tiny-targets.zarr", tok, ys)
+    np.savez(b / "tiny-targets.npz", tokens=tok, targets=y * 1e-160)
     (b / "empty.csv").write_text("")
     (b / "afile").write_text("a file where an output's folder would go\n")
     (b / "header.csv").write_text("a,b\n")
@@ -88,7 +92,13 @@ CASES = [
     ("overflow-tokens", ["fit", "big-tokens.zarr", "--out", "run", *FIT],
      r"tokens: sample 3 has a value of magnitude 1\.0e\+60: its cubic features overflow float64"),
     ("overflow-targets", ["fit", "big-targets.zarr", "--out", "run", *FIT],
-     r"targets: sample 30 has a value of magnitude 1\.0e\+200: its cubic features overflow"),
+     r"targets: sample 30 has a value of magnitude 1\.0e\+200: its square and its products with the cubic features"
+     r" \(the moments\) overflow float64 \(\|targets\| <= 1e\+100 is accepted\)"),  # (targets have no features)
+    ("underflow-targets", ["fit", "tiny-targets.zarr", "--out", "run", *FIT],
+     r"targets: sample 11 has values of magnitude at most \d\.\de-20\d: its square underflows float64 \(a sample that"
+     r" is not all zero needs a \|target\| >= 1e-100\); rescale the targets \(multiply them by 1e20\d\)"),
+    ("underflow-targets-import", ["import", "o.zarr", "--npz", "tiny-targets.npz"],
+     r"tiny-targets\.npz: targets: sample \d+ has values of magnitude at most .*: its square underflows float64"),
     ("overflow-certify", ["certify", "big-tokens.zarr", "--local", "--quiet"], r"tokens: sample 3 .*overflow"),
     # import and generate name every bad argument
     ("csv-empty", ["import", "o.zarr", "--csv", "empty.csv"], r"empty\.csv: empty file"),
