@@ -1,6 +1,6 @@
 """Checks of a dataset (layer L1): shapes and dtypes of its arrays, their values (NaN/Inf, magnitudes whose
-features or squares overflow or underflow float64, lengths), its attributes, and that the chunks it stores are the ones that
-were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
+features or squares overflow or underflow float64, lengths), its attributes, and that the chunks it stores are
+the ones that were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
 :class:`~scaleattn.errors.DatasetError` (or :class:`~scaleattn.errors.IntegrityError`) naming the array and
 the sample (range) and the store. :mod:`scaleattn.dataset` calls these; DESIGN §7.
 """
@@ -50,9 +50,10 @@ _RANGE = {"tokens": (MIN_TOKEN, MAX_TOKEN, "its degree-6 features underflow", "i
 
 def check_values(name: str, a, start: int) -> None:
     """NaN/Inf, values so large that the features (tokens) or the squares and moments (targets) overflow float64
-    or so small that they underflow (:data:`_RANGE`), and integers float64 cannot hold exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays
-    before converting them), naming the first bad sample (``start`` + its index in ``a``). ``a``: numpy or any
-    array API array (checked on its device; one transfer of a flag per check)."""
+    or so small that they underflow (:data:`_RANGE`), and integers float64 cannot hold exactly (beyond
+    :data:`MAX_EXACT_INTEGER`; check integer arrays before converting them), naming the first bad sample
+    (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one transfer of a
+    flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
         return
     xp = get_xp(a)

@@ -106,7 +106,8 @@ FIT = ["fit", "{ds}", "--out", "{out}", "--local", "--quiet"]
     (["generate", "mhla", "{out}", "--noise", "inf"], "--noise must be finite, got inf"),
     (["compare", "{out}", "{out}", "--rtol", "-1"], "--rtol must be > 0, got -1"),
     # durations: finite but absurd ones were handed to Dask's, asyncio's and the OS's timers
-    ([*FIT, "--heads-budget", "1e308"], "argument --heads-budget: must be at most 2592000 seconds (30 days), got 1e308"),
+    ([*FIT, "--heads-budget", "1e308"],
+     "argument --heads-budget: must be at most 2592000 seconds (30 days), got 1e308"),
     (["fit", "{ds}", "--out", "{out}", "--scheduler-timeout", "1e308"],
      "argument --scheduler-timeout: must be at most 2592000 seconds (30 days), got 1e308"),
     (["evaluate", "{out}", "{ds}", "--worker-timeout", "2592001"],
