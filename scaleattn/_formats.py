@@ -22,7 +22,7 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
-           "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps"]
+           "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps", "loads"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -100,3 +100,19 @@ def _strict(o):
 def dumps(obj, indent: int | None = 2) -> str:
     """Strict JSON text of ``obj`` (numpy values converted; NaN and Infinity written as ``null``)."""
     return json.dumps(_strict(json.loads(json.dumps(obj, default=json_default))), indent=indent, allow_nan=False)
+
+
+def loads(data):
+    """JSON text or bytes read from a file another program may have written (a report, a lock, a ``zarr.json``):
+    ``json.loads``, with a document nested too deep for Python's parser (``[[[[...``, a RecursionError that the
+    callers' ``except ValueError`` missed: an internal error) refused as not JSON.
+
+    Raises
+    ------
+    ValueError
+        Not JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``), or nested too deep.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep to be read") from None

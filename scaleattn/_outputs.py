@@ -263,8 +263,8 @@ def _entries(loc: Location) -> list[str] | None:
 
 
 def _is_scaleattn_store(loc: Location) -> str | None:
-    meta = _read_json(loc.join("zarr.json"))
-    fmt = ((meta or {}).get("attributes") or {}).get("format")
+    attrs = (_read_json(loc.join("zarr.json")) or {}).get("attributes")
+    fmt = attrs.get("format") if isinstance(attrs, dict) else None  # (a zarr.json edited by hand: any JSON)
     return fmt if isinstance(fmt, str) and fmt.startswith(_formats.PREFIX) else None
 
 

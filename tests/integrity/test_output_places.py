@@ -228,6 +228,20 @@ def test_overwrite_never_deletes_a_folder_of_the_user_under_a_run_s_store_name(t
     assert tree_hash(tmp_path / "run") == before
 
 
+@pytest.mark.parametrize("meta", ["[1]", '{"attributes": [1]}', '{"attributes": {"format": ["scaleattn-"]}}',
+                                  "[" * 5000, "\xff\xfe"], ids=["list", "attributes-list", "format-list", "nested",
+                                                                "not-utf8"])
+def test_overwrite_of_a_directory_with_any_zarr_json_is_refused_in_one_line(tmp_path, meta):
+    """A zarr.json is any program's file: one that is JSON but not an object, or nested too deep, was an internal
+    error (AttributeError, RecursionError) of --overwrite instead of "not written by scaleattn"."""
+    from scaleattn._outputs import check_replaceable
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "zarr.json").write_bytes(meta.encode("latin-1"))
+    with pytest.raises(UnsafeOutputError, match=r"exists and was not written by scaleattn \(it holds 'zarr\.json'"):
+        check_replaceable(Location(str(tmp_path / "out")), "--out")
+
+
 @pytest.mark.parametrize("url", ["s3://bucket/.", "s3://bucket/x/..", "gs://b/./"])
 def test_a_bucket_root_spelled_with_dots_is_a_bucket_root(url):
     with pytest.raises(UnsafeOutputError, match=r"the root of a bucket or file system has no place next to it"):
