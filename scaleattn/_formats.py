@@ -21,8 +21,8 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
-           "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps", "loads"]
+__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "RUN_STORES",
+           "PREFIX", "PLOT_SOFTWARE", "check_format", "check_types", "json_default", "dumps", "loads"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -35,8 +35,10 @@ READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2, 3), MODEL[0]: (1, 2, 3), C
             SPECTRUM[0]: (1, 2, 3)}
 #: the ``format`` of every scaleattn store starts with this (how ``--overwrite`` recognises its own outputs)
 PREFIX = "scaleattn-"
+#: the stores of a run directory (:mod:`scaleattn.run`) and the ``format`` of each
+RUN_STORES = {"model.zarr": MODEL[0], "stats.zarr": STATISTICS[0], "spectrum.zarr": SPECTRUM[0]}
 #: what a run directory holds (besides ``*.png`` plots): report.json and the stores of :mod:`scaleattn.run`
-RUN_ENTRIES = ("report.json", "model.zarr", "stats.zarr", "spectrum.zarr")
+RUN_ENTRIES = ("report.json", *RUN_STORES)
 #: the start of the PNG ``Software`` text of every plot scaleattn draws (:func:`scaleattn.plot.figure_pngs`):
 #: how ``--overwrite`` and ``plot --out`` tell its plots from a user's images of the same name
 PLOT_SOFTWARE = "scaleattn"

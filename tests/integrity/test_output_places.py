@@ -228,6 +228,27 @@ def test_overwrite_never_deletes_a_folder_of_the_user_under_a_run_s_store_name(t
     assert tree_hash(tmp_path / "run") == before
 
 
+@pytest.mark.parametrize("member, kind", [("stats.zarr", "a dataset store, not a statistics store"),
+                                          ("model.zarr", "a statistics store, not a model store")])
+def test_overwrite_never_deletes_another_kind_of_store_under_a_run_s_store_name(tmp_path, capsys, member, kind):
+    """--overwrite took any scaleattn store under a run's store names for the run's: a dataset copied in as
+    ``stats.zarr`` (the user's only copy of imported data, say) was deleted with the run."""
+    import shutil
+
+    from .conftest import tree_hash
+
+    dataset(tmp_path / "d.zarr")
+    assert run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), *FIT], capsys)[0] == 0
+    shutil.rmtree(tmp_path / "run" / member)
+    source = tmp_path / "d.zarr" if member == "stats.zarr" else tmp_path / "run" / "stats.zarr"
+    shutil.copytree(source, tmp_path / "run" / member)
+    before = tree_hash(tmp_path / "run")
+    rc, err = run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), "--overwrite", *FIT], capsys)
+    assert rc == 2, err
+    expect(error_line(err), rf"exists and was not written by scaleattn \(its {re.escape(member)} is {kind}\)")
+    assert tree_hash(tmp_path / "run") == before
+
+
 @pytest.mark.parametrize("meta", ["[1]", '{"attributes": [1]}', '{"attributes": {"format": ["scaleattn-"]}}',
                                   "[" * 5000, "\xff\xfe"], ids=["list", "attributes-list", "format-list", "nested",
                                                                 "not-utf8"])
