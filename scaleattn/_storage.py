@@ -15,7 +15,6 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 
 import zarr
@@ -421,13 +420,14 @@ def settle_writes(timeout: float = SETTLE_TIMEOUT) -> None:
 
 def remove(url: str, storage_options: dict | None = None) -> None:
     """Delete ``url`` recursively if it exists (a symbolic link: the link alone; :class:`StorageError` as
-    :func:`exists`)."""
+    :func:`exists`). A local directory goes deepest first, each directory's Zarr metadata after everything else
+    in it (:func:`_remove_tree`): an interrupted removal leaves a smaller store, never a damaged one."""
     if not is_url(url):
         url = local_path(url)
         if os.path.islink(url):  # the link, never what it points to
             os.unlink(url)
         elif os.path.isdir(url):
-            shutil.rmtree(url)
+            _remove_tree(url)
         elif os.path.exists(url):
             os.remove(url)
         return
@@ -435,6 +435,29 @@ def remove(url: str, storage_options: dict | None = None) -> None:
         fs, p = fs_for(url, storage_options)
         if fs.exists(p):
             fs.rm(p, recursive=True)
+
+
+#: the metadata documents of a Zarr node (v3, v2): removed after everything else in their directory
+_METADATA = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the local directory ``path``: its subdirectories first, deepest first, then its files, a node's
+    metadata (``zarr.json``) last, so that whenever the removal stops (Ctrl-C, a kill, a full disk's error) what
+    is left is a smaller store: every chunk still under its array's metadata, the group's metadata there as long
+    as anything is. ``shutil.rmtree`` went in the directory's own order and, stopped half-way, left a
+    checkpoint without its ``zarr.json`` that every later run refused as "not written by scaleattn". Links are
+    removed, never followed."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for d in dirs:
+            p = os.path.join(root, d)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p) if os.path.islink(p) else os.rmdir(p)
+        for f in sorted(files, key=lambda n: n in _METADATA):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(root, f))
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
 
 
 def check_regular(path: str) -> None:

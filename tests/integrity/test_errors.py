@@ -276,6 +276,51 @@ def test_a_lost_output_moved_aside_by_a_killed_run_is_restored(tmp_path, capsys)
     assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
 
 
+def test_an_interrupted_removal_leaves_a_smaller_store_never_a_foreign_one(tmp_path, capsys, monkeypatch):
+    """A fit with --overwrite removes the old checkpoint first: Ctrl-C during that removal (shutil.rmtree, in the
+    directory's own order) left it without its zarr.json, and every later run refused it as "not written by
+    scaleattn" (remove it yourself). Wherever the removal stops, what is left is a store scaleattn wrote, which
+    the next --overwrite replaces."""
+    import shutil
+
+    from scaleattn._outputs import owner_of
+    from scaleattn._storage import Location
+
+    dataset(tmp_path / "d.zarr")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--keep-checkpoint", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    ck, copy = tmp_path / "run.checkpoint.zarr", tmp_path / "copy.zarr"
+    n = sum(len(files) for _, _, files in os.walk(ck))
+
+    def interrupted_removal(path, k):
+        """``remove(path)`` stopped by Ctrl-C as it would delete its file number k + 1."""
+        calls = []
+
+        def stopping(real):
+            def call(p, *args, **kwargs):
+                calls.append(p)
+                if len(calls) > k:
+                    raise KeyboardInterrupt
+                return real(p, *args, **kwargs)
+            return call
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "remove", stopping(os.remove))
+            m.setattr(os, "unlink", stopping(os.unlink))
+            with pytest.raises(KeyboardInterrupt):
+                _storage.remove(str(path))
+
+    for k in range(0, n, max(1, n // 16)):  # (a removal takes 0.1-0.5 s: 16 places it stops at)
+        shutil.copytree(ck, copy)
+        interrupted_removal(copy, k)
+        assert owner_of(Location(str(copy))) == (True, "scaleattn-checkpoint"), (k, sorted(os.walk(copy)))
+        shutil.rmtree(copy)
+    interrupted_removal(ck, n // 2)
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--overwrite", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
+
+
 def _wait_done(ck, k, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
