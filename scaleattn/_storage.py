@@ -469,11 +469,15 @@ def check_regular(path: str) -> None:
     Raises
     ------
     StorageError
-        Naming the entry, e.g. ``/x/d.zarr/tokens/c/0/0: not a regular file (a FIFO, socket or device)``.
+        Naming the entry, e.g. ``/x/d.zarr/tokens/c/0/0: not a regular file (a FIFO, socket or device)``, or
+        ``...: a symbolic link to ../gone, which does not exist or loops back``.
     """
     def refuse(p):
-        raise StorageError(f"{p}: not a regular file (a FIFO, socket or device): scaleattn reads only regular"
-                           " files; replace it with the data it stands for")
+        what = "not a regular file (a FIFO, socket or device)"
+        if os.path.islink(p) and not os.path.exists(p):  # (a loop's stat fails as a dangling link's does)
+            what = f"a symbolic link to {os.readlink(p)}, which does not exist or loops back"
+        raise StorageError(f"{p}: {what}: scaleattn reads only regular files; replace it with the data it stands"
+                           " for")
 
     if not os.path.isdir(path):
         if os.path.exists(path) and not os.path.isfile(path):
@@ -485,7 +489,12 @@ def check_regular(path: str) -> None:
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)
-                elif not (e.is_file() or e.is_dir()):  # (is_file follows a link to its target)
+                    continue
+                try:
+                    regular = e.is_file() or e.is_dir()  # (is_file follows a link to its target)
+                except OSError:  # a link that loops: ELOOP
+                    regular = False
+                if not regular:
                     refuse(e.path)
 
 

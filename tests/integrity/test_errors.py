@@ -460,3 +460,24 @@ def test_a_fifo_in_an_input_is_refused_not_waited_on(where, tmp_path, capsys):
     assert p.returncode == 2, p.stderr
     expect(error_line(p.stderr), re.escape(str(tmp_path / target)) + r": not a regular file \(a FIFO")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+@pytest.mark.parametrize("where", ["dataset chunk", "model chunk"])
+def test_a_broken_link_in_an_input_is_one_line_naming_it(where, link, tmp_path, capsys):
+    """A symbolic link in a store that leads nowhere was called "not a regular file (a FIFO, socket or device)",
+    inside "not a readable Zarr group (StorageError: ...)"; one that loops was an OSError in that wrapper."""
+    dataset(tmp_path / "d.zarr")
+    if where == "model chunk":
+        rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+        assert rc == 0, err
+    target = {"dataset chunk": "d.zarr/tokens/c/0/0/0", "model chunk": "run/model.zarr/coef/c/0/0"}[where]
+    os.remove(tmp_path / target)
+    os.symlink("gone" if link == "dangling" else os.path.basename(target), tmp_path / target)
+    argv = ["evaluate", "run/model.zarr", "d.zarr", *FIT[:2]] if where == "model chunk" else \
+        ["fit", "d.zarr", "--out", "new", *FIT]
+    rc, err = run_main(argv, capsys, cwd=tmp_path)
+    assert rc == 2, err
+    expect(error_line(err), re.escape(str(tmp_path / target)) + r": a symbolic link to \S+, which does not exist or"
+                            r" loops back: scaleattn reads only regular files")
+    assert "readable" not in err and not (tmp_path / "new").exists()
