@@ -420,8 +420,7 @@ def settle_writes(timeout: float = SETTLE_TIMEOUT) -> None:
 
 def remove(url: str, storage_options: dict | None = None) -> None:
     """Delete ``url`` recursively if it exists (a symbolic link: the link alone; :class:`StorageError` as
-    :func:`exists`). A local directory goes deepest first, each directory's Zarr metadata after everything else
-    in it (:func:`_remove_tree`): an interrupted removal leaves a smaller store, never a damaged one."""
+    :func:`exists`); a local directory by :func:`_remove_tree`, which an interruption never leaves damaged."""
     if not is_url(url):
         url = local_path(url)
         if os.path.islink(url):  # the link, never what it points to
@@ -437,25 +436,16 @@ def remove(url: str, storage_options: dict | None = None) -> None:
             fs.rm(p, recursive=True)
 
 
-#: the metadata documents of a Zarr node (v3, v2): removed after everything else in their directory
-_METADATA = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
-
-
 def _remove_tree(path: str) -> None:
-    """Delete the local directory ``path``: its subdirectories first, deepest first, then its files, a node's
-    metadata (``zarr.json``) last, so that whenever the removal stops (Ctrl-C, a kill, a full disk's error) what
-    is left is a smaller store: every chunk still under its array's metadata, the group's metadata there as long
-    as anything is. ``shutil.rmtree`` went in the directory's own order and, stopped half-way, left a
-    checkpoint without its ``zarr.json`` that every later run refused as "not written by scaleattn". Links are
-    removed, never followed."""
-    for root, dirs, files in os.walk(path, topdown=False):
-        for d in dirs:
-            p = os.path.join(root, d)
+    """Delete the local directory ``path`` deepest first, a node's metadata (``zarr.json``, v2's ``.z*``) after
+    all else in its directory: stopped anywhere (Ctrl-C, a kill), it leaves a smaller store, each chunk under its
+    array's metadata, never a checkpoint without its ``zarr.json`` (``shutil.rmtree``'s order) that every later
+    run refused as "not written by scaleattn". Links are removed, never followed."""
+    meta = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+    for root, dirs, files in os.walk(path, topdown=False):  # (its directories, emptied already, then its files)
+        for p in [os.path.join(root, n) for n in dirs + sorted(files, key=lambda n: n in meta)]:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(p) if os.path.islink(p) else os.rmdir(p)
-        for f in sorted(files, key=lambda n: n in _METADATA):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(root, f))
+                os.rmdir(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)
 
@@ -469,8 +459,7 @@ def check_regular(path: str) -> None:
     Raises
     ------
     StorageError
-        Naming the entry, e.g. ``/x/d.zarr/tokens/c/0/0: not a regular file (a FIFO, socket or device)``, or
-        ``...: a symbolic link to ../gone, which does not exist or loops back``.
+        Naming the entry, e.g. ``/x/d.zarr/tokens/c/0/0: not a regular file (a FIFO, socket or device)``.
     """
     def refuse(p):
         what = "not a regular file (a FIFO, socket or device)"
