@@ -21,8 +21,9 @@ import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "PREFIX",
-           "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "loss_curve", "check_format", "check_types", "json_default", "dumps"]
+__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "RUN_STORES",
+           "PREFIX", "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "loss_curve", "check_format", "check_types",
+           "json_default", "dumps", "loads"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -35,8 +36,10 @@ READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2, 3), MODEL[0]: (1, 2, 3), C
             SPECTRUM[0]: (1, 2, 3)}
 #: the ``format`` of every scaleattn store starts with this (how ``--overwrite`` recognises its own outputs)
 PREFIX = "scaleattn-"
+#: the stores of a run directory (:mod:`scaleattn.run`) and the ``format`` of each
+RUN_STORES = {"model.zarr": MODEL[0], "stats.zarr": STATISTICS[0], "spectrum.zarr": SPECTRUM[0]}
 #: what a run directory holds (besides ``*.png`` plots): report.json and the stores of :mod:`scaleattn.run`
-RUN_ENTRIES = ("report.json", "model.zarr", "stats.zarr", "spectrum.zarr")
+RUN_ENTRIES = ("report.json", *RUN_STORES)
 #: the start of the PNG ``Software`` text of every plot scaleattn draws (:func:`scaleattn.plot.figure_pngs`):
 #: how ``--overwrite`` and ``plot --out`` tell its plots from a user's images of the same name
 PLOT_SOFTWARE = "scaleattn"
@@ -100,6 +103,22 @@ def _strict(o):
 def dumps(obj, indent: int | None = 2) -> str:
     """Strict JSON text of ``obj`` (numpy values converted; NaN and Infinity written as ``null``)."""
     return json.dumps(_strict(json.loads(json.dumps(obj, default=json_default))), indent=indent, allow_nan=False)
+
+
+def loads(data):
+    """JSON text or bytes read from a file another program may have written (a report, a lock, a ``zarr.json``):
+    ``json.loads``, with a document nested too deep for Python's parser (``[[[[...``, a RecursionError that the
+    callers' ``except ValueError`` missed: an internal error) refused as not JSON.
+
+    Raises
+    ------
+    ValueError
+        Not JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``), or nested too deep.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep to be read") from None
 
 
 #: the loss of a report's ``loss_vs_heads`` entries, by their key: the train MSE, or with a ridge the ridge fit's

@@ -29,7 +29,7 @@ import os
 import numpy as np
 
 from . import _formats
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, StorageError
 
 __all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
            "object_signatures", "informative", "block_keys", "expected_keys", "absent_chunks", "storage_grid",
@@ -337,6 +337,8 @@ def open_store(loc, what: str):
     try:
         g = loc.open_group("r")
         dict(g.attrs)
+    except StorageError:  # (already one line naming the entry: a FIFO or a broken link in the store)
+        raise
     except Exception as e:
         raise FormatError(f"{loc.url}: not a readable {what} store ({type(e).__name__}: {e})") from None
     return g

@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 
+from ._formats import loads
 from ._storage import Location
 from .errors import OutputInUseError, ScaleattnError, StorageError, UnsafeOutputError
 
@@ -31,10 +32,21 @@ __all__ = ["hold", "lock_location", "reading", "check_unread", "is_store", "stor
 
 
 def _read_json(loc: Location) -> dict | None:
+    """The JSON object stored at ``loc`` (a lock, a marker, a ``zarr.json``, a report), or None when there is
+    none: absent, unreadable, not JSON, or JSON of another type (``[1]`` is no metadata or owner)."""
     try:
-        return json.loads(loc.read_text())
-    except (OSError, ValueError):
+        return _object(loc.read_bytes())
+    except OSError:
         return None
+
+
+def _object(data: bytes) -> dict | None:
+    """``data`` parsed as a JSON object, or None (not JSON, nested too deep, or not an object)."""
+    try:
+        value = loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # ---- one run per output -------------------------------------------------------------------------------
@@ -86,10 +98,18 @@ def _owner() -> dict:
 
 
 def _describe(owner: dict | None) -> str:
+    """Who holds a lock or marker, from the owner it wrote (:func:`_owner`), for one line of a message: its pid,
+    host and since when, each only where it has its type (the file is another process's, maybe not ours)."""
     if not owner:
         return "another scaleattn run"
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("locked_at", 0)))
-    return f"the scaleattn run of pid {owner.get('pid')} on host {owner.get('host')} (since {when})"
+    pid, host, at = owner.get("pid"), owner.get("host"), owner.get("locked_at")
+    try:
+        when = f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(at))})"
+    except (TypeError, ValueError, OverflowError, OSError):  # not a time: none said
+        when = ""
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else "?"
+    host = host if isinstance(host, str) and host.isprintable() and 0 < len(host) <= 255 else "?"
+    return f"the scaleattn run of pid {pid} on host {host}{when}"
 
 
 def _alive_here(owner: dict) -> bool:
@@ -114,10 +134,7 @@ def _acquire_local(lock: Location, role: str, loc: Location):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                owner = json.loads(os.pread(fd, 4096, 0) or b"null")
-            except ValueError:
-                owner = None
+            owner = _object(os.pread(fd, 4096, 0))
             os.close(fd)
             raise OutputInUseError(f"{role} {loc.url} is in use by {_describe(owner)}: two runs never share an"
                                    " output; wait for it to finish or choose another path") from None
@@ -129,10 +146,7 @@ def _acquire_local(lock: Location, role: str, loc: Location):
             os.close(fd)
             continue
         old = os.pread(fd, 4096, 0)
-        try:
-            foreign = bool(old) and not isinstance(json.loads(old).get("pid"), int)
-        except (ValueError, AttributeError):
-            foreign = True
+        foreign = bool(old) and not isinstance((_object(old) or {}).get("pid"), int)
         if foreign:  # a file of the user's with our lock's name: never overwritten
             os.close(fd)
             raise UnsafeOutputError(f"{role} {loc.url}: {path} exists and is not a scaleattn lock; move it away")
@@ -328,10 +342,7 @@ def _try_flock(path: str, shared: bool) -> tuple[int, bool, dict | None]:
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            return fd, True, json.loads(os.pread(fd, 4096, 0) or b"null")
-        except ValueError:
-            return fd, True, None
+        return fd, True, _object(os.pread(fd, 4096, 0))
     except OSError:  # no flock here (some network file systems): unknown
         return fd, None, None
     return fd, False, None

@@ -263,8 +263,8 @@ def _entries(loc: Location) -> list[str] | None:
 
 
 def _is_scaleattn_store(loc: Location) -> str | None:
-    meta = _read_json(loc.join("zarr.json"))
-    fmt = ((meta or {}).get("attributes") or {}).get("format")
+    attrs = (_read_json(loc.join("zarr.json")) or {}).get("attributes")
+    fmt = attrs.get("format") if isinstance(attrs, dict) else None  # (a zarr.json edited by hand: any JSON)
     return fmt if isinstance(fmt, str) and fmt.startswith(_formats.PREFIX) else None
 
 
@@ -324,14 +324,17 @@ def _companion_of_run_entry(n: str) -> bool:
 
 def _not_run_member(loc: Location, n: str) -> str | None:
     """Why the entry ``n`` of ``loc`` is not something a run directory holds (None when it is): report.json (a
-    file), the run's stores (scaleattn stores holding nothing else), plots scaleattn drew, and the locks and
+    file), the run's stores (scaleattn stores of their kind, :data:`scaleattn._formats.RUN_STORES`, holding
+    nothing else), plots scaleattn drew, and the locks and
     readers' markers of these."""
     sub = loc.join(n)
     if n == _formats.RUN_ENTRIES[0]:
         return None if _entries(sub) is None else f"its {n} is not a file"
-    if n in _formats.RUN_ENTRIES:
-        if _entries(sub) is None or not _is_scaleattn_store(sub):
+    if n in _formats.RUN_STORES:
+        if _entries(sub) is None or not (fmt := _is_scaleattn_store(sub)):
             return f"its {n} is not a store scaleattn wrote"
+        if fmt != _formats.RUN_STORES[n]:  # (a dataset copied in as stats.zarr is no run's: never deleted with it)
+            return f"its {n} is {_kind_name(fmt)}, not {_kind_name(_formats.RUN_STORES[n])}"
         stray = _stray(_files(sub))
         return f"its {n} holds {stray!r}, which is not part of a Zarr store" if stray else None
     if re.fullmatch(r".+\.png(?:\.[0-9a-f]{8}\.(?:partial|old))?", n):  # (or a killed replot's copy of one)

@@ -7,6 +7,7 @@ Deprecated keyword names are mapped by :func:`renamed`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 import warnings
@@ -14,7 +15,11 @@ import warnings
 from .errors import ParameterError
 
 __all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs", "positive_seconds",
-           "int_at_least", "seed"]
+           "int_at_least", "seed", "seconds", "MAX_SECONDS", "parse_storage_options", "storage_option_pairs"]
+
+#: the longest duration any option or parameter takes (a timeout, a time budget): 30 days. Longer is no
+#: deliberate choice (``1e308`` was taken as is and handed to Dask's, asyncio's and the OS's timers)
+MAX_SECONDS = 30 * 86400
 
 
 def choice(name: str, value, choices):
@@ -95,15 +100,28 @@ def no_other_kwargs(kwargs: dict, func: str) -> None:
         raise TypeError(f"{func}() got an unexpected keyword argument {next(iter(kwargs))!r}")
 
 
+def seconds(name: str, value, none_ok: bool = True):
+    """A duration parameter (a timeout, a time budget): ``float(value)`` in ``(0, MAX_SECONDS]``, or None.
+
+    Raises
+    ------
+    ParameterError
+        Naming ``name``, e.g. ``heads_budget must be in (0, 2.592e+06], got 1e+308``.
+    """
+    return real(name, value, 0.0, MAX_SECONDS, low_open=True, none_ok=none_ok)
+
+
 def positive_seconds(text: str) -> float:
-    """argparse type of the command line's durations: a finite number of seconds > 0 (argparse then exits 2 naming
-    the option)."""
+    """argparse type of the command line's durations: a number of seconds in ``(0, MAX_SECONDS]`` (argparse then
+    exits 2 naming the option)."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not x > 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if x > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS} seconds (30 days), got {text}")
     return x
 
 
@@ -130,3 +148,45 @@ def int_at_least(low: int):
 #: argparse type of a random seed: an integer >= 0 (numpy's generators refuse negative seeds with a bare
 #: ValueError, which the command line reported as an internal error)
 seed = int_at_least(0)
+
+
+def parse_storage_options(options) -> dict | None:
+    """fsspec options from a dict or from ``["KEY=VALUE", ...]`` (the CLI's ``--storage-option``): values
+    are parsed as JSON where they parse (numbers, true/false, objects), and ``endpoint_url`` moves into s3fs's
+    ``client_kwargs``. The one parser for the CLI and the API. Raises :class:`ParameterError` for a pair
+    without ``=`` or a non-string key.
+
+    Examples
+    --------
+    >>> parse_storage_options(["endpoint_url=http://localhost:9000", "anon=false"])
+    {'anon': False, 'client_kwargs': {'endpoint_url': 'http://localhost:9000'}}
+    """
+    if not options:
+        return None
+    if isinstance(options, dict):
+        out = {**options}
+    else:
+        out = {}
+        for k, v in storage_option_pairs(options).items():
+            try:
+                out[k] = json.loads(v)
+            except json.JSONDecodeError:
+                out[k] = v
+    if any(not isinstance(k, str) or not k for k in out):
+        raise ParameterError(f"storage option names must be non-empty strings, got {sorted(map(repr, out))}")
+    if "endpoint_url" in out:  # s3fs takes the endpoint inside client_kwargs
+        out["client_kwargs"] = {**out.get("client_kwargs", {}), "endpoint_url": out.pop("endpoint_url")}
+    return out
+
+
+def storage_option_pairs(pairs, option: str = "--storage-option") -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` as text (no parsing of the values); the first step of
+    :func:`parse_storage_options`, also used by ``scaleattn submit`` to pass them on unchanged. Raises
+    :class:`ParameterError` for a pair without ``=`` or with an empty key (naming ``option``)."""
+    out = {}
+    for p in pairs or []:
+        if not isinstance(p, str) or "=" not in p or not p.split("=", 1)[0]:
+            raise ParameterError(f"{option} expects KEY=VALUE, got {p!r}")
+        k, v = p.split("=", 1)
+        out[k] = v
+    return out

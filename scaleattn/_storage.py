@@ -15,16 +15,15 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 
 import zarr
 
+from ._params import parse_storage_options
 from .errors import MissingDependencyError, ParameterError, StorageError
 
-__all__ = ["Location", "resolve", "parse_storage_options", "storage_option_pairs", "StorageError", "access_error",
-           "transient", "with_retries", "is_url", "protocols", "check_kind", "settle_writes", "did_you_mean",
-           "RETRY_ATTEMPTS", "RETRY_DELAY"]
+__all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
+           "check_kind", "settle_writes", "did_you_mean", "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -33,48 +32,6 @@ _REFUSALS = ("credential", "accessdenied", "forbidden", "invalidaccesskey", "sig
              "nosuchbucket", "unauthorized")
 #: the retry policy of store reads (:func:`with_retries`): attempts in all, and the first wait in seconds
 RETRY_ATTEMPTS, RETRY_DELAY = 3, 1.0
-
-
-def parse_storage_options(options) -> dict | None:
-    """fsspec options from a dict or from ``["KEY=VALUE", ...]`` (the CLI's ``--storage-option``): values
-    are parsed as JSON where they parse (numbers, true/false, objects), and ``endpoint_url`` moves into s3fs's
-    ``client_kwargs``. The one parser for the CLI and the API. Raises :class:`ParameterError` for a pair
-    without ``=`` or a non-string key.
-
-    Examples
-    --------
-    >>> parse_storage_options(["endpoint_url=http://localhost:9000", "anon=false"])
-    {'anon': False, 'client_kwargs': {'endpoint_url': 'http://localhost:9000'}}
-    """
-    if not options:
-        return None
-    if isinstance(options, dict):
-        out = {**options}
-    else:
-        out = {}
-        for k, v in storage_option_pairs(options).items():
-            try:
-                out[k] = json.loads(v)
-            except json.JSONDecodeError:
-                out[k] = v
-    if any(not isinstance(k, str) or not k for k in out):
-        raise ParameterError(f"storage option names must be non-empty strings, got {sorted(map(repr, out))}")
-    if "endpoint_url" in out:  # s3fs takes the endpoint inside client_kwargs
-        out["client_kwargs"] = {**out.get("client_kwargs", {}), "endpoint_url": out.pop("endpoint_url")}
-    return out
-
-
-def storage_option_pairs(pairs, option: str = "--storage-option") -> dict[str, str]:
-    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` as text (no parsing of the values); the first step of
-    :func:`parse_storage_options`, also used by ``scaleattn submit`` to pass them on unchanged. Raises
-    :class:`ParameterError` for a pair without ``=`` or with an empty key (naming ``option``)."""
-    out = {}
-    for p in pairs or []:
-        if not isinstance(p, str) or "=" not in p or not p.split("=", 1)[0]:
-            raise ParameterError(f"{option} expects KEY=VALUE, got {p!r}")
-        k, v = p.split("=", 1)
-        out[k] = v
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,13 +397,13 @@ def settle_writes(timeout: float = SETTLE_TIMEOUT) -> None:
 
 def remove(url: str, storage_options: dict | None = None) -> None:
     """Delete ``url`` recursively if it exists (a symbolic link: the link alone; :class:`StorageError` as
-    :func:`exists`)."""
+    :func:`exists`); a local directory by :func:`_remove_tree`, which an interruption never leaves damaged."""
     if not is_url(url):
         url = local_path(url)
         if os.path.islink(url):  # the link, never what it points to
             os.unlink(url)
         elif os.path.isdir(url):
-            shutil.rmtree(url)
+            _remove_tree(url)
         elif os.path.exists(url):
             os.remove(url)
         return
@@ -454,6 +411,20 @@ def remove(url: str, storage_options: dict | None = None) -> None:
         fs, p = fs_for(url, storage_options)
         if fs.exists(p):
             fs.rm(p, recursive=True)
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the local directory ``path`` deepest first, a node's metadata (``zarr.json``, v2's ``.z*``) after
+    all else in its directory: stopped anywhere (Ctrl-C, a kill), it leaves a smaller store, each chunk under its
+    array's metadata, never a checkpoint without its ``zarr.json`` (``shutil.rmtree``'s order) that every later
+    run refused as "not written by scaleattn". Links are removed, never followed."""
+    meta = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+    for root, dirs, files in os.walk(path, topdown=False):  # (its directories, emptied already, then its files)
+        for p in [os.path.join(root, n) for n in dirs + sorted(files, key=lambda n: n in meta)]:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
 
 
 def check_regular(path: str) -> None:
@@ -468,8 +439,11 @@ def check_regular(path: str) -> None:
         Naming the entry, e.g. ``/x/d.zarr/tokens/c/0/0: not a regular file (a FIFO, socket or device)``.
     """
     def refuse(p):
-        raise StorageError(f"{p}: not a regular file (a FIFO, socket or device): scaleattn reads only regular"
-                           " files; replace it with the data it stands for")
+        what = "not a regular file (a FIFO, socket or device)"
+        if os.path.islink(p) and not os.path.exists(p):  # (a loop's stat fails as a dangling link's does)
+            what = f"a symbolic link to {os.readlink(p)}, which does not exist or loops back"
+        raise StorageError(f"{p}: {what}: scaleattn reads only regular files; replace it with the data it stands"
+                           " for")
 
     if not os.path.isdir(path):
         if os.path.exists(path) and not os.path.isfile(path):
@@ -481,7 +455,12 @@ def check_regular(path: str) -> None:
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
                     todo.append(e.path)
-                elif not (e.is_file() or e.is_dir()):  # (is_file follows a link to its target)
+                    continue
+                try:
+                    regular = e.is_file() or e.is_dir()  # (is_file follows a link to its target)
+                except OSError:  # a link that loops: ELOOP
+                    regular = False
+                if not regular:
                     refuse(e.path)
 
 

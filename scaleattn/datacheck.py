@@ -1,6 +1,6 @@
 """Checks of a dataset (layer L1): shapes and dtypes of its arrays, their values (NaN/Inf, magnitudes whose
-cubic features overflow float64, lengths), its attributes, and that the chunks it stores are the ones that
-were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
+features or squares overflow or underflow float64, lengths), its attributes, and that the chunks it stores are
+the ones that were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
 :class:`~scaleattn.errors.DatasetError` (or :class:`~scaleattn.errors.IntegrityError`) naming the array and
 the sample (range) and the store. :mod:`scaleattn.dataset` calls these; DESIGN §7.
 """
@@ -21,7 +21,8 @@ from .errors import DatasetError, IntegrityError
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
-           "check_objects", "expected_rows", "check_underflow", "ARRAYS", "MAX_TOKEN", "MAX_TARGET", "MIN_TOKEN"]
+           "check_objects", "expected_rows", "check_underflow", "ARRAYS", "MAX_TOKEN", "MAX_TARGET", "MIN_TOKEN",
+           "MIN_TARGET"]
 
 #: the arrays of a dataset whose rows are samples (DESIGN §7)
 ARRAYS = ("tokens", "lengths", "targets")
@@ -36,13 +37,23 @@ MAX_EXACT_INTEGER = 2**53
 #: float64's normal range (1e-38 ** 6 = 1e-228; at 1e-53 it is subnormal, at 1e-60 zero, and a realizable
 #: dataset would be certified "not identifiable")
 MIN_TOKEN = 1e-38
+#: the smallest largest |target| of a sample that is not all zero: below it y^2 leaves float64's normal range
+#: (1e-100 ** 2 = 1e-200; at 1e-160 it is subnormal, at 1e-200 zero, and a fit reported "train MSE 0 (relative
+#: nan)" and a flattening-rank bound of 0 heads); the mirror of :data:`MAX_TARGET`
+MIN_TARGET = 1e-100
+#: per array checked for magnitude: (smallest and largest accepted largest |value| of a sample, what underflows,
+#: what overflows)
+_RANGE = {"tokens": (MIN_TOKEN, MAX_TOKEN, "its degree-6 features underflow", "its cubic features overflow"),
+          "targets": (MIN_TARGET, MAX_TARGET, "its square underflows",
+                      "its square and its products with the cubic features (the moments) overflow")}
 
 
 def check_values(name: str, a, start: int) -> None:
-    """NaN/Inf, values so large that the cubic features overflow float64 (tokens: or so small that they
-    underflow), and integers float64 cannot hold exactly (beyond :data:`MAX_EXACT_INTEGER`; check integer arrays
-    before converting them), naming the first bad sample (``start`` + its index in ``a``). ``a``: numpy or any
-    array API array (checked on its device; one transfer of a flag per check)."""
+    """NaN/Inf, values so large that the features (tokens) or the squares and moments (targets) overflow float64
+    or so small that they underflow (:data:`_RANGE`), and integers float64 cannot hold exactly (beyond
+    :data:`MAX_EXACT_INTEGER`; check integer arrays before converting them), naming the first bad sample
+    (``start`` + its index in ``a``). ``a``: numpy or any array API array (checked on its device; one transfer of a
+    flag per check)."""
     if a.ndim == 0 or a.shape[0] == 0:
         return
     xp = get_xp(a)
@@ -61,42 +72,50 @@ def check_values(name: str, a, start: int) -> None:
                                " scaleattn computes, cannot hold it exactly; rescale the data or store it as"
                                " floating point")
         return  # (and far below the overflow limits)
-    limit = MAX_TOKEN if name == "tokens" else MAX_TARGET
+    low, limit, _, over = _RANGE["tokens" if name == "tokens" else "targets"]
     mag = xp.astype(xp.max(xp.abs(flat), axis=1), xp.float64)  # (float16 cannot hold the limit: no cast warning)
     big = mag > limit
     if bool(xp.any(big)):
         i = _first(big, xp)
-        raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: its cubic"
-                           f" features overflow float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
-    if name == "tokens":
-        _check_tiny(mag, start, xp)
+        raise DatasetError(f"{name}: sample {start + i} has a value of magnitude {float(mag[i]):.1e}: {over}"
+                           f" float64 (|{name}| <= {limit:.0e} is accepted); rescale the data")
+    _check_tiny(mag, start, xp, name)
 
 
-def check_underflow(tokens, start: int = 0) -> None:
-    """Refuse tokens whose features underflow float64: a sample that is not all zero but whose largest
-    |token| is below :data:`MIN_TOKEN` (its degree-6 Gram terms are subnormal or zero), naming the first such
-    sample (``start`` + its index) and how to rescale. ``tokens``: (n, ...) numpy or any array API array.
+def check_underflow(a, start: int = 0, name: str = "tokens") -> None:
+    """Refuse tokens whose features underflow float64, or targets whose squares do: a sample that is not all
+    zero but whose largest |value| is below :data:`MIN_TOKEN` (its degree-6 Gram terms are subnormal or zero) or
+    :data:`MIN_TARGET` (its y^2), naming the first such sample (``start`` + its index) and how to rescale.
+
+    Parameters
+    ----------
+    a : array
+        (n, ...) numpy or any array API array of tokens or targets.
+    start : int
+        The global index of its first sample (for the message).
+    name : {"tokens", "targets"}
+        Which array ``a`` is.
 
     Raises
     ------
     DatasetError
         ``"tokens: sample i has values of magnitude at most 1.0e-60: ..."``.
     """
-    if tokens.ndim == 0 or tokens.shape[0] == 0 or not math.prod(tokens.shape[1:]):
+    if a.ndim == 0 or a.shape[0] == 0 or not math.prod(a.shape[1:]):
         return
-    xp = get_xp(tokens)
-    _check_tiny(xp.astype(xp.max(xp.abs(xp.reshape(tokens, (tokens.shape[0], -1))), axis=1), xp.float64),
-                start, xp)
+    xp = get_xp(a)
+    _check_tiny(xp.astype(xp.max(xp.abs(xp.reshape(a, (a.shape[0], -1))), axis=1), xp.float64), start, xp, name)
 
 
-def _check_tiny(mag, start: int, xp) -> None:
-    tiny = (mag > 0) & (mag < MIN_TOKEN)
+def _check_tiny(mag, start: int, xp, name: str) -> None:
+    low, _, under, _ = _RANGE["tokens" if name == "tokens" else "targets"]
+    tiny = (mag > 0) & (mag < low)
     if bool(xp.any(tiny)):
         i = _first(tiny, xp)
         m = float(mag[i])
-        raise DatasetError(f"tokens: sample {start + i} has values of magnitude at most {m:.1e}: its degree-6"
-                           f" features underflow float64 (a sample that is not all zero needs a |token| >="
-                           f" {MIN_TOKEN:.0e}); rescale the tokens (multiply them by 1e{-math.floor(math.log10(m))})")
+        raise DatasetError(f"{name}: sample {start + i} has values of magnitude at most {m:.1e}: {under} float64 (a"
+                           f" sample that is not all zero needs a |{name.rstrip('s')}| >= {low:.0e}); rescale the"
+                           f" {name} (multiply them by 1e{-math.floor(math.log10(m))})")
 
 
 def check_lengths(lens, start: int, T: int) -> None:

@@ -42,7 +42,7 @@ from .datacheck import (
     object_digests,
     verify_identity,
 )
-from .errors import DatasetError, IntegrityError
+from .errors import DatasetError, IntegrityError, StorageError
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "check_arrays", "DIMS", "ChunkCache", "CUT_CHUNKS"]
 
@@ -356,7 +356,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     url : str, path-like or Location
         Local path or fsspec URL (``s3://bucket/data.zarr``) of a Zarr v3 group; local paths are made absolute.
     storage_options : dict or list of "KEY=VALUE", optional
-        fsspec options (endpoint, credentials) for URLs (:func:`scaleattn._storage.parse_storage_options`).
+        fsspec options (endpoint, credentials) for URLs (:func:`scaleattn._params.parse_storage_options`).
     fill_absent_chunks : bool
         For stores written by other tools (no manifest): absent chunks mean the fill value (for writers that
         skip empty chunks). By default they are refused. Stores scaleattn wrote are always complete.
@@ -394,6 +394,8 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
         raise DatasetError(f"{url}: no such dataset{did_you_mean(url)}")
     try:
         g = loc.open_group("r")
+    except StorageError:  # (already one line naming the entry: a FIFO or a broken link in the store)
+        raise
     except Exception as e:  # zarr raises several types for a non-group / corrupt metadata
         if loc.join("report.json").exists():  # (a run directory given where its dataset goes)
             raise DatasetError(f"{url}: a run directory, not a dataset (its report names the dataset it"

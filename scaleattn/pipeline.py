@@ -20,7 +20,7 @@ from . import _formats, _testing
 from . import report as _text
 from ._backend import check_device
 from ._outputs import reading
-from ._params import choice, heads_spec, no_other_kwargs, real, renamed
+from ._params import choice, heads_spec, no_other_kwargs, renamed, seconds
 from ._storage import Location
 from ._version import __version__
 from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
@@ -182,7 +182,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Gram does not certify identifiability and psi <= ``QR_MAX_PSI`` (well-conditioned data: one pass,
         unchanged results). The report's ``certificate_method`` says which decided.
     heads_budget : float or None
-        Seconds for the head search of ``"minimal"`` / H (None: no limit); the report's
+        Seconds for the head search of ``"minimal"`` / H, at most 30 days (None: no limit); the report's
         ``heads_budget_exhausted`` says when it ran out.
     fill_absent_chunks : bool
         For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
@@ -235,7 +235,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = check_ridge(ridge)
-    heads_budget = real("heads_budget", heads_budget, 0.0, low_open=True, none_ok=True)
+    heads_budget = seconds("heads_budget", heads_budget)
     choice("solver", solver, SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)

@@ -13,7 +13,6 @@ Layout::
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import uuid
 
@@ -298,8 +297,8 @@ _REPORT_TYPES = {"cutoff_rtol": float, "lambda_min": float, "identifiable": bool
 def _report_json(text: bytes, url: str) -> dict:
     """The report, parsed strictly, with the types of the values the plots use checked (one error line)."""
     try:
-        report = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+        report = _formats.loads(text)
+    except ValueError as e:  # (UnicodeDecodeError too)
         raise FormatError(f"{url}: not valid JSON ({e}): the report is damaged") from None
     if not isinstance(report, dict):
         raise FormatError(f"{url}: not a run report (a JSON object expected, got {type(report).__name__})")

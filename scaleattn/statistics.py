@@ -402,7 +402,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     ------
     DatasetError
         Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`); tokens so small
-        that the features underflow float64 (:func:`scaleattn.datacheck.check_underflow`).
+        that the features underflow float64, targets so small that their squares do
+        (:func:`scaleattn.datacheck.check_underflow`).
 
     See Also
     --------
@@ -418,6 +419,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     """
     check_arrays(tokens, targets, lengths)
     check_underflow(tokens)  # (a Gram underflowed to zero looks like all-zero data: refused here, not after)
+    if targets is not None:
+        check_underflow(targets, name="targets")  # (y^2 underflowed to zero: an MSE of 0, relative nan)
     if causal is None:
         causal = targets is not None and targets.ndim == 3
     xp = get_xp(tokens, targets)

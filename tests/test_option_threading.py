@@ -96,11 +96,21 @@ def test_unknown_device_is_refused_not_run_on_cpu(small, call):
     ({"cutoff_rtol": 0.0}, r"cutoff_rtol must be in \(0, 1\)"), ({"cutoff_rtol": 1.5}, r"cutoff_rtol must be in"),
     ({"solver": "lu"}, "solver must be one of"), ({"heads": 0}, "heads must be >= 1"),
     ({"heads": "many"}, "heads must be 'svd', 'minimal'"),
+    ({"heads_budget": 1e308}, r"heads_budget must be in \(0, 2\.592e\+06\]"),
 ])
 def test_fit_parameters_checked_before_any_work(small, tmp_path, kwargs, match):
     with pytest.raises(ParameterError, match=match):
         scaleattn.fit(small, tmp_path / "run", **kwargs)
     assert not any(tmp_path.iterdir())  # no run directory, no checkpoint
+
+
+@pytest.mark.parametrize("kwargs", [{"scheduler_timeout": 1e308}, {"worker_timeout": -1.0},
+                                    {"scheduler_timeout": float("nan")}])
+def test_connect_refuses_durations_out_of_range_before_connecting(kwargs):
+    """They were handed on to Dask's, asyncio's and the OS's timers unchecked."""
+    with pytest.raises(ParameterError, match=f"{next(iter(kwargs))} must be"):
+        with scaleattn.connect("tcp://127.0.0.1:9", quiet=True, **kwargs):
+            pass
 
 
 def test_deprecated_names_still_work_and_warn(small):

@@ -186,7 +186,8 @@ def test_cli_plot_refuses_parts_that_do_not_belong_together(run, tmp_path, cli):
     ('{"lambda_min": "abc"}', r"report\.json: attribute 'lambda_min' must be a number, got 'abc'"),
     ('{"loss_vs_heads": [{"heads": "2", "train_mse_stats": 1.0}]}', r"loss_vs_heads: attribute 'heads' must be an"),
     ("[1, 2]", r"report\.json: not a run report"),
-], ids=["not-json", "lambda_min", "loss_vs_heads", "list"])
+    ("[" * 100_000, r"report\.json: not valid JSON \(nested too deep to be read\)"),  # (a RecursionError: a "bug")
+], ids=["not-json", "lambda_min", "loss_vs_heads", "list", "nested"])
 def test_cli_plot_damaged_report_is_one_line_exit_2(tmp_path, cli, text, pattern):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "report.json").write_text(text)

@@ -136,6 +136,21 @@ def test_tokens_whose_gram_underflows_are_refused_not_certified():
     assert certify(statistics_from_arrays(z, y)).verdict == "identifiable"
 
 
+def test_targets_whose_squares_underflow_are_refused_not_fitted():
+    """|targets| ~ 1e-200: y^2 underflowed to 0 and a fit reported "train MSE 0 (relative nan)" and a flattening
+    rank bound of 0 heads. Refused, naming the sample and the factor; 1e-90 still fits; all-zero samples pass."""
+    from scaleattn.errors import DatasetError
+
+    rng = np.random.default_rng(0)
+    z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))
+    with pytest.raises(DatasetError, match=r"targets: sample 0 has values of magnitude at most \d\.\de-20\d: its square"
+                                           r" underflows float64 .*multiply them by 1e20\d"):
+        statistics_from_arrays(z, y * 1e-200)
+    y[:5] = 0.0
+    st = statistics_from_arrays(z, y * 1e-90)
+    assert st.target_mean_square > 0 and np.isfinite(st.target_mean_square)
+
+
 def test_dataset_reads_refuse_tokens_whose_gram_underflows(tmp_path):
     import zarr
 

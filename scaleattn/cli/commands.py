@@ -5,14 +5,15 @@ from __future__ import annotations
 import sys
 import time
 
-from .._storage import check_kind, parse_storage_options
+from .._params import parse_storage_options
+from .._storage import check_kind
 from ..errors import ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
 
 
 def _storage_options(pairs) -> dict | None:
-    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._storage.parse_storage_options`)."""
+    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._params.parse_storage_options`)."""
     return parse_storage_options(pairs)
 
 

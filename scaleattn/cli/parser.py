@@ -290,11 +290,14 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
         known = {o for a in level._actions for o in a.option_strings}
         if not arg.startswith("-") or option in known:
             continue
-        owners = [q.prog.removeprefix("scaleattn ") for q in _commands(level)
-                  if any(option in a.option_strings for a in q._actions)]
-        if not owners:
-            close = difflib.get_close_matches(option, sorted(known), 1)
-            return level, f"unrecognized arguments: {arg}" + (f" (did you mean {close[0]}?)" if close else "")
+        owners = _owners(level, option)
+        if not owners:  # the closest option of this level or of a command below (``--hedas fit``: ``--heads``)
+            close = difflib.get_close_matches(option, sorted(known | {o for q in _commands(level) for a in q._actions
+                                                                      for o in a.option_strings}), 1)
+            hint = "" if not close else f" (did you mean {close[0]}?)" if close[0] in known else (
+                f" (did you mean {close[0]}, an option of {_listed(_owners(level, close[0]))}? put it after the"
+                " command)")
+            return level, f"unrecognized arguments: {arg}{hint}"
         sub = level
         for a in argv[i + 1:]:  # the command given after it (``generate mhla``), if any
             if a in _subcommands(sub)[1]:
@@ -304,9 +307,20 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
                 break
         if _subcommands(sub)[1]:
             words.append(_subcommands(sub)[0].upper())  # COMMAND, TASK: the one still to choose
-        return level, (f"{option} is an option of the command{'s' if len(owners) > 1 else ''} ({', '.join(owners)}):"
-                       f" put it after the command: scaleattn {' '.join(words)} {arg} ...")
+        return level, f"{option} is an option of {_listed(owners)}: put it after the command: scaleattn" \
+                      f" {' '.join(words)} {arg} ..."
     return None
+
+
+def _owners(level: argparse.ArgumentParser, option: str) -> list[str]:
+    """The commands below ``level`` that take ``option`` (``["generate mhla", "generate assoc"]``)."""
+    return [q.prog.removeprefix("scaleattn ") for q in _commands(level)
+            if any(option in a.option_strings for a in q._actions)]
+
+
+def _listed(commands: list[str]) -> str:
+    """``the command (fit)`` or ``the commands (fit, certify)``."""
+    return f"the command{'s' if len(commands) > 1 else ''} ({', '.join(commands)})"
 
 
 def parse(argv=None) -> argparse.Namespace:

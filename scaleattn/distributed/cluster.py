@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from .._params import seconds
 from .._storage import check_kind
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
@@ -264,7 +265,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Seconds to keep trying to reach ``scheduler``, also while the connection is refused or its host name does
         not resolve: a scheduler that starts after this process (a Kubernetes job's pods start in any order) is
         waited for. Default: one try, so a refused connection or an unknown host fails at once (no answer at all:
-        after the dask config ``distributed.comm.timeouts.connect``, 30 s).
+        after the dask config ``distributed.comm.timeouts.connect``, 30 s). At most
+        :data:`~scaleattn._params.MAX_SECONDS` (30 days), as ``worker_timeout``.
     worker_timeout : float, optional
         With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here).
     debug : bool
@@ -302,6 +304,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     import dask
     from distributed import Client, LocalCluster
 
+    scheduler_timeout = seconds("scheduler_timeout", scheduler_timeout)
+    worker_timeout = seconds("worker_timeout", worker_timeout)
     where = "--scheduler" if scheduler else "$DASK_SCHEDULER_ADDRESS"
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if scheduler and (workers or gpus):

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from .._params import positive_seconds
-from .._storage import storage_option_pairs
+from .._params import storage_option_pairs
 from .._version import __version__
 from ..errors import ParameterError, ScaleattnError
 from .follow import apply_daskjob, runner_exit_code

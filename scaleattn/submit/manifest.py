@@ -12,6 +12,7 @@ import re
 from urllib.parse import urlsplit
 
 from .._outputs import relation
+from .._params import MAX_SECONDS
 from .._storage import Location
 from .._version import __version__
 from ..errors import ParameterError
@@ -123,11 +124,13 @@ def _check_dns_label(what: str, value, max_len: int = 63) -> str:
     return value
 
 
-def _check_int(what: str, value, minimum: int) -> int:
+def _check_int(what: str, value, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ParameterError(f"{what} must be an integer, got {value!r}")
     if value < minimum:
         raise ParameterError(f"{what} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ParameterError(f"{what} must be <= {maximum}, got {value}")
     return value
 
 
@@ -320,8 +323,9 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
                              " input; choose a path outside it")
     gpus = _check_int("gpus", gpus, 0)
     workers = _check_int("workers", workers, 1)
-    scheduler_timeout = _check_int("scheduler_timeout", scheduler_timeout, 1)
-    worker_timeout = _check_int("worker_timeout", worker_timeout, 1)
+    # (the runner's fit takes at most MAX_SECONDS: a longer one would fail in the pod, minutes later)
+    scheduler_timeout = _check_int("scheduler_timeout", scheduler_timeout, 1, MAX_SECONDS)
+    worker_timeout = _check_int("worker_timeout", worker_timeout, 1, MAX_SECONDS)
     if deadline is not None:
         deadline = _check_int("deadline", deadline, 1)
     name = DEFAULT_NAME if name is None else name

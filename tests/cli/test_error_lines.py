@@ -30,7 +30,16 @@ def _line(r) -> str:
      "scaleattn: error: --local is an option of the commands (fit, certify, evaluate): put it after the command:"
      " scaleattn COMMAND --local ... (see scaleattn --help)"),
     # an unknown option is named, not "the following arguments are required: COMMAND"
-    (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (see scaleattn --help)"),
+    (["--bogus"], "scaleattn: error: unrecognized arguments: --bogus (did you mean --gpus, an option of the commands"
+                  " (fit, certify, evaluate, submit)? put it after the command) (see scaleattn --help)"),
+    (["--zzzz"], "scaleattn: error: unrecognized arguments: --zzzz (see scaleattn --help)"),
+    # a typo of a command's option before it: the commands' options are matched too ("did you mean --help?")
+    (["--hedas", "fit", "{ds}", "--out", "{out}"],
+     "scaleattn: error: unrecognized arguments: --hedas (did you mean --heads, an option of the commands (generate"
+     " mhla, fit)? put it after the command) (see scaleattn --help)"),
+    (["generate", "--sed", "3", "mhla", "{out}"],
+     "scaleattn generate: error: unrecognized arguments: --sed (did you mean --seed, an option of the commands"
+     " (generate mhla, generate assoc)? put it after the command) (see scaleattn generate --help)"),
     (["--verison", "fit", "{ds}", "--out", "{out}"],
      "scaleattn: error: unrecognized arguments: --verison (did you mean --version?) (see scaleattn --help)"),
 ])
@@ -96,6 +105,15 @@ FIT = ["fit", "{ds}", "--out", "{out}", "--local", "--quiet"]
     (["generate", "mhla", "{out}", "--noise", "1e200"], "--noise must be in [0, 1e+99], got 1e+200"),
     (["generate", "mhla", "{out}", "--noise", "inf"], "--noise must be finite, got inf"),
     (["compare", "{out}", "{out}", "--rtol", "-1"], "--rtol must be > 0, got -1"),
+    # durations: finite but absurd ones were handed to Dask's, asyncio's and the OS's timers
+    ([*FIT, "--heads-budget", "1e308"],
+     "argument --heads-budget: must be at most 2592000 seconds (30 days), got 1e308"),
+    (["fit", "{ds}", "--out", "{out}", "--scheduler-timeout", "1e308"],
+     "argument --scheduler-timeout: must be at most 2592000 seconds (30 days), got 1e308"),
+    (["evaluate", "{out}", "{ds}", "--worker-timeout", "2592001"],
+     "argument --worker-timeout: must be at most 2592000 seconds (30 days), got 2592001"),
+    (["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--dry-run", "--scheduler-timeout",
+      "100000000000"], "--scheduler-timeout must be <= 2592000, got 100000000000"),
 ])
 def test_float_options_out_of_range_are_refused_up_front(causal_ds, tmp_path, cli, argv, says):
     out = tmp_path / "out"

@@ -44,6 +44,10 @@ def base(tmp_path_factory):
     yb = y.copy()
     yb[30, 2, 1] = -1e200
     foreign(b / "big-targets.zarr", tok, yb)
+    ys = y.copy()
+    ys[11] *= 1e-200  # (its square underflows to zero: a fit said "train MSE 0 (relative nan)", bound 0 heads)
+    foreign(b / "tiny-targets.zarr", tok, ys)
+    np.savez(b / "tiny-targets.npz", tokens=tok, targets=y * 1e-160)
     (b / "empty.csv").write_text("")
     (b / "afile").write_text("a file where an output's folder would go\n")
     (b / "header.csv").write_text("a,b\n")
@@ -88,7 +92,13 @@ CASES = [
     ("overflow-tokens", ["fit", "big-tokens.zarr", "--out", "run", *FIT],
      r"tokens: sample 3 has a value of magnitude 1\.0e\+60: its cubic features overflow float64"),
     ("overflow-targets", ["fit", "big-targets.zarr", "--out", "run", *FIT],
-     r"targets: sample 30 has a value of magnitude 1\.0e\+200: its cubic features overflow"),
+     r"targets: sample 30 has a value of magnitude 1\.0e\+200: its square and its products with the cubic features"
+     r" \(the moments\) overflow float64 \(\|targets\| <= 1e\+100 is accepted\)"),  # (targets have no features)
+    ("underflow-targets", ["fit", "tiny-targets.zarr", "--out", "run", *FIT],
+     r"targets: sample 11 has values of magnitude at most \d\.\de-20\d: its square underflows float64 \(a sample that"
+     r" is not all zero needs a \|target\| >= 1e-100\); rescale the targets \(multiply them by 1e20\d\)"),
+    ("underflow-targets-import", ["import", "o.zarr", "--npz", "tiny-targets.npz"],
+     r"tiny-targets\.npz: targets: sample \d+ has values of magnitude at most .*: its square underflows float64"),
     ("overflow-certify", ["certify", "big-tokens.zarr", "--local", "--quiet"], r"tokens: sample 3 .*overflow"),
     # import and generate name every bad argument
     ("csv-empty", ["import", "o.zarr", "--csv", "empty.csv"], r"empty\.csv: empty file"),
@@ -266,6 +276,51 @@ def test_a_lost_output_moved_aside_by_a_killed_run_is_restored(tmp_path, capsys)
     assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
 
 
+def test_an_interrupted_removal_leaves_a_smaller_store_never_a_foreign_one(tmp_path, capsys, monkeypatch):
+    """A fit with --overwrite removes the old checkpoint first: Ctrl-C during that removal (shutil.rmtree, in the
+    directory's own order) left it without its zarr.json, and every later run refused it as "not written by
+    scaleattn" (remove it yourself). Wherever the removal stops, what is left is a store scaleattn wrote, which
+    the next --overwrite replaces."""
+    import shutil
+
+    from scaleattn._outputs import owner_of
+    from scaleattn._storage import Location
+
+    dataset(tmp_path / "d.zarr")
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--keep-checkpoint", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    ck, copy = tmp_path / "run.checkpoint.zarr", tmp_path / "copy.zarr"
+    n = sum(len(files) for _, _, files in os.walk(ck))
+
+    def interrupted_removal(path, k):
+        """``remove(path)`` stopped by Ctrl-C as it would delete its file number k + 1."""
+        calls = []
+
+        def stopping(real):
+            def call(p, *args, **kwargs):
+                calls.append(p)
+                if len(calls) > k:
+                    raise KeyboardInterrupt
+                return real(p, *args, **kwargs)
+            return call
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "remove", stopping(os.remove))
+            m.setattr(os, "unlink", stopping(os.unlink))
+            with pytest.raises(KeyboardInterrupt):
+                _storage.remove(str(path))
+
+    for k in range(0, n, max(1, n // 16)):  # (a removal takes 0.1-0.5 s: 16 places it stops at)
+        shutil.copytree(ck, copy)
+        interrupted_removal(copy, k)
+        assert owner_of(Location(str(copy))) == (True, "scaleattn-checkpoint"), (k, sorted(os.walk(copy)))
+        shutil.rmtree(copy)
+    interrupted_removal(ck, n // 2)
+    rc, err = run_main(["fit", "d.zarr", "--out", "run", "--overwrite", *FIT], capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
+
+
 def _wait_done(ck, k, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -405,3 +460,24 @@ def test_a_fifo_in_an_input_is_refused_not_waited_on(where, tmp_path, capsys):
     assert p.returncode == 2, p.stderr
     expect(error_line(p.stderr), re.escape(str(tmp_path / target)) + r": not a regular file \(a FIFO")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+@pytest.mark.parametrize("where", ["dataset chunk", "model chunk"])
+def test_a_broken_link_in_an_input_is_one_line_naming_it(where, link, tmp_path, capsys):
+    """A symbolic link in a store that leads nowhere was called "not a regular file (a FIFO, socket or device)",
+    inside "not a readable Zarr group (StorageError: ...)"; one that loops was an OSError in that wrapper."""
+    dataset(tmp_path / "d.zarr")
+    if where == "model chunk":
+        rc, err = run_main(["fit", "d.zarr", "--out", "run", *FIT], capsys, cwd=tmp_path)
+        assert rc == 0, err
+    target = {"dataset chunk": "d.zarr/tokens/c/0/0/0", "model chunk": "run/model.zarr/coef/c/0/0"}[where]
+    os.remove(tmp_path / target)
+    os.symlink("gone" if link == "dangling" else os.path.basename(target), tmp_path / target)
+    argv = ["evaluate", "run/model.zarr", "d.zarr", *FIT[:2]] if where == "model chunk" else \
+        ["fit", "d.zarr", "--out", "new", *FIT]
+    rc, err = run_main(argv, capsys, cwd=tmp_path)
+    assert rc == 2, err
+    expect(error_line(err), re.escape(str(tmp_path / target)) + r": a symbolic link to \S+, which does not exist or"
+                            r" loops back: scaleattn reads only regular files")
+    assert "readable" not in err and not (tmp_path / "new").exists()

@@ -113,6 +113,40 @@ def test_plot_is_refused_while_a_fit_holds_the_run_or_the_output(tmp_path, holde
     assert tree_hash(tmp_path / "run") == before and not (tmp_path / "plots").exists()
 
 
+FOREIGN_HOLDER = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+                  "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n")
+
+
+@pytest.mark.parametrize("content, who", [
+    ("[1]", "another scaleattn run"),
+    ('{"pid": 7, "locked_at": "yesterday"}', "the scaleattn run of pid 7 on host ?"),
+    ('{"pid": 7, "host": "a\\nb", "locked_at": 1e300}', "the scaleattn run of pid 7 on host ?"),
+    ('{"pid": "7; rm -rf /", "host": "h", "locked_at": NaN}', "the scaleattn run of pid ? on host h"),
+    ("[" * 4000, "another scaleattn run"),
+], ids=["list", "time-text", "time-huge", "pid-text", "nested"])
+def test_a_lock_held_with_any_content_is_one_line_naming_what_it_can(tmp_path, content, who):
+    """The lock file is another process's: its JSON was read unchecked, and a list, a text time, a time beyond
+    time_t or a document nested too deep were internal errors (AttributeError, TypeError, OverflowError,
+    RecursionError) instead of "in use"."""
+    import subprocess
+
+    out = Location(str(tmp_path / "run"))
+    lock = lock_location(out).url
+    with open(lock, "w") as f:
+        f.write(content)
+    p = subprocess.Popen([sys.executable, "-c", FOREIGN_HOLDER, lock], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(OutputInUseError) as e:
+            with hold(out, "--out"):
+                pass
+    finally:
+        p.kill()
+        p.wait()
+    assert str(e.value) == (f"--out {out.url} is in use by {who}: two runs never share an output; wait for it to"
+                            " finish or choose another path")
+
+
 def test_a_dead_run_s_lock_is_taken_over(tmp_path, capsys):
     dataset(tmp_path / "d.zarr")
     lock = tmp_path / ".run.lock"

@@ -228,6 +228,41 @@ def test_overwrite_never_deletes_a_folder_of_the_user_under_a_run_s_store_name(t
     assert tree_hash(tmp_path / "run") == before
 
 
+@pytest.mark.parametrize("member, kind", [("stats.zarr", "a dataset store, not a statistics store"),
+                                          ("model.zarr", "a statistics store, not a model store")])
+def test_overwrite_never_deletes_another_kind_of_store_under_a_run_s_store_name(tmp_path, capsys, member, kind):
+    """--overwrite took any scaleattn store under a run's store names for the run's: a dataset copied in as
+    ``stats.zarr`` (the user's only copy of imported data, say) was deleted with the run."""
+    import shutil
+
+    from .conftest import tree_hash
+
+    dataset(tmp_path / "d.zarr")
+    assert run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), *FIT], capsys)[0] == 0
+    shutil.rmtree(tmp_path / "run" / member)
+    source = tmp_path / "d.zarr" if member == "stats.zarr" else tmp_path / "run" / "stats.zarr"
+    shutil.copytree(source, tmp_path / "run" / member)
+    before = tree_hash(tmp_path / "run")
+    rc, err = run_main(["fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run"), "--overwrite", *FIT], capsys)
+    assert rc == 2, err
+    expect(error_line(err), rf"exists and was not written by scaleattn \(its {re.escape(member)} is {kind}\)")
+    assert tree_hash(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("meta", ["[1]", '{"attributes": [1]}', '{"attributes": {"format": ["scaleattn-"]}}',
+                                  "[" * 5000, "\xff\xfe"], ids=["list", "attributes-list", "format-list", "nested",
+                                                                "not-utf8"])
+def test_overwrite_of_a_directory_with_any_zarr_json_is_refused_in_one_line(tmp_path, meta):
+    """A zarr.json is any program's file: one that is JSON but not an object, or nested too deep, was an internal
+    error (AttributeError, RecursionError) of --overwrite instead of "not written by scaleattn"."""
+    from scaleattn._outputs import check_replaceable
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "zarr.json").write_bytes(meta.encode("latin-1"))
+    with pytest.raises(UnsafeOutputError, match=r"exists and was not written by scaleattn \(it holds 'zarr\.json'"):
+        check_replaceable(Location(str(tmp_path / "out")), "--out")
+
+
 @pytest.mark.parametrize("url", ["s3://bucket/.", "s3://bucket/x/..", "gs://b/./"])
 def test_a_bucket_root_spelled_with_dots_is_a_bucket_root(url):
     with pytest.raises(UnsafeOutputError, match=r"the root of a bucket or file system has no place next to it"):
