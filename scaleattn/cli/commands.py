@@ -209,21 +209,14 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    if args.vs == "adamw":
-        from ..bench.adamw import run
-    elif args.suite == "tensor":
-        from ..bench.tensor import run
-    elif args.suite == "krylov":
-        from ..bench.krylov import run
-    elif args.suite == "gpu":
-        from ..bench.gpu import run
-    elif args.suite == "solve":
-        from ..bench.solve import run
-    else:
-        from ..bench.core import run
     import glob
+    import importlib
     import os
     import tempfile
+
+    from ..bench import SUITES, VERSUS
+
+    run = importlib.import_module(VERSUS[args.vs][0] if args.vs else SUITES[args.suite][0]).run
 
     from .._outputs import check_output_location
     from .._storage import resolve
