@@ -59,6 +59,12 @@ def _reporter(args):
     return as_reporter(not (args.quiet or getattr(args, "json", False)))
 
 
+def _note(args, text: str) -> None:
+    """One line of information on stderr, ``PROG: note: TEXT`` (as the warning and error lines; not --quiet's to
+    silence: it says that an option the user gave does nothing this time)."""
+    print(f"{getattr(args, 'prog', None) or f'scaleattn {args.command}'}: note: {text}", file=sys.stderr, flush=True)
+
+
 def _emit(args, payload: dict, text: str) -> None:
     """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
     from .._formats import dumps
@@ -126,7 +132,7 @@ def _cmd_fit(args) -> int:
     from .._params import heads_spec
     from ..certificate import check_cutoff
     from ..pipeline import fit
-    from ..preflight import holding, preflight
+    from ..preflight import holding, preflight, run_locations
     from ..report import fit_summary
     from ..solver import check_ridge
 
@@ -139,6 +145,10 @@ def _cmd_fit(args) -> int:
     _check_cluster_args(args)
     ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
                    fill_absent_chunks=args.fill_absent_chunks)
+    ckpt = run_locations(ds, args.out, args.checkpoint, opts)[1]
+    if args.resume and not args.overwrite and (ckpt is None or not ckpt.exists()):  # (then a whole fit follows)
+        where = f"at {args.checkpoint}" if args.checkpoint else f"for {args.out}"
+        _note(args, f"no checkpoint {where} yet: starting from the first row group")
     t = time.perf_counter()
     with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
         cluster_s = None if client is None else _since(t)
