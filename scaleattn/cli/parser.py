@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(c, out=False)
     _add_output_args(c)
 
-    cmp_ = sub.add_parser("compare", help="distance ||c(A) - c(B)|| of two models and whether they compute the same"
-                                         " function (exit 0 same, 1 different)")
+    about = ("distance ||c(A) - c(B)|| of two models and whether they compute the same function (exit 0 same,"
+             " 1 different, 2 when they cannot be compared: a store that is no model, different d or d_out, a bad"
+             " option)")
+    cmp_ = sub.add_parser("compare", help=about, description=about)
     cmp_.add_argument("model_a", metavar="MODEL_A", help="model store (RUN/model.zarr)")
     cmp_.add_argument("model_b", metavar="MODEL_B", help="model store")
     cmp_.add_argument("--rtol", type=float, default=1e-8,
