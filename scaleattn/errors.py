@@ -23,7 +23,9 @@ __all__ = [
 class ScaleattnError(ValueError):
     """Base of every error scaleattn raises on purpose: bad input, a refusal, an unreachable store.
 
-    The CLI prints ``scaleattn COMMAND: error: MESSAGE`` and exits with code 2.
+    The CLI prints ``scaleattn COMMAND: error: MESSAGE`` and exits with code 2; a usage error (:attr:`usage`: a
+    bad or missing option, :class:`ParameterError`) adds ``(see scaleattn COMMAND --help)``, where the help can
+    help; a refusal of data or outputs says what to do in its message instead.
 
     Examples
     --------
@@ -31,6 +33,9 @@ class ScaleattnError(ValueError):
     >>> issubclass(ParameterError, ScaleattnError) and issubclass(ScaleattnError, ValueError)
     True
     """
+
+    #: whether the error is in how the command was called (its options), so that its help can help
+    usage = False
 
 
 class Note(UserWarning):
@@ -40,6 +45,8 @@ class Note(UserWarning):
 
 class ParameterError(ScaleattnError):
     """A parameter is out of range, not finite, of the wrong type, or not one of the allowed choices."""
+
+    usage = True
 
 
 class DeviceMismatchError(ParameterError, TypeError):

@@ -81,11 +81,26 @@ def _cutoff(r: dict) -> str:
 
 
 def _settled_by(r: dict) -> str:
-    """One line when a QR of the features overruled or confirmed the Gram (``certificate_method == "qr"``)."""
+    """One line when a QR of the features settled, confirmed or overruled the Gram (``certificate_method ==
+    "qr"``): settled where the Gram's verdict was "not settled", confirmed where the QR's agrees with a decided
+    one ("settled" there read as if the Gram had been in doubt), overruled where it differs."""
     if r.get("certificate_method") != "qr" or "gram_verdict" not in r:
         return ""
-    return (f"  (the Gram alone said: {r['gram_verdict']}, rank {r['gram_rank']}, margin"
-            f" {_g(r.get('gram_margin'), '.3g')}x; settled by a QR of the features)")
+    gram = r["gram_verdict"]
+    how = "settled" if gram == "not settled" else "confirmed" if gram == r.get("verdict") else "overruled"
+    return (f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin"
+            f" {_g(r.get('gram_margin'), '.3g')}x; {how} by a QR of the features)")
+
+
+def _times(x: float) -> str:
+    """A ratio as ``1.0x``, ``12.3x``, ``0.031x``.
+
+    Examples
+    --------
+    >>> _times(1.0), _times(12.34), _times(0.0312)
+    ('1.0x', '12.3x', '0.031x')
+    """
+    return f"{x:.1f}x" if x >= 0.95 else f"{x:.2g}x"
 
 
 def fit_summary(r: dict, command: dict | None = None) -> str:
@@ -119,20 +134,20 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")
     if "witness" in r:
         w = r["witness"]
-        gap = f" ({w['prediction_relative_difference']:.3g} of the prediction scale)" if (
-            w.get("prediction_relative_difference") is not None) else ""
+        rel = w.get("prediction_relative_difference")
+        gap = "" if rel is None else f" ({_times(rel)} the prediction scale)"
         if w.get("conclusive", True):
             lines.append(f"witness: two fits with train MSE {w['loss_a']:.6g} and {w['loss_b']:.6g} differ by"
-                         f" {w['prediction_difference']:.3g} (norm){gap} in their predictions on a"
+                         f" {w['prediction_difference']:.3g} in norm{gap} in their predictions on a"
                          f" {len(w['tokens'])}-token input (report.json: witness)")
         elif w.get("certificate_verdict", "not identifiable") != "not identifiable":
             lines.append("witness: inconclusive, not a proof of ambiguity: the certificate is"
                          f" {w['certificate_verdict']} (fits with equal train MSE differ by"
-                         f" {w['prediction_difference']:.3g}{gap} on a {len(w['tokens'])}-token input, but the data"
-                         " may determine that direction below the precision of the method)")
+                         f" {w['prediction_difference']:.3g} in norm{gap} on a {len(w['tokens'])}-token input, but"
+                         " the data may determine that direction below the precision of the method)")
         else:
             lines.append(f"witness: inconclusive, not a proof of ambiguity: fits with equal train MSE differ by only"
-                         f" {w['prediction_difference']:.3g}{gap} on a {len(w['tokens'])}-token input (round-off of"
+                         f" {w['prediction_difference']:.3g} in norm{gap} on a {len(w['tokens'])}-token input (round-off of"
                          " the training loss; the data do change it along that direction)")
     t = r.get("timings", {})
     steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate") if k in t]
@@ -167,7 +182,7 @@ def heads_line(r: dict) -> str:
 
 
 def certificate_summary(s: dict) -> str:
-    """Two lines (three when a QR settled the Gram's verdict) for ``Certificate.summary()`` (``scaleattn
+    """Two lines (three when a QR settled, confirmed or overruled the Gram's verdict) for ``Certificate.summary()`` (``scaleattn
     certify``)."""
     return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
             f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict(s)}"

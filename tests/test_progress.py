@@ -94,9 +94,72 @@ def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
         time.sleep(0.3)
     after = rep.console.file.getvalue()[len(waiting):]
     assert "waiting for" not in early and "0/1,000 rows" in early
-    assert "waiting for the first group (a machine's first run compiles the kernels" in waiting
-    assert "waiting for" not in after and "rows/s" in after
+    assert "statistics: waiting for the first group (a machine's first run compiles the kernels" in waiting
+    assert "waiting for" not in after and "rows/s incl. start-up" in after  # one group: its rate has the wait
     rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
     with rep.bar("statistics", 1000, steps=4, done=1000, steps_done=4):
         time.sleep(0.5)
     assert "waiting for" not in rep.console.file.getvalue()
+
+
+def _until(cond, timeout=30.0):  # (polls: a timer thread's line, however loaded the machine)
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_a_log_says_once_what_it_waits_for(monkeypatch):
+    """Not a terminal (a pipe, a log): nothing showed until the bar's end (~12 s of a first compile); now the wait
+    prints one line, once, and no bar."""
+    import io
+
+    import scaleattn.progress as progress
+
+    monkeypatch.setattr(progress, "PENDING_S", 0.0)
+    buf = io.StringIO()
+    rep = ConsoleReporter(file=buf)
+    with rep.bar("statistics", 1000, steps=4) as advance:
+        _until(lambda: "waiting" in buf.getvalue())
+        advance(1000, steps=4)
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "statistics: waiting for the first group (a machine's first run compiles the kernels, ~10 s)"
+    assert len(lines) == 2 and lines[1].startswith("statistics  1,000/1,000 rows")
+
+
+def test_the_live_bar_stays_within_the_terminal_width(monkeypatch):
+    """At 120 columns the wait's text wrapped the bar over 3 lines."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import scaleattn.progress as progress
+
+    monkeypatch.setattr(progress, "PENDING_S", 0.0)
+    for width in (120, 100):
+        rep = ConsoleReporter(file=io.StringIO())
+        rep.console = Console(file=io.StringIO(), force_terminal=True, width=width)
+        with rep.bar("statistics", 5_120_000, steps=512):
+            _until(lambda: "compiles" in rep.console.file.getvalue())
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", rep.console.file.getvalue())
+        frames = [f for f in re.split(r"[\r\n]+", text) if f.strip()]
+        assert any("waiting for the first group" in f and "0/512 groups" in f for f in frames), frames
+        assert max(len(f) for f in frames) <= width, [f for f in frames if len(f) > width]
+
+
+def test_the_rate_counts_from_the_first_finished_group(monkeypatch):
+    """The wait before the first group (a first compile) is not in the rate: 255 rows/s shown at first, 3,789 at
+    the end of a run whose groups ran at more."""
+    import scaleattn.progress as progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    st = progress._BarState("statistics", 4000, "rows", 0, 4, "groups", 0)
+    now[0] = 10.0  # the first group after a 10 s compile
+    st.advance(1000, steps=1)
+    assert st.rate_text() == "100 rows/s incl. start-up"
+    now[0] = 13.0
+    st.advance(3000, steps=3)
+    assert st.rate() == 1000.0 and st.rate_text() == "1,000 rows/s" and st.left() == 0.0

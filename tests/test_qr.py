@@ -210,6 +210,23 @@ def test_report_text_for_each_verdict():
          "gram_verdict": "not settled", "gram_rank": 5, "gram_margin": 7.7}
     text = certificate_summary(s)
     assert "a QR of the features, margin 3e+04x" in text and "the Gram alone said: not settled, rank 5" in text
+    assert "; settled by a QR of the features)" in text
+    # a Gram that had decided was 'settled' by the QR too, as if it had been in doubt: confirmed, or overruled
+    for gram, how in (("identifiable", "confirmed"), ("not identifiable", "overruled")):
+        g = certificate_summary({**s, "gram_verdict": gram, "gram_rank": 6})
+        assert f"the Gram alone said: {gram}, rank 6, margin 7.7x; {how} by a QR of the features)" in g, g
+
+
+def test_the_witness_line_reads_as_a_distance_and_a_ratio():
+    """'differ by 18.1 (norm) (1 of the prediction scale)' read awkwardly."""
+    r = {"n_rows": 9, "n_samples": 9, "length": 1, "causal": False, "d": 2, "d_out": 1, "psi": 6, "rank": 5,
+         "cutoff_rtol": 1e-12, "lambda_min": 0.0, "lambda_max": 1.0, "identifiable": False, "ambiguous_dim": 1,
+         "verdict": "not identifiable", "margin": 1e3, "train_mse": 0.1, "relative_train_mse": 0.1,
+         "target_mean_square": 1.0, "n_heads": 1, "heads_method": "svd", "seconds": 0.0,
+         "witness": {"loss_a": 0.1, "loss_b": 0.1, "prediction_difference": 18.1,
+                     "prediction_relative_difference": 1.0, "tokens": [[0.0, 0.0]] * 9, "conclusive": True}}
+    text = fit_summary(r)
+    assert "differ by 18.1 in norm (1.0x the prediction scale) in their predictions on a 9-token input" in text
 
 
 # ---- the witness: round-off gaps are not proofs ------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""The benchmarks of ``scaleattn bench`` (layer L5), one module per suite, each with ``run(out_dir, quick=False)``.
+
+:data:`SUITES` is the one list of the suites: the CLI's choices, its help and the dispatch are made from it (and
+the docs' lists are checked against it by the tests).
+"""
+from __future__ import annotations
+
+__all__ = ["SUITES", "VERSUS", "summary"]
+
+#: ``scaleattn bench SUITE``: name -> (module, what it measures); the first is the default
+SUITES = {
+    "core": ("scaleattn.bench.core", "statistics build and solver vs numpy/dask peers"),
+    "tensor": ("scaleattn.bench.tensor", "tensor attention"),
+    "gpu": ("scaleattn.bench.gpu", "the same kernels on a CUDA device (needs the gpu extra)"),
+    "krylov": ("scaleattn.bench.krylov", "the matrix-free solver against Cholesky at d = 32 and the heads step at"
+                                         " d = 44"),
+    "solve": ("scaleattn.bench.solve", "the dense solve against psi^3/3 at the DGEMM rate (d = 24, 32) and the"
+                                       " d = 32 factorisation with OpenBLAS's own kernel choice (numpy's, scipy's"
+                                       " and ours, each in a fresh process)"),
+}
+#: ``scaleattn bench --vs PEER``: name -> (module, what it measures)
+VERSUS = {"adamw": ("scaleattn.bench.adamw", "time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the"
+                                             " torch extra)")}
+
+
+def summary() -> str:
+    """One line naming every suite, for ``scaleattn --help``.
+
+    Examples
+    --------
+    >>> summary()
+    'benchmarks: core (default), tensor, gpu, krylov, solve; or --vs adamw'
+    """
+    names = list(SUITES)
+    return (f"benchmarks: {names[0]} (default), {', '.join(names[1:])}; or "
+            + ", ".join(f"--vs {v}" for v in VERSUS))
+
+
+def suite_help() -> str:
+    """What each suite measures, for ``scaleattn bench --help``."""
+    first = next(iter(SUITES))
+    return "; ".join(f"{name}: {what}{' (default)' if name == first else ''}" for name, (_, what) in SUITES.items())

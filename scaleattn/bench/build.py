@@ -172,10 +172,12 @@ def _peers(d: int, rows: int, causal: bool, var: bool, max_phi_bytes: float, thr
     from scaleattn.features import n_features, phi, token_features
 
     tokens, targets, lengths, nrows = _data(d, rows, causal, var)
-    with threadpool_limits(threads, user_api="blas"):
+    with threadpool_limits(threads, user_api="blas"):  # each timed once, warm: the same calls on two samples first
+        _loop(tokens[:2], targets[:2], causal, None if lengths is None else lengths[:2])
         print(json.dumps({"loop_s": _best(lambda: _loop(tokens, targets, causal, lengths), 1)}), flush=True)
         if nrows * n_features(d) * 8 <= max_phi_bytes:
             f = phi(*token_features(tokens, lengths, causal))
+            f[:64].T @ f[:64]
             print(json.dumps({"syrk_started": True}), flush=True)
             print(json.dumps({"syrk_s": _best(lambda: f.T @ f, 1)}), flush=True)
 
@@ -291,7 +293,7 @@ def _floors(r: dict, rate: float, bandwidth: float) -> dict:
 
 
 def markdown(table: list[dict]) -> str:
-    """The table as markdown (times in seconds)."""
+    """The table as markdown (times in seconds; what is timed said under it)."""
     f = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
     lines = ["| d | rows | rows of | kernel | build s | floor s (macs / bytes) | build / floor (target) |"
              " vs run's best rates | GEMM GF/s, copy GB/s | loop s |"
@@ -308,6 +310,10 @@ def markdown(table: list[dict]) -> str:
                      f" {_peer(r, 'syrk')} | {r['load_avg']:.2f} |")
     if table:
         lo, hi = min(r["rate_gflops"] for r in table), max(r["rate_gflops"] for r in table)
+        rounds = sorted({r["rounds"] for r in table})
+        lines.append(f"\nbuild s: the best of {rounds[0]}{'' if len(rounds) == 1 else f'-{rounds[-1]}'} builds per"
+                     " kernel, warm (each kernel first ran untimed on two samples of the same data); loop and SYRK:"
+                     " one call each in a fresh process, after the same call on two samples.")
         lines.append(f"\nEach size's floor uses the larger of the GEMM rate and copy bandwidth measured right before"
                      f" and after its builds (GEMM {lo:.1f}-{hi:.1f} GFLOP/s in this run); 'vs run's best rates'"
                      f" divides by the floor at the fastest rates measured anywhere in the run.")

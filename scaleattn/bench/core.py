@@ -10,7 +10,11 @@
   (relative distance to the teacher's coefficients and to ours, relative training residual);
 - a fit (:func:`scaleattn.pipeline.fit`, in a fresh subprocess) on N, 2N, 4N rows: wall time and peak RSS;
 - the statistics build on a local Dask cluster with 1 and 2 workers (one thread each);
-- d = 4, 8, 16, 32 (d = 32 at small N, psi = 16,896, end to end with the large-psi solver).
+- d = 4, 8, 16: build and solve time per d.
+
+Every time is warm, the best of N calls after one untimed call of the same path (on two samples where the call
+is costly), so that none counts numba's first compile or cache load, an import or a thread pool's start; the
+fits of the rows table run in a fresh process each, after an untimed fit of a tiny dataset of the same d.
 
 Ratios are taken within the run (the machine may be shared). Full mode: d = 16 on 40,000 causal rows
 (400 sequences x 100 prefixes), about 10 minutes on 2 cores; ``quick``: d = 8 for the comparison and small
@@ -43,8 +47,12 @@ TARGETS = {"build_vs_floor": 1.5, "speedup_vs_numpy_syrk": 1.5, "speedup_vs_nump
            "speedup_vs_dask_tsqr": 10.0, "rss_growth_n_to_4n": 0.10}
 
 
-def _best(fn, reps=2, budget=20.0):
-    """Best wall time of up to ``reps`` calls (fewer when one call exceeds ``budget`` s); returns (t, last result)."""
+def _best(fn, reps=2, budget=20.0, warm=None):
+    """Best wall time of up to ``reps`` calls (fewer when one call exceeds ``budget`` s), warm: ``warm()`` (by
+    default one call of ``fn``) runs once untimed first, so that no timed call is the process's first call of a
+    compiled kernel or of a code path (numba's compile or cache load, imports, thread pools); returns
+    (t, last result). Callers whose ``fn`` is costly pass a ``warm`` that runs the same path on tiny data."""
+    (fn if warm is None else warm)()
     best, out, total = math.inf, None, 0.0
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -92,10 +100,13 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     m, dv, psi = n_pairs(d), n_pairs(d), n_features(d)
     macs = n_pairs(m) * dv * rows
     r = {"d": d, "rows": rows, "psi": psi, "compact_macs": macs, "floor_s": 2.0 * macs / rate}
-    r["build_s"], st = _best(lambda: statistics_from_arrays(tok, y3), reps=3)
+    # every figure: best of N after one untimed warm-up (the build's on two samples: same kernels and layout)
+    r["build_s"], st = _best(lambda: statistics_from_arrays(tok, y3), reps=3,
+                             warm=lambda: statistics_from_arrays(tok[:2], y3[:2]))
     r["build_vs_floor"] = r["build_s"] / r["floor_s"]
-    r["gram_build_s"], _ = _best(lambda: statistics_from_arrays(tok, None, causal=True), reps=3)  # Tc only
-    r["solve_s"], sol = _best(lambda: solve(st), reps=1)
+    r["gram_build_s"], _ = _best(lambda: statistics_from_arrays(tok, None, causal=True), reps=3,  # Tc only
+                                 warm=lambda: statistics_from_arrays(tok[:2], None, causal=True))
+    r["solve_s"], sol = _best(lambda: solve(st), reps=2)  # (warm: the same solve, its path depends on psi)
     r["solver_path"] = solver_path(psi)
     c_true = _teacher_coef(D)
     r["ours_s"] = r["build_s"] + r["solve_s"]
@@ -110,16 +121,17 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     if not baselines:
         return r
     y = row_targets(y3, None, True)
-    t_phi, f = _best(lambda: phi(s, x), reps=1)
-    t_syrk, _ = _best(lambda: f.T @ f, reps=2)
-    t_fty, _ = _best(lambda: f.T @ y, reps=2)
+    t_phi, f = _best(lambda: phi(s, x), reps=1, warm=lambda: phi(s[:64], x[:64]))
+    t_syrk, _ = _best(lambda: f.T @ f, reps=2, warm=lambda: f[:64].T @ f[:64])
+    t_fty, _ = _best(lambda: f.T @ y, reps=2, warm=lambda: f[:64].T @ y[:64])
     r["numpy_phi_s"], r["numpy_syrk_s"], r["numpy_phi_t_y_s"] = t_phi, t_syrk, t_fty
     r["numpy_normal_eq_s"] = t_phi + t_syrk + t_fty
     # like for like: our Gram (features + Tc) against numpy's Gram (SYRK on a ready phi); and the whole build
     # (features + Tc + B) against phi formed + SYRK + phi^T y
     r["speedup_vs_numpy_syrk"] = t_syrk / r["gram_build_s"]
     r["speedup_vs_numpy_normal_eq"] = r["numpy_normal_eq_s"] / r["build_s"]
-    t_ls, (c_ls, *_) = _best(lambda: np.linalg.lstsq(f, y, rcond=None), reps=1)
+    t_ls, (c_ls, *_) = _best(lambda: np.linalg.lstsq(f, y, rcond=None), reps=1,
+                             warm=lambda: np.linalg.lstsq(f[:64], y[:64], rcond=None))
     r["numpy_lstsq_s"] = t_phi + t_ls
     r["speedup_vs_numpy_lstsq"] = r["numpy_lstsq_s"] / r["ours_s"]
     r["numpy_lstsq_coef_err_vs_teacher"] = _rel(c_ls, c_true)
@@ -127,13 +139,15 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     import dask
     import dask.array as da
 
-    def tsqr():
-        A = da.from_array(f, chunks=(max(psi, rows // 8), psi))
+    def tsqr(f=f, y=y):
+        k = f.shape[1]
+        A = da.from_array(f, chunks=(max(k, f.shape[0] // 8), k))
         c, *_ = da.linalg.lstsq(A, da.from_array(y, chunks=(A.chunks[0], y.shape[1])))
         with dask.config.set(scheduler="threads"):
             return c.compute()
 
-    t_ts, c_ts = _best(tsqr, reps=1)
+    tiny = np.random.default_rng(0).standard_normal((64, 9))  # warm: the scheduler's threads, dask's linalg
+    t_ts, c_ts = _best(tsqr, reps=1, warm=lambda: tsqr(tiny[:, :8], tiny[:, 8:]))
     r["dask_tsqr_s"] = t_phi + t_ts
     r["speedup_vs_dask_tsqr"] = r["dask_tsqr_s"] / r["ours_s"]
     r["dask_tsqr_coef_err_vs_teacher"] = _rel(c_ts, c_true)
@@ -146,6 +160,7 @@ def core_comparison(d, samples, length, rate, baselines=True) -> dict:
 _CHILD = """
 import json, resource, sys, time
 from scaleattn.pipeline import fit
+fit(sys.argv[2], exact_mse=False)  # warm, untimed: imports, the kernels' compile or cache load, the solve's path
 t = time.perf_counter()
 res = fit(sys.argv[1], exact_mse=False)
 hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")]
@@ -156,14 +171,18 @@ print(json.dumps({"fit_s": time.perf_counter() - t, "peak_rss_bytes": hwm[0] if 
 
 
 def rows_scaling(tmp, d, samples, length) -> list[dict]:
-    """A fit in a fresh process on N, 2N, 4N rows: wall time and peak RSS (the build streams the rows)."""
+    """A fit in a fresh process on N, 2N, 4N rows: wall time (warm: after an untimed fit of a small dataset of the
+    same d, identifiable, in the same process) and peak RSS (the build streams the rows)."""
     from scaleattn.generate import generate_mhla
 
     out = []
+    warm = os.path.join(tmp, "rows-warm.zarr")
+    generate_mhla(warm, d=d, heads=2, length=length, samples=-(-3 * n_features(d) // (2 * length)), causal=True,
+                  seed=0)
     for k in (1, 2, 4):
         path = os.path.join(tmp, f"rows{k}.zarr")
         generate_mhla(path, d=d, heads=2, length=length, samples=k * samples, causal=True, seed=k)
-        p = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, check=True)
+        p = subprocess.run([sys.executable, "-c", _CHILD, path, warm], capture_output=True, text=True, check=True)
         out.append({"factor": k, **json.loads(p.stdout.strip().splitlines()[-1])})
     base = out[0]["peak_rss_bytes"]
     for o in out:
@@ -172,7 +191,7 @@ def rows_scaling(tmp, d, samples, length) -> list[dict]:
 
 
 def d_scaling(sizes, rate) -> list[dict]:
-    """Build and solve time per d (non-causal rows for d = 32: independent rows, smallest N that certifies)."""
+    """Build and solve time per d (``sizes``: (d, samples, length, causal)), each the best of 2 warm calls."""
     from scaleattn.distributed.memory import fit_memory
     from scaleattn.solver import solve
     from scaleattn.statistics import statistics_from_arrays
@@ -182,14 +201,14 @@ def d_scaling(sizes, rate) -> list[dict]:
         D = _mhla(d, samples, length, causal)
         rows = samples * (length if causal else 1)
         macs = n_pairs(n_pairs(d)) * n_pairs(d) * rows
-        t0 = time.perf_counter()
-        st = statistics_from_arrays(D["tokens"], D["targets"])
-        tb = time.perf_counter() - t0
-        del D["tokens"]
+        tok, y = D["tokens"], D["targets"]
+        # best of 2 after a warm-up on two samples (the first call of a size would time numba's compile or cache
+        # load: 3.3 s for a 0.005 s build at d = 4); the solve warmed by the same solve (its path depends on psi)
+        tb, st = _best(lambda: statistics_from_arrays(tok, y), reps=2,
+                       warm=lambda: statistics_from_arrays(tok[:2], y[:2]))
+        del D["tokens"], tok
         est = fit_memory(d, d)
-        t0 = time.perf_counter()
-        sol = solve(st)
-        ts = time.perf_counter() - t0
+        ts, sol = _best(lambda: solve(st), reps=2)
         out.append({"d": d, "psi": n_features(d), "rows": rows, "build_s": tb, "build_vs_floor": tb * rate / (2 * macs),
                     "solve_s": ts, "solver_path": est["path"], "solver_memory_estimate_gib": est["solver_bytes"] / 2**30,
                     "identifiable": bool(sol.certificate.identifiable), "lambda_min": sol.certificate.lambda_min,
@@ -302,6 +321,9 @@ def markdown(res) -> str:
          f" (at the end {res['gemm_gflops_end']:.1f}). Total {res['seconds']:.0f} s; scaleattn {m['scaleattn']},"
          f" commit {m['commit'] or 'unknown'}.", "",
          f"## Statistics build and solve, d = {c['d']}, {c['rows']:,} rows, psi = {c['psi']:,}", "",
+         "Warm times: each the best of N calls (our builds 3, the bare GEMM, SYRK, phi^T y and our solve 2, the"
+         " rest 1) after one untimed call of the same path (on 64 rows or two samples where the call is costly).",
+         "",
          "| what | seconds | ratio | target | met |", "|---|---|---|---|---|",
          f"| floor 2 x {c['compact_macs']:.3g} MACs / GEMM rate | {c['floor_s']:.3f} | | | |",
          f"| our build (features + compact Gram + B) | {c['build_s']:.3f} | {c['build_vs_floor']:.2f} x floor | <= 1.5 x |"
@@ -331,7 +353,9 @@ def markdown(res) -> str:
               f" round-off): vs numpy lstsq {_yn(res['met'].get('accuracy_vs_numpy_lstsq'))}, vs dask TSQR"
               f" {_yn(res['met'].get('accuracy_vs_dask_tsqr'))}."]
     L += ["", f"Certificate: identifiable {c['identifiable']}, condition number (scaled) {c['condition_number']:.3g}.",
-          "", "## Rows: fit in a fresh process (N, 2N, 4N)", "", "| rows | fit s | peak RSS MiB | growth vs N |",
+          "", "## Rows: fit in a fresh process (N, 2N, 4N)", "",
+          "Each fit timed once, warm: after an untimed fit of a small dataset of the same d in the same process"
+          " (imports, the kernels' compile or cache load); peak RSS of the whole process.", "", "| rows | fit s | peak RSS MiB | growth vs N |",
           "|---|---|---|---|"]
     L += [f"| {o['n_rows']:,} | {o['fit_s']:.2f} | {o['peak_rss_bytes'] / 2**20:.0f} | {100 * o['rss_growth']:+.1f}% |"
           for o in res["rows_scaling"]]
@@ -344,6 +368,8 @@ def markdown(res) -> str:
           "floor = max(2 x compact multiply-adds / GEMM rate, token bytes / copy bandwidth), both measured in this"
           " run; loop = phi per chunk, G += phi^T phi, B += phi^T y (numpy); SYRK = phi^T phi on a ready phi.", "",
           build_bench.markdown(res["build_table"]), "", "## d", "",
+          "Build and solve: the best of 2 warm calls (one untimed call first: the build on two samples, the"
+          " solve the same solve), so that no figure counts a first compile.", "",
           "| d | psi | rows | build s | build / floor | solve s | solver | est. solver GiB | identifiable | coef err vs teacher |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     L += [f"| {o['d']} | {o['psi']:,} | {o['rows']:,} | {o['build_s']:.2f} | {o['build_vs_floor']:.2f} | {o['solve_s']:.2f} |"

@@ -2,9 +2,10 @@
 submit``.
 
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
-line ``scaleattn COMMAND: error: MESSAGE (see scaleattn COMMAND --help)``, as argparse's usage errors, and exit code
-2, as does a MemoryError (named by the step that ran out); anything else is a bug: one line saying so and exit
-code 1 (``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
+out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
+``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (``--debug``
+shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
 """
@@ -105,10 +106,11 @@ def _prog(args) -> str:
     return getattr(args, "prog", None) or f"scaleattn {args.command}"
 
 
-def _error_line(args, message: str) -> str:
+def _error_line(args, message: str, usage: bool = True) -> str:
     """The one error line of the command line, the same for usage errors (:meth:`.parser._Parser.error`) and for
-    the errors the commands raise."""
-    return f"{_prog(args)}: error: {message} (see {_prog(args)} --help)"
+    the errors the commands raise; ``(see PROG --help)`` ends only a usage error's (bad or missing options:
+    :attr:`scaleattn.errors.ScaleattnError.usage`), not a refusal of data or outputs, which says what to do."""
+    return f"{_prog(args)}: error: {message}" + (f" (see {_prog(args)} --help)" if usage else "")
 
 
 def _step(e: BaseException) -> str:
@@ -216,13 +218,13 @@ def _run(args) -> int:
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
         if args.debug:
             raise
-        print(_error_line(args, f"{_as_typed(e, args)}{_hint(e)}"), file=sys.stderr)
+        print(_error_line(args, f"{_as_typed(e, args)}{_hint(e)}", usage=e.usage), file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemoryError as e:  # sizes no up-front check caught: the machine's limit, not a bug
         if args.debug:
             raise
         print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a machine"
-                                f" with more memory{_kept(args, e)}"), file=sys.stderr)
+                                f" with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated as e:
         print(_stopped_line(args, e), file=sys.stderr)

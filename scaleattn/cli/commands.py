@@ -60,6 +60,12 @@ def _reporter(args):
     return as_reporter(not (args.quiet or getattr(args, "json", False)))
 
 
+def _note(args, text: str) -> None:
+    """One line of information on stderr, ``PROG: note: TEXT`` (as the warning and error lines; not --quiet's to
+    silence: it says that an option the user gave does nothing this time)."""
+    print(f"{getattr(args, 'prog', None) or f'scaleattn {args.command}'}: note: {text}", file=sys.stderr, flush=True)
+
+
 def _emit(args, payload: dict, text: str) -> None:
     """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
     from .._formats import dumps
@@ -127,7 +133,7 @@ def _cmd_fit(args) -> int:
     from .._params import heads_spec
     from ..certificate import check_cutoff
     from ..pipeline import fit
-    from ..preflight import holding, preflight
+    from ..preflight import holding, preflight, run_locations
     from ..report import fit_summary
     from ..solver import check_ridge
 
@@ -140,6 +146,10 @@ def _cmd_fit(args) -> int:
     _check_cluster_args(args)
     ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
                    fill_absent_chunks=args.fill_absent_chunks)
+    ckpt = run_locations(ds, args.out, args.checkpoint, opts)[1]
+    if args.resume and not args.overwrite and (ckpt is None or not ckpt.exists()):  # (then a whole fit follows)
+        where = f"at {args.checkpoint}" if args.checkpoint else f"for {args.out}"
+        _note(args, f"no checkpoint {where} yet: starting from the first row group")
     t = time.perf_counter()
     with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
         cluster_s = None if client is None else _since(t)
@@ -211,21 +221,14 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    if args.vs == "adamw":
-        from ..bench.adamw import run
-    elif args.suite == "tensor":
-        from ..bench.tensor import run
-    elif args.suite == "krylov":
-        from ..bench.krylov import run
-    elif args.suite == "gpu":
-        from ..bench.gpu import run
-    elif args.suite == "solve":
-        from ..bench.solve import run
-    else:
-        from ..bench.core import run
     import glob
+    import importlib
     import os
     import tempfile
+
+    from ..bench import SUITES, VERSUS
+
+    run = importlib.import_module(VERSUS[args.vs][0] if args.vs else SUITES[args.suite][0]).run
 
     from .._outputs import check_output_location
     from .._storage import resolve

@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(c, out=False)
     _add_output_args(c)
 
-    cmp_ = sub.add_parser("compare", help="distance ||c(A) - c(B)|| of two models and whether they compute the same"
-                                         " function (exit 0 same, 1 different)")
+    about = ("distance ||c(A) - c(B)|| of two models and whether they compute the same function (exit 0 same,"
+             " 1 different, 2 when they cannot be compared: a store that is no model, different d or d_out, a bad"
+             " option)")
+    cmp_ = sub.add_parser("compare", help=about, description=about)
     cmp_.add_argument("model_a", metavar="MODEL_A", help="model store (RUN/model.zarr)")
     cmp_.add_argument("model_b", metavar="MODEL_B", help="model store")
     cmp_.add_argument("--rtol", type=float, default=1e-8,
@@ -211,22 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
                          " spectrum.zarr, psi > 2,000: by default only up to psi = 4,000; eigh, minutes past it)")
     _add_io_args(pl, out=False)
 
-    b = sub.add_parser("bench", help="benchmarks: core statistics/solver (default), tensor attention, gpu kernels,"
-                                     " or --vs adamw")
-    b.add_argument("suite", nargs="?", default="core", choices=["core", "tensor", "gpu", "krylov", "solve"],
-                   help="core: statistics build and solver vs numpy/dask peers (default); tensor: tensor attention;"
-                        " gpu: the same kernels on a CUDA device (needs the gpu extra); krylov: the matrix-free"
-                        " solver against Cholesky at d = 32 and the heads step at d = 44; solve: the dense solve"
-                        " against psi^3/3 at the DGEMM rate (d = 24, 32) and the d = 32 factorisation with"
-                        " OpenBLAS's own kernel choice (numpy's, scipy's and ours, each in a fresh process)")
+    from .. import bench  # (the one list of the suites)
+
+    b = sub.add_parser("bench", help=bench.summary())
+    b.add_argument("suite", nargs="?", default=next(iter(bench.SUITES)), choices=list(bench.SUITES),
+                   help=bench.suite_help())
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
     b.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes for core on 2 cores)")
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit", "products"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
                         " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44;"
                         " products: one product G X of the operator, numpy path vs compiled kernel, d = 32 and 44)")
-    b.add_argument("--vs", choices=["adamw"], default=None,
-                   help="adamw: time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the torch extra)")
+    b.add_argument("--vs", choices=list(bench.VERSUS), default=None,
+                   help="; ".join(f"{name}: {what}" for name, (_, what) in bench.VERSUS.items()))
 
     from .. import submit
 

@@ -57,6 +57,16 @@ def test_version_and_help(cli):
         assert "usage" in cli(cmd, "--help").stdout
 
 
+def test_compare_help_names_every_exit_code(cli):
+    """Incompatible models exit 2 (bad input, as everywhere in this CLI) while the help said 'exit 0 same, 1
+    different' only."""
+    import re
+
+    for argv in (["--help"], ["compare", "--help"]):
+        text = re.sub(r"\s+", " ", cli(*argv).stdout)
+        assert "exit 0 same, 1 different, 2 when they cannot be compared" in text, argv
+
+
 @pytest.mark.slow
 def test_import_digits_and_npz(cli, tmp_path):
     p = cli("import", tmp_path / "digits.zarr", "--builtin", "digits")

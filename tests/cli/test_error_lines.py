@@ -1,6 +1,6 @@
-"""Every error line of the command line has one format, ``PROG: error: MESSAGE (see PROG --help)``, with one PROG
-per command (``scaleattn generate mhla`` for its usage and its value errors alike), exit code 2, names the option
-as typed, and leaves nothing behind. Each case is refused before any data are read: no fit runs here."""
+"""Every error line of the command line has one format, ``PROG: error: MESSAGE``, ending ``(see PROG --help)`` where
+the help can help (a usage error: a bad or missing option), with one PROG per command (``scaleattn generate mhla``
+for its usage and its value errors alike), exit code 2, names the option as typed, and leaves nothing behind. Each case is refused before any data are read: no fit runs here."""
 from __future__ import annotations
 
 import re
@@ -140,7 +140,7 @@ def test_sizes_that_cannot_fit_in_memory_are_refused_saying_how_much(tmp_path, c
     line = _line(r)
     prog = " ".join(argv[:2])
     assert re.fullmatch(rf"scaleattn {prog}: error: .* need [\d,.]+ GiB of memory at once; this machine has [\d,.]+"
-                        rf" GiB available: use smaller sizes \(see scaleattn {prog} --help\)", line), line
+                        rf" GiB available: use smaller sizes", line), line  # (no help tail: a refusal)
     assert names in line, line
     assert not list(tmp_path.iterdir())
 
@@ -156,8 +156,19 @@ def test_a_memory_error_anywhere_is_one_line_naming_the_step(tmp_path, cli, monk
     r = cli("generate", "mhla", tmp_path / "x.zarr", rc=2)
     assert _line(r) == ("scaleattn generate mhla: error: out of memory in scaleattn.generate.generate_mhla: Unable to"
                         " allocate 9.0 TiB for an array: use smaller sizes or a machine with more memory; nothing was"
-                        " written (outputs are written all or nothing) (see scaleattn generate mhla --help)")
+                        " written (outputs are written all or nothing)")
     assert not list(tmp_path.iterdir())
+
+
+def test_only_usage_errors_point_to_the_help(tmp_path, cli):
+    """A refusal of data or outputs that says what to do ended '(see scaleattn fit --help)' too, where the help
+    cannot help; a usage error (a bad option) keeps the tail."""
+    out = tmp_path / "out.zarr"
+    cli("generate", "mhla", out, "--samples", "8", "--length", "4")
+    line = _line(cli("generate", "mhla", out, "--samples", "8", "--length", "4", rc=2))
+    assert line.endswith("already exists (pass --overwrite to replace it)"), line
+    line = _line(cli("generate", "mhla", tmp_path / "x.zarr", "--d", "0", rc=2))
+    assert line.endswith("(see scaleattn generate mhla --help)"), line
 
 
 def test_the_python_api_keeps_naming_its_parameters(tmp_path):
@@ -183,7 +194,7 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
      " (see scaleattn import --help)"),
     (["import", "{out}", "--csv", "{csv}", "--length", "100000000000000"],
      "scaleattn import: error: series of 40 steps is too short for one window of --length 100000000000000 +"
-     " --horizon 1 (see scaleattn import --help)"),
+     " --horizon 1"),  # (the data's refusal: no help tail)
 ])
 def test_import_names_the_csv_options(tmp_path, cli, argv, line):
     csv = tmp_path / "s.csv"
