@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from . import report as _report
+from . import report_html as _html
 from ._backend import numpy_or_cupy
 from ._params import no_other_kwargs, real, renamed
 from .features import coef_distance, predict_rows, token_features
@@ -216,9 +217,9 @@ class Certificate:
                 f" {self.psi}, lambda_min {self.lambda_min:.4g}, lambda_max {self.lambda_max:.4g}, rows {self.n_rows})")
 
     def _repr_html_(self) -> str:
-        """The verdict card in Jupyter (:func:`scaleattn.report.certificate_html`): the verdict, lambda_min,
+        """The verdict card in Jupyter (:func:`scaleattn.report_html.certificate_html`): the verdict, lambda_min,
         the rank, the margin to the cutoff and the spectrum thumbnail."""
-        return _report.safe_html(lambda: _report.certificate_html(self.summary(), self.spectrum_scaled),
+        return _html.safe_html(lambda: _html.certificate_html(self.summary(), self.spectrum_scaled),
                                  lambda: _report.certificate_summary(self.summary()))
 
     def summary(self) -> dict:

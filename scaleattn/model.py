@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from . import _formats, _integrity
-from . import report as _report
+from . import report_html as _html
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
@@ -82,16 +82,16 @@ class MHLAModel:
                 + (f", heads_method={self.attrs['heads_method']!r}" if "heads_method" in self.attrs else "") + ")")
 
     def _repr_html_(self) -> str:
-        """The model card in Jupyter (:func:`scaleattn.report.model_html`): heads, sizes, head norms."""
+        """The model card in Jupyter (:func:`scaleattn.report_html.model_html`): heads, sizes, head norms."""
         def render():
             V, Q = np.asarray(self.V), np.asarray(self.Q)
             norms = [(float(np.linalg.norm(V[h])), float(np.linalg.norm(Q[h]))) for h in range(self.n_heads)]
-            return _report.model_html({"d": self.d, "d_out": self.d_out, "psi": int(self.coef.shape[0]),
+            return _html.model_html({"d": self.d, "d_out": self.d_out, "psi": int(self.coef.shape[0]),
                                        "n_heads": self.n_heads, "causal": self.causal, "attrs": self.attrs,
                                        "coef_norm": float(np.linalg.norm(np.asarray(self.coef))),
                                        "head_norms": norms})
 
-        return _report.safe_html(render, lambda: repr(self))
+        return _html.safe_html(render, lambda: repr(self))
 
     def predict(self, tokens, lengths=None, causal: bool | None = None, use_heads: bool = False):
         """Predict targets of sequences.

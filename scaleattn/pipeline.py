@@ -18,6 +18,7 @@ import warnings
 
 from . import _formats, _testing
 from . import report as _text
+from . import report_html as _html
 from ._backend import check_device
 from ._outputs import reading
 from ._params import choice, heads_spec, no_other_kwargs, renamed, seconds
@@ -107,9 +108,8 @@ class FitResult:
         return _text.fit_summary(self.report)
 
     def _repr_html_(self) -> str:
-        """The fit at a glance in Jupyter (:func:`scaleattn.report.fit_html`): the verdict with lambda_min, rank
-        and margin, the spectrum thumbnail, errors, heads, timings and the files written."""
-        return _text.safe_html(lambda: _text.fit_html(self.report, self.certificate.spectrum_scaled, self.out,
+        """The fit at a glance in Jupyter: verdict, spectrum, errors, heads, files (:func:`~.report_html.fit_html`)."""
+        return _html.safe_html(lambda: _html.fit_html(self.report, self.certificate.spectrum_scaled, self.out,
                                                       self.files), self.summary, self.__repr__)
 
     def __repr__(self) -> str:

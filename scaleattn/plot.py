@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import textwrap
 import math
+import textwrap
 import warnings
 
 import numpy as np

@@ -17,7 +17,7 @@ import array_api_compat
 import numpy as np
 
 from . import _formats, _integrity, _kernel_compiled
-from . import report as _report
+from . import report_html as _html
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, resolve
@@ -205,8 +205,8 @@ class Statistics:
                 f" yy={float(self.yy):.6g})")
 
     def _repr_html_(self) -> str:
-        """The statistics card in Jupyter (:func:`scaleattn.report.statistics_html`)."""
-        return _report.safe_html(lambda: _report.statistics_html({
+        """The statistics card in Jupyter (:func:`scaleattn.report_html.statistics_html`)."""
+        return _html.safe_html(lambda: _html.statistics_html({
             "n_rows": int(self.n_rows), "d": self.d, "d_out": self.d_out, "psi": self.psi,
             "target_mean_square": float(self.target_mean_square),
             "nbytes": 8 * int(math.prod(self.gram_compact.shape) + math.prod(self.moments.shape)),  # float64

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "scaleattn"
 CONTRACT = [
     # L0: no scaleattn imports above L0
     "_version", "errors", "_params", "_backend", "_storage", "_formats", "_integrity", "_locks", "_outputs", "report",
-    "progress", "_testing",
+    "report_html", "progress", "_testing",
     # tensor attention: L0 only
     "tensor._common", "tensor.exact", "tensor.bounds", "tensor.poly", "tensor.weights", "tensor",
     # L1: features and datasets

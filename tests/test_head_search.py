@@ -300,8 +300,8 @@ def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_pat
     training loss the 1-head model of a 1-head teacher fitted with a ridge was below the returned model (the
     curve never reached the fit it was drawn for)."""
     import scaleattn
-    from scaleattn.plot import loss_vs_heads_figure
     from scaleattn._formats import loss_curve
+    from scaleattn.plot import loss_vs_heads_figure
     from scaleattn.run import read_run
 
     d, d_out, lam = 3, 3, 1e-3

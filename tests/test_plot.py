@@ -9,11 +9,10 @@ matplotlib.use("Agg")
 
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import scaleattn as sa
 from scaleattn import generate, plot
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-
 from scaleattn.heads import coef_to_W
 
 

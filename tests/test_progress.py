@@ -142,7 +142,7 @@ def test_the_live_bar_stays_within_the_terminal_width(monkeypatch):
         rep = ConsoleReporter(file=io.StringIO())
         rep.console = Console(file=io.StringIO(), force_terminal=True, width=width)
         with rep.bar("statistics", 5_120_000, steps=512):
-            _until(lambda: "compiles" in rep.console.file.getvalue())
+            _until(lambda rep=rep: "compiles" in rep.console.file.getvalue())
         text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", rep.console.file.getvalue())
         frames = [f for f in re.split(r"[\r\n]+", text) if f.strip()]
         assert any("waiting for the first group" in f and "0/512 groups" in f for f in frames), frames

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import scaleattn as sa
-from scaleattn import report
+from scaleattn import report, report_html
 from scaleattn.generate import generate_mhla, make_assoc
 
 
@@ -75,7 +75,7 @@ def test_a_verdict_not_settled_is_amber():
          "lambda_min": 1e-9, "lambda_max": 1.0, "cutoff_rtol": 1e-13, "condition_number": 1e12, "n_rows": 100,
          "margin": 3.0, "smallest_kept_relative": 3e-13, "largest_dropped_relative": None, "settle_factor": 10.0,
          "certificate_method": "gram"}
-    card = report.certificate_html(s)
+    card = report_html.certificate_html(s)
     assert 'data-verdict="not-settled"' in card and "#b26a00" in card and "NOT SETTLED" in card
     assert _rows(card)["margin"] == "3x (smallest kept 3 x the cutoff)"
 
@@ -97,14 +97,14 @@ def test_repr_html_never_raises(fitted):
     cert = sa.Certificate(10, 6, 6, float("nan"), 1.0, 2.0, 0.5, 3.0, np.array([np.nan] * 6))
     out = cert._repr_html_()  # a NaN cutoff and spectrum: the card is drawn, without a thumbnail
     assert "scaleattn-verdict" in out and "<svg" not in out and 'data-verdict="not-settled"' in out
-    assert report.safe_html(lambda: 1 / 0, lambda: 1 / 0) == "<pre>(no text representation)</pre>"
-    assert report.safe_html(lambda: 1 / 0, lambda: 1 / 0, lambda: "a<b") == "<pre>a&lt;b</pre>"
+    assert report_html.safe_html(lambda: 1 / 0, lambda: 1 / 0) == "<pre>(no text representation)</pre>"
+    assert report_html.safe_html(lambda: 1 / 0, lambda: 1 / 0, lambda: "a<b") == "<pre>a&lt;b</pre>"
 
 
 def test_spectrum_svg_and_minimal_heads():
-    svg = report.spectrum_svg(np.r_[np.zeros(3), np.logspace(-6, 0, 1000)], 1e-12, max_points=50)
+    svg = report_html.spectrum_svg(np.r_[np.zeros(3), np.logspace(-6, 0, 1000)], 1e-12, max_points=50)
     assert svg.count("<circle") <= 53 and svg.count('fill="#c62828"') >= 1  # subsampled, the dropped kept
-    assert report.spectrum_svg([]) == ""
+    assert report_html.spectrum_svg([]) == ""
     assert report.minimal_heads({"n_heads": 2, "heads_method": "minimal", "heads_exact": True}) == {
         "count": 2, "exact": True, "source": "head search"}
     assert report.minimal_heads({"n_heads": 3, "heads_method": "best-3", "heads_exact": False}) is None

@@ -204,11 +204,11 @@ def d_scaling(sizes, rate) -> list[dict]:
         tok, y = D["tokens"], D["targets"]
         # best of 2 after a warm-up on two samples (the first call of a size would time numba's compile or cache
         # load: 3.3 s for a 0.005 s build at d = 4); the solve warmed by the same solve (its path depends on psi)
-        tb, st = _best(lambda: statistics_from_arrays(tok, y), reps=2,
-                       warm=lambda: statistics_from_arrays(tok[:2], y[:2]))
+        tb, st = _best(lambda t=tok: statistics_from_arrays(t, y), reps=2,
+                       warm=lambda t=tok: statistics_from_arrays(t[:2], y[:2]))
         del D["tokens"], tok
         est = fit_memory(d, d)
-        ts, sol = _best(lambda: solve(st), reps=2)
+        ts, sol = _best(lambda s=st: solve(s), reps=2)
         out.append({"d": d, "psi": n_features(d), "rows": rows, "build_s": tb, "build_vs_floor": tb * rate / (2 * macs),
                     "solve_s": ts, "solver_path": est["path"], "solver_memory_estimate_gib": est["solver_bytes"] / 2**30,
                     "identifiable": bool(sol.certificate.identifiable), "lambda_min": sol.certificate.lambda_min,

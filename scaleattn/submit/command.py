@@ -6,8 +6,7 @@ import secrets
 import shlex
 import sys
 
-from .._params import positive_seconds
-from .._params import storage_option_pairs
+from .._params import positive_seconds, storage_option_pairs
 from .._version import __version__
 from ..errors import ParameterError, ScaleattnError
 from .follow import apply_daskjob, runner_exit_code

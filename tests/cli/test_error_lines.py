@@ -1,6 +1,7 @@
 """Every error line of the command line has one format, ``PROG: error: MESSAGE``, ending ``(see PROG --help)`` where
 the help can help (a usage error: a bad or missing option), with one PROG per command (``scaleattn generate mhla``
-for its usage and its value errors alike), exit code 2, names the option as typed, and leaves nothing behind. Each case is refused before any data are read: no fit runs here."""
+for its usage and its value errors alike), exit code 2, names the option as typed, and leaves nothing behind.
+Each case is refused before any data are read: no fit runs here."""
 from __future__ import annotations
 
 import re
