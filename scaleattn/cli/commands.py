@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 from .._params import parse_storage_options
 from .._storage import check_kind
-from ..errors import ParameterError, StorageError
+from ..errors import Note, ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
 
@@ -58,12 +59,6 @@ def _reporter(args):
     from ..progress import as_reporter
 
     return as_reporter(not (args.quiet or getattr(args, "json", False)))
-
-
-def _note(args, text: str) -> None:
-    """One line of information on stderr, ``PROG: note: TEXT`` (as the warning and error lines; not --quiet's to
-    silence: it says that an option the user gave does nothing this time)."""
-    print(f"{getattr(args, 'prog', None) or f'scaleattn {args.command}'}: note: {text}", file=sys.stderr, flush=True)
 
 
 def _emit(args, payload: dict, text: str) -> None:
@@ -149,7 +144,8 @@ def _cmd_fit(args) -> int:
     ckpt = run_locations(ds, args.out, args.checkpoint, opts)[1]
     if args.resume and not args.overwrite and (ckpt is None or not ckpt.exists()):  # (then a whole fit follows)
         where = f"at {args.checkpoint}" if args.checkpoint else f"for {args.out}"
-        _note(args, f"no checkpoint {where} yet: starting from the first row group")
+        # a Note: one line ``PROG: note: ...`` (scaleattn.cli's warning lines), not --quiet's to silence
+        warnings.warn(f"no checkpoint {where} yet: starting from the first row group", Note, stacklevel=1)
     t = time.perf_counter()
     with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
         cluster_s = None if client is None else _since(t)
