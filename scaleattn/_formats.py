@@ -22,8 +22,8 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "RUN_STORES",
-           "PREFIX", "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "loss_curve", "check_format", "check_types",
-           "json_default", "dumps", "loads"]
+           "PREFIX", "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "entries_key", "loss_curve", "check_format",
+           "check_types", "json_default", "dumps", "loads"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
@@ -131,6 +131,11 @@ def loss_key(ridge: float) -> str:
     return "train_objective_stats" if ridge > 0 else "train_mse_stats"
 
 
+def entries_key(entries) -> str:
+    """The loss key of a report's ``loss_vs_heads`` entries (:data:`LOSS_KEYS`; the first entry's)."""
+    return next((k for k in LOSS_KEYS if entries and k in entries[0]), "train_mse_stats")
+
+
 def loss_curve(entries) -> tuple[str, list[tuple[int, float]]]:
     """What a report's ``loss_vs_heads`` measures (:data:`LOSS_KEYS`) and its points ``[(H, loss), ...]``.
 
@@ -139,5 +144,5 @@ def loss_curve(entries) -> tuple[str, list[tuple[int, float]]]:
     >>> loss_curve([{"heads": 1, "train_objective_stats": 0.5}, {"heads": 2, "train_objective_stats": 0.25}])
     ('train MSE + ridge penalty', [(1, 0.5), (2, 0.25)])
     """
-    key = next((k for k in LOSS_KEYS if entries and k in entries[0]), "train_mse_stats")
+    key = entries_key(entries)
     return LOSS_KEYS[key], [(int(e["heads"]), float(e[key])) for e in entries]

@@ -23,6 +23,7 @@ from ._outputs import RUN, atomic_output, is_scaleattn_plot
 from ._storage import Location, check_kind, did_you_mean, resolve, settle_writes
 from .certificate import certify
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
+from .features import n_features
 from .model import MHLAModel
 from .spectrum import LARGE_PSI
 from .statistics import Statistics
@@ -247,7 +248,8 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
     digest = report_digest(text)
     sp, mp, st = run.join(SPECTRUM), run.join(MODEL), run.join(STATS)
     if st.exists():  # read only when the spectrum is recomputed from it (Tc can be large): else its attributes
-        _check_member(_member_attrs(st, _formats.STATISTICS, "statistics"), STATS, run, digest)
+        stats_attrs = _member_attrs(st, _formats.STATISTICS, "statistics")
+        _check_member(stats_attrs, STATS, run, digest)
     ev = ws = note = None
     method = "gram"  # what the spectra are: eigenvalues of the Gram's, or (qr) squared singular values of R
     if sp.exists():
@@ -257,11 +259,11 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
     elif not st.exists():
         note = spectrum_not_kept(report.get("psi"), stats_kept=False)
     else:
-        stats = Statistics.load(st)
-        if stats.psi > SPECTRUM_RECOMPUTE_PSI and not full_spectrum:
-            note = spectrum_not_kept(stats.psi, recompute=False)
+        psi = n_features(int(stats_attrs["d"]))  # (from the attributes: Tc is loaded only to be used)
+        if psi > SPECTRUM_RECOMPUTE_PSI and not full_spectrum:
+            note = spectrum_not_kept(psi, recompute=False)
         else:  # the whole spectrum (eigh) whatever path the fit took (past psi = 2,000 it kept the extremes)
-            cert = certify(stats, report.get("cutoff_rtol"), solver="eigh")
+            cert = certify(Statistics.load(st), report.get("cutoff_rtol"), solver="eigh")
             ev, ws = cert.eigenvalues, cert.spectrum_scaled
     model = None
     if mp.exists():
@@ -311,8 +313,7 @@ def _report_json(text: bytes, url: str) -> dict:
             raise FormatError(f"{url}: {key!r} must be a list of {'numbers' if key[0] == 'h' else 'objects'}")
     rows = report.get("loss_vs_heads") or ()
     for row in rows:  # one loss per entry, the same in all (_formats.LOSS_KEYS)
-        key = next((k for k in _formats.LOSS_KEYS if k in rows[0]), "train_mse_stats")
-        _formats.check_types(row, {"heads": int, key: float}, f"{url}: loss_vs_heads")
+        _formats.check_types(row, {"heads": int, _formats.entries_key(rows): float}, f"{url}: loss_vs_heads")
     if not isinstance(report.get("dataset", ""), (str, type(None))):
         raise FormatError(f"{url}: 'dataset' must be a string")
     return report
