@@ -275,13 +275,16 @@ def _parent(loc: Location) -> Location | None:
         else Location(parent)  # (only "/" itself is a root: "/data.zarr" has "/" next to it)
 
 
-#: a reader's marker, ``.NAME.read-TOKEN.lock`` (TOKEN: 12 hex digits, the last ``.read-`` of the name)
-_MARKER = re.compile(r"\.(.+)\.read-[0-9a-f]{12}\.lock")
+#: a reader's marker, ``.NAME.read-TOKEN.lock`` (TOKEN: 12 hex digits, the last ``.read-`` of the name), or one
+#: being made, ``.NAME.read-TOKEN.partial-lock`` (:func:`_mark_local` locks it before renaming it: one nobody locks
+#: is of a reader killed in between, and goes as a dead reader's marker does)
+_MARKER = re.compile(r"\.(.+)\.read-[0-9a-f]{12}\.(?:partial-)?lock")
+PARTIAL_S = 10.0
 
 
 def _is_marker(entry: str, name: str | None = None) -> bool:
-    """Whether ``entry`` is the name of a reader's marker (of ``name``, when given): ``.NAME.read-TOKEN.lock``."""
-    m = _MARKER.fullmatch(entry)  # (not ``.partial-lock``: a marker being made, :func:`_mark_local`)
+    """Whether ``entry`` is the name of a reader's marker (of ``name``, when given), made or being made."""
+    m = _MARKER.fullmatch(entry)
     return m is not None and (name is None or m.group(1) == name)
 
 
@@ -293,7 +296,7 @@ def _mark_local(loc: Location):
     parent, name, _ = _parent_and_name(loc)
     token = uuid.uuid4().hex[:12]
     final = os.path.join(parent, f".{name}.read-{token}.lock")
-    tmp = os.path.join(parent, f".{name}.read-{token}.partial-lock")  # (writers see it only once it is locked)
+    tmp = os.path.join(parent, f".{name}.read-{token}.partial-lock")  # (locked before it is renamed)
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError:  # a read-only place (or no permission): read without a marker
@@ -458,8 +461,11 @@ def _live_reader(marker: Location) -> tuple[bool, dict | None]:
             fd, held, owner = _try_flock(marker.url, shared=False)
         except FileNotFoundError:
             return False, None
-        if held is False:
-            with contextlib.suppress(OSError):  # nobody holds it: its reader is gone
+        # nobody holds it: its reader is gone (one being made is locked microseconds after it is created: left
+        # alone for PARTIAL_S, so that no reader loses its marker to this sweep)
+        young = marker.url.endswith(".partial-lock") and time.time() - os.fstat(fd).st_mtime < PARTIAL_S
+        if held is False and not young:
+            with contextlib.suppress(OSError):
                 os.unlink(marker.url)
         os.close(fd)
         return held is not False, owner  # (no flock: a reader cannot be ruled out)

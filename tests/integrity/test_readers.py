@@ -217,6 +217,34 @@ def test_a_dead_reader_s_marker_is_ignored_and_removed(tmp_path, capsys, start, 
     assert not _markers(tmp_path)
 
 
+@pytest.mark.parametrize("argv", [["generate", "mhla", "d.zarr", "--samples", "4", "--length", "3", "--overwrite"],
+                                  ["certify", "d.zarr", "--local", "--quiet"]], ids=["writer", "next-reader"])
+def test_a_half_made_marker_of_a_killed_reader_is_removed(tmp_path, capsys, argv):
+    """A reader killed between creating its marker (``.partial-lock``) and locking and renaming it leaves the
+    half-made marker: once older than ``PARTIAL_S`` and unlocked it goes as a dead reader's marker does; a young
+    one is left alone (a live reader locks it microseconds after creating it) and blocks nothing; one that is
+    locked is a live reader's."""
+    import fcntl
+
+    from scaleattn._locks import PARTIAL_S
+
+    dataset(tmp_path / "d.zarr")
+    old, young, held = (tmp_path / f".d.zarr.read-{t}.partial-lock" for t in ("0" * 12, "1" * 12, "2" * 12))
+    for p in (old, young, held):
+        p.write_bytes(b"")
+    os.utime(old, (time.time() - 2 * PARTIAL_S,) * 2)
+    rc, err = run_main(argv, capsys, cwd=tmp_path)
+    assert rc == 0, err
+    assert not old.exists() and young.exists() and held.exists()
+    fd = os.open(held, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(OutputInUseError, match=r"d\.zarr is being read by"):
+            check_unread(Location(str(tmp_path / "d.zarr")))
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("argv", [["certify", "d.zarr", "--local", "--quiet"], ["fit", "d.zarr", "--out", "run", *FIT],
                                   ["evaluate", "m.zarr", "d.zarr", "--local", "--quiet"]],
                          ids=["certify", "fit", "evaluate"])
