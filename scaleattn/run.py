@@ -195,17 +195,26 @@ def _check_replaceable_files(targets) -> None:
                                     " choose another --out")
 
 
-def spectrum_not_kept(psi, *, recompute: bool = True, stats_kept: bool = True) -> str:
+def spectrum_not_kept(psi, *, recompute: bool = True, stats_kept: bool = True, path_known: bool = True) -> str:
     """Why a run has no spectrum (no ``spectrum.zarr``, nothing recomputed), and what gives it, in one line.
 
     ``recompute``: whether :func:`read_run` (``scaleattn plot RUN_DIR``) recomputes it by default (psi up to
-    :data:`SPECTRUM_RECOMPUTE_PSI`); ``stats_kept``: whether the run has a ``stats.zarr`` to recompute it from."""
-    path = ("the fit took the Cholesky or krylov path, which keeps only the extreme eigenvalues (lambda_min,"
-            " lambda_max in report.json)")
-    why = f"psi = {psi:,} > {LARGE_PSI:,}: {path}" if psi is not None and psi > LARGE_PSI else "T" + path[1:]
+    :data:`SPECTRUM_RECOMPUTE_PSI`); ``stats_kept``: whether the run has a ``stats.zarr`` to recompute it from;
+    ``path_known``: whether the fit's solver path is known to have kept no spectrum (a fit's own result), or only
+    ``spectrum.zarr`` is seen to be missing (a run directory: the report does not say which path the fit took,
+    and the file may have been removed since)."""
+    extremes = "only the extreme eigenvalues (lambda_min, lambda_max in report.json)"
+    if not path_known:
+        why = (f"the run has no spectrum.zarr (a fit writes one when it computed the whole spectrum: eigh, by default"
+               f" up to psi = {LARGE_PSI:,}; the Cholesky and krylov paths past that keep {extremes})")
+    elif psi is not None and psi > LARGE_PSI:
+        why = f"psi = {psi:,} > {LARGE_PSI:,}: the fit took the Cholesky or krylov path, which keeps {extremes}"
+    else:
+        why = f"the fit took the Cholesky or krylov path, which keeps {extremes}"
     if not stats_kept:
-        return (f"{why}, and the run has no stats.zarr to recompute the spectrum from (the statistics stayed on the"
-                " workers); `scaleattn certify DATA --solver eigh` computes the whole spectrum")
+        stayed = " (the statistics stayed on the workers)" if path_known else ""
+        return (f"{why}, and the run has no stats.zarr to recompute the spectrum from{stayed}; `scaleattn certify DATA"
+                " --solver eigh` computes the whole spectrum")
     if recompute:
         return f"{why}; `scaleattn plot RUN_DIR` recomputes the whole spectrum from stats.zarr and draws it"
     return (f"{why}; recomputing the whole spectrum from stats.zarr (eigh, ~9 psi^3 flops: minutes) is only done"
@@ -257,11 +266,11 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
         _check_member(attrs, SPECTRUM, run, digest)
         method = attrs.get("certificate_method", "gram")
     elif not st.exists():
-        note = spectrum_not_kept(report.get("psi"), stats_kept=False)
+        note = spectrum_not_kept(report.get("psi"), stats_kept=False, path_known=False)
     else:
         psi = n_features(int(stats_attrs["d"]))  # (from the attributes: Tc is loaded only to be used)
         if psi > SPECTRUM_RECOMPUTE_PSI and not full_spectrum:
-            note = spectrum_not_kept(psi, recompute=False)
+            note = spectrum_not_kept(psi, recompute=False, path_known=False)
         else:  # the whole spectrum (eigh) whatever path the fit took (past psi = 2,000 it kept the extremes)
             cert = certify(Statistics.load(st), report.get("cutoff_rtol"), solver="eigh")
             ev, ws = cert.eigenvalues, cert.spectrum_scaled

@@ -297,6 +297,23 @@ def test_spectrum_of_a_run_past_the_eigh_path(causal_ds, tmp_path, monkeypatch, 
     assert "spectrum.png" in os.listdir(tmp_path / "png3")
 
 
+def test_a_run_missing_its_spectrum_is_not_said_to_have_taken_another_path(run, tmp_path, cli):
+    """An eigh-path run (psi = 6) whose spectrum.zarr and stats.zarr were removed: the note said "the fit took the
+    Cholesky or krylov path", which the report cannot tell and which is false here; it says what is missing."""
+    import shutil
+
+    _, _, out = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    for store in ("spectrum.zarr", "stats.zarr"):
+        shutil.rmtree(copy / store)
+    r = cli("plot", copy, "--out", tmp_path / "png")
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith("scaleattn plot: note: no spectrum.png: the run has no spectrum.zarr (") and \
+        "took the Cholesky" not in line and "stayed on the workers" not in line and "no stats.zarr" in line, line
+    assert sorted(os.listdir(tmp_path / "png")) == ["heads.png", "predictions.png"]
+
+
 def test_predictions_show_every_output_and_say_which_rows(run, tmp_path):
     """Output 0 was hidden under output 1, and the title `2,000 rows, MSE ...` named neither the sample nor the
     dataset: one panel per output, `all/first n of N rows`, and training or not."""
