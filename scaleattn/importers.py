@@ -60,18 +60,23 @@ def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool =
     return tokens, targets
 
 
-def standardize(series):
+def standardize(series, moments: bool = False):
     """Per-column z-score of a (time, d) series (constant columns are left centred).
 
     Each column is divided by its largest magnitude first: the z-score does not change, and columns with
     values up to float64's largest are standardised without overflow (``std`` of a column holding 1e200 is
-    inf, which made the whole column 0)."""
+    inf, which made the whole column 0). With ``moments``, also each column's mean and standard deviation in the
+    series' units (what maps a standardised value back: ``value * std + mean``; inf past float64's range)."""
     x = np.asarray(series, dtype=np.float64)
-    if x.size:
-        top = np.abs(x).max(axis=0)
-        x = x / np.where(top > 0, top, 1.0)
-    sd = x.std(axis=0)
-    return (x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
+    top = np.abs(x).max(axis=0) if x.size else np.ones(x.shape[1:])
+    top = np.where(top > 0, top, 1.0)
+    x = x / top
+    mean, sd = x.mean(axis=0), x.std(axis=0)
+    z = (x - mean) / np.where(sd > 0, sd, 1.0)
+    if not moments:
+        return z
+    with np.errstate(over="ignore"):
+        return z, mean * top, sd * top
 
 
 def _real(name: str, a, path):
@@ -164,7 +169,9 @@ def import_arrays(url, path, *, tokens="tokens", targets="targets", lengths="len
 def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causal=False, columns=None,
                standardize_columns=True, overwrite=False, storage_options=None):
     """Import a CSV of a multivariate time series (header row, one column per variable) cut into windows
-    (:func:`windows`), each column z-scored unless ``standardize_columns`` is False.
+    (:func:`windows`), each column z-scored unless ``standardize_columns`` is False; the columns' means and
+    standard deviations (in the CSV's units) are then kept in the dataset's attribute ``standardized``
+    (``{"mean": [...], "std": [...]}``, one per column: ``value * std + mean`` maps a token or a prediction back).
 
     Raises
     ------
@@ -216,8 +223,9 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     if not np.isfinite(x).all():
         i, j = np.argwhere(~np.isfinite(x))[0]
         raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
-    if standardize_columns:
-        x = standardize(x)
+    if standardize_columns:  # the units are kept in the attributes: predictions map back (value * std + mean)
+        x, mean, sd = standardize(x, moments=True)
+        moments = {"mean": [_json_float(v) for v in mean], "std": [_json_float(v) for v in sd]}
     else:  # the values go in as they are: one whose cubic features overflow is refused by its line and column
         bad = np.abs(x) > MAX_TOKEN  # (windows too small as a whole are refused by the write, by sample)
         if bad.any():
@@ -228,8 +236,15 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     tok, y = windows(x, length, horizon, step, causal)
     attrs = {"description": f"windows of {os.path.basename(str(path))}", "columns": [header[c] for c in cols],
              "window": {"length": length, "horizon": horizon, "step": step}}
+    if standardize_columns:
+        attrs["standardized"] = moments
     with _naming(path):
         return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def _json_float(v) -> float | None:
+    """A float for JSON attributes: None where it is not finite (a column's std past float64's range)."""
+    return float(v) if np.isfinite(v) else None
 
 
 @contextlib.contextmanager

@@ -43,6 +43,33 @@ def test_csv_with_huge_values_is_standardised_without_overflow(tmp_path):
     np.testing.assert_allclose(tok[0, 1, 1], np.sqrt(10), rtol=1e-12)  # 1e200 among 10 small: z = sqrt(n - 1)
 
 
+def test_csv_standardisation_is_said_and_reversible(tmp_path, cli):
+    """The CSV import z-scored every column silently and kept no units: a fit's predictions could not be mapped
+    back. The columns' means and stds are now in the attribute ``standardized`` (value * std + mean gives the
+    file's values back), the CLI says so in a note, and ``--no-standardize`` keeps the file's units."""
+    import numpy as np
+    import zarr
+
+    from scaleattn.dataset import open_dataset
+
+    rng = np.random.default_rng(0)
+    x = np.column_stack([10 + 3 * rng.standard_normal(40), 1e-3 * rng.standard_normal(40)])
+    (tmp_path / "s.csv").write_text("a,b\n" + "".join(f"{a!r},{b!r}\n" for a, b in x.tolist()))
+    err = cli("import", tmp_path / "z.zarr", "--csv", tmp_path / "s.csv", "--length", "4").stderr
+    assert "scaleattn import: note: each column was z-scored" in err and "--no-standardize" in err, err
+    m = zarr.open_group(str(tmp_path / "z.zarr"), mode="r").attrs["standardized"]
+    np.testing.assert_allclose(m["mean"], x.mean(axis=0), rtol=1e-13)
+    np.testing.assert_allclose(m["std"], x.std(axis=0), rtol=1e-13)
+    ds = open_dataset(tmp_path / "z.zarr")
+    tok = ds.read(0, ds.n_samples)[0]
+    np.testing.assert_allclose(tok[:, 0] * m["std"] + m["mean"], x[: ds.n_samples], rtol=1e-13)
+    err = cli("import", tmp_path / "r.zarr", "--csv", tmp_path / "s.csv", "--length", "4", "--no-standardize").stderr
+    assert "note" not in err, err
+    raw = open_dataset(tmp_path / "r.zarr")
+    np.testing.assert_array_equal(raw.read(0, raw.n_samples)[0][:, 0], x[: raw.n_samples])
+    assert "standardized" not in dict(zarr.open_group(str(tmp_path / "r.zarr"), mode="r").attrs)
+
+
 def test_unstandardised_csv_values_the_features_cannot_hold_are_refused(tmp_path):
     from scaleattn.errors import DatasetError
     from scaleattn.importers import import_csv

@@ -101,11 +101,12 @@ def _cmd_import(args) -> int:
 
     opts = _storage_options(args.storage_option)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
-    given = [option_of(args, dest) for dest in ("length", "horizon", "step", "causal", "columns") if getattr(args, dest)
-             not in (None, False)]
+    given = [option_of(args, dest) for dest in ("length", "horizon", "step", "causal", "columns", "no_standardize")
+             if getattr(args, dest) not in (None, False)]
     if given and not args.csv:  # (they were ignored without a word)
-        raise ParameterError(f"{', '.join(given)} cut{'' if len(given) > 1 else 's'} a --csv series into windows: not"
-                             f" used with {'--npz' if args.npz else '--builtin'}")
+        source = "--npz" if args.npz else "--builtin"
+        raise ParameterError(f"{', '.join(given)} {'are options' if len(given) > 1 else 'is an option'} of a --csv"
+                             f" import (a series cut into windows): not used with {source}")
     for option, path, expected in (("--npz", args.npz, importers.NPZ), ("--csv", args.csv, importers.CSV)):
         if path is not None:  # (named by its option here; the library names the path alone)
             check_kind(path, option, expected, directory=False)
@@ -115,7 +116,11 @@ def _cmd_import(args) -> int:
         ds = importers.import_csv(args.path, args.csv, length=16 if args.length is None else args.length,
                                   horizon=1 if args.horizon is None else args.horizon,
                                   step=1 if args.step is None else args.step, causal=args.causal,
-                                  columns=args.columns, **kw)
+                                  columns=args.columns, standardize_columns=not args.no_standardize, **kw)
+        if not args.no_standardize:  # a change of units the user did not ask for: said, and how to undo it
+            warnings.warn("each column was z-scored (its mean and std are in the dataset's attribute 'standardized':"
+                          " value * std + mean maps tokens and predictions back); --no-standardize keeps the CSV's"
+                          " units", Note, stacklevel=1)
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
     args.written = args.path

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--step", type=int, default=None, help="CSV: stride between windows (default 1)")
     imp.add_argument("--causal", action="store_true", help="CSV: predict the next value at every prefix")
     imp.add_argument("--columns", nargs="+", default=None, help="CSV: columns to use (default all)")
+    imp.add_argument("--no-standardize", action="store_true",
+                     help="CSV: keep the values in the file's units (default: each column z-scored, its mean and std"
+                          " kept in the dataset's attribute 'standardized' to map predictions back)")
     _add_io_args(imp)
 
     f = sub.add_parser("fit", help="fit MHLA by least squares on Dask, certify identifiability, recover heads")

@@ -185,11 +185,11 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
 @pytest.mark.parametrize("argv, line", [
     # the CSV options were ignored without a word with --npz or --builtin, --horizon with --causal
     (["import", "{out}", "--builtin", "digits", "--length", "5"],
-     "scaleattn import: error: --length cuts a --csv series into windows: not used with --builtin"
-     " (see scaleattn import --help)"),
+     "scaleattn import: error: --length is an option of a --csv import (a series cut into windows): not used with"
+     " --builtin (see scaleattn import --help)"),
     (["import", "{out}", "--npz", "{csv}", "--step", "2", "--causal"],
-     "scaleattn import: error: --step, --causal cut a --csv series into windows: not used with --npz"
-     " (see scaleattn import --help)"),
+     "scaleattn import: error: --step, --causal are options of a --csv import (a series cut into windows): not used"
+     " with --npz (see scaleattn import --help)"),
     (["import", "{out}", "--csv", "{csv}", "--causal", "--horizon", "3"],
      "scaleattn import: error: --horizon must be 1 with --causal (each prefix predicts the next value), got 3"
      " (see scaleattn import --help)"),
