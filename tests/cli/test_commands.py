@@ -58,7 +58,7 @@ def test_version_and_help(cli):
 
 
 def test_python_dash_m_scaleattn_runs_the_command():
-    """``python -m scaleattn`` ran nothing ('No module named scaleattn.__main__'): the way to reach the command
+    """``python -m scaleattn`` ran nothing (the package had no __main__ module): the way to reach the command
     of this interpreter's install when the console script on PATH is another's."""
     import subprocess
     import sys
