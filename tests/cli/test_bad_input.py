@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,18 @@ def corrupt(rel, content: bytes):
         return fit()
 
     return build
+
+
+def _stale_consolidated(d):
+    """The group's consolidated metadata (which zarr reads in place of the arrays') says 6 samples, the tokens'
+    own zarr.json 4 (shrunk after consolidating): the fit read 6 samples, chunks beyond the array's shape."""
+    tok, y, _ = good()
+    raw(d / "in.zarr", tokens=tok, targets=y)
+    zarr.consolidate_metadata(str(d / "in.zarr"))
+    meta = json.loads((d / "in.zarr" / "tokens" / "zarr.json").read_text())
+    meta["shape"][0] = 4
+    (d / "in.zarr" / "tokens" / "zarr.json").write_text(json.dumps(meta))
+    return fit()
 
 
 def _not_a_group(d):
@@ -276,6 +289,9 @@ CASES = [
          r"tokens: corrupt Zarr metadata"),
     Case("incomplete-targets-json", corrupt("targets/zarr.json", b'{"zarr_format": 3, "node_type": "array"}'),
          r"targets: corrupt Zarr metadata"),
+    Case("stale-consolidated", _stale_consolidated,
+         r"tokens: the consolidated metadata of \S*in\.zarr differs from the array's own \(shape \(6, 4, 2\) there,"
+         r" \(4, 4, 2\) in its own\): the copy is stale"),
     Case("corrupt-chunk", corrupt("tokens/c/1/0/0", b"xx"), r"tokens: cannot read samples \[2, 4\)"),
     # outputs
     Case("out-exists", _out_exists, r"output '.*out' already exists \(pass --overwrite"),
