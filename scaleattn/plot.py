@@ -252,8 +252,7 @@ def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, stor
     (a :class:`~scaleattn.dataset.Dataset`, or a path/URL opened with ``storage_options``; at most about
     ``max_points`` rows; causal data give one row per valid prefix)."""
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
-    if not ds.has_targets:
-        raise ParameterError(f"{ds.url}: no targets to plot predictions against")
+    model.check_dataset(ds)  # (a dataset of another d or d_out: one line naming both)
     per = ds.length if ds.causal else 1
     n = int(min(ds.n_samples, max(1, max_points // per)))
     tok, lens, y = ds.read(0, n)

@@ -184,6 +184,15 @@ def _evaluate_d_out(d):
     return ["evaluate", "model.zarr", "in.zarr", "--local", "--quiet"]
 
 
+def _plot_d_out(d):
+    import scaleattn
+
+    raw(d / "train.zarr", tokens=_tok(), targets=_y())
+    scaleattn.fit(str(d / "train.zarr"), str(d / "run"), plots=False)
+    raw(d / "in.zarr", tokens=_tok(), targets=_rng().standard_normal((N, 3)))
+    return ["plot", "run", "--dataset", "in.zarr"]
+
+
 def _model_as_dataset(d):
     from scaleattn.heads import coef_from_heads
     from scaleattn.model import MHLAModel
@@ -250,6 +259,9 @@ CASES = [
          r"targets: 5 positions but tokens has T = 4"),
     Case("targets-d_out-0", store(tokens=_tok(), targets=np.zeros((N, 0))), r"targets: d_out = 0"),
     Case("evaluate-d_out", _evaluate_d_out, r"model has \(d, d_out\) = \(2, 2\) but .*in\.zarr has \(2, 3\)"),
+    # plot --dataset of another d_out: "y and y_hat: expected equal non-empty shapes" (of another d: "tokens:
+    # expected shape (n, T, 2)"), naming neither the model nor the dataset
+    Case("plot-d_out", _plot_d_out, r"model has \(d, d_out\) = \(2, 2\) but .*in\.zarr has \(2, 3\)"),
     # lengths out of range
     Case("lengths-0", store(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 3, 0)),
          r"lengths: sample 3 has length 0, expected 1 <= length <= T = 4"),
