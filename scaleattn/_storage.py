@@ -80,8 +80,8 @@ class Location:
     def remove(self) -> None:
         remove(self.url, self.storage_options)
 
-    def open_group(self, mode: str = "r") -> zarr.Group:
-        return open_group(self.url, mode, self.storage_options)
+    def open_group(self, mode: str = "r", use_consolidated: bool | None = None) -> zarr.Group:
+        return open_group(self.url, mode, self.storage_options, use_consolidated)
 
     def fs(self):
         """The fsspec filesystem and path of this location."""
@@ -463,14 +463,17 @@ def check_regular(path: str) -> None:
                     refuse(e.path)
 
 
-def open_group(url: str, mode: str = "r", storage_options: dict | None = None) -> zarr.Group:
+def open_group(url: str, mode: str = "r", storage_options: dict | None = None,
+               use_consolidated: bool | None = None) -> zarr.Group:
     """Open a Zarr v3 group; ``mode='r'`` never writes to the store (and a local one is first checked to hold
-    only regular files: :func:`check_regular`). URLs go through zarr's fsspec store with ``storage_options``.
+    only regular files: :func:`check_regular`). URLs go through zarr's fsspec store with ``storage_options``;
+    ``use_consolidated=False`` reads each array's own metadata, not the group's consolidated copy (zarr's).
     Raises :class:`StorageError` when the store cannot be reached."""
+    fmt = 3 if mode in ("w", "w-") else None
     if not is_url(url):
         if mode == "r":
             check_regular(local_path(url))
-        return zarr.open_group(local_path(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None)
+        return zarr.open_group(local_path(url), mode=mode, zarr_format=fmt, use_consolidated=use_consolidated)
     with _remote_access(url):
-        return zarr.open_group(str(url), mode=mode, zarr_format=3 if mode in ("w", "w-") else None,
+        return zarr.open_group(str(url), mode=mode, zarr_format=fmt, use_consolidated=use_consolidated,
                                storage_options=storage_options or {})

@@ -21,8 +21,8 @@ from .errors import DatasetError, IntegrityError
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
-           "check_objects", "expected_rows", "check_underflow", "ARRAYS", "MAX_TOKEN", "MAX_TARGET", "MIN_TOKEN",
-           "MIN_TARGET"]
+           "check_objects", "expected_rows", "check_underflow", "check_consolidated", "ARRAYS", "MAX_TOKEN",
+           "MAX_TARGET", "MIN_TOKEN", "MIN_TARGET"]
 
 #: the arrays of a dataset whose rows are samples (DESIGN §7)
 ARRAYS = ("tokens", "lengths", "targets")
@@ -267,6 +267,34 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
             f" would read them as the fill value {_plain(arr.fill_value)}; if the writer skipped such chunks on"
             " purpose, pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
     return listings
+
+
+def check_consolidated(loc, group, names) -> None:
+    """The group's consolidated copy of the metadata of arrays ``names`` (which zarr decodes them with, in place of
+    their own) says what their own documents say: a copy left stale by an edit of an array (a resize, another
+    codec) made the fit read other shapes than the array declares to every other reader, and let chunks beyond
+    its own shape be read.
+
+    Raises
+    ------
+    IntegrityError
+        ``"tokens: the consolidated metadata of URL differs from the array's own (shape [6, 4, 2] there,
+        [4, 4, 2] in its own): ..."``."""
+    if getattr(group.metadata, "consolidated_metadata", None) is None:
+        return
+    own = loc.open_group("r", use_consolidated=False)
+    for name in names:
+        try:
+            mine, copy = own[name].metadata.to_dict(), group[name].metadata.to_dict()
+        except Exception as e:
+            raise DatasetError(f"{name}: corrupt Zarr metadata in {loc.url} ({type(e).__name__}: {e})") from None
+        if mine != copy:
+            key = next(k for k in sorted(set(mine) | set(copy), key=str) if mine.get(k) != copy.get(k))
+            raise IntegrityError(
+                f"{name}: the consolidated metadata of {loc.url} differs from the array's own ({key}"
+                f" {_plain(copy.get(key))} there, {_plain(mine.get(key))} in its own): the copy is stale (the array"
+                " was changed after zarr.consolidate_metadata, or the copy edited); consolidate the store again or"
+                " remove the copy")
 
 
 def _block_digest(name: str, signatures: dict[str, str], keys) -> int:

@@ -33,6 +33,7 @@ from .datacheck import (
     check_arrays,
     check_attrs,
     check_chunks,
+    check_consolidated,
     check_lengths,
     check_objects,
     check_values,
@@ -421,12 +422,13 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
         except Exception as e:
             raise DatasetError(f"{name}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
 
+    present = [n for n in ARRAYS if n in names]
+    check_consolidated(loc, g, present)  # the shapes zarr reads are the arrays' own, before anything uses them
     tok = get("tokens")
     N, T, d, d_out, causal = check_arrays(tok, get("targets"), get("lengths"))
     has_lengths = "lengths" in names
     attrs = dict(g.attrs)
     causal = check_attrs(attrs, url, d_out > 0, causal)
-    present = [n for n in ARRAYS if n in names]
     manifest = attrs.get(_integrity.MANIFEST)
     listings = check_chunks(loc, g, present, manifest, bool(fill_absent_chunks))
     chunk = int(tok.chunks[0])

@@ -181,9 +181,13 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         An empty or header-only file, an unknown column, a non-numeric or missing value (naming the line and
         the column), a series too short for one window.
     ParameterError
-        ``length``, ``horizon`` or ``step`` below 1; ``path`` is a directory, or a path through a file.
+        ``length``, ``horizon`` or ``step`` below 1, a column named twice in ``columns``; ``path`` is a
+        directory, or a path through a file.
     """
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
+    twice = next((c for i, c in enumerate(columns or ()) if c in columns[:i]), None)
+    if twice is not None:  # (a column taken twice is two identical token coordinates: a singular fit)
+        raise ParameterError(f"columns must name each column once, got {twice!r} twice")
     _check_source(path, CSV)
     _check_output(url, path, storage_options)
     try:

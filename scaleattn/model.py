@@ -93,6 +93,16 @@ class MHLAModel:
 
         return _html.safe_html(render, lambda: repr(self))
 
+    def check_dataset(self, dataset) -> None:
+        """Refuse a :class:`~scaleattn.dataset.Dataset` this model cannot predict or be measured on: without
+        targets, or of another token or target dimension (one line naming both, not a shape error deep in a
+        prediction or a plot)."""
+        if not dataset.has_targets:
+            raise ParameterError(f"{dataset.url}: no targets to compare the model's predictions with")
+        if (dataset.d, dataset.d_out) != (self.d, self.d_out):
+            raise ParameterError(f"model has (d, d_out) = {(self.d, self.d_out)} but {dataset.url} has"
+                                 f" {(dataset.d, dataset.d_out)}")
+
     def predict(self, tokens, lengths=None, causal: bool | None = None, use_heads: bool = False):
         """Predict targets of sequences.
 

@@ -360,7 +360,7 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     report["checkpoint"] = None if kept_ckpt is None else kept_ckpt.url
     report["timings"] = times
     report["scaleattn_version"] = __version__
-    report["dataset"] = ds.url
+    report.update(dataset=ds.url, dataset_fingerprint=ds.fingerprint)  # (plot: is it still the data fitted?)
     return FitResult(model, stats, sol, h, report)
 
 

@@ -28,7 +28,7 @@ from ._outputs import check_disjoint, check_output_location, hold, reading, rela
 from ._storage import resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
-from .errors import Note, ParameterError, ScaleattnError
+from .errors import DatasetError, Note, ParameterError, ScaleattnError
 from .report import minimal_heads
 from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spectrum_not_kept, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
@@ -252,8 +252,7 @@ def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, stor
     (a :class:`~scaleattn.dataset.Dataset`, or a path/URL opened with ``storage_options``; at most about
     ``max_points`` rows; causal data give one row per valid prefix)."""
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
-    if not ds.has_targets:
-        raise ParameterError(f"{ds.url}: no targets to plot predictions against")
+    model.check_dataset(ds)  # (a dataset of another d or d_out: one line naming both)
     per = ds.length if ds.causal else 1
     n = int(min(ds.n_samples, max(1, max_points // per)))
     tok, lens, y = ds.read(0, n)
@@ -377,6 +376,9 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
     if view["model"] is not None and dataset:
         try:
             ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
+            if not given and _is_training(ds, r, storage_options) is False:  # (the report's numbers are another's)
+                raise DatasetError(f"{ds.url} changed since the fit (another dataset is stored there now); pass"
+                                   " --dataset (API: dataset=) to draw the predictions on it as it is now")
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
                                                      dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
                                                      training=_is_training(ds, r, storage_options))
@@ -393,15 +395,17 @@ def _dataset_name(url: str) -> str:
 
 
 def _is_training(ds: Dataset, report: dict, storage_options=None) -> bool | None:
-    """Whether ``ds`` is the dataset the run was fitted on (``report["dataset"]``, resolved as ``fit`` resolved
-    it; None when the report does not say)."""
+    """Whether ``ds`` is the dataset the run was fitted on: at its path (``report["dataset"]``, resolved as
+    ``fit`` resolved it) and, where the report records it, with its fingerprint (a dataset regenerated or edited
+    at that path since is not the one fitted); None when the report does not say."""
     fitted = report.get("dataset")
     if not fitted:
         return None
     try:
-        return resolve(fitted, storage_options).url.rstrip("/") == ds.url.rstrip("/")
+        same = resolve(fitted, storage_options).url.rstrip("/") == ds.url.rstrip("/")
     except (ScaleattnError, OSError):  # a report's path that no longer resolves: not this dataset
         return False
+    return same and report.get("dataset_fingerprint", ds.fingerprint) == ds.fingerprint
 
 
 def figure_pngs(figs: dict, dpi: int = 120) -> dict:

@@ -30,7 +30,7 @@ def verdict(r: dict) -> str:
     method = r.get("certificate_method", "gram")
     at = "" if method == "qr" else " at the precision of the float64 Gram"
     margin = r.get("margin")
-    how = "" if margin is None else f" [{_METHOD.get(method, method)}, margin {margin:.3g}x]"
+    how = "" if margin is None else f" [{_METHOD.get(method, method)}, margin {_margin(margin)}]"
     if v == "identifiable":
         return "IDENTIFIABLE: every least-squares fit computes the same function" + how
     near = r.get("settle_factor")
@@ -83,8 +83,8 @@ def _settled_by(r: dict) -> str:
         return ""
     gram = r["gram_verdict"]
     how = "settled" if gram == "not settled" else "confirmed" if gram == r.get("verdict") else "overruled"
-    return (f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin"
-            f" {_g(r.get('gram_margin'), '.3g')}x; {how} by a QR of the features)")
+    return (f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin {_margin(r.get('gram_margin'))};"
+            f" {how} by a QR of the features)")
 
 
 def _times(x: float) -> str:
@@ -197,9 +197,15 @@ def comparison_summary(r: dict) -> str:
             f" heads {r['n_heads_a']} vs {r['n_heads_b']})\n{v}")
 
 
+def _margin(m) -> str:
+    """A certificate's margin, ``1.65e+10x``; ``n/a`` where it is undefined (all features zero: no cutoff)."""
+    return _g(m, ".3g") + ("x" if m is not None and m == m else "")
+
+
 def _g(x, spec: str) -> str:
-    """``format(x, spec)``, or ``n/a`` for a missing (None) value of strict JSON."""
-    return "n/a" if x is None else format(x, spec)
+    """``format(x, spec)``, or ``n/a`` for a missing (None) value of strict JSON or an undefined (NaN) one of a
+    result in memory (a margin or relative error of all-zero features or targets: it printed ``nan``)."""
+    return "n/a" if x is None or x != x else format(x, spec)
 
 
 # ---- heads: what the report knows about the fewest heads ----------------------------------------------------

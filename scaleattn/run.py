@@ -323,6 +323,7 @@ def _report_json(text: bytes, url: str) -> dict:
     rows = report.get("loss_vs_heads") or ()
     for row in rows:  # one loss per entry, the same in all (_formats.LOSS_KEYS)
         _formats.check_types(row, {"heads": int, _formats.entries_key(rows): float}, f"{url}: loss_vs_heads")
-    if not isinstance(report.get("dataset", ""), (str, type(None))):
-        raise FormatError(f"{url}: 'dataset' must be a string")
+    for key in ("dataset", "dataset_fingerprint"):
+        if not isinstance(report.get(key, ""), (str, type(None))):
+            raise FormatError(f"{url}: {key!r} must be a string")
     return report

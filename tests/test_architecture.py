@@ -39,7 +39,7 @@ CONTRACT = [
     "baselines.models", "baselines.training", "baselines.paper", "baselines",
     "bench", "bench.workers", "bench.build", "bench.solve", "bench.core", "bench.tensor", "bench.krylov", "bench.gpu",
     "bench.adamw",
-    "cli.parser", "cli.commands", "cli", "cli.__main__",
+    "cli.parser", "cli.commands", "cli", "cli.__main__", "__main__",
     "job", "cluster", "memory",
 ]
 SHIMS = {"job", "cluster", "memory"}

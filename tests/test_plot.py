@@ -342,6 +342,25 @@ def test_predictions_show_every_output_and_say_which_rows(run, tmp_path):
     assert len(many.axes[0].collections) == 40
 
 
+def test_predictions_of_a_dataset_regenerated_since_the_fit_are_not_the_training_data(tmp_path, cli):
+    """`plot RUN` drew the report's dataset path as it is now: regenerated since the fit, its predictions were
+    titled "the training data" next to the report's training numbers. The report's fingerprint tells them apart:
+    skipped with a warning by default, drawn as held-out data with --dataset."""
+    data, run = tmp_path / "d.zarr", tmp_path / "run"
+    generate.generate_mhla(str(data), d=2, heads=1, length=4, samples=16, seed=0)
+    cli("fit", data, "--out", run, "--local", "--quiet", "--no-plots")
+    cli("plot", run, "--out", tmp_path / "same")
+    assert "predictions.png" in os.listdir(tmp_path / "same")  # unchanged: drawn
+    generate.generate_mhla(str(data), d=2, heads=1, length=4, samples=16, seed=1, overwrite=True)
+    r = cli("plot", run, "--out", tmp_path / "p1")
+    (line,) = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"scaleattn plot: warning: predictions plot skipped: \S*d\.zarr changed since the fit"
+                        r" \(another dataset is stored there now\); pass --dataset .*", line), line
+    assert "predictions.png" not in os.listdir(tmp_path / "p1")
+    fig = plot.run_figures(str(run), dataset=str(data))["predictions"]
+    assert "d.zarr (not the training data)" in fig.get_suptitle()
+
+
 def test_heads_plot_says_minimal_heads_are_exact_not_a_cut(causal_ds):
     """`--heads minimal` kept 1 head next to 4 clearly non-zero singular values of W: it looked like a lossy cut."""
     res = sa.fit(causal_ds, heads="minimal")

@@ -136,3 +136,15 @@ def test_summary_shows_phases_and_the_command_time(fitted):
     assert "fewer heads suffice: the teacher's 1 head computes the fitted function" in text
     t = fitted.report["timings"]
     assert t["solve_and_heads"] == pytest.approx(t["solve"] + t["heads"])
+
+
+def test_all_zero_features_or_targets_print_no_nan():
+    """All-zero tokens (no cutoff: the margin is undefined) and all-zero targets (no relative error) printed
+    'margin nanx' and 'relative nan' in the summary (report.json held null): both read n/a."""
+    rng = np.random.default_rng(0)
+    est = sa.MHLARegressor().fit(np.zeros((8, 3, 2)), rng.standard_normal((8, 2)))
+    line = report.verdict(est.certificate_.summary())
+    assert "nan" not in line and line.endswith("margin n/a]"), line
+    text = report.evaluation_summary({"mse": 0.0, "relative_mse": float("nan"), "target_mean_square": 0.0,
+                                      "n_rows": 8})
+    assert "relative n/a" in text and "nan" not in text, text

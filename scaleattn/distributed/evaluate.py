@@ -6,7 +6,6 @@ import numpy as np
 
 from .._outputs import reading
 from .._storage import with_retries
-from ..errors import ParameterError
 from ..features import predict_rows, row_targets, token_features
 from ..progress import as_reporter
 from .partition import row_groups
@@ -72,11 +71,7 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     >>> bool(scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20)
     True
     """
-    if not dataset.has_targets:
-        raise ParameterError(f"{dataset.url}: no targets to evaluate against")
-    if (dataset.d, dataset.d_out) != (model.d, model.d_out):
-        raise ParameterError(f"model has (d, d_out) = {(model.d, model.d_out)} but {dataset.url} has"
-                             f" {(dataset.d, dataset.d_out)}")
+    model.check_dataset(dataset)
     check_reachable(client, [("dataset", dataset.store)])
     groups = row_groups(dataset)
     coef = np.asarray(model.coef)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,18 @@ def corrupt(rel, content: bytes):
     return build
 
 
+def _stale_consolidated(d):
+    """The group's consolidated metadata (which zarr reads in place of the arrays') says 6 samples, the tokens'
+    own zarr.json 4 (shrunk after consolidating): the fit read 6 samples, chunks beyond the array's shape."""
+    tok, y, _ = good()
+    raw(d / "in.zarr", tokens=tok, targets=y)
+    zarr.consolidate_metadata(str(d / "in.zarr"))
+    meta = json.loads((d / "in.zarr" / "tokens" / "zarr.json").read_text())
+    meta["shape"][0] = 4
+    (d / "in.zarr" / "tokens" / "zarr.json").write_text(json.dumps(meta))
+    return fit()
+
+
 def _not_a_group(d):
     (d / "in.zarr").mkdir()
     (d / "in.zarr" / "notes.txt").write_text("not zarr")
@@ -169,6 +182,15 @@ def _evaluate_d_out(d):
     MHLAModel(coef_from_heads(V, Q), V, Q, 2, False).save(str(d / "model.zarr"))
     raw(d / "in.zarr", tokens=_tok(), targets=_rng().standard_normal((N, 3)))
     return ["evaluate", "model.zarr", "in.zarr", "--local", "--quiet"]
+
+
+def _plot_d_out(d):
+    import scaleattn
+
+    raw(d / "train.zarr", tokens=_tok(), targets=_y())
+    scaleattn.fit(str(d / "train.zarr"), str(d / "run"), plots=False)
+    raw(d / "in.zarr", tokens=_tok(), targets=_rng().standard_normal((N, 3)))
+    return ["plot", "run", "--dataset", "in.zarr"]
 
 
 def _model_as_dataset(d):
@@ -237,6 +259,9 @@ CASES = [
          r"targets: 5 positions but tokens has T = 4"),
     Case("targets-d_out-0", store(tokens=_tok(), targets=np.zeros((N, 0))), r"targets: d_out = 0"),
     Case("evaluate-d_out", _evaluate_d_out, r"model has \(d, d_out\) = \(2, 2\) but .*in\.zarr has \(2, 3\)"),
+    # plot --dataset of another d_out: "y and y_hat: expected equal non-empty shapes" (of another d: "tokens:
+    # expected shape (n, T, 2)"), naming neither the model nor the dataset
+    Case("plot-d_out", _plot_d_out, r"model has \(d, d_out\) = \(2, 2\) but .*in\.zarr has \(2, 3\)"),
     # lengths out of range
     Case("lengths-0", store(tokens=_tok(), targets=_y(), lengths=with_(np.full(N, T), 3, 0)),
          r"lengths: sample 3 has length 0, expected 1 <= length <= T = 4"),
@@ -276,6 +301,9 @@ CASES = [
          r"tokens: corrupt Zarr metadata"),
     Case("incomplete-targets-json", corrupt("targets/zarr.json", b'{"zarr_format": 3, "node_type": "array"}'),
          r"targets: corrupt Zarr metadata"),
+    Case("stale-consolidated", _stale_consolidated,
+         r"tokens: the consolidated metadata of \S*in\.zarr differs from the array's own \(shape \(6, 4, 2\) there,"
+         r" \(4, 4, 2\) in its own\): the copy is stale"),
     Case("corrupt-chunk", corrupt("tokens/c/1/0/0", b"xx"), r"tokens: cannot read samples \[2, 4\)"),
     # outputs
     Case("out-exists", _out_exists, r"output '.*out' already exists \(pass --overwrite"),

@@ -57,6 +57,18 @@ def test_version_and_help(cli):
         assert "usage" in cli(cmd, "--help").stdout
 
 
+def test_python_dash_m_scaleattn_runs_the_command():
+    """``python -m scaleattn`` ran nothing (the package had no __main__ module): the way to reach the command
+    of this interpreter's install when the console script on PATH is another's."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "scaleattn", "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("scaleattn "), p.stderr
+    p = subprocess.run([sys.executable, "-m", "scaleattn", "fit"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("scaleattn fit: error: "), p.stderr
+
+
 def test_compare_help_names_every_exit_code(cli):
     """Incompatible models exit 2 (bad input, as everywhere in this CLI) while the help said 'exit 0 same, 1
     different' only."""

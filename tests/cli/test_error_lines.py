@@ -196,6 +196,9 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
     (["import", "{out}", "--csv", "{csv}", "--length", "100000000000000"],
      "scaleattn import: error: series of 40 steps is too short for one window of --length 100000000000000 +"
      " --horizon 1"),  # (the data's refusal: no help tail)
+    # a column taken twice was imported as two identical token coordinates (a fit that cannot be identifiable)
+    (["import", "{out}", "--csv", "{csv}", "--columns", "a", "b", "a"],
+     "scaleattn import: error: --columns must name each column once, got 'a' twice (see scaleattn import --help)"),
 ])
 def test_import_names_the_csv_options(tmp_path, cli, argv, line):
     csv = tmp_path / "s.csv"
