@@ -14,6 +14,7 @@ import zlib
 
 import numpy as np
 
+from ._names import check_output_name
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
 from ._storage import check_kind, did_you_mean, resolve
@@ -110,8 +111,10 @@ def _check_source(path, expected: str, role: str = "") -> None:
 
 
 def _check_output(url, path, storage_options) -> None:
-    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be."""
+    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be; its
+    name holds them (:func:`scaleattn._names.check_output_name`, before the file is read)."""
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    check_output_name(pairs[0][0][1], "output")
     check_disjoint(*pairs)
     check_companions(*pairs)
 

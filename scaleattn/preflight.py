@@ -67,7 +67,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
     check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
-    for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+    # (OUT.checkpoint.zarr, when not given, is named as such: --checkpoint PATH is the way round its name)
+    for role, loc in (("--out", out), ("--checkpoint" if checkpoint is not None else "the default --checkpoint", ckpt)):
         if loc is not None:
             check_output_location(loc, role)
     if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)

@@ -5,6 +5,7 @@ import argparse
 import re
 
 from .._backend import DEVICES
+from .._names import one_line
 from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
 from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
@@ -95,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
