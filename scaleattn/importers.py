@@ -17,7 +17,7 @@ import numpy as np
 from ._names import check_output_name
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from ._storage import check_kind, did_you_mean, resolve
+from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import MAX_TOKEN, check_values, is_real
 from .dataset_writer import write_dataset
 from .errors import (
@@ -115,6 +115,7 @@ def _check_output(url, path, storage_options) -> None:
     name holds them (:func:`scaleattn._names.check_output_name`, before the file is read)."""
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
     check_output_name(pairs[0][0][1], "output")
+    check_storage_options(storage_options, url)  # (before the file is read; write_dataset's check comes late)
     check_disjoint(*pairs)
     check_companions(*pairs)
 

@@ -20,7 +20,7 @@ from ._outputs import (
     hold,
     reading,
 )
-from ._storage import Location, check_kind, resolve
+from ._storage import Location, check_kind, check_storage_options, resolve
 from .dataset import Dataset, open_dataset
 from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, with_hint
 
@@ -60,6 +60,7 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     OutputInUseError
         A live run holds ``out`` or the checkpoint (said first: its name and pid).
     """
+    check_storage_options(storage_options, dataset, out, checkpoint)  # (fsspec's options reach URLs only)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     if not ds.has_targets:
         raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
