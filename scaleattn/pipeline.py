@@ -423,8 +423,7 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
                     solver: str = "auto", device: str = "auto", certificate: str = "auto",
-                    fill_absent_chunks: bool = False,
-                    **deprecated) -> Certificate:
+                    fill_absent_chunks: bool = False, **deprecated) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
     Parameters
