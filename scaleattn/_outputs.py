@@ -23,6 +23,7 @@ import uuid
 
 from . import _formats
 from ._locks import _read_json, _refused, check_unread, hold, is_store, lock_location, reading, store_holding
+from ._names import check_output_name
 from ._storage import Location, fs_for, protocols, remove, settle_writes
 from .errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 
@@ -201,7 +202,8 @@ def check_output_location(loc: Location, role: str = "output", *, local_only: bo
     after this process exits (:data:`PERSISTENT`); not a chained URL (``simplecache::s3://...``, whose writes
     go to a cache or archive layer), not the root of a bucket (the lock and temporaries go next to an output),
     not inside an existing Zarr store (:func:`check_outside_stores`; with ``into``, not one either: the writer
-    adds files into ``loc``), not a symbolic link (a replaced output would be the link, its store left aside).
+    adds files into ``loc``), not a symbolic link (a replaced output would be the link, its store left aside),
+    not a name with control characters or too long for its lock and temporaries (:func:`check_output_name`).
     ``local_only``: the writer writes local files only (``bench``), any URL is refused.
 
     Raises
@@ -214,6 +216,7 @@ def check_output_location(loc: Location, role: str = "output", *, local_only: bo
     ParameterError
         A protocol fsspec does not know.
     """
+    check_output_name(loc, role)
     if loc.is_remote:
         chain = protocols(loc.url)
         if len(chain) > 1:

@@ -18,11 +18,11 @@ import time
 
 import zarr
 
-from ._params import parse_storage_options
+from ._params import parse_storage_options, storage_option_pairs
 from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
-           "check_kind", "settle_writes", "did_you_mean", "RETRY_ATTEMPTS", "RETRY_DELAY"]
+           "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -129,6 +129,25 @@ def resolve(url, storage_options=None) -> Location:
         bare = text.rstrip("/")
         return Location(bare if not bare.endswith(":") else bare + "//", opts)  # (a root "s3://" stays a URL)
     return Location(_absolute(local_path(text)), opts)
+
+
+def check_storage_options(storage_options, *paths) -> None:
+    """Refuse fsspec ``storage_options`` (``--storage-option``) given where none of ``paths`` (the paths and
+    URLs of one call; None entries skipped, a Location counts by its URL) is a URL: a local path is read by the
+    operating system, and fsspec's options were ignored without a word.
+
+    Raises
+    ------
+    ParameterError
+        Naming the options and the local paths.
+    """
+    given = [p for p in paths if p is not None]
+    if not storage_options or not given or any(is_url(_normal_url(str(getattr(p, "url", p)))) for p in given):
+        return
+    keys = list(storage_options) if isinstance(storage_options, dict) else list(storage_option_pairs(storage_options))
+    local = ", ".join(str(getattr(p, "url", p)) for p in given)
+    raise ParameterError(f"storage options ({', '.join(map(str, keys))}) apply to fsspec URLs such as"
+                         f" s3://BUCKET/KEY, not to local paths ({local}): nothing would read them; drop them")
 
 
 def _absolute(path: str) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from ._outputs import atomic_output
-from ._storage import Location, resolve
+from ._storage import Location, check_storage_options, resolve
 from .datacheck import check_arrays, check_lengths, check_values
 from .dataset import DIMS, FORMAT, FORMAT_VERSION, Dataset, open_dataset
 from .errors import ParameterError
@@ -196,6 +196,7 @@ def write_dataset(
     >>> ds.n_samples, ds.d_out
     (8, 2)
     """
+    check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)
     with atomic_output(loc, overwrite, _formats.DATASET[0]) as tmp:

@@ -16,7 +16,7 @@ __all__ = [
     "OutputExistsError",
     "InputNotFoundError", "CheckpointError", "InsufficientMemoryError", "MissingDependencyError", "ClusterError",
     "SubmitError", "IntegrityError", "UnsafeOutputError", "OutputInUseError", "DeviceMismatchError", "with_hint",
-    "hint_of", "Note",
+    "hint_of", "Note", "NotFittedError",
 ]
 
 
@@ -158,6 +158,12 @@ def install_hint(extra: str, packages: str) -> str:
         editable = "-e " if info["dir_info"].get("editable") else ""
         return f"pip install {editable}'{url[len('file://'):]}{f'[{extra}]' if extra else ''}'"
     return f"pip install 'scaleattn{f'[{extra}]' if extra else ''}'"
+
+
+class NotFittedError(ScaleattnError, AttributeError):
+    """An estimator's method that needs a fitted model (``predict``, ``score``) called before ``fit``; also an
+    ``AttributeError``, as scikit-learn's ``NotFittedError`` is (:class:`scaleattn.MHLARegressor` raises one that
+    is scikit-learn's too when scikit-learn is installed)."""
 
 
 class ClusterError(ScaleattnError, RuntimeError):

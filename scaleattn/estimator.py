@@ -1,6 +1,7 @@
 """scikit-learn style estimator for in-memory arrays (layer L4): :class:`MHLARegressor`."""
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 
@@ -10,7 +11,7 @@ from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec
 from .certificate import check_cutoff
 from .datacheck import check_arrays, check_lengths, check_values, is_real
-from .errors import DatasetError
+from .errors import DatasetError, NotFittedError
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .solver import check_ridge, shared_gram, solve
@@ -43,6 +44,17 @@ def _as_lengths(lengths):
     if lengths is None or not is_numpy(get_xp(lengths)):
         return lengths
     return np.asarray(lengths)
+
+
+@functools.cache
+def _not_fitted_error() -> type:
+    """:class:`~scaleattn.errors.NotFittedError`, also scikit-learn's ``NotFittedError`` where scikit-learn is
+    installed (imported only then: its import takes a second)."""
+    try:
+        from sklearn.exceptions import NotFittedError as SklearnNotFitted
+    except ImportError:
+        return NotFittedError
+    return type("NotFittedError", (NotFittedError, SklearnNotFitted), {"__module__": __name__})
 
 
 class MHLARegressor:
@@ -152,10 +164,20 @@ class MHLARegressor:
         self.n_heads_ = self.model_.n_heads
         return self
 
+    def __sklearn_is_fitted__(self) -> bool:
+        """Whether :meth:`fit` ran (what scikit-learn's ``check_is_fitted`` asks)."""
+        return hasattr(self, "model_")
+
+    def _check_fitted(self, method: str) -> None:
+        if not self.__sklearn_is_fitted__():
+            raise _not_fitted_error()(f"this MHLARegressor is not fitted yet: call fit(tokens, targets) before"
+                                      f" {method}()")
+
     def predict(self, tokens, lengths=None):
         """Predictions (n, d_out) or (n, T, d_out) of the fitted model, in the tokens' namespace and on their
         device (numpy, CuPy, torch, ...). Raises :class:`~scaleattn.errors.DatasetError` for bad tokens or
-        lengths (naming the sample)."""
+        lengths (naming the sample), :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        self._check_fitted("predict")
         tokens, lengths = _as_float("tokens", tokens), _as_lengths(lengths)
         T = check_arrays(tokens, None, lengths)[1]
         if lengths is not None:
@@ -164,7 +186,8 @@ class MHLARegressor:
 
     def score(self, tokens, targets, lengths=None) -> float:
         """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn), computed in
-        the arrays' namespace."""
+        the arrays' namespace; :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        self._check_fitted("score")
         y = _as_float("targets", targets)
         xp = get_xp(y)
         r = y - self.predict(tokens, lengths)

@@ -13,7 +13,7 @@ import numpy as np
 from . import _formats
 from ._outputs import atomic_output
 from ._params import integer, real
-from ._storage import resolve
+from ._storage import check_storage_options, resolve
 from .datacheck import MAX_TARGET
 from .dataset import open_dataset
 from .dataset_writer import (
@@ -146,6 +146,7 @@ def generate_mhla(
     per_sample = length * (2 * d + 2 * o + (d * d if causal else 0)) + d * d  # tokens, targets, S = sum z z^T
     _check_memory(f"the teacher (`heads={heads}`, `d={d}`, `d_out={o}`) and one chunk ({n:,} sample{'s' * (n > 1)}"
                   f" of `length={length}`{', causal' if causal else ''})", 8.0 * (heads * d * (d + o) + n * per_sample))
+    check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
     V, Q = make_teacher(d, heads, d_out, seed)
     attrs = {"generator": {"task": "mhla", "d": d, "heads": heads, "length": length, "samples": samples,

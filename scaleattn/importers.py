@@ -14,9 +14,10 @@ import zlib
 
 import numpy as np
 
+from ._names import check_output_name
 from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from ._storage import check_kind, did_you_mean, resolve
+from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import MAX_TOKEN, check_values, is_real
 from .dataset_writer import write_dataset
 from .errors import (
@@ -90,6 +91,13 @@ def _real(name: str, a, path):
     return a.astype(np.float64, copy=False)
 
 
+def _use_columns(names, which: str) -> str:
+    """``"; import only NAMES: `columns=a b`"`` (the CLI says ``--columns a b``), ``""`` when there are none."""
+    import shlex
+
+    return f"; import {which} only: `columns={' '.join(map(shlex.quote, names))}`" if names else ""
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -110,8 +118,11 @@ def _check_source(path, expected: str, role: str = "") -> None:
 
 
 def _check_output(url, path, storage_options) -> None:
-    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be."""
+    """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be; its
+    name holds them (:func:`scaleattn._names.check_output_name`, before the file is read)."""
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
+    check_output_name(pairs[0][0][1], "output")
+    check_storage_options(storage_options, url)  # (before the file is read; write_dataset's check comes late)
     check_disjoint(*pairs)
     check_companions(*pairs)
 
@@ -223,10 +234,18 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
             try:
                 x[i, j] = float(r[c])
             except ValueError:
-                raise DatasetError(f"{path}: line {k}, column {header[c]!r}: {r[c]!r} is not a number") from None
+                numeric = [h for h, v in zip(header, body[0]) if h != header[c] and _is_number(v)]
+                raise DatasetError(f"{path}: line {k}, column {header[c]!r}: {r[c]!r} is not a number"
+                                   + _use_columns(numeric, "the numeric columns")) from None
     if not np.isfinite(x).all():
         i, j = np.argwhere(~np.isfinite(x))[0]
         raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
+    flat = np.flatnonzero(x.max(axis=0) == x.min(axis=0))
+    if flat.size:  # a token coordinate that never varies (0 once z-scored): the fit could never be identifiable
+        j = int(flat[0])
+        raise DatasetError(f"{path}: column {header[cols[j]]!r} is constant ({x[0, j]:g} on every line): it carries"
+                           " nothing to learn from and makes the fit unidentifiable"
+                           + _use_columns([header[c] for k, c in enumerate(cols) if k not in flat], "the others"))
     if standardize_columns:  # the units are kept in the attributes: predictions map back (value * std + mean)
         x, mean, sd = standardize(x, moments=True)
         moments = {"mean": [_json_float(v) for v in mean], "std": [_json_float(v) for v in sd]}

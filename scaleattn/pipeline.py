@@ -22,7 +22,7 @@ from . import report_html as _html
 from ._backend import check_device
 from ._outputs import reading
 from ._params import choice, heads_spec, no_other_kwargs, renamed, seconds
-from ._storage import Location
+from ._storage import Location, check_storage_options
 from ._version import __version__
 from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .dataset import Dataset
@@ -423,8 +423,7 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
                     solver: str = "auto", device: str = "auto", certificate: str = "auto",
-                    fill_absent_chunks: bool = False,
-                    **deprecated) -> Certificate:
+                    fill_absent_chunks: bool = False, **deprecated) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
     Parameters
@@ -476,6 +475,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
+    check_storage_options(storage_options, dataset)  # (fsspec's options of a local path: ignored, so refused)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     check_reachable(client, [("dataset", ds.store)])
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",

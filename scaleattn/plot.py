@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _formats
 from ._outputs import check_disjoint, check_output_location, hold, reading, relation
-from ._storage import resolve
+from ._storage import Location, resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
 from .errors import DatasetError, Note, ParameterError, ScaleattnError
@@ -435,19 +435,21 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
             raise ParameterError("save_run_plots: give `out` when plotting a FitResult")
         out = run
     out = resolve(out, storage_options)
-    _check_plot_output(run, out, dataset, storage_options)  # before any work
+    data = _check_plot_output(run, out, dataset, storage_options)  # before any work
     with contextlib.ExitStack() as stack:  # the run read and the plots written while no fit replaces either
         if not hasattr(run, "certificate"):  # read, not written (unless it is --out): marked as read
             stack.enter_context(reading(resolve(run, storage_options), "run"))
+        if data is not None:  # (the predictions' dataset: read as fit and evaluate read theirs)
+            stack.enter_context(reading(data, "dataset"))
         stack.enter_context(hold(out, "--out"))
         return write_files(out, figure_pngs(run_figures(run, dataset, storage_options, full_spectrum=full_spectrum),
                                             dpi))
 
 
-def _check_plot_output(run, out, dataset, storage_options) -> None:
+def _check_plot_output(run, out, dataset, storage_options) -> Location | None:
     """Plots only add files, but never into an input store: refuse an ``out`` that is or lies inside the
     dataset or one of the run's stores (:func:`scaleattn._outputs.check_disjoint`), or where they would not last
-    (:func:`scaleattn._outputs.check_output_location`)."""
+    (:func:`scaleattn._outputs.check_output_location`). Returns the dataset's location (None without one)."""
     inputs = []
     if not hasattr(run, "certificate"):
         run_loc = resolve(run, storage_options)
@@ -462,3 +464,4 @@ def _check_plot_output(run, out, dataset, storage_options) -> None:
     # into a directory, but never another run's (the plots would pass for that run's); the run's own is its place
     own = not hasattr(run, "certificate") and relation(out, resolve(run, storage_options)) == "is"
     check_output_location(out, "--out", into=not own)
+    return inputs[-1][1] if dataset else None

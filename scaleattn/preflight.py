@@ -20,7 +20,7 @@ from ._outputs import (
     hold,
     reading,
 )
-from ._storage import Location, check_kind, resolve
+from ._storage import Location, check_kind, check_storage_options, resolve
 from .dataset import Dataset, open_dataset
 from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, with_hint
 
@@ -60,6 +60,7 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     OutputInUseError
         A live run holds ``out`` or the checkpoint (said first: its name and pid).
     """
+    check_storage_options(storage_options, dataset, out, checkpoint)  # (fsspec's options reach URLs only)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     if not ds.has_targets:
         raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
@@ -67,7 +68,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
     check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
     check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
-    for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+    # (OUT.checkpoint.zarr, when not given, is named as such: --checkpoint PATH is the way round its name)
+    for role, loc in (("--out", out), ("--checkpoint" if checkpoint is not None else "the default --checkpoint", ckpt)):
         if loc is not None:
             check_output_location(loc, role)
     if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)

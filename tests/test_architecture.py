@@ -12,8 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "scaleattn"
 #: the total order of the package: a module may import only modules listed before it
 CONTRACT = [
     # L0: no scaleattn imports above L0
-    "_version", "errors", "_params", "_backend", "_storage", "_formats", "_integrity", "_locks", "_outputs", "report",
-    "report_html", "progress", "_testing",
+    "_version", "errors", "_params", "_backend", "_storage", "_names", "_formats", "_integrity", "_locks", "_outputs",
+    "report", "report_html", "progress", "_testing",
     # tensor attention: L0 only
     "tensor._common", "tensor.exact", "tensor.bounds", "tensor.poly", "tensor.weights", "tensor",
     # L1: features and datasets

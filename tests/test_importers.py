@@ -100,3 +100,32 @@ def test_npz_import_errors_name_the_file(tmp_path, capsys):
         (line,) = capsys.readouterr().err.splitlines()
         assert re.match(rf"scaleattn import: error: \S*{name}: {what}", line), line
         assert not (tmp_path / "out.zarr").exists()
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["z-scored", "no-standardize"])
+def test_a_constant_csv_column_is_refused_naming_the_others(tmp_path, cli, raw):
+    """A constant column became all zeros once z-scored (kept as is with --no-standardize): a token coordinate
+    that never varies, so no fit of the dataset could be identifiable. Refused either way, naming the column and
+    the --columns that leaves it out; nothing written."""
+    (tmp_path / "s.csv").write_text("a,b,c\n" + "".join(f"{i},5,{i * i % 7}\n" for i in range(12)))
+    r = cli("import", tmp_path / "z.zarr", "--csv", tmp_path / "s.csv", "--length", "3",
+            *(["--no-standardize"] if raw else []), rc=2)
+    assert r.stderr.strip().splitlines() == [
+        f"scaleattn import: error: {tmp_path / 's.csv'}: column 'b' is constant (5 on every line): it carries nothing"
+        " to learn from and makes the fit unidentifiable; import the others only: --columns a c"], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.csv"]
+    cli("import", tmp_path / "z.zarr", "--csv", tmp_path / "s.csv", "--length", "3", "--columns", "a", "c")
+
+
+def test_a_non_numeric_csv_column_names_the_numeric_ones(tmp_path, cli):
+    from scaleattn.errors import DatasetError
+    from scaleattn.importers import import_csv
+
+    (tmp_path / "s.csv").write_text("date,x,note,y\n" + "".join(f"2024-01-{i + 1:02},{i},n,{i % 3}\n"
+                                                                    for i in range(9)))
+    r = cli("import", tmp_path / "z.zarr", "--csv", tmp_path / "s.csv", "--length", "3", rc=2)
+    assert r.stderr.strip().endswith("line 2, column 'date': '2024-01-01' is not a number; import the numeric columns"
+                                     " only: --columns x y"), r.stderr
+    with pytest.raises(DatasetError, match=r"is not a number; import the numeric columns only: `columns=x y`"):
+        import_csv(tmp_path / "z.zarr", tmp_path / "s.csv", length=3)
+    assert not (tmp_path / "z.zarr").exists()

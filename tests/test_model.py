@@ -1,6 +1,7 @@
 """MHLAModel predictions: from the heads and from the coefficients alike; causal outputs with padding equal the
 teacher's forward pass."""
 import numpy as np
+import pytest
 
 from scaleattn.estimator import MHLARegressor
 from scaleattn.generate import make_mhla, mhla_forward
@@ -93,3 +94,18 @@ def test_integers_float64_cannot_hold_are_refused_and_a_loaded_model_checks_its_
     with pytest.raises(DatasetError, match="lengths: sample 2 has length 7"):
         model.predict(D["tokens"], np.r_[6, 6, 7, np.full(9, 6)])
     assert np.array_equal(model.predict(D["tokens"]), est.predict(D["tokens"]))
+
+
+@pytest.mark.parametrize("method", ["predict", "score"])
+def test_methods_of_an_unfitted_regressor_say_so(method):
+    """predict before fit raised a bare AttributeError ('no attribute model_')."""
+    from scaleattn.errors import NotFittedError, ScaleattnError
+
+    tok = np.ones((2, 3, 2))
+    args = (tok,) if method == "predict" else (tok, np.ones((2, 2)))
+    with pytest.raises(NotFittedError, match=rf"not fitted yet: call fit\(tokens, targets\) before {method}\(\)") as e:
+        getattr(MHLARegressor(), method)(*args)
+    assert isinstance(e.value, (ScaleattnError, AttributeError))
+    sklearn = pytest.importorskip("sklearn.exceptions")
+    assert isinstance(e.value, sklearn.NotFittedError)
+    assert not MHLARegressor().__sklearn_is_fitted__()

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 
+from .._names import one_line
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
@@ -109,8 +110,9 @@ def _prog(args) -> str:
 def _error_line(args, message: str, usage: bool = True) -> str:
     """The one error line of the command line, the same for usage errors (:meth:`.parser._Parser.error`) and for
     the errors the commands raise; ``(see PROG --help)`` ends only a usage error's (bad or missing options:
-    :attr:`scaleattn.errors.ScaleattnError.usage`), not a refusal of data or outputs, which says what to do."""
-    return f"{_prog(args)}: error: {message}" + (f" (see {_prog(args)} --help)" if usage else "")
+    :attr:`scaleattn.errors.ScaleattnError.usage`), not a refusal of data or outputs, which says what to do.
+    Control characters (a path's newline) are escaped: one line, whatever the paths it names hold."""
+    return one_line(f"{_prog(args)}: error: {message}" + (f" (see {_prog(args)} --help)" if usage else ""))
 
 
 def _step(e: BaseException) -> str:
@@ -201,7 +203,7 @@ def _warning_lines(args):
 
     def show(message, category, filename, lineno, file=None, line=None):
         kind = "note" if issubclass(category, Note) else "warning"
-        print(f"{_prog(args)}: {kind}: {message}", file=file or sys.stderr)
+        print(one_line(f"{_prog(args)}: {kind}: {message}"), file=file or sys.stderr)
 
     warnings.showwarning = show
     try:
@@ -236,8 +238,8 @@ def _run(args) -> int:
         if args.debug:
             raise
         command = _prog(args).removeprefix("scaleattn ")
-        print(f"{_prog(args)}: internal error (this is a bug; please report it with the output of"
-              f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e)}", file=sys.stderr)
+        print(one_line(f"{_prog(args)}: internal error (this is a bug; please report it with the output of"
+                       f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e)}"), file=sys.stderr)
         return EXIT_BUG
 
 

@@ -7,14 +7,16 @@ import time
 import warnings
 
 from .._params import parse_storage_options
-from .._storage import check_kind
+from .._storage import check_kind, check_storage_options
 from ..errors import Note, ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
 
 
-def _storage_options(pairs) -> dict | None:
-    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._params.parse_storage_options`)."""
+def _storage_options(pairs, *paths) -> dict | None:
+    """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._params.parse_storage_options`),
+    refused when none of the command's ``paths`` is a URL (:func:`scaleattn._storage.check_storage_options`)."""
+    check_storage_options(pairs, *paths)
     return parse_storage_options(pairs)
 
 
@@ -80,7 +82,7 @@ def _since(t0: float) -> float:
 def _cmd_generate(args) -> int:
     from .. import generate
 
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.path)
     if args.task == "mhla":
         ds = generate.generate_mhla(args.path, args.d, args.heads, args.length, args.samples, d_out=args.d_out,
                                     noise=args.noise, causal=args.causal, variable_lengths=args.variable_lengths,
@@ -99,7 +101,7 @@ def _cmd_import(args) -> int:
     from .. import importers
     from .parser import option_of
 
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.path)
     kw = dict(overwrite=args.overwrite, storage_options=opts)
     given = [option_of(args, dest) for dest in ("length", "horizon", "step", "causal", "columns", "no_standardize")
              if getattr(args, dest) not in (None, False)]
@@ -138,7 +140,7 @@ def _cmd_fit(args) -> int:
     from ..solver import check_ridge
 
     reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.dataset, args.out, args.checkpoint)
     heads = heads_spec(args.heads)  # bad options and bad input fail before a cluster starts
     check_cutoff(args.cutoff_rtol)
     check_ridge(args.ridge)
@@ -178,7 +180,7 @@ def _cmd_certify(args) -> int:
     from ..report import certificate_summary
 
     reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.dataset)
     check_cutoff(args.cutoff_rtol)
     _check_cluster_args(args)
     ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
@@ -196,7 +198,7 @@ def _cmd_evaluate(args) -> int:
     from ..report import evaluation_summary
 
     reporter = _reporter(args)
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.model, args.dataset)
     _check_cluster_args(args)
     model = MHLAModel.load(args.model, opts)
     ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
@@ -211,7 +213,8 @@ def _cmd_plot(args) -> int:
 
     from ..plot import save_run_plots
 
-    opts = _storage_options(args.storage_option)
+    # (without --dataset the report's dataset, maybe a URL, is read with them: not known before)
+    opts = _storage_options(args.storage_option, *((args.run, args.out, args.dataset) if args.dataset else ()))
     where = (args.out or args.run).rstrip("/")
     paths = save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts,
                            full_spectrum=args.full_spectrum)
@@ -258,7 +261,7 @@ def _cmd_compare(args) -> int:
     from ..model import MHLAModel
     from ..report import comparison_summary
 
-    opts = _storage_options(args.storage_option)
+    opts = _storage_options(args.storage_option, args.model_a, args.model_b)
     real("rtol", args.rtol, 0.0, low_open=True)  # compare_models' check, before the models are read
     r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
     _emit(args, r, comparison_summary(r))

@@ -5,6 +5,7 @@ import argparse
 import re
 
 from .._backend import DEVICES
+from .._names import one_line
 from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
 from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
@@ -95,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,6 +326,20 @@ def _listed(commands: list[str]) -> str:
     return f"the command{'s' if len(commands) > 1 else ''} ({', '.join(commands)})"
 
 
+def _lenient(parser: argparse.ArgumentParser, argv):
+    """``parser.parse_known_args(argv)`` with no option required: an unknown option (``--outt``) is then said with
+    its "did you mean --out?", not as "the following arguments are required: --out"."""
+    actions = [a for q in _commands(parser) for a in q._actions if a.required and a.option_strings]
+    groups = [g for q in _commands(parser) for g in q._mutually_exclusive_groups if g.required]
+    for x in actions + groups:
+        x.required = False
+    try:
+        return parser.parse_known_args(argv)
+    finally:
+        for x in actions + groups:
+            x.required = True
+
+
 def parse(argv=None) -> argparse.Namespace:
     """The command line parsed; an unknown option is reported by the command it was given to (its usage, and the
     closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before its
@@ -337,7 +352,9 @@ def parse(argv=None) -> argparse.Namespace:
     misplaced = _misplaced(parser, list(sys.argv[1:] if argv is None else argv))
     if misplaced:
         misplaced[0].error(misplaced[1])
-    args, extra = parser.parse_known_args(argv)
+    args, extra = _lenient(parser, argv)
+    if not extra:  # again, now saying what a required option lacks
+        args, extra = parser.parse_known_args(argv)
     command = _reached(parser, args)
     if extra:
         options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]

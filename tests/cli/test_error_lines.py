@@ -226,3 +226,19 @@ def test_a_warning_is_one_line_of_the_command(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(r"scaleattn plot: warning: predictions plot skipped: \S*d\.zarr: no such"
                                           r" dataset", err[0]), err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["fit", "{ds}", "--outt", "{out}"],
+     "scaleattn fit: error: unrecognized arguments: --outt {out} (did you mean --out?) (see scaleattn fit --help)"),
+    (["import", "{out}", "--cvs", "s.csv"],
+     "scaleattn import: error: unrecognized arguments: --cvs s.csv (did you mean --csv?) (see scaleattn import"
+     " --help)"),
+    (["fit", "{ds}"], "scaleattn fit: error: the following arguments are required: --out (see scaleattn fit --help)"),
+])
+def test_a_misspelled_required_option_gets_its_suggestion(causal_ds, tmp_path, cli, argv, line):
+    """A misspelled required option (``--outt``) was said as "the following arguments are required: --out", not
+    as the unknown option it is, with its "did you mean"."""
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    assert _line(r) == line.format(out=out)

@@ -387,3 +387,31 @@ def test_a_store_whose_name_extends_another_s_is_not_taken_for_it(tmp_path, caps
     rc, err = run_main([*gen[:2], str(tmp_path / "x.zarr.read-old.zarr"), *gen[2:]], capsys)
     assert rc == 2, err
     expect(error_line(err), rf"x\.zarr\.read-old\.zarr is being read by the scaleattn run of pid {reader.pid}")
+
+
+def test_plot_marks_the_dataset_it_reads_for_its_predictions(tmp_path, capsys, monkeypatch, start):
+    """plot read the report's dataset (or --dataset) for the predictions without a marker: the dataset could be
+    replaced under it. It keeps one while it reads, as fit and evaluate do, and is refused while a run writes it."""
+    from scaleattn import plot
+
+    dataset(tmp_path / "d.zarr")
+    _fit(tmp_path, capsys)
+    seen = []
+    real = plot.sample_predictions
+
+    def sample_predictions(*a, **k):
+        seen.append(_markers(tmp_path))
+        return real(*a, **k)
+
+    monkeypatch.setattr(plot, "sample_predictions", sample_predictions)
+    for argv in (["plot", "run", "--out", "figs"], ["plot", "run", "--out", "figs2", "--dataset", "d.zarr"]):
+        seen.clear()
+        rc, err = run_main(argv, capsys, cwd=tmp_path)
+        assert rc == 0, err
+        assert seen and all(any(m.startswith(".d.zarr.read-") for m in ms) for ms in seen), seen
+        assert not [m for m in _markers(tmp_path) if m.startswith(".d.zarr")]
+    start(tmp_path / "d.zarr", "held")
+    rc, err = run_main(["plot", "run", "--out", "figs3"], capsys, cwd=tmp_path)
+    assert rc == 2
+    expect(error_line(err), r"d\.zarr")
+    assert not (tmp_path / "figs3").exists()

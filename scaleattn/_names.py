@@ -1,0 +1,86 @@
+"""Names of paths (layer L0): what an output's name may be, checked before anything is written
+(:func:`check_output_name`), and paths shown in one line whatever characters they hold (:func:`one_line`).
+
+- Control characters (a newline, a tab, an escape) are refused in an output path: every later line naming it
+  (an error, a log, a shell's listing) would break in two or change the terminal.
+- An output's name must leave room for the longest name scaleattn keeps next to it (:data:`COMPANIONS`): a
+  legal 250-character name failed half-way with "File name too long" naming an internal temporary.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import unicodedata
+
+from ._storage import Location
+from .errors import UnsafeOutputError
+
+__all__ = ["check_output_name", "one_line", "control_character", "name_max", "COMPANIONS", "ADDED", "NAME_MAX"]
+
+#: the names scaleattn keeps next to an output NAME: its lock (:func:`scaleattn._locks.lock_location`), a
+#: temporary holding the previous output moved aside (:func:`scaleattn._outputs.atomic_output`) and a reader's
+#: marker being made (:func:`scaleattn._locks.reading`); the tokens are as long as the real ones
+COMPANIONS = (".{}.lock", ".{}.partial-0123abcd.old", ".{}.read-0123456789ab.partial-lock")
+#: characters the longest of :data:`COMPANIONS` adds to NAME
+ADDED = max(len(c.format("")) for c in COMPANIONS)
+#: the longest name (in bytes) where the file system does not say (``os.pathconf`` absent, a URL): POSIX's usual
+NAME_MAX = 255
+
+
+def control_character(text: str) -> str | None:
+    """The first control character of ``text`` (a C0/C1 control or a line or paragraph separator), or None."""
+    return next((c for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped as Python writes them (``\\n``, ``\\x1b``): a message naming
+    a path with a newline stays one line.
+
+    Examples
+    --------
+    >>> one_line("/data/x\\ny.zarr: no such store")
+    '/data/x\\\\ny.zarr: no such store'
+    """
+    if control_character(text) is None:
+        return text
+    return "".join(repr(c)[1:-1] if control_character(c) else c for c in text)
+
+
+def name_max(loc: Location) -> int:
+    """The longest name, in bytes, that the file system of ``loc`` takes (``os.pathconf(DIR, 'PC_NAME_MAX')`` of
+    its nearest existing folder), :data:`NAME_MAX` where it does not say (no ``pathconf``, a URL)."""
+    if loc.is_remote:
+        return NAME_MAX
+    folder = os.path.dirname(loc.url)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        n = os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # (no pathconf on this platform, or no such limit named)
+        return NAME_MAX
+    return n if n > 0 else NAME_MAX
+
+
+def check_output_name(loc: Location, role: str = "output") -> None:
+    """Refuse, before anything is written, an output path holding a control character, or whose name leaves no
+    room for the names scaleattn keeps next to it (:data:`COMPANIONS`: up to :data:`ADDED` more characters) on
+    its file system (:func:`name_max`). Called by :func:`scaleattn._outputs.check_output_location`, which every
+    output passes.
+
+    Raises
+    ------
+    UnsafeOutputError
+        E.g. ``--out /x/aaa...: the name is 250 bytes long, 27 too many: ...``.
+    """
+    c = control_character(loc.url)
+    if c is not None:
+        raise UnsafeOutputError(f"{role} {one_line(loc.url)}: the path holds the control character {repr(c)[1:-1]}"
+                                " (every line naming it would break or garble the terminal); choose a path of"
+                                " printable characters")
+    name = (posixpath if loc.is_remote else os.path).basename(loc.url.rstrip("/"))
+    size, limit = len(os.fsencode(name)), name_max(loc)
+    if size + ADDED > limit:
+        raise UnsafeOutputError(f"{role} {loc.url}: the name is {size} bytes long, {size + ADDED - limit} too many:"
+                                f" scaleattn keeps names up to {ADDED} bytes longer next to it"
+                                f" ({COMPANIONS[-1].format('NAME').replace('0123456789ab', 'TOKEN')}) and the file"
+                                f" system takes at most {limit}; choose a name of at most {limit - ADDED} bytes")
