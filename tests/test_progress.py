@@ -72,8 +72,8 @@ def test_console_reporter_prints_final_state_when_not_a_terminal(capsys):
 
 
 def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
-    """A machine's first run compiles the kernels (about 10 s) before any group is done: a live bar that has seen
-    nothing of this run for PENDING_S says it waits for the first group (it sat at 0 rows with no rate), and goes
+    """The first run after an install compiles kernels (up to ~40 s) before any group is done: a live bar that has
+    seen nothing of this run for PENDING_S says it waits for the first group (it sat at 0 rows with no rate), and goes
     back to the rate once a group is done; a bar whose rows were all resumed never says it."""
     import io
     import time
