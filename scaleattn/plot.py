@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 
 from . import _formats
+from ._figures import integer_ticks, legend_outside, mark_clipped, new_figure, positive_floor
 from ._outputs import check_disjoint, check_output_location, hold, reading, relation
 from ._storage import Location, resolve
 from ._version import __version__
@@ -34,44 +35,13 @@ from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spect
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
-           "sample_predictions", "dataset_rows", "run_figures", "figure_pngs", "save_run_plots"]
+           "sample_predictions", "samples_drawn", "dataset_rows", "run_figures", "figure_pngs", "save_run_plots"]
 #: rows (samples or prefixes) drawn in the predictions-against-targets scatter
 PREDICTION_POINTS = 2000
+#: a loss curve whose values (and mean y^2) span less than this factor is drawn on a linear axis, else log
+LINEAR_SPAN = 10.0
 #: outputs drawn on panels of their own in the predictions figure (pooled on one panel beyond)
 PREDICTION_PANELS = 16
-
-
-def _figure(ncols: int = 1, width: float = 5.0, nrows: int = 1, height: float = 3.8):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    return fig, axes
-
-
-def _positive_floor(values, top, rel: float = 1e-18):
-    """Values for a log axis: entries <= floor = ``rel * top`` (zero or round-off negatives) are drawn at it."""
-    floor = max(abs(float(top)), 1e-300) * rel
-    return np.maximum(np.asarray(values, np.float64), floor), floor
-
-
-def _legend_outside(fig, ax, side: str = "center", ncols: int = 1):
-    """The legend of ``ax`` below the axes, outside them (constrained layout makes room): it never covers a
-    point or a line of the plot (a legend inside the axes did, e.g. the cutoff running through its text)."""
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc=f"outside lower {side}", fontsize="small", ncols=ncols, markerscale=1.5)
-
-
-def _mark_clipped(ax, x, values, floor, color, what: str):
-    """Values at or below the log axis' ``floor`` drawn at it as open down-triangles (``gid="clipped"``), with a
-    legend entry saying how many and where they were clipped; returns the mask of the clipped values."""
-    low = np.asarray(values, np.float64) <= floor
-    if low.any():
-        k = int(low.sum())
-        ax.semilogy(np.asarray(x)[low], np.full(k, floor), "v", color=color, mfc="none", ms=5, gid="clipped",
-                    label=f"{k} of the {what} below {floor:.0e} (or ≤ 0): clipped, drawn at the floor")
-    return low
 
 
 # ---- the certificate's spectrum ---------------------------------------------------------------------------
@@ -99,9 +69,11 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
         The report's ``certificate_method``: with ``"qr"`` the spectra are squared singular values of R (the
         scaled R on the right), and the cutoff is labelled as the CLI states it, ``sqrt(rtol) x sigma_max of R``.
 
-    Values at or below the floor are drawn at it as open down-triangles (``gid="clipped"``) and said to be
-    clipped in the legend, as is ``lambda_min`` when it lies below the floor (its line then sits at the floor,
-    with a downward arrow, ``gid="lambda_min_clipped"``). The legends lie below the axes.
+    Values at or below the floor are drawn at it, one segment per run of them with its count
+    (``gid="clipped"``, ``"clipped_count"``), and said to be clipped in the legend, as is ``lambda_min`` when it
+    lies below the floor (its line then sits at the floor up to the clipped run, with a downward arrow at its
+    index, ``gid="lambda_min_clipped"``); on the right, values below the cutoff (``gid="dropped"``, x) are those
+    above the floor. The legends lie below the axes.
 
     Returns a Figure with one axis (two with ``eigenvalues_scaled``), log y, eigenvalues in descending order.
     """
@@ -109,44 +81,51 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     if ev.size == 0:
         raise ParameterError("eigenvalues: empty spectrum")
     qr = method == "qr"
-    fig, axes = _figure(1 if eigenvalues_scaled is None else 2)
+    fig, axes = new_figure(1 if eigenvalues_scaled is None else 2)
     lam_max = float(ev[0])
     lam_min = float(max(ev[-1], 0.0)) if lambda_min is None else float(lambda_min)
     rel = 1e-18 if rtol is None else min(1e-18, 1e-2 * float(rtol))  # below the cutoff, whatever the method
-    shown, floor = _positive_floor(ev, lam_max, rel)
+    shown, floor = positive_floor(ev, lam_max, rel)
     not_identifiable = lam_min <= floor if identifiable is None else not identifiable
     ax = axes[0]
     idx = np.arange(1, ev.size + 1)
     low = ev <= floor
     ax.semilogy(idx[~low], shown[~low], ".-", color="C0", ms=3, lw=0.8,
                 label=r"eigenvalues of $\Lambda_D$" + (r" ($\sigma^2$ of R / N)" if qr else ""))
-    _mark_clipped(ax, idx, ev, floor, "C0", "eigenvalues")
+    mark_clipped(ax, idx, ev, floor, "C0", "eigenvalues")
     ax.axhline(lam_max, color="C2", ls=":", lw=1, gid="lambda_max", label=rf"$\lambda_{{\max}}$ = {lam_max:.3g}")
     verdict = " not identifiable" if not_identifiable else ""
     if lam_min < floor:  # the line sits at the floor: say so, and point down
         label = rf"$\lambda_{{\min}}$ = {lam_min:.3g} (below {floor:.0e}: clipped, drawn at the floor;{verdict})"
-        ax.annotate("", xy=(0.97, floor), xycoords=("axes fraction", "data"), xytext=(0.97, floor * 1e3),
-                    textcoords=("axes fraction", "data"), gid="lambda_min_clipped",
+        # at the clipped run's last index (lambda_min's own), else the right edge
+        at, coords = ((float(idx[-1]), "data") if low.any() else (0.97, "axes fraction"))
+        ax.annotate("", xy=(at, floor), xycoords=(coords, "data"), xytext=(at, floor * 1e3),
+                    textcoords=(coords, "data"), gid="lambda_min_clipped",
                     arrowprops={"arrowstyle": "->", "color": "C3", "lw": 1.2})
     else:
         label = rf"$\lambda_{{\min}}$ = {lam_min:.3g}" + (f" ({verdict.strip()})" if verdict else "")
-    ax.axhline(max(lam_min, floor), color="C3", ls="--", lw=1.2, gid="lambda_min", label=label)
+    if lam_min < floor and low.any():  # ends where the clipped run begins: a line through its marks hid both
+        ax.plot([1.0, idx[low][0] - 0.5], [floor, floor], color="C3", ls="--", lw=1.2, gid="lambda_min", label=label)
+    else:
+        ax.axhline(max(lam_min, floor), color="C3", ls="--", lw=1.2, gid="lambda_min", label=label)
     ax.set_xlabel("eigenvalue index (descending)")
     ax.set_ylabel(r"eigenvalue of $\Lambda_D = G/N$")
     ax.set_title(title or r"Certificate: spectrum of $\Lambda_D$")
     if eigenvalues_scaled is not None:
         ws = np.sort(np.asarray(eigenvalues_scaled, np.float64))[::-1]
         top = max(float(ws[0]), 0.0)
-        shown_s, floor_s = _positive_floor(ws, top, rel)
+        shown_s, floor_s = positive_floor(ws, top, rel)
         ax2 = axes[1]
         cut = None if rtol is None else float(rtol) * top
         kept = np.ones(ws.size, bool) if cut is None else ws > cut
         j = np.arange(1, ws.size + 1)
         ax2.semilogy(j[kept], shown_s[kept], ".", color="C0", ms=4, label=f"kept ({int(kept.sum())})")
-        if (~kept).any():
-            ax2.semilogy(j[~kept], shown_s[~kept], "x", color="C3", ms=5, gid="dropped",
-                         label=f"below cutoff ({int((~kept).sum())}: ambiguous)")
-        _mark_clipped(ax2, j, ws, floor_s, "C3", "values")
+        low_s = ws <= floor_s
+        if (~kept).any():  # the clipped ones only once, by _mark_clipped (an x on each of its marks hid both)
+            ax2.semilogy(j[~kept & ~low_s], shown_s[~kept & ~low_s], "x", color="C3", ms=5, gid="dropped",
+                         label=f"below cutoff ({int((~kept).sum())}: ambiguous"
+                         + (f"; {int(low_s.sum())} of them clipped, at the floor)" if low_s.any() else ")"))
+        mark_clipped(ax2, j, ws, floor_s, "C3", "values")
         if cut is not None:
             label = (f"cutoff ({math.sqrt(float(rtol)):.1e} x $\\sigma_{{\\max}}$ of R)$^2$ = {float(rtol):.1e} x max"
                      if qr else f"cutoff {float(rtol):.1e} x max")
@@ -158,10 +137,10 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
         else:
             ax2.set_ylabel(r"eigenvalue of $D^{-1/2} G D^{-1/2}$")
             ax2.set_title("Jacobi-scaled Gram: rank decision")
-        _legend_outside(fig, ax, "left")
-        _legend_outside(fig, ax2, "right")
+        legend_outside(fig, ax, "left")
+        legend_outside(fig, ax2, "right")
     else:
-        _legend_outside(fig, ax)
+        legend_outside(fig, ax)
     return fig
 
 
@@ -188,13 +167,11 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
     s = np.sort(np.asarray(singular_values, np.float64))[::-1]
     if s.size == 0:
         raise ParameterError("singular_values: empty")
-    from matplotlib.ticker import MaxNLocator
-
-    fig, (ax,) = _figure(1)
-    shown, floor = _positive_floor(s, s[0])
+    fig, (ax,) = new_figure(1)
+    shown, floor = positive_floor(s, s[0])
     r = np.arange(1, s.size + 1)
     ax.semilogy(r, shown, "o-", color="C1", ms=4, lw=0.8, label=r"$\sigma_r(W)$")
-    _mark_clipped(ax, r, s, floor, "C1", "singular values")
+    mark_clipped(ax, r, s, floor, "C1", "singular values")
     if n_heads is not None:
         rank = int((s > SVD_RANK_RTOL * s[0]).sum()) if s[0] > 0 else 0
         label = f"heads kept: {n_heads}" + (f" ({method})" if method else "")
@@ -213,10 +190,10 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
         ax.axvline(minimal["count"] + 0.5, color="C2", ls="-.", lw=1.4, gid="minimal_heads",
                    label=f"fewer heads suffice: {minimal['count']} ({who})")
     ax.set_xlabel("index r")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    integer_ticks(ax.xaxis)
     ax.set_ylabel("singular value of W")
     ax.set_title(title or "Head spectrum (SVD of W)")
-    _legend_outside(fig, ax)
+    legend_outside(fig, ax)
     return fig
 
 
@@ -225,7 +202,9 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
     (a list of ``{"heads": H, "train_mse_stats": mse}``, or ``"train_objective_stats"`` after a ridge fit:
     :func:`scaleattn._formats.loss_curve`); None when it has fewer than two points (the ``svd`` heads give one
     point: no curve).
-    With ``target_mean_square`` the zero-model MSE (mean y^2) is drawn for reference."""
+    With ``target_mean_square`` the zero-model MSE (mean y^2) is drawn for reference. The y axis is log unless
+    everything drawn spans less than :data:`LINEAR_SPAN` (then linear, plain numbers); the x ticks are integers,
+    at most about 10 of them."""
     if not loss_vs_heads or len(loss_vs_heads) < 2:
         return None
     what, rows = _formats.loss_curve(loss_vs_heads)
@@ -233,17 +212,26 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
     H = np.array([h for h, _ in rows])
     mse = np.array([m for _, m in rows])
     top = max(float(np.max(np.abs(mse))), float(target_mean_square or 0.0), 1e-300)
-    shown, floor = _positive_floor(mse, top)
-    fig, (ax,) = _figure(1)
-    ax.semilogy(H, shown, "o-", color="C0", label=f"{what} (from statistics)")
-    _mark_clipped(ax, H, mse, floor, "C0", "MSE values" if what == "train MSE" else "values")
+    shown, floor = positive_floor(mse, top)
+    fig, (ax,) = new_figure(1)
+    drawn = np.append(mse, target_mean_square) if target_mean_square else mse
+    if float(drawn.min()) > floor and float(drawn.max()) < LINEAR_SPAN * float(drawn.min()):
+        # less than a decade: a log axis labelled its minor ticks 8.08x10^0, 8.1x10^0, ...; plain numbers, no
+        # offset (a "+8.08" above the axis hid the values)
+        from matplotlib.ticker import ScalarFormatter
+
+        ax.plot(H, mse, "o-", color="C0", label=f"{what} (from statistics)")
+        ax.yaxis.set_major_formatter(ScalarFormatter(useOffset=False, useMathText=True))
+    else:
+        ax.semilogy(H, shown, "o-", color="C0", label=f"{what} (from statistics)")
+        mark_clipped(ax, H, mse, floor, "C0", "MSE values" if what == "train MSE" else "values")
     if target_mean_square:
         ax.axhline(target_mean_square, color="0.5", ls=":", gid="mean_square", label="mean $y^2$ (zero model)")
     ax.set_xlabel("number of heads H")
     ax.set_ylabel(what)
-    ax.set_xticks(H)
+    integer_ticks(ax.xaxis)
     ax.set_title(title or "Loss against number of heads")
-    _legend_outside(fig, ax)
+    legend_outside(fig, ax)
     return fig
 
 
@@ -253,14 +241,19 @@ def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, stor
     ``max_points`` rows; causal data give one row per valid prefix)."""
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
     model.check_dataset(ds)  # (a dataset of another d or d_out: one line naming both)
-    per = ds.length if ds.causal else 1
-    n = int(min(ds.n_samples, max(1, max_points // per)))
-    tok, lens, y = ds.read(0, n)
+    tok, lens, y = ds.read(0, samples_drawn(ds, max_points))
     yhat = np.asarray(model.predict(tok, lens, causal=ds.causal))
     if ds.causal:
         valid = np.ones(tok.shape[:2], bool) if lens is None else np.arange(ds.length)[None, :] < lens[:, None]
         return y[valid], yhat[valid]
     return y, yhat
+
+
+def samples_drawn(ds: Dataset, max_points: int = PREDICTION_POINTS) -> int:
+    """How many of the first samples :func:`sample_predictions` draws: about ``max_points`` rows (a causal
+    sample gives up to T rows), at least one."""
+    per = ds.length if ds.causal else 1
+    return int(min(ds.n_samples, max(1, max_points // per)))
 
 
 def dataset_rows(ds: Dataset) -> int:
@@ -272,15 +265,18 @@ def dataset_rows(ds: Dataset) -> int:
 
 
 def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | None = None,
-                       training: bool | None = None, total_rows: int | None = None):
+                       training: bool | None = None, total_rows: int | None = None,
+                       samples: tuple[int, int] | None = None):
     """Predictions against targets with the identity line (``gid="identity"``): one panel per output up to
     :data:`PREDICTION_PANELS` outputs (each titled with its MSE; outputs pooled on one panel beyond, one colour
     per output, translucent), so that no output hides another.
 
     The title names the rows drawn: ``"first n of N rows"`` (``total_rows`` = N, the dataset's rows; ``"all N
-    rows"`` when they are all drawn) and their MSE, which is that of these rows, not the report's ``train_mse``
-    unless they are all the rows; and the dataset they come from, ``dataset`` (its name), with ``training``:
-    True "the training data", False "not the training data" (a held-out plot is never taken for the fit's)."""
+    rows"`` when they are all drawn), or with ``samples = (s, S)`` (the first s of the dataset's S samples
+    drawn) ``"first s of S samples"``, followed by ``"(n of N rows)"`` where rows are not samples (causal data:
+    a row per prefix); and their MSE, which is that of these rows, not the report's ``train_mse`` unless they
+    are all the rows; and the dataset they come from, ``dataset`` (its name), with ``training``: True "the
+    training data", False "not the training data" (a held-out plot is never taken for the fit's)."""
     y, y_hat = np.asarray(y, np.float64), np.asarray(y_hat, np.float64)
     if y.shape != y_hat.shape or y.size == 0:
         raise ParameterError(f"y and y_hat: expected equal non-empty shapes, got {y.shape} and {y_hat.shape}")
@@ -290,7 +286,7 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
     ncols = 1 if pooled else min(d_out, 4)
     nrows = 1 if pooled else -(-d_out // 4)
     width, height = (4.6, 3.8) if ncols == 1 else (2.7, 2.6)
-    fig, axes = _figure(ncols, width, nrows, height)
+    fig, axes = new_figure(ncols, width, nrows, height)
     for a in range(d_out):
         ax = axes[0 if pooled else a]
         if pooled:
@@ -316,10 +312,7 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     mse = float(np.mean((y2 - p2) ** 2))
-    if total_rows is None or total_rows <= n:
-        rows = f"all {n:,} rows" if total_rows is not None else f"{n:,} rows"
-    else:
-        rows = f"first {n:,} of {total_rows:,} rows"
+    rows = _rows_drawn(n, total_rows, samples)
     where = ("the training data" if training else "not the training data") if training is not None else ""
     if dataset:
         where = f"{dataset} ({where})" if where else dataset
@@ -333,6 +326,23 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
     text = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
     fig.suptitle(text, fontsize="medium" if ncols > 1 else "large")
     return fig
+
+
+def _rows_drawn(n: int, total_rows: int | None, samples: tuple[int, int] | None) -> str:
+    """``first 166 of 300 samples (1,992 of 3,600 rows)``, ``all 300 samples``, ``first 50 of 5,000 rows``: the
+    part of the dataset drawn, in samples when known (``first 1,992 of 3,600 rows`` of causal data, a row per
+    prefix, read as if most samples were left out), with the rows where they are not the samples."""
+    if samples is None:
+        if total_rows is None:
+            return f"{n:,} rows"
+        return f"all {n:,} rows" if total_rows <= n else f"first {n:,} of {total_rows:,} rows"
+    s, total = samples
+    part = f"all {total:,} samples" if s >= total else f"first {s:,} of {total:,} samples"
+    if n == s and (total_rows is None or total_rows == total):  # a row per sample
+        return part
+    if s >= total:
+        return f"{part} ({n:,} rows)"
+    return f"{part} ({n:,} of {total_rows:,} rows)" if total_rows is not None else f"{part} ({n:,} rows)"
 
 
 # ---- runs -------------------------------------------------------------------------------------------------
@@ -381,6 +391,7 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
                                    " --dataset (API: dataset=) to draw the predictions on it as it is now")
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
                                                      dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
+                                                     samples=(samples_drawn(ds), int(ds.n_samples)),
                                                      training=_is_training(ds, r, storage_options))
         except (ScaleattnError, OSError) as e:  # the report's dataset gone or moved: the other plots still go
             if given:  # (one the caller named is an error of its own: never skipped)

@@ -90,8 +90,8 @@ class Reporter:
         yield
 
 
-#: seconds without a finished unit after which a live bar says what it waits for (a machine's first run compiles
-#: the kernels, about 10 s, before any row group is done: the bar sat at 0 rows and no rate meanwhile)
+#: seconds without a finished unit after which a live bar says what it waits for (the first run after an install
+#: compiles the kernels, up to ~40 s on 2 busy cores, before any row group is done: the bar sat at 0 rows, no rate)
 PENDING_S = 3.0
 
 
@@ -116,7 +116,7 @@ class _BarState:
 
     def _rate(self) -> tuple[float | None, bool]:
         """(units/s, whether it includes the start-up). Measured from the first units done on (the wait for them
-        is a machine's first compile, ~10 s: counted, it showed 255 rows/s at first and 3,789 at the end of a run
+        can be a first compile, up to ~40 s: counted, it showed 255 rows/s at first and 3,789 at the end of a run
         whose steady rate was higher still); until more are done, over the time since the bar began."""
         now = time.perf_counter()
         with self.lock:
@@ -130,8 +130,15 @@ class _BarState:
         return self._rate()[0]
 
     def rate_text(self) -> str:
+        """``52,267 rows/s after the first group`` (said: next to the elapsed time, which has the wait for that
+        group, an unlabelled rate read as rows / elapsed, 40x off after a compile), or ``incl. start-up``."""
         r, startup = self._rate()
-        return "" if r is None else f"{r:,.0f} {self.unit}/s" + (" incl. start-up" if startup else "")
+        if r is None:
+            return ""
+        return f"{r:,.0f} {self.unit}/s " + ("incl. start-up" if startup else f"after the first {self._one()}")
+
+    def _one(self) -> str:
+        return self.step_unit[:-1] if self.step_unit.endswith("s") else self.step_unit
 
     def pending(self, waited: bool = False) -> bool:
         """Whether nothing of this run is done after :data:`PENDING_S` (``waited``: known to have passed) while
@@ -140,9 +147,10 @@ class _BarState:
                 and (waited or time.perf_counter() - self.t0 >= PENDING_S))
 
     def waiting_text(self, why: bool = True) -> str:
-        """``waiting for the first group`` (with ``why``: and the reason, for the one line a wait prints)."""
-        one = self.step_unit[:-1] if self.step_unit.endswith("s") else self.step_unit
-        return f"waiting for the first {one}" + (" (a machine's first run compiles the kernels, ~10 s)" if why else "")
+        """``waiting for the first group`` (with ``why``: and the reason, for the one line a wait prints: a
+        conditional one, since nothing compiles on later runs; detecting numba's cache is not reliable enough)."""
+        return f"waiting for the first {self._one()}" + (
+            " (the first run after an install compiles kernels, <= 40 s)" if why else "")
 
     def live_rate_text(self) -> str:
         """:meth:`rate_text`, or while :meth:`pending`, what is awaited (short: the reason is a line of its own)."""
@@ -156,7 +164,8 @@ class _BarState:
         return 0.0 if self.done >= self.total else (None if r is None else (self.total - self.done) / r)
 
     def text(self, final: bool = False) -> str:
-        """One plain line: ``statistics 2,150/5,120 rows  12,300 rows/s  3/8 groups  0:00:01 elapsed ...``."""
+        """One plain line: ``statistics 2,150/5,120 rows  12,300 rows/s after the first group  3/8 groups  0:00:01
+        elapsed ...``."""
         elapsed = time.perf_counter() - self.t0
         parts = [self.name, f"{round(min(self.done, self.total)):,}/{self.total:,} {self.unit}", self.rate_text(),
                  self.steps_text(), f"{clock(elapsed)} elapsed"]

@@ -12,7 +12,7 @@ import math
 from ._formats import loss_curve
 
 __all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
-           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice"]
+           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
 
 
 _METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
@@ -124,7 +124,8 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
                      " (--heads minimal finds the fewest)")
     if len(r.get("loss_vs_heads", [])) > 1:
         what, points = loss_curve(r["loss_vs_heads"])
-        lines.append(f"loss vs heads ({what}): " + "  ".join(f"{h}:{v:.3g}" for h, v in points))
+        # (from the statistics formula, with its own round-off floor: not the measured train MSE line above)
+        lines.append(f"loss vs heads ({what}, from the statistics): " + "  ".join(f"{h}:{v:.3g}" for h, v in points))
     if r.get("ridge"):
         lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")
     if "witness" in r:
@@ -164,7 +165,8 @@ def heads_line(r: dict) -> str:
             line += f"  bound {k} ({kind}; --heads minimal for the fewest)"
         elif not r["heads_exact"]:
             line += (f"  lossy: no exact {r['n_heads']}-head model found (exact needs >= {k}: {kind});"
-                     f" ||c_H - c||/||c|| = {r['heads_residual']:.3g}, train MSE +{r['heads_loss_gap']:.3g}")
+                     f" ||c_H - c||/||c|| = {r['heads_residual']:.3g},"
+                     f" {'ridge objective' if r.get('ridge') else 'train MSE'} +{r['heads_loss_gap']:.3g}")
         elif r["heads_meets_bound"]:
             line += f"  minimal: yes, meets the bound {k} ({kind})"
         else:
@@ -172,8 +174,23 @@ def heads_line(r: dict) -> str:
         if r["heads_budget_exhausted"]:
             line += f"  [search budget ran out after {r['heads_search_seconds']:.1f} s]"
     if "teacher_heads" in r:
-        line += f"  teacher heads {r['teacher_heads']}, ||c - c_teacher|| = {r['teacher_coef_distance']:.3g}"
+        line += f"  teacher heads {r['teacher_heads']}, {teacher_distance_label(r)} = {r['teacher_coef_distance']:.3g}"
     return line
+
+
+def teacher_distance_label(r: dict) -> str:
+    """What ``teacher_coef_distance`` measures: the saved model's coefficients, which are the fit's (``||c -
+    c_teacher||``) unless lossy heads replaced them (``||c_H - c_teacher||``, the H-head model's: the same label
+    read as the fit's distance in one run and the heads' in another).
+
+    Examples
+    --------
+    >>> teacher_distance_label({"heads_exact": False, "n_heads": 3}), teacher_distance_label({})
+    ('||c_H - c_teacher|| (the 3-head model)', '||c - c_teacher||')
+    """
+    if r.get("heads_exact", True) is False:
+        return f"||c_H - c_teacher|| (the {r['n_heads']}-head model)"
+    return "||c - c_teacher||"
 
 
 def certificate_summary(s: dict) -> str:

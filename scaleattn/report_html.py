@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ._formats import loss_curve
-from .report import _METHOD, fewer_heads_suffice, minimal_heads, verdict
+from .report import _METHOD, fewer_heads_suffice, minimal_heads, teacher_distance_label, verdict
 
 __all__ = ["spectrum_svg", "certificate_html", "fit_html", "statistics_html", "model_html", "safe_html"]
 
@@ -182,7 +182,8 @@ def _heads_card(r: dict) -> str:
     lvh = r.get("loss_vs_heads") or []
     if len(lvh) > 1:
         what, points = loss_curve(lvh)
-        rows.append((f"loss vs heads ({what})", " &middot; ".join(f"{h}: {_f(v, '.3g')}" for h, v in points)))
+        rows.append((f"loss vs heads ({what}, from the statistics)",
+                     " &middot; ".join(f"{h}: {_f(v, '.3g')}" for h, v in points)))
     if r.get("heads_budget_exhausted"):
         note += (f'<div style="margin-top:0.25em">the head search stopped at its budget after'
                  f' {_f(r.get("heads_search_seconds"), ".1f")} s</div>')
@@ -220,7 +221,7 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
     fit_rows = [("train MSE", _f(r.get("train_mse"))), ("relative", _f(r.get("relative_train_mse"), ".3g")),
                 ("mean y^2", _f(r.get("target_mean_square")))]
     if "teacher_coef_distance" in r:
-        fit_rows.append(("||c - c_teacher||", _f(r["teacher_coef_distance"], ".3g")))
+        fit_rows.append((teacher_distance_label(r), _f(r["teacher_coef_distance"], ".3g")))
     if r.get("ridge"):
         fit_rows.append(("ridge", f"{_f(r['ridge'], '.3g')} (effective dof {_f(r.get('effective_dof'))})"))
     cards = [certificate_html(r, spectrum_scaled), _card("scaleattn-fit-errors", _GREY, "Fit", _table(fit_rows)),

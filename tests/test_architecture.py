@@ -33,7 +33,7 @@ CONTRACT = [
     "distributed.memory", "distributed.build", "distributed.operator", "distributed.evaluate", "distributed.tsqr",
     "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
-    "run", "plot", "preflight", "pipeline", "estimator", "importers", "generate",
+    "run", "_figures", "plot", "preflight", "pipeline", "estimator", "importers", "generate",
     # L5: command line, Kubernetes, benchmarks, baselines; compat shims of old import paths
     "submit.manifest", "submit.follow", "submit.command", "submit",
     "baselines.models", "baselines.training", "baselines.paper", "baselines",

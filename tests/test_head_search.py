@@ -337,9 +337,39 @@ def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_pat
     assert what == "train MSE + ridge penalty" and len(points) == 2
     assert points[-1][1] == pytest.approx(r["train_objective_stats"], rel=1e-8)
     assert min(v for _, v in points) >= r["train_objective_stats"] * (1 - 1e-9) > r["lstsq_train_mse_stats"]
-    assert "loss vs heads (train MSE + ridge penalty): " in scaleattn.report.fit_summary(r)
+    assert "loss vs heads (train MSE + ridge penalty, from the statistics): " in scaleattn.report.fit_summary(r)
     plain = scaleattn.fit(causal_ds, heads=2, plots=False).report
     assert "train_objective_stats" not in plain and loss_curve(plain["loss_vs_heads"])[0] == "train MSE"
+
+
+def test_summary_labels_say_which_loss_and_which_coefficients(causal_groups_ds):
+    """A user's report: `||c - c_teacher||` was the fit's distance in one run and the H-head model's in another,
+    `train MSE +x` after a ridge fit was the gap in the ridge objective, and `loss vs heads (train MSE)` under the
+    measured train MSE line came from the statistics: each label now names what it is, checked against the
+    numbers computed here."""
+    import scaleattn
+    from scaleattn.heads import coef_distance
+    from scaleattn.report import fit_summary
+
+    V, Q = causal_groups_ds.teacher()  # a 2-head teacher: 1 head cannot reproduce the fit
+    teacher = coef_from_heads(V, Q)
+    lossy = scaleattn.fit(causal_groups_ds, heads=1, plots=False, exact_mse=False)
+    r = lossy.report
+    assert not r["heads_exact"]
+    heads_d, fit_d = coef_distance(lossy.model.coef, teacher), coef_distance(lossy.solution.coef, teacher)
+    assert r["teacher_coef_distance"] == pytest.approx(heads_d, rel=1e-9) and heads_d > 1e3 * fit_d
+    text = fit_summary(r)
+    assert f"||c_H - c_teacher|| (the 1-head model) = {heads_d:.3g}" in text
+    assert f"train MSE +{r['heads_loss_gap']:.3g}" in text
+    exact = scaleattn.fit(causal_groups_ds, heads="minimal", plots=False, exact_mse=False).report
+    assert f"||c - c_teacher|| = {exact['teacher_coef_distance']:.3g}" in fit_summary(exact)
+    assert "loss vs heads (train MSE, from the statistics): 1:" in fit_summary(exact)
+    assert exact["teacher_coef_distance"] < 1e-8  # the fit's own coefficients (the heads reproduce them)
+    ridge = scaleattn.fit(causal_groups_ds, heads=1, ridge=1e-3, plots=False, exact_mse=False).report
+    gap = ridge["heads_loss_gap"]  # what the summary prints: the objective's gap, not the MSE's
+    assert gap == pytest.approx(ridge["loss_vs_heads"][-1]["train_objective_stats"] - ridge["train_objective_stats"],
+                                rel=1e-6)
+    assert f"ridge objective +{gap:.3g}" in fit_summary(ridge) and "train MSE +" not in fit_summary(ridge)
 
 
 def _line(r):

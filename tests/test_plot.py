@@ -74,8 +74,11 @@ def test_spectrum_not_identifiable_marks_dropped():
     ax, ax2 = fig.axes
     (lmin,) = _by_gid(ax, "lambda_min")
     assert "not identifiable" in lmin.get_label()
-    (dropped,) = _by_gid(ax2, "dropped")
-    assert len(dropped.get_xdata()) == cert.ambiguous_dim == 12
+    (dropped,) = _by_gid(ax2, "dropped")  # x: those above the plot's floor; the others are the clipped run
+    (clipped,) = _by_gid(ax2, "clipped")
+    n_clipped = int(re.match(r"(\d+) of the values", clipped.get_label()).group(1))
+    assert len(dropped.get_xdata()) + n_clipped == cert.ambiguous_dim == 12
+    assert "below cutoff (12: ambiguous" in dropped.get_label()
 
 
 def test_head_spectrum_is_svd_of_W(run):
@@ -327,7 +330,7 @@ def test_predictions_show_every_output_and_say_which_rows(run, tmp_path):
         assert ax.get_title().startswith(f"output {a}: MSE")
     title = fig.get_suptitle()
     assert f"{os.path.basename(ds.url)} (the training data)" in title
-    assert f"all {res.report['n_rows']:,} rows" in title
+    assert f"all {ds.n_samples:,} samples ({res.report['n_rows']:,} rows)" in title  # causal: a row per prefix
     # another copy of the data: not the training data, even with the same values
     shutil.copytree(ds.url, tmp_path / "fresh.zarr")
     held = plot.run_figures(out, dataset=str(tmp_path / "fresh.zarr"))["predictions"].get_suptitle()
@@ -397,3 +400,91 @@ def test_predictions_title_stays_inside_the_figure(d_out):
     box, inside = fig._suptitle.get_window_extent(renderer), fig.bbox
     assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and box.y1 <= inside.y1, (box, inside)
     assert "first 50 of 51,200 rows" in fig._suptitle.get_text().replace("\n", " ")
+
+
+# ---- a user's report: 22 head counts ran their labels together, a narrow loss range read 8.1x10^0, 70 clipped
+# eigenvalues merged into a band under the lambda_min line, "first 1,992 of 3,600 rows" of 300 causal samples -----
+def _visible_labels(fig, axis):
+    fig.canvas = FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    ax = fig.axes[0]
+    lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+    ticks = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels(which="both")
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in ticks
+            if t.get_text() and lo <= t.get_position()[0 if axis == "x" else 1] <= hi], ax
+
+
+def test_loss_vs_heads_ticks_are_thinned_integers():
+    rows = [{"heads": h, "train_mse_stats": 0.1 / h ** 2} for h in range(1, 23)]  # --heads minimal at d = 8
+    labels, _ = _visible_labels(plot.loss_vs_heads_figure(rows, 0.2), "x")
+    assert 3 <= len(labels) <= 12, [t for t, _ in labels]
+    assert all(re.fullmatch(r"\d+", t) for t, _ in labels), [t for t, _ in labels]
+    boxes = sorted((b for _, b in labels), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), "tick labels overlap"
+
+
+def _number(text):
+    return float(re.fullmatch(r"\$\\mathdefault\{([0-9.]+)\}\$", text).group(1))  # a plain number, nothing else
+
+
+def test_loss_vs_heads_narrow_range_reads_as_plain_numbers():
+    rows = [{"heads": h, "train_mse_stats": v} for h, v in enumerate([8.1, 8.09, 8.085, 8.08], 1)]
+    labels, ax = _visible_labels(plot.loss_vs_heads_figure(rows), "y")
+    texts = [t for t, _ in labels]
+    assert ax.get_yscale() == "linear" and len(texts) >= 3 and not any("times" in t for t in texts), texts
+    values = [_number(t) for t in texts]  # each label is the value at its tick, no offset or multiplier
+    assert all(8.07 <= v <= 8.11 for v in values) and not ax.yaxis.get_offset_text().get_text(), texts
+    (ln,) = [x for x in ax.get_lines() if x.get_gid() is None]
+    np.testing.assert_allclose(ln.get_ydata(), [8.1, 8.09, 8.085, 8.08])
+    # a decade or more (here with mean y^2), or a value at the floor: log, as before
+    assert plot.loss_vs_heads_figure(rows, 81.0).axes[0].get_yscale() == "log"
+    zero = [{"heads": 1, "train_mse_stats": 8.1}, {"heads": 2, "train_mse_stats": 0.0}]
+    assert plot.loss_vs_heads_figure(zero).axes[0].get_yscale() == "log"
+
+
+def test_a_run_of_clipped_values_is_one_mark_with_its_count():
+    """70 eigenvalues at the floor: one segment with its count, not 70 markers; on the right no x drawn on the
+    clipped marks; the lambda_min line stops where the clipped run begins."""
+    ev = np.concatenate([np.geomspace(1.0, 1e-6, 30), np.zeros(70)])
+    ws = np.concatenate([np.geomspace(1.0, 1e-3, 25), np.geomspace(1e-14, 1e-16, 5), np.zeros(70)])
+    fig = plot.spectrum_figure(ev, ws, rtol=1e-12, lambda_min=0.0, identifiable=False)
+    ax, ax2 = fig.axes
+    floor = 1e-18
+    for a, first in ((ax, 31), (ax2, 31)):
+        (clipped,) = _by_gid(a, "clipped")
+        np.testing.assert_array_equal(clipped.get_xdata(), [first, 100])  # from the first to the last clipped
+        np.testing.assert_allclose(clipped.get_ydata(), floor)
+        (count,) = [t for t in a.texts if t.get_gid() == "clipped_count"]
+        assert count.get_text() == "70 clipped"
+        assert "70 of the" in clipped.get_label()
+    (dropped,) = _by_gid(ax2, "dropped")  # the 5 below the cutoff but above the floor; the 70 are the segment
+    np.testing.assert_array_equal(dropped.get_xdata(), np.arange(26, 31))
+    assert np.all(dropped.get_ydata() > floor) and "below cutoff (75: ambiguous" in dropped.get_label()
+    (lmin,) = _by_gid(ax, "lambda_min")
+    assert np.max(lmin.get_xdata()) < 31 and lmin.get_ydata()[0] == pytest.approx(floor)
+    # drawn: the count lies below the floor, inside the axes, clear of the cutoff line
+    fig.canvas = FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    (count,) = [t for t in ax2.texts if t.get_gid() == "clipped_count"]
+    box = count.get_window_extent(renderer)
+    floor_px = ax2.transData.transform((50, floor))[1]
+    (cut,) = _by_gid(ax2, "cutoff")
+    assert box.y1 < floor_px < ax2.transData.transform((50, cut.get_ydata()[0]))[1]
+    assert box.y0 >= ax2.get_window_extent(renderer).y0
+
+
+def test_predictions_of_causal_data_count_samples_and_rows():
+    y = np.zeros((1992, 2))
+    fig = plot.predictions_figure(y, y, total_rows=3600, samples=(166, 300))
+    assert "first 166 of 300 samples (1,992 of 3,600 rows)" in fig.get_suptitle().replace("\n", " ")
+    fig = plot.predictions_figure(y[:300], y[:300], total_rows=300, samples=(300, 300))
+    assert "all 300 samples, MSE" in fig.get_suptitle().replace("\n", " ")  # a row per sample: said once
+
+
+def test_predictions_samples_drawn_match_the_rows(causal_ds, run):
+    _, res, _ = run
+    n = plot.samples_drawn(causal_ds, max_points=25)  # 2 samples of 10 prefixes
+    y, _ = plot.sample_predictions(res.model, causal_ds, max_points=25)
+    assert n == 2 and y.shape[0] == n * causal_ds.length

@@ -133,7 +133,7 @@ def test_resumed_groups_are_shown_as_such(causal_groups_ds, tmp_path, cli_proces
     cli_process(*args, rc=75, extra_env={"SCALEATTN_TEST_STOP_AFTER_GROUPS": "3"})  # dies after 3 of 16 groups
     r = cli_process(*args, "--resume")
     assert "statistics: 3 of 16 row groups resumed from the checkpoint" in r.stderr
-    assert re.search(r"statistics  640/640 rows  [\d,]+ rows/s  16/16 groups", r.stderr), r.stderr
+    assert re.search(r"statistics  640/640 rows  [\d,]+ rows/s after the first group  16/16 groups", r.stderr), r.stderr
 
 
 def test_reporters_count_rows_rate_and_groups(monkeypatch):
@@ -142,7 +142,8 @@ def test_reporters_count_rows_rate_and_groups(monkeypatch):
         for _ in range(6):
             advance(100, steps=1)
     text = buf.getvalue()  # not a terminal: the final state once, one plain line
-    assert re.fullmatch(r"statistics  800/800 rows  [\d,]+ rows/s  8/8 groups  \d+:\d\d:\d\d elapsed\n", text), text
+    assert re.fullmatch(r"statistics  800/800 rows  [\d,]+ rows/s after the first group  8/8 groups"
+                        r"  \d+:\d\d:\d\d elapsed\n", text), text
     shown = []
 
     class Handle:
@@ -158,6 +159,7 @@ def test_reporters_count_rows_rate_and_groups(monkeypatch):
         advance(32, steps=1)
     first, last = shown[0]["text/plain"], shown[-1]["text/plain"]
     assert first.startswith("evaluate  0/64 samples") and "0/2 groups" in first and "left" in first
-    assert re.match(r"evaluate  64/64 samples  [\d,]+ samples/s  2/2 groups  \d+:\d\d:\d\d elapsed$", last), last
+    assert re.match(r"evaluate  64/64 samples  [\d,]+ samples/s after the first group  2/2 groups"
+                    r"  \d+:\d\d:\d\d elapsed$", last), last
     assert 'class="scaleattn-progress" data-name="evaluate" data-done="64"' in shown[-1]["text/html"]
     assert type(as_reporter(True)) is ConsoleReporter  # outside a kernel
