@@ -406,7 +406,7 @@ class Witness:
     def conclusive(self) -> bool:
         """Whether the pair proves the ambiguity: the predictions differ by at least :data:`WITNESS_MIN_GAP` of
         the prediction scale with equal training losses, and the certificate settled "not identifiable". A
-        smaller gap is the loss's round-off at work (the data do change the loss along that direction); a
+        smaller gap: the computed loss changes along that direction, if more weakly than the cutoff (not a proof); a
         "not settled" certificate means the direction may be determined by the data below the method's
         precision (nearly collinear tokens: a prediction-scale step then changes the loss by ~1e-18, below what
         the Gram resolves, yet the minimiser is unique). Neither is evidence that the function is undetermined."""

@@ -88,14 +88,29 @@ class _RidgeGram:
 class _Search:
     """State of one head search (:func:`search_heads`): targets, budget, the best models found per head count."""
 
-    def __init__(self, stats, coef, G, tol, iters, starts, seed, deadline):
-        self.stats, self.coef, self.G, self.tol = stats, coef, G, tol
+    def __init__(self, stats, coef, G, tol, iters, starts, seed, deadline, progress=None):
+        self.stats, self.coef, self.G, self.tol, self.progress = stats, coef, G, tol, progress
         self.d, self.d_out = stats.d, coef.shape[1]
         self.iters, self.starts, self.seed, self.deadline = iters, starts, seed, deadline
         self.prob = _CoefProblem(coef, self.d)
         self._loss_tg = None
         self.exhausted = False
         self.attempts = {}  # r -> (residual, V, Q): best coefficient-space attempt
+        self.fewest, self.lossy = None, {}  # for progress: (r, sse) of the fewest exact heads; r -> sse on the curve
+
+    def say(self, r: int, what: str) -> None:
+        """Tell ``progress`` the head count tried now and the best losses so far (MSE over rows and outputs)."""
+        if self.progress is None:
+            return
+        n = max(self.stats.n_rows * self.d_out, 1)
+        name = "objective" if isinstance(self.G, _RidgeGram) else "train MSE"
+
+        def heads(k):
+            return f"{k} head" + ("s" if k > 1 else "")
+        known = [] if self.fewest is None else [f"exact with {heads(self.fewest[0])}, {name} {self.fewest[1] / n:.4g}"]
+        below = [k for k in self.lossy if self.fewest is None or k < self.fewest[0]]
+        known += [f"{heads(max(below))} {name} {self.lossy[max(below)] / n:.4g}"] if below else []
+        self.progress(f"trying {heads(r)} ({what})" + ("; so far: " + ", ".join(known) if known else ""))
 
     @property
     def loss_tg(self) -> _Target:
@@ -116,24 +131,34 @@ class _Search:
     def sse(self, V, Q) -> float:
         return self.stats.sse(coef_from_heads(V, Q), self.G) if V.shape[0] else float(self.stats.yy)
 
-    def exact(self, r: int, n_starts: int, extra=(), iters: int | None = None, stall_rtol: float = 1e-3):
+    def exact(self, r: int, n_starts: int, extra=(), iters: int | None = None, stall_rtol: float = 1e-3,
+              what: str = "exact fit"):
         """An exact r-head model ``(V, Q)`` in the coefficient norm from up to ``n_starts`` starts (the models
         ``extra`` first), or None; the best attempt is kept in ``attempts``."""
         if not self.prob.feasible(r):  # too large for a Newton-type step: alternating projections
             if self.out_of_time():
                 return None
+            self.say(r, what)
             h = rank_r_heads(self.coef, self.d, r, tol=self.tol * 1e-3)
-            return (h.V, h.Q) if h.residual <= self.tol else None
-        for spec in _starts(n_starts, extra):
+            return self._found(r, (h.V, h.Q)) if h.residual <= self.tol else None
+        specs = _starts(n_starts, extra)
+        for i, spec in enumerate(specs):
             if self.out_of_time():
                 return None
+            self.say(r, f"{what}, start {i + 1} of {len(specs)}")
             V, Q, _, _ = self.prob.run(r, spec, self.seed, iters or self.iters, self.tol, self.deadline, stall_rtol)
             res = _relative_residual(V, Q, self.coef)
             if r not in self.attempts or res < self.attempts[r][0]:
                 self.attempts[r] = (res, V, Q)
             if res <= self.tol:
-                return V, Q
+                return self._found(r, (V, Q))
         return None
+
+    def _found(self, r: int, model):
+        """``model``, an exact r-head one, noted for progress when it has the fewest heads so far."""
+        if self.progress is not None and (self.fewest is None or r < self.fewest[0]):
+            self.fewest = (r, self.sse(*model))
+        return model
 
     def loss_run(self, Q0, iters, stall_rtol):
         run = _varpro(self.loss_tg, Q0, iters, 0.0, stall_rtol, self.deadline)
@@ -171,9 +196,11 @@ class _Curve:
         for r in range(self.V.shape[0] + 1, top + 1):
             if s.out_of_time() or not s.loss_tg.feasible(r):
                 break
+            s.say(r, "loss curve")
             self.f, self.V, self.Q = s.grow(self.V, self.Q, s.loss_tg.norm2 if self.f is None else self.f)
             self.models[r] = (self.V, self.Q)
             self.points.append((r, s.sse(self.V, self.Q)))
+            s.lossy[r] = self.points[-1][1]
             if r >= self.every_c and self.f <= max(1e-8, s.tol) * s.loss_tg.norm2:
                 found = s.exact(r, 2, extra=[(self.V, self.Q)])
                 if found is not None:
@@ -182,7 +209,8 @@ class _Curve:
 
 
 def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, iters: int = 200,
-                 budget: float | None = DEFAULT_BUDGET, starts: int = 4, seed: int = 0, ridge: float = 0.0) -> Heads:
+                 budget: float | None = DEFAULT_BUDGET, starts: int = 4, seed: int = 0, ridge: float = 0.0,
+                 progress=None) -> Heads:
     """Heads for the fitted coefficients ``coef`` (psi, d_out), with losses from the statistics (DESIGN §5).
 
     ``heads``:
@@ -230,6 +258,9 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
         The scaled ridge ``coef`` was fitted with (:func:`scaleattn.solve`; 0: least squares). The search's loss
         is then the fit's objective, the training sum of squares plus ``ridge * sum_j G_jj ||c_j||^2``, which
         ``coef`` minimises: ``curve`` and ``loss_gap`` are in it, ``sse`` stays the heads' sum of squares.
+    progress : callable, optional
+        Called with one line of text as the search moves on: the head count tried, the step, the fewest exact
+        heads and the lowest loss with fewer heads so far (``reporter.phase``'s ``note``).
 
     Returns
     -------
@@ -283,7 +314,7 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
             h.sse = stats.sse(coef_from_heads(h.V, h.Q), G) if h.n_heads else float(stats.yy)
             h.curve = [(h.n_heads, h.sse)]
             return _finish(h, stats, coef, G, plain, tol, (every_c, KIND_EVERY_C), every_c, generic, False, t0)
-        s = _Search(stats, coef, G, tol, iters, starts, seed, deadline)
+        s = _Search(stats, coef, G, tol, iters, starts, seed, deadline, progress)
         h = _run_search(s, heads, every_c, generic)
     bound = _reported_bound(h.n_heads, h.exact, every_c, generic)
     return _finish(h, stats, coef, G, plain, tol, bound, every_c, generic, s.exhausted, t0)
@@ -302,7 +333,7 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
         for r in range(max(generic, every_c, 1), cap + 1):
             if r == n_max:
                 sv = svd_heads(coef, d)
-                hi, model = r, (sv.V, sv.Q)
+                hi, model = r, s._found(r, (sv.V, sv.Q))
                 break
             found = s.exact(r, s.starts)
             if found is not None:
@@ -325,7 +356,8 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
         extra = [] if model is None else [_pruned(*model, mid)]  # the exact model less its weakest heads
         extra += [curve.models[mid]] if mid in curve.models else []
         n = PROBE_STARTS * (4 if s.prob.cheap(mid, PROBE_CHEAP) else 1)
-        found = s.exact(mid, n, extra=extra, iters=min(s.iters, PROBE_ITERS), stall_rtol=PROBE_STALL)
+        found = s.exact(mid, n, extra=extra, iters=min(s.iters, PROBE_ITERS), stall_rtol=PROBE_STALL,
+                        what="bisection")
         if found is not None:
             hi, model, top = mid, found, mid
         else:
@@ -342,9 +374,10 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
     if cap in s.attempts:
         cands.append((s.sse(s.attempts[cap][1], s.attempts[cap][2]), s.attempts[cap][1], s.attempts[cap][2]))
     extra = [(c[1], c[2]) for c in cands]  # polish them on the loss, then further starts
-    for spec in _starts(max(s.starts, len(extra) + 1), extra):
+    for i, spec in enumerate(_starts(max(s.starts, len(extra) + 1), extra)):
         if s.out_of_time() or not s.loss_tg.feasible(cap):
             break
+        s.say(cap, f"lowest loss, start {i + 1}")
         _, Vc, Qc = s.loss_run(_start_factor(spec, coef, d, cap, s.seed, False), s.iters, 1e-6)
         cands.append((s.sse(Vc, Qc), Vc, Qc))
     if not cands:  # nothing ran (budget or size): the paper's heads truncated to H

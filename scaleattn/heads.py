@@ -22,7 +22,12 @@ from .errors import ParameterError
 from .features import coef_distance, n_pairs, triu_index
 
 __all__ = ["Heads", "coef_to_W", "coef_from_W", "coef_from_heads", "coef_distance", "svd_heads", "rank_r_heads",
-           "compare_models"]
+           "compare_models", "FEWER_HEADS_RTOL"]
+
+
+#: a loss curve "flattens" at the fewest heads within this relative gap of the returned model's loss: the summary
+#: then suggests ``--heads k`` (:meth:`Heads.fewer_within`); relative, so independent of the number of rows
+FEWER_HEADS_RTOL = 0.02
 
 
 def _shape(coef, d):
@@ -158,6 +163,31 @@ class Heads:
     def meets_bound(self) -> bool:
         """Exact heads whose count equals the lower bound: no fewer heads can do (for the bound's kind)."""
         return bool(self.exact) and self.lower_bound is not None and self.n_heads == self.lower_bound
+
+    def fewer_within(self, floor: float = 0.0, rtol: float = FEWER_HEADS_RTOL) -> dict | None:
+        """The fewest heads on the loss curve within ``rtol`` (relative) of the loss of these heads, when fewer.
+
+        ``{"heads": k, "relative_gap": (loss_k - loss) / loss, "rtol": rtol}`` for the smallest ``k < n_heads``
+        of ``curve`` with that gap at most ``rtol``; None when there is none, or the loss is at most ``floor``
+        (its round-off, in the curve's units: a relative gap of round-off means nothing). ``rtol`` is relative to
+        the loss, so it does not depend on the number of rows (report key ``heads_fewer_within``).
+
+        Examples
+        --------
+        >>> h = Heads(np.zeros((4, 1, 1)), np.zeros((4, 1, 1)), np.zeros(0), 0.0, "minimal",
+        ...           curve=[(1, 5.0), (2, 1.01), (3, 1.001), (4, 1.0)])
+        >>> h.fewer_within()
+        {'heads': 2, 'relative_gap': 0.01, 'rtol': 0.02}
+        """
+        if len(self.curve) < 2:
+            return None
+        k_last, last = self.curve[-1]
+        if not last > max(floor, 0.0):
+            return None
+        for k, loss in self.curve:
+            if k < k_last and loss - last <= rtol * last:
+                return {"heads": int(k), "relative_gap": round(float((loss - last) / last), 12), "rtol": float(rtol)}
+        return None
 
 
 def svd_heads(coef, d: int, rtol: float = 1e-12) -> Heads:

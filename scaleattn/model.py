@@ -262,13 +262,13 @@ def heads_are_exact(heads: Heads) -> bool:
 
 
 def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: float | None = DEFAULT_BUDGET,
-                  ridge: float = 0.0) -> Heads:
+                  ridge: float = 0.0, progress=None) -> Heads:
     """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
     With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
     loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.head_search.search_heads`,
     ``budget`` seconds; with ``ridge``, the scaled ridge ``coef`` was fitted with, its losses are that fit's
-    objective); without, only ``"svd"`` is available.
+    objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available.
     Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
     """
     heads = heads_spec(heads)
@@ -276,12 +276,13 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
         if heads != "svd":
             raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")
         return svd_heads(coef, d)
-    return search_heads(stats, coef, heads, gram=gram, budget=budget, ridge=ridge)
+    return search_heads(stats, coef, heads, gram=gram, budget=budget, ridge=ridge, progress=progress)
 
 
 def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=None, ridge: float = 0.0,
                           solver: str = "auto", gram=None, solution: Solution | None = None,
-                          heads_budget: float | None = DEFAULT_BUDGET) -> tuple[MHLAModel, Solution, Heads]:
+                          heads_budget: float | None = DEFAULT_BUDGET,
+                          progress=None) -> tuple[MHLAModel, Solution, Heads]:
     """Solve, certify and recover heads from statistics alone ([Y25] Algorithm 1): ``(model, solution, heads)``.
 
     The feature Gram is expanded from the compact one once (or taken from ``gram``, which is not modified) and
@@ -289,12 +290,12 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     of the features, :func:`scaleattn.qr.solve_from_r`) instead of solving here. When the heads cannot
     reproduce the fit (``heads=H`` below the minimal head count, :func:`heads_are_exact`) the model's
     coefficients are the heads' own ``c(Theta)``: the model is the H-head model. ``heads_budget``: seconds for
-    the head search (None: no limit).
+    the head search (None: no limit); ``progress(text)``: told the head count the search tries, as it goes.
     """
     stats = stats.to_numpy()
     G = shared_gram(stats, solver) if gram is None else gram  # krylov: no psi x psi array past 4,096 features
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
-    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget, ridge=sol.ridge)
+    h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget, ridge=sol.ridge, progress=progress)
     return model_from_heads(sol, h, stats.d, causal), sol, h
 
 

@@ -339,9 +339,9 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
             sol = solve_from_r(factor, cutoff_rtol, ridge, gram=sol.certificate)
         times["solve"] += time.perf_counter() - t
     t = time.perf_counter()
-    with reporter.phase("heads", str(heads)):
+    with reporter.phase("heads", str(heads)) as note:  # the search says the head count it tries, as it goes
         model, sol, h = model_from_statistics(stats, ds.causal, heads, cutoff_rtol, ridge, solver, gram=G,
-                                              solution=sol, heads_budget=o.heads_budget)
+                                              solution=sol, heads_budget=o.heads_budget, progress=note)
         report = _report(ds, stats, sol, h, model, G)
     times["heads"] = time.perf_counter() - t
     times["solve_and_heads"] = times["solve"] + times["heads"]
@@ -390,7 +390,7 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
         report["train_objective_stats"] = max(sol.objective(gram), 0.0) / n_out
     if h.sse is not None:
         report["heads_train_mse_stats"] = max(h.sse, 0.0) / n_out
-    report.update(_heads_search_report(h, n_out))
+    report.update(_heads_search_report(h, n_out, report["loss_vs_heads_floor"]))
     wit = ambiguity_witness(sol, stats, gram)
     if wit is not None:
         report["witness"] = wit.summary()
@@ -401,15 +401,15 @@ def _report(ds: Dataset, stats: Statistics, sol: Solution, h: Heads, model: MHLA
     return report
 
 
-def _heads_search_report(h: Heads, n_out: int) -> dict:
-    """The head search's report keys (docs/report.md §4): exactness, loss gap, lower bound and its kind."""
+def _heads_search_report(h: Heads, n_out: int, floor: float = 0.0) -> dict:
+    """The head search's report keys (docs/report.md §4); ``floor``: the loss curve's round-off per row and output."""
     if h.lower_bound is None:
         return {}
     return {"heads_exact": bool(h.exact), "heads_loss_gap": (h.loss_gap or 0.0) / max(n_out, 1),
             "heads_lower_bound": int(h.lower_bound), "heads_lower_bound_kind": h.lower_bound_kind,
             "heads_bound_every_c": int(h.bound_every_c), "heads_bound_generic": int(h.bound_generic),
             "heads_meets_bound": bool(h.meets_bound), "heads_budget_exhausted": bool(h.budget_exhausted),
-            "heads_search_seconds": float(h.seconds or 0.0)}
+            "heads_search_seconds": float(h.seconds or 0.0), "heads_fewer_within": h.fewer_within(floor * n_out)}
 
 
 def _plots(result: FitResult, ds: Dataset) -> dict:

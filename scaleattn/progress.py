@@ -49,8 +49,9 @@ class Reporter:
     Methods
     -------
     phase(name, detail="")
-        Context manager around one step (``"solve"``, ``"heads"``, ``"write"``): reporters show a spinner
-        and ``name: done in X s``.
+        Context manager around one step (``"solve"``, ``"heads"``, ``"write"``) yielding ``note(text)``, what the
+        step is doing now: reporters show a spinner with the latest note (in a log or a pipe, a line at most every
+        :data:`NOTE_EVERY_S`), then ``name: done in X s``.
     bar(name, total, unit="rows", done=0, note="", steps=0, step_unit="groups", steps_done=0)
         Context manager yielding ``advance(n=1, steps=0)``: a bar of ``total`` units of which ``done`` are
         already finished (resumed); ``steps`` counts the pieces of work (row groups, tasks) of which
@@ -74,7 +75,7 @@ class Reporter:
 
     @contextlib.contextmanager
     def phase(self, name: str, detail: str = ""):
-        yield
+        yield lambda text: None
 
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
@@ -90,6 +91,8 @@ class Reporter:
         yield
 
 
+#: seconds between two notes of a phase printed as lines (a log or a pipe): a long head search said nothing for 45 s
+NOTE_EVERY_S = 10.0
 #: seconds without a finished unit after which a live bar says what it waits for (the first run after an install
 #: compiles the kernels, up to ~40 s on 2 busy cores, before any row group is done: the bar sat at 0 rows, no rate)
 PENDING_S = 3.0
@@ -199,11 +202,25 @@ class ConsoleReporter(Reporter):
     def phase(self, name: str, detail: str = ""):
         t0 = time.perf_counter()
         label = f"[bold]{name}[/bold]" + (f" ({detail})" if detail else "")
-        if not self.console.is_terminal:
-            yield
+        if not self.console.is_terminal:  # no spinner in a log or a pipe: the latest note every NOTE_EVERY_S (a
+            # timer, as a search may note nothing new for longer), the way a wait of the statistics bar is said
+            latest, stop = [None], threading.Event()
+
+            def say():
+                while not stop.wait(NOTE_EVERY_S):
+                    if latest[0] is not None:
+                        self.console.print(f"{label}: {clock(time.perf_counter() - t0)} elapsed, {latest[0]}",
+                                           highlight=False)
+            ticker = threading.Thread(target=say, daemon=True)
+            ticker.start()
+            try:
+                yield lambda text: latest.__setitem__(0, text)
+            finally:
+                stop.set()
+                ticker.join()
         else:
-            with self.console.status(f"{label} ..."):
-                yield
+            with self.console.status(f"{label} ...") as spinner:
+                yield lambda text: spinner.update(f"{label} ... {text}")
         self.console.print(f"{label}: done in {time.perf_counter() - t0:.2f} s", highlight=False)
 
     @contextlib.contextmanager
@@ -299,8 +316,15 @@ class NotebookReporter(Reporter):
         label = name + (f" ({detail})" if detail else "")
         style = 'class="scaleattn-phase" style="font-family:monospace;font-size:0.9em"'
         handle = self._show(f"{label} ...", f"<div {style}><b>{html.escape(label)}</b> ...</div>")
-        t0 = time.perf_counter()
-        yield
+        t0 = last = time.perf_counter()
+
+        def note(text: str) -> None:
+            nonlocal last
+            if time.perf_counter() - last >= self.interval:
+                last = time.perf_counter()
+                self._show(f"{label} ... {text}",
+                           f"<div {style}><b>{html.escape(label)}</b> ... {html.escape(text)}</div>", handle)
+        yield note
         done = f"done in {time.perf_counter() - t0:.2f} s"
         self._show(f"{label}: {done}", f"<div {style}><b>{html.escape(label)}</b>: {done}</div>", handle)
 

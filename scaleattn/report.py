@@ -16,6 +16,8 @@ __all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "e
 
 
 _METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
+#: a settled verdict whose margin is below this multiple of its ``settle_factor`` is said to be close to the cutoff
+CLOSE_FACTOR = 3.0
 
 
 def verdict(r: dict) -> str:
@@ -29,11 +31,14 @@ def verdict(r: dict) -> str:
     v = r.get("verdict") or ("identifiable" if r["identifiable"] else "not identifiable")
     method = r.get("certificate_method", "gram")
     at = "" if method == "qr" else " at the precision of the float64 Gram"
-    margin = r.get("margin")
-    how = "" if margin is None else f" [{_METHOD.get(method, method)}, margin {_margin(margin)}]"
+    margin, near = r.get("margin"), r.get("settle_factor")
+    # a settled verdict barely past the settle factor is flagged: another draw of the data may land either side
+    close = v != "not settled" and near and margin is not None and margin < CLOSE_FACTOR * near
+    how = "" if margin is None else (f" [{_METHOD.get(method, method)}, margin {_margin(margin)}"
+                                     + (f", close to the cutoff: settled from {_g(near, '.3g')}x" if close else "")
+                                     + "]")
     if v == "identifiable":
         return "IDENTIFIABLE: every least-squares fit computes the same function" + how
-    near = r.get("settle_factor")
     hint = " (a QR of the features may settle it: --certificate qr)" if at and r.get("verdict") else ""
     if v == "not identifiable":
         return (f"NOT identifiable{at}: {r['ambiguous_dim']} feature direction(s) are not determined by the data"
@@ -82,9 +87,11 @@ def _settled_by(r: dict) -> str:
     if r.get("certificate_method") != "qr" or "gram_verdict" not in r:
         return ""
     gram = r["gram_verdict"]
-    how = "settled" if gram == "not settled" else "confirmed" if gram == r.get("verdict") else "overruled"
-    return (f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin {_margin(r.get('gram_margin'))};"
-            f" {how} by a QR of the features)")
+    v = r.get("verdict")
+    how = ("not settled by a QR of the features either" if gram == v == "not settled"  # (it read "settled")
+           else ("settled" if gram == "not settled" else "confirmed" if gram == v else "overruled")
+           + " by a QR of the features")
+    return f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin {_margin(r.get('gram_margin'))}; {how})"
 
 
 def _times(x: float) -> str:
@@ -126,6 +133,10 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         what, points = loss_curve(r["loss_vs_heads"])
         # (from the statistics formula, with its own round-off floor: not the measured train MSE line above)
         lines.append(f"loss vs heads ({what}, from the statistics): " + "  ".join(f"{h}:{v:.3g}" for h, v in points))
+        few = r.get("heads_fewer_within")
+        if few:  # the curve flattens early: "minimal" means exact, which noisy data make the generic bound
+            lines.append(f"fewer heads: {few['heads']} heads come within {100 * few['relative_gap']:.2g} % of the"
+                         f" {what} of these {r['n_heads']} (--heads {few['heads']})")
     if r.get("ridge"):
         lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")
     if "witness" in r:
@@ -142,9 +153,14 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
                          f" {w['prediction_difference']:.3g} in norm{gap} on a {len(w['tokens'])}-token input, but"
                          " the data may determine that direction below the precision of the method)")
         else:
+            # the step was shrunk: the computed loss moves along the direction, but below the precision the
+            # certificate decides at (which is why it counts the direction as undetermined): no proof either way
+            prec = "the float64 features" if r.get("certificate_method") == "qr" else "the float64 Gram"
             lines.append(f"witness: inconclusive, not a proof of ambiguity: fits with equal train MSE differ by only"
-                         f" {w['prediction_difference']:.3g} in norm{gap} on a {len(w['tokens'])}-token input"
-                         " (round-off of the training loss; the data do change it along that direction)")
+                         f" {w['prediction_difference']:.3g} in norm{gap} on a {len(w['tokens'])}-token input (the"
+                         " computed loss does change along that direction, but more weakly than the cutoff, the"
+                         f" precision of {prec}, so the certificate counts it as undetermined; this pair does not"
+                         " overturn the verdict)")
     t = r.get("timings", {})
     steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate") if k in t]
     lines.append(f"wall time {r['seconds']:.2f} s" + (f" ({', '.join(steps)})" if steps else ""))

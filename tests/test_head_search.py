@@ -391,6 +391,59 @@ def test_fewest_found_line_and_svd_line():
     assert "bound 4 (flattening rank (every c); --heads minimal for the fewest)" in _line(rs)
 
 
+# ---- progress and the flat loss curve (noisy data: "minimal" is the generic bound) ------------------------
+def _noisy_teacher():
+    """A 2-head teacher at d = d_out = 3 with target noise: "minimal" gives the generic bound 4, 2 heads nearly do."""
+    D = make_mhla(d=3, heads=2, length=20, samples=400, causal=True, noise=0.01, seed=0)
+    st = statistics_from_arrays(D["tokens"], D["targets"])
+    s, x = token_features(D["tokens"], None, True)
+    P, Y = phi(s, x), row_targets(D["targets"], None, True)
+    return st, solve(st).coef, P, Y, float(np.mean((P @ np.linalg.lstsq(P, Y, rcond=None)[0] - Y) ** 2))
+
+
+def test_the_search_says_the_head_count_it_tries_and_the_best_losses_so_far():
+    """--heads minimal on noisy d = 8 data ran 45 s with no sign of what it tried: the search tells ``progress``
+    the head count, the step and the best losses so far (the exact model's is the least-squares MSE: numpy lstsq
+    on the explicit features)."""
+    st, coef, P, Y, mse_ref = _noisy_teacher()
+    msgs = []
+    h = search_heads(st, coef, "minimal", progress=msgs.append)
+    assert h.n_heads == 4 and msgs[0] == "trying 4 heads (exact fit, start 1 of 4)"
+    assert {int(m.split()[1]) for m in msgs} == {1, 2, 3, 4}  # the bound, then the curve and a bisection below it
+    assert all(f"so far: exact with 4 heads, train MSE {mse_ref:.4g}" in m for m in msgs[1:])
+    two = next(m for m in msgs if m.startswith("trying 2 heads (loss curve)"))
+    assert two.endswith(f", 1 head train MSE {h.curve[0][1] / Y.size:.4g}")  # the loss curve's lowest so far
+    assert search_heads(st, coef, "minimal").curve == h.curve  # listening changes nothing
+
+
+def test_a_flat_loss_curve_names_the_fewest_heads_within_the_relative_gap():
+    """The curve of the 4 heads flattens at the teacher's 2: ``fewer_within`` names 2 with its relative gap,
+    and ``--heads 2`` does reach it (its MSE on the explicit features against numpy lstsq's)."""
+    from scaleattn.heads import FEWER_HEADS_RTOL
+    from scaleattn.report import fit_summary
+
+    st, coef, P, Y, mse_ref = _noisy_teacher()
+    h = search_heads(st, coef, "minimal")
+    few = h.fewer_within()
+    assert h.n_heads == 4 and few["heads"] == 2 and few["rtol"] == FEWER_HEADS_RTOL
+    h2 = search_heads(st, coef, 2)
+    gap2 = (np.mean((P @ coef_from_heads(h2.V, h2.Q) - Y) ** 2) - mse_ref) / mse_ref
+    assert not h2.exact and 0 < gap2 <= few["relative_gap"] * (1 + 1e-6) and few["relative_gap"] <= FEWER_HEADS_RTOL
+    assert (h.curve[0][1] - h.curve[-1][1]) / h.curve[-1][1] > FEWER_HEADS_RTOL  # 1 head is far off: not named
+    assert h.fewer_within(floor=h.curve[-1][1]) is None  # a loss at its round-off: relative gaps mean nothing
+    assert h.fewer_within(rtol=few["relative_gap"] / 2)["heads"] == 3
+    keys = _report_keys(h, st)
+    r = {"n_rows": st.n_rows, "n_samples": 400, "length": 20, "causal": True, "d": 3, "d_out": 3, "psi": 18,
+         "rank": 18, "cutoff_rtol": 1e-14, "lambda_min": 1.0, "lambda_max": 1.0, "identifiable": True,
+         "ambiguous_dim": 0, "train_mse": mse_ref, "relative_train_mse": 0.1, "target_mean_square": 1.0,
+         "n_heads": 4, "heads_method": "minimal", "heads_residual": h.residual, "seconds": 0.0, **keys,
+         "loss_vs_heads": [{"heads": k, "train_mse_stats": v / Y.size} for k, v in h.curve]}
+    assert keys["heads_fewer_within"] == few
+    want = f"fewer heads: 2 heads come within {100 * few['relative_gap']:.2g} % of the train MSE of these 4 (--heads 2)"
+    assert want in fit_summary(r).splitlines()
+    assert "fewer heads:" not in fit_summary({**r, "heads_fewer_within": None})
+
+
 # ---- budget, determinism, loss_vs_heads, fit_heads ---------------------------------------------------------
 def test_budget_runs_out_and_says_so():
     z, y = _agnostic(5, 3, seed=2)

@@ -172,3 +172,41 @@ def test_the_rate_counts_from_the_first_finished_group(monkeypatch):
     assert st.rate_text() == "1,000 rows/s after the first group"
     assert st.text(final=True) == ("statistics  4,000/4,000 rows  1,000 rows/s after the first group  4/4 groups"
                                    "  0:00:13 elapsed")
+
+
+def test_a_phase_says_what_it_does_now_and_then(monkeypatch):
+    """--heads minimal ran 45 s in the heads phase: a log showed nothing until its end, a terminal a bare spinner.
+    A phase yields ``note(text)``: a log gets the latest note every NOTE_EVERY_S (with the time elapsed), a
+    terminal's spinner shows it, the silent reporter ignores it."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    import scaleattn.progress as progress
+
+    monkeypatch.setattr(progress, "NOTE_EVERY_S", 0.05)
+    buf = io.StringIO()
+    rep = ConsoleReporter(file=buf)
+    with rep.phase("heads", "minimal") as note:
+        note("trying 22 heads (exact fit, start 1 of 4)")
+        _until(lambda: "trying 22" in buf.getvalue())
+        note("trying 3 heads (loss curve)")
+        _until(lambda: "trying 3 heads" in buf.getvalue())
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "heads (minimal): 0:00:00 elapsed, trying 22 heads (exact fit, start 1 of 4)", lines
+    assert any(ln.endswith("elapsed, trying 3 heads (loss curve)") for ln in lines)
+    assert lines[-1].startswith("heads (minimal): done in") and len(lines) <= 20  # now and then, not per note
+    rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
+    with rep.phase("heads", "minimal") as note:
+        note("trying 7 heads (loss curve)")
+        time.sleep(0.3)
+    assert "heads\x1b[0m (minimal) ... trying 7 heads (loss curve)" in rep.console.file.getvalue()
+    with progress.Reporter().phase("heads") as note:
+        note("ignored")
+    shown = []
+    monkeypatch.setattr(progress.NotebookReporter, "_show", staticmethod(lambda t, h, handle=None: shown.append(t)))
+    with progress.NotebookReporter(interval=0.0).phase("heads", "minimal") as note:
+        note("trying 4 heads (bisection)")
+    assert shown[1] == "heads (minimal) ... trying 4 heads (bisection)"
+    assert shown[-1].startswith("heads (minimal): done")

@@ -215,6 +215,9 @@ def test_report_text_for_each_verdict():
     for gram, how in (("identifiable", "confirmed"), ("not identifiable", "overruled")):
         g = certificate_summary({**s, "gram_verdict": gram, "gram_rank": 6})
         assert f"the Gram alone said: {gram}, rank 6, margin 7.7x; {how} by a QR of the features)" in g, g
+    # a QR that does not settle it either did not 'settle' it (the line said so under a NOT SETTLED verdict)
+    both = certificate_summary({**s, "verdict": "not settled", "identifiable": False, "margin": 9.56})
+    assert "; not settled by a QR of the features either)" in both and "; settled by" not in both
 
 
 def test_the_witness_line_reads_as_a_distance_and_a_ratio():
@@ -227,6 +230,34 @@ def test_the_witness_line_reads_as_a_distance_and_a_ratio():
                      "prediction_relative_difference": 1.0, "tokens": [[0.0, 0.0]] * 9, "conclusive": True}}
     text = fit_summary(r)
     assert "differ by 18.1 in norm (1.0x the prediction scale) in their predictions on a 9-token input" in text
+
+
+def test_an_inconclusive_witness_does_not_contradict_a_not_identifiable_verdict():
+    """Near-collinear tokens, QR verdict 'not identifiable' at margin 11.3x: the witness line said 'the data do
+    change it along that direction', which read as if the data determined the direction the verdict calls
+    undetermined. It now says what was measured (a loss change weaker than the cutoff) and that the verdict stands;
+    a settled margin within CLOSE_FACTOR of the settle factor is flagged as close to the cutoff."""
+    from scaleattn.report import CLOSE_FACTOR
+
+    w = {"loss_a": 0.1, "loss_b": 0.1, "prediction_difference": 10.3, "prediction_relative_difference": 7.6e-6,
+         "tokens": [[0.0] * 6] * 7, "conclusive": False, "certificate_verdict": "not identifiable"}
+    r = {"n_rows": 9, "n_samples": 9, "length": 1, "causal": False, "d": 6, "d_out": 6, "psi": 126, "rank": 125,
+         "cutoff_rtol": 2e-25, "lambda_min": 0.0, "lambda_max": 1.0, "identifiable": False, "ambiguous_dim": 1,
+         "verdict": "not identifiable", "certificate_method": "qr", "margin": 11.3, "settle_factor": SETTLE_FACTOR,
+         "train_mse": 0.1, "relative_train_mse": 0.1, "target_mean_square": 1.0, "n_heads": 1,
+         "heads_method": "svd", "seconds": 0.0, "witness": w}
+    text = fit_summary(r)
+    wit = next(line for line in text.splitlines() if line.startswith("witness:"))
+    assert "data do change" not in wit and "does not overturn the verdict" in wit
+    assert "more weakly than the cutoff, the precision of the float64 features" in wit
+    assert "precision of the float64 Gram" in fit_summary({**r, "certificate_method": "gram"})
+    flag = "close to the cutoff: settled from 10x"
+    assert f"[a QR of the features, margin 11.3x, {flag}]" in text
+    # the flag marks settled verdicts only, below CLOSE_FACTOR x the settle factor (here 30x)
+    for margin, v, flagged in ((SETTLE_FACTOR * CLOSE_FACTOR * 0.99, "identifiable", True),
+                               (SETTLE_FACTOR * CLOSE_FACTOR, "not identifiable", False),
+                               (2.12e3, "identifiable", False), (9.56, "not settled", False)):
+        assert (flag in verdict({**r, "margin": margin, "verdict": v})) is flagged, (margin, v)
 
 
 # ---- the witness: round-off gaps are not proofs ------------------------------------------------------------------
@@ -265,7 +296,8 @@ def test_witness_needs_a_gap_and_a_settled_verdict():
     sol = scaleattn.solve(stats)
     w = ambiguity_witness(sol, stats)
     assert sol.certificate.verdict == "not identifiable" and w.prediction_relative_difference < WITNESS_MIN_GAP
-    assert not w.conclusive and "round-off of the training loss" in fit_summary(_fit_report(stats, sol, w))
+    text = fit_summary(_fit_report(stats, sol, w))
+    assert not w.conclusive and "more weakly than the cutoff, the precision of the float64 Gram" in text
     tok, y = lauchli(3, 4000, 6, 1e-3, noise=1e-3)
     stats = scaleattn.statistics_from_arrays(tok, y)
     sol = scaleattn.solve(stats)
