@@ -96,6 +96,14 @@ NOTE_EVERY_S = 10.0
 #: seconds without a finished unit after which a live bar says what it waits for (the first run after an install
 #: compiles the kernels, up to ~40 s on 2 busy cores, before any row group is done: the bar sat at 0 rows, no rate)
 PENDING_S = 3.0
+#: seconds between two redraws of a notebook's bar while no unit is done (the elapsed time moves on)
+TICK_S = 1.0
+
+
+def _stopped(e: BaseException) -> str:
+    """How a bar or phase ended early: ``interrupted`` (Ctrl-C, the kernel's stop button) or ``stopped by
+    ValueError``."""
+    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {type(e).__name__}"
 
 
 class _BarState:
@@ -166,22 +174,24 @@ class _BarState:
         r = self.rate()
         return 0.0 if self.done >= self.total else (None if r is None else (self.total - self.done) / r)
 
-    def text(self, final: bool = False) -> str:
+    def text(self, final: bool = False, end: str = "") -> str:
         """One plain line: ``statistics 2,150/5,120 rows  12,300 rows/s after the first group  3/8 groups  0:00:01
-        elapsed ...``."""
+        elapsed ...``; a live one (not ``final``) says what it waits for while :meth:`pending` (with the reason:
+        a notebook has no line of its own for it), ``end`` closes a final one (``interrupted``)."""
         elapsed = time.perf_counter() - self.t0
-        parts = [self.name, f"{round(min(self.done, self.total)):,}/{self.total:,} {self.unit}", self.rate_text(),
-                 self.steps_text(), f"{clock(elapsed)} elapsed"]
+        rate = self.waiting_text() if not final and self.pending() else self.rate_text()
+        parts = [self.name, f"{round(min(self.done, self.total)):,}/{self.total:,} {self.unit}", rate,
+                 self.steps_text(), f"{clock(elapsed)} elapsed", end]
         if not final:
             parts.append(f"{clock(self.left())} left")
         return "  ".join(p for p in parts if p)
 
-    def html(self, final: bool = False) -> str:
+    def html(self, final: bool = False, end: str = "") -> str:
         frac = min(self.done / self.total, 1.0)
         bar = ('<span style="display:inline-block;width:14em;height:0.75em;border:1px solid #888;'
                'vertical-align:middle;margin:0 0.6em">'
                f'<span style="display:block;height:100%;width:{100 * frac:.1f}%;background:#4c72b0"></span></span>')
-        rest = html.escape(self.text(final)[len(self.name):].strip())
+        rest = html.escape(self.text(final, end)[len(self.name):].strip())
         return (f'<div class="scaleattn-progress" data-name="{html.escape(self.name)}" data-done="{round(self.done)}"'
                 f' data-total="{self.total}" style="font-family:monospace;font-size:0.9em;line-height:1.6">'
                 f"<b>{html.escape(self.name)}</b>{bar}{rest}</div>")
@@ -293,7 +303,9 @@ class NotebookReporter(Reporter):
     ``interval`` seconds), with a plain-text twin; the last state is what a saved notebook shows.
 
     Each bar shows the units done (rows, samples), the rate of this run, the steps done (row groups or
-    tasks), the time elapsed and left; each phase shows ``name ...`` while it runs, then ``name: done in X s``.
+    tasks), the time elapsed and left, redrawn every :data:`TICK_S` while no unit is done (then it says what it
+    waits for); each phase shows ``name ...`` while it runs, then ``name: done in X s``. Work that ends early
+    (the kernel interrupted, an error) leaves ``interrupted`` / ``stopped by Error`` on its line, not a time left.
     """
 
     enabled = True
@@ -324,7 +336,12 @@ class NotebookReporter(Reporter):
                 last = time.perf_counter()
                 self._show(f"{label} ... {text}",
                            f"<div {style}><b>{html.escape(label)}</b> ... {html.escape(text)}</div>", handle)
-        yield note
+        try:
+            yield note
+        except BaseException as e:  # the saved cell must not show "solve ..." as if it still ran
+            done = f"{_stopped(e)} after {time.perf_counter() - t0:.2f} s"
+            self._show(f"{label}: {done}", f"<div {style}><b>{html.escape(label)}</b>: {done}</div>", handle)
+            raise
         done = f"done in {time.perf_counter() - t0:.2f} s"
         self._show(f"{label}: {done}", f"<div {style}><b>{html.escape(label)}</b>: {done}</div>", handle)
 
@@ -335,17 +352,36 @@ class NotebookReporter(Reporter):
         if note:
             self.line(f"{name}: {note}")
         handle = self._show(st.text(), st.html())
-        last = [time.perf_counter()]
+        last, lock, stop = [time.perf_counter()], threading.Lock(), threading.Event()
+
+        def show(force: bool = False, final: bool = False, end: str = "") -> None:
+            with lock:  # advance runs on the client's event loop, the ticker on its own thread
+                now = time.perf_counter()
+                if force or now - last[0] >= self.interval:
+                    last[0] = now
+                    self._show(st.text(final, end), st.html(final, end), handle)
 
         def advance(n: int = 1, steps: int = 0) -> None:
             st.advance(n, steps)
-            now = time.perf_counter()
-            if now - last[0] >= self.interval:
-                last[0] = now
-                self._show(st.text(), st.html(), handle)
+            show()
 
-        yield advance
-        self._show(st.text(final=True), st.html(final=True), handle)
+        def tick():  # no group done for a while (a first compile, up to ~90 s on busy cores): the line kept
+            # 0:00:00 elapsed and never said what it waited for
+            while not stop.wait(TICK_S):
+                if time.perf_counter() - last[0] >= TICK_S:
+                    show(force=True)
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield advance
+        except BaseException as e:  # the saved cell must not show a bar with time left as if it still ran
+            stop.set()
+            ticker.join()
+            show(force=True, final=True, end=_stopped(e))
+            raise
+        stop.set()
+        ticker.join()
+        show(force=True, final=True)
 
     def line(self, text: str) -> None:
         print(text, flush=True)

@@ -210,3 +210,53 @@ def test_a_phase_says_what_it_does_now_and_then(monkeypatch):
         note("trying 4 heads (bisection)")
     assert shown[1] == "heads (minimal) ... trying 4 heads (bisection)"
     assert shown[-1].startswith("heads (minimal): done")
+
+
+def _notebook_lines(monkeypatch):
+    """The plain-text twin of every state a NotebookReporter shows (first display and updates), in order."""
+    import scaleattn.progress as progress
+
+    shown = []
+    monkeypatch.setattr(progress.NotebookReporter, "_show",
+                        staticmethod(lambda t, h, handle=None: shown.append((t, h)) or "handle"))
+    return shown
+
+
+def test_a_notebook_bar_moves_and_says_what_it_waits_for(monkeypatch):
+    """A notebook's bar was redrawn only when a group finished: through a 90 s first compile the cell showed
+    ``0/5,120 rows  0/16 groups  0:00:00 elapsed`` and nothing else."""
+    import scaleattn.progress as progress
+
+    monkeypatch.setattr(progress, "PENDING_S", 0.0)
+    monkeypatch.setattr(progress, "TICK_S", 0.01)
+    shown = _notebook_lines(monkeypatch)
+    with progress.NotebookReporter(interval=0.0).bar("statistics", 1000, steps=4) as advance:
+        _until(lambda: len(shown) > 2)
+        advance(1000, steps=4)
+    waiting = [t for t, _ in shown[1:-1] if "waiting for the first group" in t]
+    assert waiting and "compiles kernels" in waiting[0] and waiting[0].endswith("left"), shown
+    assert "waiting" not in shown[-1][0] and shown[-1][0].startswith("statistics  1,000/1,000 rows")
+
+
+def test_an_interrupted_notebook_cell_does_not_look_like_it_still_runs(monkeypatch):
+    """Ctrl-C (the kernel's stop button) in a fit left ``evaluate 512/4,096 samples ... 0:00:01 left`` and
+    ``solve ...`` in the saved cell, as if the work went on."""
+    import scaleattn.progress as progress
+
+    shown = _notebook_lines(monkeypatch)
+    rep = progress.NotebookReporter(interval=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        with rep.bar("evaluate", 4096, "samples", steps=16) as advance:
+            advance(512, steps=2)
+            raise KeyboardInterrupt
+    text, html = shown[-1]
+    assert "512/4,096 samples" in text and text.endswith("elapsed  interrupted") and "left" not in text, text
+    assert "interrupted" in html and 'data-done="512"' in html
+    with pytest.raises(ValueError):
+        with rep.phase("solve", "psi 40"):
+            raise ValueError("bad")
+    assert shown[-1][0].startswith("solve (psi 40): stopped by ValueError after ")
+    with pytest.raises(KeyboardInterrupt):
+        with rep.phase("heads", "minimal"):
+            raise KeyboardInterrupt
+    assert shown[-1][0].startswith("heads (minimal): interrupted after ")
