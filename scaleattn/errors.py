@@ -176,9 +176,12 @@ class SubmitError(ScaleattnError, RuntimeError):
 
 def with_hint(exc: BaseException, hint: str) -> BaseException:
     """Attach a one-line ``hint`` (what was kept and how to continue) to ``exc``; the CLI prints it after the
-    message. Returns ``exc``."""
+    message, and a traceback (a notebook's, Python >= 3.11) shows it as a note: an interrupted ``fit`` in a
+    cell said nothing of the checkpoint it kept. Returns ``exc``."""
     old = getattr(exc, "scaleattn_hint", None)
     exc.scaleattn_hint = f"{old}; {hint}" if old else hint
+    if hasattr(exc, "add_note"):
+        exc.add_note(hint)
     return exc
 
 

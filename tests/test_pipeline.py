@@ -107,3 +107,30 @@ def test_rerun_command_of_a_failed_solve_recomputes_no_row_group(tmp_path, monke
     clean = fit(ds, plots=False).report  # no checkpoint: built from scratch
     for k in ("lambda_min", "lambda_max", "rank", "train_mse", "lstsq_train_mse_stats", "n_rows"):
         assert resumed[k] == clean[k], k
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python >= 3.11")
+def test_an_interrupted_fit_in_python_shows_what_it_kept_in_its_traceback(causal_groups_ds, tmp_path):
+    """Ctrl-C in a notebook cell (the kernel's stop button) during the build: the traceback said only
+    ``KeyboardInterrupt`` (the kept checkpoint was a hint the CLI alone printed); it now ends with it as a note,
+    and ``resume=True`` continues."""
+    import contextlib
+    import traceback
+
+    from scaleattn.progress import Reporter
+
+    class StopAfterOneGroup(Reporter):
+        @contextlib.contextmanager
+        def bar(self, name, total, *args, **kwargs):
+            def advance(n=1, steps=0):
+                if name == "statistics" and steps:
+                    raise KeyboardInterrupt
+            yield advance
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt) as info:
+        fit(causal_groups_ds, out, progress=StopAfterOneGroup(), plots=False)
+    shown = "".join(traceback.format_exception(info.value))
+    assert "run.checkpoint.zarr keeps 1 of 16 row groups" in shown, shown
+    res = fit(causal_groups_ds, out, resume=True, plots=False)
+    assert res.report["groups_resumed"] == 1
