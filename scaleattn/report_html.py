@@ -182,8 +182,15 @@ def _heads_card(r: dict) -> str:
     lvh = r.get("loss_vs_heads") or []
     if len(lvh) > 1:
         what, points = loss_curve(lvh)
-        rows.append((f"loss vs heads ({what}, from the statistics)",
-                     " &middot; ".join(f"{h}: {_f(v, '.3g')}" for h, v in points)))
+        # what it measures beside the values, as the other rows do: a long label squeezed the values of the card's
+        # narrow column to a word a line
+        rows.append(("loss vs heads", " &middot; ".join(f"{h}: {_f(v, '.3g')}" for h, v in points)
+                     + f" <span style='opacity:0.7'>({_e(what)}, from the statistics)</span>"))
+        few = r.get("heads_fewer_within")
+        if few:  # the summary's hint: the card left it out
+            note += (f'<div class="scaleattn-fewer-within" style="margin-top:0.25em">fewer heads:'
+                     f' {few["heads"]} heads come within {100 * few["relative_gap"]:.2g} % of the {_e(what)} of these'
+                     f' {r["n_heads"]} (<code>heads={few["heads"]}</code>)</div>')
     if r.get("heads_budget_exhausted"):
         note += (f'<div style="margin-top:0.25em">the head search stopped at its budget after'
                  f' {_f(r.get("heads_search_seconds"), ".1f")} s</div>')

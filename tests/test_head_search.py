@@ -444,6 +444,25 @@ def test_a_flat_loss_curve_names_the_fewest_heads_within_the_relative_gap():
     assert "fewer heads:" not in fit_summary({**r, "heads_fewer_within": None})
 
 
+def test_the_fit_card_names_the_fewest_heads_within_the_relative_gap():
+    """The notebook card of a fit left out the summary's ``fewer heads: ...`` hint."""
+    from scaleattn.report_html import fit_html
+
+    st, coef, P, Y, mse_ref = _noisy_teacher()
+    h = search_heads(st, coef, "minimal")
+    few = h.fewer_within()
+    r = {"n_rows": st.n_rows, "n_samples": 400, "length": 20, "causal": True, "d": 3, "d_out": 3, "psi": 18,
+         "rank": 18, "cutoff_rtol": 1e-14, "lambda_min": 1.0, "lambda_max": 1.0, "identifiable": True,
+         "ambiguous_dim": 0, "train_mse": mse_ref, "relative_train_mse": 0.1, "target_mean_square": 1.0,
+         "n_heads": 4, "heads_method": "minimal", "heads_residual": h.residual, "seconds": 0.0,
+         **_report_keys(h, st), "loss_vs_heads": [{"heads": k, "train_mse_stats": v / Y.size} for k, v in h.curve]}
+    card = fit_html(r)
+    want = (f"fewer heads: 2 heads come within {100 * few['relative_gap']:.2g} % of the train MSE of these 4"
+            " (<code>heads=2</code>)")
+    assert want in card, card
+    assert "fewer heads:" not in fit_html({**r, "heads_fewer_within": None})
+
+
 # ---- budget, determinism, loss_vs_heads, fit_heads ---------------------------------------------------------
 def test_budget_runs_out_and_says_so():
     z, y = _agnostic(5, 3, seed=2)
