@@ -164,6 +164,20 @@ class MHLARegressor:
         self.n_heads_ = self.model_.n_heads
         return self
 
+    #: what scikit-learn < 1.6 reads (``is_regressor``; ``cross_val_score`` picks its splitter and scorer by it)
+    _estimator_type = "regressor"
+
+    def __sklearn_tags__(self):
+        """scikit-learn's tags (>= 1.6; imported only when scikit-learn asks): a regressor of 3-d token arrays with
+        multi-output targets. Without them ``cross_val_score`` and ``GridSearchCV`` refused the estimator
+        (scikit-learn >= 1.7: "no attribute '__sklearn_tags__'")."""
+        from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
+
+        return Tags(estimator_type="regressor", target_tags=TargetTags(required=True, multi_output=True,
+                                                                       single_output=False),
+                    regressor_tags=RegressorTags(), array_api_support=True,
+                    input_tags=InputTags(two_d_array=False, three_d_array=True))
+
     def __sklearn_is_fitted__(self) -> bool:
         """Whether :meth:`fit` ran (what scikit-learn's ``check_is_fitted`` asks)."""
         return hasattr(self, "model_")

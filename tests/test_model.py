@@ -109,3 +109,19 @@ def test_methods_of_an_unfitted_regressor_say_so(method):
     sklearn = pytest.importorskip("sklearn.exceptions")
     assert isinstance(e.value, sklearn.NotFittedError)
     assert not MHLARegressor().__sklearn_is_fitted__()
+
+
+def test_the_regressor_works_in_scikit_learn_model_selection():
+    """``cross_val_score(MHLARegressor(), X, y)`` raised AttributeError 'no attribute __sklearn_tags__' with
+    scikit-learn >= 1.7 (the estimator is duck-typed, not a ``BaseEstimator``), and so did ``GridSearchCV``."""
+    model_selection = pytest.importorskip("sklearn.model_selection")
+    from sklearn.base import clone, is_regressor
+
+    D = make_mhla(d=2, heads=1, length=12, samples=120, seed=0)
+    X, y = D["tokens"], D["targets"]
+    assert is_regressor(MHLARegressor())
+    scores = model_selection.cross_val_score(MHLARegressor(), X, y, cv=3)
+    assert scores.shape == (3,) and np.all(scores > 1 - 1e-9), scores  # realizable: R^2 = 1 on every fold
+    grid = model_selection.GridSearchCV(MHLARegressor(), {"ridge": [0.0, 1e-3]}, cv=2).fit(X, y)
+    assert grid.best_params_ == {"ridge": 0.0} and grid.best_estimator_.n_heads_ >= 1
+    assert clone(MHLARegressor(heads="minimal")).heads == "minimal"
