@@ -267,17 +267,32 @@ def icl_regression(k: int = 4, contexts=(5, 10, 20, 40), *, train_samples: int =
 
 
 def plot_icl(rows, ax=None):
-    """Test MSE against context length for each predictor. Returns the figure."""
+    """Test MSE against context length for each predictor. Returns the figure.
+
+    Least squares on the context is drawn only where it is on the scale of the others: at its round-off (n >= k,
+    ~1e-30) it took 30 decades of the log axis and hid the three learned predictors on one line; the legend
+    then gives its value."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     if ax is None:
         _, ax = plt.subplots(figsize=(5, 3.6))
     n = [r["context"] for r in rows]
-    for key, label in (("closed_form_test", "closed-form MHLA"), ("adamw_test", "AdamW MHLA"),
-                       ("gd_test", "one-step preconditioned GD"), ("ls_context_test", "least squares on context")):
-        if key in rows[0]:
-            ax.plot(n, [max(r[key], 1e-40) for r in rows], "o-", label=label)
+    learned = [(k, label, style) for k, label, style in (
+        ("closed_form_test", "closed-form MHLA", "o-"), ("adamw_test", "AdamW MHLA", "s--"),
+        ("gd_test", "one-step preconditioned GD", "^:")) if k in rows[0]]
+    for key, label, style in learned:
+        ax.plot(n, [max(r[key], 1e-40) for r in rows], style, label=label, alpha=0.85, markerfacecolor="none")
+    if "ls_context_test" in rows[0]:
+        ls = [r["ls_context_test"] for r in rows]
+        low = min((r[k] for r in rows for k, _, _ in learned), default=float("inf"))
+        if max(ls) < 1e-6 * low:
+            ax.plot([], [], " ", label=f"least squares on context: <= {max(ls):.0e} (round-off)")
+        else:
+            ax.plot(n, [max(v, 1e-40) for v in ls], "d-", label="least squares on context")
     ax.set(xscale="log", yscale="log", xlabel="context length n", ylabel="test MSE",
            title=f"in-context linear regression, k={rows[0]['k']}")
+    ax.set_xticks(n, [str(v) for v in n])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
     return ax.figure

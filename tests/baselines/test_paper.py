@@ -58,3 +58,20 @@ def test_figure1_small_and_table():
         assert r["lr"] in (1e-2, 1e-3)
     json.dumps(res)  # serialisable as is
     assert "| d | N | m |" in B.markdown_table(rows)
+
+
+def test_the_icl_plot_shows_the_learned_predictors_not_30_decades_of_round_off():
+    """Least squares on the context at ~1e-30 stretched the log axis over 30 decades: closed form, AdamW and GD
+    (0.3-1.5) fell on one line, the comparison of the section invisible; ticks read 4x10^0, 6x10^0, ..."""
+    pytest.importorskip("matplotlib")
+    from scaleattn.baselines.paper import plot_icl
+
+    rows = [{"k": 3, "context": c, "closed_form_test": v, "adamw_test": 1.02 * v, "gd_test": 0.98 * v,
+             "ls_context_test": 3e-30} for c, v in ((4, 1.5), (8, 1.0), (16, 0.6), (32, 0.35))]
+    ax = plot_icl(rows).axes[0]
+    lo, hi = ax.get_ylim()
+    assert lo > 0.1 and hi < 3, (lo, hi)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "8", "16", "32"]
+    assert any("least squares on context: <= 3e-30" in t.get_text() for t in ax.get_legend().get_texts())
+    far = [{**r, "ls_context_test": 0.5 * r["gd_test"]} for r in rows]  # n < k: on the scale of the others
+    assert len(plot_icl(far).axes[0].get_lines()) == 4
