@@ -283,6 +283,18 @@ def check_consolidated(loc, group, names) -> None:
     if getattr(group.metadata, "consolidated_metadata", None) is None:
         return
     own = loc.open_group("r", use_consolidated=False)
+    try:
+        held = set(own.array_keys())
+    except Exception:  # (corrupt metadata: said by the reads below, or by the dataset's own checks)
+        held = set(names)
+    for name in ARRAYS:  # an array added or removed after consolidating: the copy hides it, or lists a ghost
+        gone = name in names and name not in held and not loc.join(f"{name}/zarr.json").exists()
+        if gone or (name in held and name not in names):
+            raise IntegrityError(
+                f"{name}: the consolidated metadata of {loc.url} {'lists' if gone else 'does not list'} the array,"
+                f" which the group {'does not hold' if gone else 'holds'}: the copy is stale (the array was"
+                f" {'removed' if gone else 'added'} after zarr.consolidate_metadata); consolidate the store again"
+                " or remove the copy")
     for name in names:
         try:
             mine, copy = own[name].metadata.to_dict(), group[name].metadata.to_dict()

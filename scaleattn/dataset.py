@@ -406,6 +406,8 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
         names = set(g.array_keys())
     except Exception as e:
         raise DatasetError(f"{url}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
+    present = [n for n in ARRAYS if n in names]
+    check_consolidated(loc, g, present)  # the arrays and shapes zarr reads are the group's own, before any use
     for name in ("tokens", "lengths", "targets"):  # zarr skips members whose metadata it cannot parse
         if name not in names and loc.join(f"{name}/zarr.json").exists():
             raise DatasetError(f"{name}: corrupt Zarr metadata in {url} (not a readable array)")
@@ -422,8 +424,6 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
         except Exception as e:
             raise DatasetError(f"{name}: corrupt Zarr metadata ({type(e).__name__}: {e})") from None
 
-    present = [n for n in ARRAYS if n in names]
-    check_consolidated(loc, g, present)  # the shapes zarr reads are the arrays' own, before anything uses them
     tok = get("tokens")
     N, T, d, d_out, causal = check_arrays(tok, get("targets"), get("lengths"))
     has_lengths = "lengths" in names

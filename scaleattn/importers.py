@@ -189,8 +189,9 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     InputNotFoundError
         ``path`` does not exist.
     DatasetError
-        An empty or header-only file, an unknown column, a non-numeric or missing value (naming the line and
-        the column), a series too short for one window.
+        An empty or header-only file, one separated by ';' (or tabs), an unknown column, a non-numeric or missing
+        value (naming the line and the column), a series too short for one window, a column constant in every
+        window's tokens, or one whose standard deviation is below float64's normal range (z-scored).
     ParameterError
         ``length``, ``horizon`` or ``step`` below 1, a column named twice in ``columns``; ``path`` is a
         directory, or a path through a file.
@@ -214,6 +215,10 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     body = [r for _, r in rows[1:]]
     if not body:
         raise DatasetError(f"{path}: only a header row, no data")
+    if len(header) == 1 and any(c in header[0] for c in ";\t|"):  # (one column 'a;b;c' named no delimiter)
+        sep = next(c for c in ";\t|" if c in header[0])
+        raise DatasetError(f"{path}: the header is one column {header[0]!r}: the file looks {sep!r}-separated, and"
+                           " a CSV file's values are separated by commas; save it with commas")
     if all(_is_number(h) for h in header):
         raise DatasetError(f"{path}: the first row ({', '.join(header[:4])}{', ...' if len(header) > 4 else ''}) is"
                            " numbers: a header row naming the columns is expected")
@@ -240,14 +245,17 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     if not np.isfinite(x).all():
         i, j = np.argwhere(~np.isfinite(x))[0]
         raise DatasetError(f"{path}: line {rows[1 + i][0]}, column {header[cols[j]]!r}: NaN or Inf")
-    flat = np.flatnonzero(x.max(axis=0) == x.min(axis=0))
-    if flat.size:  # a token coordinate that never varies (0 once z-scored): the fit could never be identifiable
-        j = int(flat[0])
-        raise DatasetError(f"{path}: column {header[cols[j]]!r} is constant ({x[0, j]:g} on every line): it carries"
-                           " nothing to learn from and makes the fit unidentifiable"
-                           + _use_columns([header[c] for k, c in enumerate(cols) if k not in flat], "the others"))
+    with _naming(path):  # (a series too short for one window: said with the file)
+        tok = windows(x, length, horizon, step, causal)[0]
+    _check_varies(path, x, tok, [header[c] for c in cols])
     if standardize_columns:  # the units are kept in the attributes: predictions map back (value * std + mean)
         x, mean, sd = standardize(x, moments=True)
+        small = np.flatnonzero(sd < np.finfo(np.float64).tiny)
+        if small.size:  # (a std of 0 or a subnormal one: `value * std + mean` would not give the values back)
+            j = int(small[0])
+            raise DatasetError(f"{path}: column {header[cols[j]]!r}: its standard deviation ({sd[j]:.1e}) is below"
+                               f" float64's normal range ({np.finfo(np.float64).tiny:.1e}): the stored std could"
+                               " not map values back; rescale the column")
         moments = {"mean": [_json_float(v) for v in mean], "std": [_json_float(v) for v in sd]}
     else:  # the values go in as they are: one whose cubic features overflow is refused by its line and column
         bad = np.abs(x) > MAX_TOKEN  # (windows too small as a whole are refused by the write, by sample)
@@ -263,6 +271,21 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         attrs["standardized"] = moments
     with _naming(path):
         return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+def _check_varies(path, x, tok, names) -> None:
+    """Refuse a column that takes one value in every window's tokens (0 once z-scored, or constant as is): a
+    token coordinate that never varies, so no fit could be identifiable. Checked on the tokens, not the series:
+    a column varying only at lines the windows read as targets (or skip with ``step``) is as constant."""
+    flat = np.flatnonzero(tok.max(axis=(0, 1)) == tok.min(axis=(0, 1)))  # (not np.ptp: it overflows at 1e308)
+    if not flat.size:
+        return
+    j = int(flat[0])
+    where = ("on every line" if x[:, j].min() == x[:, j].max() else
+             "in every window's tokens; it varies only at lines read as targets or skipped by the step")
+    raise DatasetError(f"{path}: column {names[j]!r} is constant ({tok[0, 0, j]:g} {where}): it carries nothing to"
+                       " learn from and makes the fit unidentifiable"
+                       + _use_columns([n for k, n in enumerate(names) if k not in flat], "the others"))
 
 
 def _json_float(v) -> float | None:

@@ -26,7 +26,7 @@ import numpy as np
 from . import _formats
 from ._figures import integer_ticks, legend_outside, mark_clipped, new_figure, positive_floor
 from ._outputs import check_disjoint, check_output_location, hold, reading, relation
-from ._storage import Location, resolve
+from ._storage import Location, check_storage_options, resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
 from .errors import DatasetError, Note, ParameterError, ScaleattnError
@@ -438,7 +438,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
 
     ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required);
     ``full_spectrum``: see :func:`run_figures`.
-    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out``, and
+    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out`` or ``storage_options`` where
+    no path (the run, ``out``, the dataset) is a URL, and
     :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
     if out is None:
@@ -471,6 +472,8 @@ def _check_plot_output(run, out, dataset, storage_options) -> Location | None:
         dataset = run.report.get("dataset")
     if dataset:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
+    # (the report's dataset is known only now: options where neither it, the run nor out is a URL are refused)
+    check_storage_options(storage_options, out, *(loc for _, loc in inputs))
     check_disjoint([("--out", out)], inputs, contains_ok=True)
     # into a directory, but never another run's (the plots would pass for that run's); the run's own is its place
     own = not hasattr(run, "certificate") and relation(out, resolve(run, storage_options)) == "is"

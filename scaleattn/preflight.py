@@ -10,6 +10,7 @@ import os
 import shlex
 
 from . import _formats
+from ._names import ADDED, name_max
 from ._outputs import (
     RUN,
     check_companions,
@@ -22,7 +23,7 @@ from ._outputs import (
 )
 from ._storage import Location, check_kind, check_storage_options, resolve
 from .dataset import Dataset, open_dataset
-from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, with_hint
+from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, UnsafeOutputError, with_hint
 
 __all__ = ["preflight", "holding", "open_input", "run_locations", "after_failed_build", "kept_hint"]
 
@@ -71,6 +72,8 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     # (OUT.checkpoint.zarr, when not given, is named as such: --checkpoint PATH is the way round its name)
     for role, loc in (("--out", out), ("--checkpoint" if checkpoint is not None else "the default --checkpoint", ckpt)):
         if loc is not None:
+            if loc is ckpt and checkpoint is None:
+                _check_default_checkpoint_name(ckpt)
             check_output_location(loc, role)
     if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)
         check_kind(ckpt, "--checkpoint", "a checkpoint store (a Zarr directory)", directory=True)
@@ -164,8 +167,24 @@ def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) 
         with_hint(e, kept_hint(ckpt))
 
 
+def _check_default_checkpoint_name(ckpt: Location) -> None:
+    """``OUT.checkpoint.zarr`` holds its lock and temporaries too (:func:`scaleattn._names.check_output_name`);
+    too long, the way round is said: its name follows --out's (advised 'a name of at most N bytes', not its own)."""
+    name = ckpt.url.rstrip("/").rsplit("/" if ckpt.is_remote else os.sep, 1)[-1]
+    size, limit = len(os.fsencode(name)), name_max(ckpt)
+    if size + ADDED > limit:
+        raise UnsafeOutputError(f"the default --checkpoint {ckpt.url}: the name is {size} bytes long,"
+                                f" {size + ADDED - limit} too many: scaleattn keeps names up to {ADDED} bytes longer"
+                                f" next to it and the file system takes at most {limit}; choose an --out name of at"
+                                f" most {limit - ADDED - len(CHECKPOINT_SUFFIX)} bytes, or --checkpoint PATH")
+
+
+#: what the default checkpoint adds to --out's name
+CHECKPOINT_SUFFIX = ".checkpoint.zarr"
+
+
 def _checkpoint_location(out: Location | None, checkpoint, storage_options) -> Location | None:
     """The checkpoint store: ``checkpoint`` resolved with the fit's options, else ``OUT.checkpoint.zarr``."""
     if checkpoint is not None:
         return resolve(checkpoint, None if isinstance(checkpoint, Location) else storage_options)
-    return None if out is None else Location(out.url + ".checkpoint.zarr", out.storage_options)
+    return None if out is None else Location(out.url + CHECKPOINT_SUFFIX, out.storage_options)

@@ -129,3 +129,47 @@ def test_a_non_numeric_csv_column_names_the_numeric_ones(tmp_path, cli):
     with pytest.raises(DatasetError, match=r"is not a number; import the numeric columns only: `columns=x y`"):
         import_csv(tmp_path / "z.zarr", tmp_path / "s.csv", length=3)
     assert not (tmp_path / "z.zarr").exists()
+
+
+@pytest.mark.parametrize("step", [1, 5], ids=["as-target", "skipped-by-step"])
+def test_a_csv_column_constant_in_every_windows_tokens_is_refused(tmp_path, step):
+    """A column varying only at a line the windows read as a target (the last line) or skip (``step``) passed
+    the constant check, made on the series: every token held it at one value, and the fit was unidentifiable."""
+    from scaleattn.errors import DatasetError
+    from scaleattn.importers import import_csv
+
+    a = ["1"] * 21
+    a[20 if step == 1 else 7] = "2"  # (step 5, length 2: the windows' tokens are lines 0-1, 5-6, 10-11, 15-16)
+    (tmp_path / "s.csv").write_text("a,b\n" + "".join(f"{v},{i * i % 7}\n" for i, v in enumerate(a)))
+    with pytest.raises(DatasetError, match=r"s\.csv: column 'a' is constant \(1 in every window's tokens; it varies"
+                                           r" only at lines read as targets or skipped by the step\).*`columns=b`"):
+        import_csv(tmp_path / "z.zarr", tmp_path / "s.csv", length=2, step=step)
+    assert not (tmp_path / "z.zarr").exists()
+
+
+def test_csv_shape_problems_are_said_as_such(tmp_path, cli):
+    """A ';'-separated file read as one column said its first value 'is not a number' (naming a column 'a;b');
+    a one-line series was 'constant' in every column, and a short one was too short with no file named."""
+    p = tmp_path / "s.csv"
+    p.write_text("a;b\n1,5;2\n2,5;3\n")
+    r = cli("import", tmp_path / "z.zarr", "--csv", p, "--length", "1", rc=2)
+    assert r.stderr.strip() == (f"scaleattn import: error: {p}: the header is one column 'a;b': the file looks"
+                                " ';'-separated, and a CSV file's values are separated by commas; save it with commas")
+    p.write_text("a,b\n1,2\n")
+    r = cli("import", tmp_path / "z.zarr", "--csv", p, "--length", "4", rc=2)
+    assert r.stderr.strip() == (f"scaleattn import: error: {p}: series of 1 steps is too short for one window of"
+                                " --length 4 + --horizon 1"), r.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["s.csv"]
+
+
+def test_a_csv_column_whose_std_underflows_is_refused(tmp_path):
+    """A column of 0 and 5e-324 was stored with std 0 (its std, 2.5e-324, is below float64's subnormals): the
+    attribute ``standardized`` claimed a mapping back that gave 0 for every value."""
+    from scaleattn.errors import DatasetError
+    from scaleattn.importers import import_csv
+
+    (tmp_path / "s.csv").write_text("a,b\n" + "".join(f"{5e-324 * (i % 2)!r},{i * i % 7}\n" for i in range(12)))
+    with pytest.raises(DatasetError, match=r"column 'a': its standard deviation \(0\.0e\+00\) is below float64's"
+                                           r" normal range"):
+        import_csv(tmp_path / "z.zarr", tmp_path / "s.csv", length=2)
+    assert not (tmp_path / "z.zarr").exists()

@@ -213,7 +213,7 @@ def _cmd_plot(args) -> int:
 
     from ..plot import save_run_plots
 
-    # (without --dataset the report's dataset, maybe a URL, is read with them: not known before)
+    # (without --dataset the report's dataset, maybe a URL, is read with them: save_run_plots checks them then)
     opts = _storage_options(args.storage_option, *((args.run, args.out, args.dataset) if args.dataset else ()))
     where = (args.out or args.run).rstrip("/")
     paths = save_run_plots(args.run, args.out, dataset=args.dataset, storage_options=opts,

@@ -119,6 +119,17 @@ def _stale_consolidated(d):
     return fit()
 
 
+def _consolidated_before_lengths(d):
+    """Variable lengths written after consolidating: zarr's listing (the copy) has no 'lengths', the group does;
+    it was refused as 'corrupt Zarr metadata ... (not a readable array)', a readable array."""
+    tok, y, _ = good()
+    raw(d / "in.zarr", tokens=tok, targets=y)
+    zarr.consolidate_metadata(str(d / "in.zarr"))
+    zarr.open_group(str(d / "in.zarr"), mode="r+", use_consolidated=False).create_array(
+        "lengths", data=np.full(tok.shape[0], tok.shape[1], dtype=np.int64))
+    return fit()
+
+
 def _not_a_group(d):
     (d / "in.zarr").mkdir()
     (d / "in.zarr" / "notes.txt").write_text("not zarr")
@@ -304,6 +315,9 @@ CASES = [
     Case("stale-consolidated", _stale_consolidated,
          r"tokens: the consolidated metadata of \S*in\.zarr differs from the array's own \(shape \(6, 4, 2\) there,"
          r" \(4, 4, 2\) in its own\): the copy is stale"),
+    Case("consolidated-before-lengths", _consolidated_before_lengths,
+         r"lengths: the consolidated metadata of \S*in\.zarr does not list the array, which the group holds: the"
+         r" copy is stale \(the array was added after zarr\.consolidate_metadata\)"),
     Case("corrupt-chunk", corrupt("tokens/c/1/0/0", b"xx"), r"tokens: cannot read samples \[2, 4\)"),
     # outputs
     Case("out-exists", _out_exists, r"output '.*out' already exists \(pass --overwrite"),

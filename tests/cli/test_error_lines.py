@@ -194,8 +194,8 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
      "scaleattn import: error: --horizon must be 1 with --causal (each prefix predicts the next value), got 3"
      " (see scaleattn import --help)"),
     (["import", "{out}", "--csv", "{csv}", "--length", "100000000000000"],
-     "scaleattn import: error: series of 40 steps is too short for one window of --length 100000000000000 +"
-     " --horizon 1"),  # (the data's refusal: no help tail)
+     "scaleattn import: error: {csv}: series of 40 steps is too short for one window of --length 100000000000000 +"
+     " --horizon 1"),  # (the data's refusal, naming the file: no help tail)
     # a column taken twice was imported as two identical token coordinates (a fit that cannot be identifiable)
     (["import", "{out}", "--csv", "{csv}", "--columns", "a", "b", "a"],
      "scaleattn import: error: --columns must name each column once, got 'a' twice (see scaleattn import --help)"),
@@ -205,7 +205,7 @@ def test_import_names_the_csv_options(tmp_path, cli, argv, line):
     csv.write_text("a,b\n" + "\n".join(f"{i},{i % 3}" for i in range(40)))
     out = tmp_path / "out.zarr"
     r = cli(*[a.format(out=out, csv=csv) for a in argv], rc=2)
-    assert _line(r) == line
+    assert _line(r) == line.format(csv=csv)
     assert not out.exists()
 
 

@@ -24,7 +24,8 @@ def test_the_cli_refuses_storage_options_of_local_paths(tmp_path, capsys):
     for argv in (["generate", "mhla", "g.zarr", "--samples", "4", "--length", "3"], ["import", "i.zarr", "--npz",
                  "a.npz"], ["fit", "d.zarr", "--out", "run", *FIT], ["certify", "d.zarr", "--local"],
                  ["evaluate", "run0/model.zarr", "d.zarr", "--local"], ["compare", "run0/model.zarr",
-                 "run0/model.zarr"], ["plot", "run0", "--dataset", "d.zarr", "--out", "figs"]):
+                 "run0/model.zarr"], ["plot", "run0", "--dataset", "d.zarr", "--out", "figs"],
+                 ["plot", "run0", "--out", "figs"], ["plot", "run0"]):  # (the report's dataset: local too)
         rc, err = run_main([*argv, "--storage-option", "anon=true"], capsys, cwd=tmp_path)
         assert rc == 2, (argv, err)
         expect(error_line(err), REFUSED)

@@ -62,6 +62,9 @@ def test_the_default_checkpoint_is_named_as_such(tmp_path, capsys, inputs):
     rc, err = run_main(["fit", "d.zarr", "--out", "c" * (limit - ADDED - 1), *FIT], capsys, cwd=tmp_path)
     assert rc == 2
     expect(error_line(err), r"the default --checkpoint \S+\.checkpoint\.zarr: the name is \d+ bytes long, 15 too many")
+    # (its name follows --out's: it advised 'a name of at most 223 bytes', which --out already was)
+    assert error_line(err).endswith(f"choose an --out name of at most {limit - ADDED - 16} bytes, or --checkpoint"
+                                    " PATH"), err
 
 
 def test_library_writers_check_the_name_too(tmp_path):
