@@ -67,7 +67,7 @@ def standardize(series, moments: bool = False):
     Each column is divided by its largest magnitude first: the z-score does not change, and columns with
     values up to float64's largest are standardised without overflow (``std`` of a column holding 1e200 is
     inf, which made the whole column 0). With ``moments``, also each column's mean and standard deviation in the
-    series' units (what maps a standardised value back: ``value * std + mean``; inf past float64's range)."""
+    series' units (what maps a standardised value back: ``value * std + mean``; finite, as the values are)."""
     x = np.asarray(series, dtype=np.float64)
     top = np.abs(x).max(axis=0) if x.size else np.ones(x.shape[1:])
     top = np.where(top > 0, top, 1.0)
@@ -197,6 +197,8 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         directory, or a path through a file.
     """
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)
+    if columns is not None:  # one name, or names stripped as the header's are (" b " is column b)
+        columns = [c.strip() for c in ([columns] if isinstance(columns, str) else columns)]
     twice = next((c for i, c in enumerate(columns or ()) if c in columns[:i]), None)
     if twice is not None:  # (a column taken twice is two identical token coordinates: a singular fit)
         raise ParameterError(f"columns must name each column once, got {twice!r} twice")
@@ -256,7 +258,7 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
             raise DatasetError(f"{path}: column {header[cols[j]]!r}: its standard deviation ({sd[j]:.1e}) is below"
                                f" float64's normal range ({np.finfo(np.float64).tiny:.1e}): the stored std could"
                                " not map values back; rescale the column")
-        moments = {"mean": [_json_float(v) for v in mean], "std": [_json_float(v) for v in sd]}
+        moments = {"mean": mean.tolist(), "std": sd.tolist()}  # (finite: |x| <= float64's largest)
     else:  # the values go in as they are: one whose cubic features overflow is refused by its line and column
         bad = np.abs(x) > MAX_TOKEN  # (windows too small as a whole are refused by the write, by sample)
         if bad.any():
@@ -286,11 +288,6 @@ def _check_varies(path, x, tok, names) -> None:
     raise DatasetError(f"{path}: column {names[j]!r} is constant ({tok[0, 0, j]:g} {where}): it carries nothing to"
                        " learn from and makes the fit unidentifiable"
                        + _use_columns([n for k, n in enumerate(names) if k not in flat], "the others"))
-
-
-def _json_float(v) -> float | None:
-    """A float for JSON attributes: None where it is not finite (a column's std past float64's range)."""
-    return float(v) if np.isfinite(v) else None
 
 
 @contextlib.contextmanager

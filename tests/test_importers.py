@@ -173,3 +173,21 @@ def test_a_csv_column_whose_std_underflows_is_refused(tmp_path):
                                            r" normal range"):
         import_csv(tmp_path / "z.zarr", tmp_path / "s.csv", length=2)
     assert not (tmp_path / "z.zarr").exists()
+
+
+def test_csv_columns_are_named_as_the_header_is(tmp_path):
+    """``--columns " b "`` was refused as unknown (the header's names are stripped, these were not), and the API's
+    ``columns="b"`` was read as the columns 'b' letter by letter: one name is one column."""
+    import numpy as np
+
+    from scaleattn.importers import import_csv
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((30, 2))
+    (tmp_path / "s.csv").write_text("a, b\n" + "".join(f"{p!r},{q!r}\n" for p, q in x.tolist()))
+    for i, columns in enumerate([" b ", ["b "], "b"]):
+        ds = import_csv(tmp_path / f"c{i}.zarr", tmp_path / "s.csv", length=3, columns=columns,
+                        standardize_columns=False)
+        tok = ds.read(0, ds.n_samples)[0]
+        assert tok.shape[-1] == 1
+        np.testing.assert_array_equal(tok[:, 0, 0], x[: ds.n_samples, 1])
