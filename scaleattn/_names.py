@@ -15,7 +15,8 @@ import unicodedata
 from ._storage import Location
 from .errors import UnsafeOutputError
 
-__all__ = ["check_output_name", "one_line", "control_character", "name_max", "COMPANIONS", "ADDED", "NAME_MAX"]
+__all__ = ["check_output_name", "one_line", "control_character", "name_max", "name_size", "COMPANIONS", "ADDED",
+           "NAME_MAX"]
 
 #: the names scaleattn keeps next to an output NAME: its lock (:func:`scaleattn._locks.lock_location`), a
 #: temporary holding the previous output moved aside (:func:`scaleattn._outputs.atomic_output`) and a reader's
@@ -61,6 +62,12 @@ def name_max(loc: Location) -> int:
     return n if n > 0 else NAME_MAX
 
 
+def name_size(loc: Location) -> tuple[int, int]:
+    """``(bytes of the name of loc, the longest name its file system takes)`` (:func:`name_max`)."""
+    name = (posixpath if loc.is_remote else os.path).basename(loc.url.rstrip("/"))
+    return len(os.fsencode(name)), name_max(loc)
+
+
 def check_output_name(loc: Location, role: str = "output") -> None:
     """Refuse, before anything is written, an output path holding a control character, or whose name leaves no
     room for the names scaleattn keeps next to it (:data:`COMPANIONS`: up to :data:`ADDED` more characters) on
@@ -77,8 +84,7 @@ def check_output_name(loc: Location, role: str = "output") -> None:
         raise UnsafeOutputError(f"{role} {one_line(loc.url)}: the path holds the control character {repr(c)[1:-1]}"
                                 " (every line naming it would break or garble the terminal); choose a path of"
                                 " printable characters")
-    name = (posixpath if loc.is_remote else os.path).basename(loc.url.rstrip("/"))
-    size, limit = len(os.fsencode(name)), name_max(loc)
+    size, limit = name_size(loc)
     if size + ADDED > limit:
         raise UnsafeOutputError(f"{role} {loc.url}: the name is {size} bytes long, {size + ADDED - limit} too many:"
                                 f" scaleattn keeps names up to {ADDED} bytes longer next to it"

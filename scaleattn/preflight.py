@@ -10,7 +10,7 @@ import os
 import shlex
 
 from . import _formats
-from ._names import ADDED, name_max
+from ._names import ADDED, name_size
 from ._outputs import (
     RUN,
     check_companions,
@@ -170,8 +170,7 @@ def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) 
 def _check_default_checkpoint_name(ckpt: Location) -> None:
     """``OUT.checkpoint.zarr`` holds its lock and temporaries too (:func:`scaleattn._names.check_output_name`);
     too long, the way round is said: its name follows --out's (advised 'a name of at most N bytes', not its own)."""
-    name = ckpt.url.rstrip("/").rsplit("/" if ckpt.is_remote else os.sep, 1)[-1]
-    size, limit = len(os.fsencode(name)), name_max(ckpt)
+    size, limit = name_size(ckpt)
     if size + ADDED > limit:
         raise UnsafeOutputError(f"the default --checkpoint {ckpt.url}: the name is {size} bytes long,"
                                 f" {size + ADDED - limit} too many: scaleattn keeps names up to {ADDED} bytes longer"
