@@ -30,6 +30,10 @@ WORKER_BASE_BYTES = 150e6
 #: how long a port that accepted the connection has to answer the Dask handshake (a scheduler answers at once;
 #: distributed itself waits forever, so another service on the port hung the job)
 HANDSHAKE_TIMEOUT_S = 10.0
+#: with --scheduler-timeout, the scheduler's port is tried at least this often (s) until it accepts: distributed's
+#: own retries back off exponentially with full jitter, so a scheduler that came up 60 s after the runner was
+#: reached 40 s later (the Kubernetes runner starts before its scheduler)
+POLL_S = 1.0
 
 
 @contextlib.contextmanager
@@ -88,6 +92,26 @@ def _connect_once(address: str, host: str, port: int, where: str, timeout: float
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {e.strerror or e}") from None
 
 
+def _wait_for_port(address: str, host: str, port: int, where: str, timeout: float) -> None:
+    """Try the scheduler's TCP port until it accepts, for at most ``timeout`` s, the pause between tries doubling
+    from 50 ms to :data:`POLL_S`: the runner goes on within about a second of the scheduler's start. Raises the
+    ClusterError of the last try (its cause named, "within ``timeout`` s (--scheduler-timeout)")."""
+    import time
+
+    deadline, pause = time.monotonic() + timeout, 0.05
+    within = f" within {timeout:g} s (--scheduler-timeout)"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return _connect_once(address, host, port, where, max(min(left, HANDSHAKE_TIMEOUT_S), 0.05), within)
+        except ClusterError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, POLL_S)
+
+
 def _reach_scheduler(address: str, where: str, security, scheduler_timeout: float | None) -> None:
     """Check that ``address`` is a Dask scheduler before the client connects, so that a definite answer ends the
     wait at once: distributed retries a refused connection and a host name that does not resolve for its whole
@@ -122,12 +146,14 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
         _connect_once(address, host, port, where,
                       parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s"))
-    # connected (or retried within --scheduler-timeout, as distributed does); the handshake then has its own bound
-    waited = (scheduler_timeout or 0) + HANDSHAKE_TIMEOUT_S
+    elif tcp:  # retried here until the port accepts (distributed retries, not TCP, back off for minutes)
+        _wait_for_port(address, host, port, where, scheduler_timeout)
+    # the port accepts (or distributed retries within --scheduler-timeout: not TCP); the handshake has its own bound
+    retried = None if tcp else scheduler_timeout
+    waited = (retried or 0) + HANDSHAKE_TIMEOUT_S
 
     async def handshake():
-        comm = await wait_for(comm_connect(address, timeout=scheduler_timeout or HANDSHAKE_TIMEOUT_S, **args),
-                              waited)
+        comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
         await comm.close()
 
     runner = LoopRunner()

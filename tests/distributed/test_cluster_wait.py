@@ -26,6 +26,46 @@ def test_unreachable_scheduler_fails_after_the_scheduler_timeout():
 
 
 @pytest.mark.slow
+def test_a_scheduler_that_starts_late_is_joined_within_seconds_of_its_start():
+    """The Kubernetes runner starts before its scheduler. distributed's own connect retries back off exponentially
+    with full jitter (0.01 s x 2^k), so a scheduler up after ~15 s was joined up to ~15 s later (one 60 s late was
+    joined 40 s late in the manifests' run-time test); the runner polls the port at least once a second."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = []
+
+    def watch():  # when the port first accepts: the scheduler is up (it answers the handshake at once)
+        while not ready:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                ready.append(time.monotonic())
+            except OSError:
+                time.sleep(0.02)
+
+    proc = subprocess.Popen(["bash", "-c", f"sleep 12; exec {sys.executable} -m distributed.cli.dask_scheduler"
+                             f" --host 127.0.0.1 --port {port} --dashboard-address :0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with connect(f"tcp://127.0.0.1:{port}", scheduler_timeout=120, quiet=True) as client:
+            joined = time.monotonic()
+            assert client.scheduler_info()["address"].endswith(f":{port}")
+        watcher.join(5)
+        assert ready and joined - ready[0] < 3.0, f"joined {joined - ready[0]:.1f} s after the scheduler's port opened"
+    finally:
+        ready.append(None)
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
 def test_no_worker_fails_after_the_worker_timeout():
     from distributed import LocalCluster
 
