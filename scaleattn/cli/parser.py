@@ -266,9 +266,15 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     """The command line option of ``args``' command that sets ``dest`` (``"cutoff_rtol"`` -> ``"--cutoff-rtol"``),
     or None (a positional argument, or no such option): errors raised by the library name its parameters, the
     CLI names them as its user typed them."""
+    action = option_action(args, dest)
+    return None if action is None else max(action.option_strings, key=len)
+
+
+def option_action(args: argparse.Namespace, dest: str) -> argparse.Action | None:
+    """The argparse action of the option of :func:`option_of` (its ``nargs`` 0: a flag), or None."""
     for action in _reached(build_parser(), args)._actions:
         if action.dest == dest and action.option_strings:
-            return max(action.option_strings, key=len)
+            return action
     return None
 
 
