@@ -4,8 +4,8 @@ submit``.
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
 out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
-``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (``--debug``
-shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 70 (:data:`EXIT_BUG`;
+``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
 """
@@ -28,7 +28,9 @@ from .parser import build_parser, option_of, parse
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 EXIT_BAD_INPUT = 2
-EXIT_BUG = 1
+#: an internal error (a bug: an exception scaleattn did not raise on purpose): sysexits' EX_SOFTWARE, a code no
+#: command gives as its answer (``compare`` exits 0 / 1 / 2 as ``diff`` and ``cmp`` do: same, different, trouble)
+EXIT_BUG = 70
 EXIT_INTERRUPTED = 130
 
 
@@ -200,7 +202,8 @@ def _enable_faulthandler() -> None:
 
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
-    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
+    an unreachable store or cluster), 70 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept);
+    ``compare`` 0 same, 1 different, 2 not comparable."""
     import signal
     import threading
 
@@ -254,15 +257,13 @@ def _run(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
-        if args.debug:
-            raise
-        print(_error_line(args, f"{_as_typed(e, args)}{_hint(e, args)}", usage=e.usage), file=sys.stderr)
+        if not _traceback_shown(args):
+            print(_error_line(args, f"{_as_typed(e, args)}{_hint(e, args)}", usage=e.usage), file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemoryError as e:  # sizes no up-front check caught: the machine's limit, not a bug
-        if args.debug:
-            raise
-        print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a machine"
-                                f" with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
+        if not _traceback_shown(args):
+            print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a"
+                                    f" machine with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated as e:
         print(_stopped_line(args, e), file=sys.stderr)
@@ -271,13 +272,23 @@ def _run(args) -> int:
         print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
-        if args.debug:
-            raise
+        if _traceback_shown(args):
+            return EXIT_BUG
         command = _prog(args).removeprefix("scaleattn ")
         print(one_line(f"{_prog(args)}: internal error (this is a bug; please report it with the output of"
                        f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
               file=sys.stderr)
         return EXIT_BUG
+
+
+def _traceback_shown(args) -> bool:
+    """With ``--debug``, print the traceback of the error being handled, in place of its one line: the exit code
+    stays the error's (it was Python's 1 for every error, a bad input or a bug, and for ``compare`` "different")."""
+    if args.debug:
+        import traceback
+
+        traceback.print_exc()
+    return args.debug
 
 
 if __name__ == "__main__":  # pragma: no cover
