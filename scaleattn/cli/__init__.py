@@ -19,7 +19,9 @@ import re
 import sys
 import time
 
+from .. import _testing
 from .._names import one_line
+from .._startup import EXIT_INTERRUPTED, STARTING, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
@@ -31,7 +33,6 @@ EXIT_BAD_INPUT = 2
 #: an internal error (a bug: an exception scaleattn did not raise on purpose): sysexits' EX_SOFTWARE, a code no
 #: command gives as its answer (``compare`` exits 0 / 1 / 2 as ``diff`` and ``cmp`` do: same, different, trouble)
 EXIT_BUG = 70
-EXIT_INTERRUPTED = 130
 
 
 def _command_start(argv) -> float:
@@ -203,12 +204,36 @@ def _enable_faulthandler() -> None:
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
     an unreachable store or cluster), 70 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept);
-    ``compare`` 0 same, 1 different, 2 not comparable."""
+    ``compare`` 0 same, 1 different, 2 not comparable.
+
+    Ctrl-C is one line and 130 at any point: while the package imports and once this function returns, as the
+    ``scaleattn`` program (:mod:`scaleattn._startup`), and here while the options are parsed, as in the command."""
+    import signal
+
+    release()  # (Ctrl-C while the package imported was scaleattn._startup's)
+    started = _command_start(argv)
+    args = None
+    try:
+        args = parse(argv)
+        return _command(args, started, argv)
+    except KeyboardInterrupt as e:  # before the command ran (its own are _run's) or as it ended
+        if isinstance(e, Terminated) and args is not None:
+            print(_stopped_line(args, e), file=sys.stderr)
+            return 128 + signal.SIGTERM
+        print(STARTING if args is None else f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if argv is None:  # the scaleattn program: the interpreter's exit is all that is left (clients, threads)
+            leave_on_interrupt(f"{'scaleattn' if args is None else _prog(args)}: interrupted while exiting (the"
+                               " command had ended)")
+            _testing.pause("exit")
+
+
+def _command(args, started: float, argv) -> int:
+    """:func:`main` once the options are parsed: the command with its warning lines and its SIGTERM handler."""
     import signal
     import threading
 
-    started = _command_start(argv)
-    args = parse(argv)
     _enable_faulthandler()
     if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
