@@ -7,11 +7,12 @@ and recovers the heads. ``scaleattn.tensor`` has tensor attention [Cao et al., a
 
 Layers (ARCHITECTURE.md; tests/test_architecture.py enforces them): L0 ``_version``, ``errors``, ``_params``,
 ``_backend``, ``_storage``, ``_formats``, ``report`` (all human text, from plain dicts), ``progress``,
-``_testing``; L1 ``features``, ``dataset``; L2 ``kernel`` -> ``statistics`` -> ``spectrum`` -> ``certificate`` ->
-``solver`` -> ``heads`` -> ``model``; L3 ``distributed/``; L4 ``run`` -> ``plot`` -> ``pipeline`` ->
-``estimator``, ``importers``, ``generate``; L5 ``cli``, ``submit``, ``bench/``, ``baselines/``; ``tensor/`` uses
-L0 only.
+``_testing``, ``_startup``; L1 ``features``, ``dataset``; L2 ``kernel`` -> ``statistics`` -> ``spectrum`` ->
+``certificate`` -> ``solver`` -> ``heads`` -> ``model``; L3 ``distributed/``; L4 ``run`` -> ``plot`` ->
+``pipeline`` -> ``estimator``, ``importers``, ``generate``; L5 ``cli``, ``submit``, ``bench/``, ``baselines/``;
+``tensor/`` uses L0 only.
 """
+from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__
 from .certificate import Certificate, certify
 from .dataset import Dataset, open_dataset
@@ -35,3 +36,5 @@ __all__ = [
     "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
     "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]
+
+_testing.pause("import")  # (the test suite's: Ctrl-C once the package is imported)

@@ -83,7 +83,8 @@ def check_disjoint(outputs, inputs, *, kind: str = "input", contains_ok: bool = 
     Parameters
     ----------
     outputs, inputs : iterable of (role, Location or None)
-        E.g. ``[("--out", out), ("--checkpoint", ckpt)]`` and ``[("dataset", ds.store)]``; None entries skipped.
+        E.g. ``[("`out`", out), ("`checkpoint`", ckpt)]`` (parameters in backticks, :mod:`scaleattn.errors`) and
+        ``[("dataset", ds.store)]``; None entries skipped.
     kind : str
         What the second list holds, for the message ("input", or "output" for two outputs of one run).
     contains_ok : bool
@@ -152,7 +153,7 @@ def check_outside_stores(loc: Location, role: str = "output", *, into: bool = Fa
         Naming the output and the store it is or lies inside.
     """
     if into and is_store(loc):
-        raise UnsafeOutputError(f"{role} {loc.url} is a Zarr store: this command adds files into its --out, and"
+        raise UnsafeOutputError(f"{role} {loc.url} is a Zarr store: this command adds files into its `out`, and"
                                 " nothing is written into a store from outside it; choose another directory")
     parent = store_holding(loc)
     if parent is not None:
@@ -161,7 +162,7 @@ def check_outside_stores(loc: Location, role: str = "output", *, into: bool = Fa
     # a run directory holds one run's report, stores and plots: another output in it would pass for that run's
     # (and make it foreign to its own --overwrite)
     if into and is_run_directory(loc):
-        raise UnsafeOutputError(f"{role} {loc.url} is a run directory: this command adds files into its --out, and"
+        raise UnsafeOutputError(f"{role} {loc.url} is a run directory: this command adds files into its `out`, and"
                                 " a run directory holds only its own run's files; choose another directory")
     run = store_holding(loc, is_run_directory)
     if run is not None:
@@ -383,12 +384,12 @@ def check_replaceable(loc: Location, role: str = "output", kind: str | None = No
         return
     ours, what = owner_of(loc)
     if not ours:
-        raise UnsafeOutputError(f"{role} {loc.url} exists and was not written by scaleattn ({what}): --overwrite"
+        raise UnsafeOutputError(f"{role} {loc.url} exists and was not written by scaleattn ({what}): `overwrite=True`"
                                 " replaces only scaleattn's own outputs; remove it yourself or choose another path")
     if kind is not None and what not in (kind, "an empty directory"):
-        raise UnsafeOutputError(f"{role} {loc.url} is {_kind_name(what)}, not {_kind_name(kind)}: --overwrite"
-                                " replaces only an output of the same kind; remove it yourself or choose another"
-                                " path")
+        raise UnsafeOutputError(f"{role} {loc.url} is {_kind_name(what)}, not {_kind_name(kind)}:"
+                                " `overwrite=True` replaces only an output of the same kind; remove it yourself or"
+                                " choose another path")
     check_unread(loc, role)
 
 
@@ -460,7 +461,7 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
         clean_leftovers(loc)
         if loc.exists():
             if not overwrite:
-                raise OutputExistsError(f"output {loc.url!r} already exists (pass --overwrite to replace it)")
+                raise OutputExistsError(f"output {loc.url!r} already exists (pass `overwrite=True` to replace it)")
             check_replaceable(loc, kind=kind)
         if loc.is_remote:
             loc.remove()

@@ -179,7 +179,7 @@ def parse_storage_options(options) -> dict | None:
     return out
 
 
-def storage_option_pairs(pairs, option: str = "--storage-option") -> dict[str, str]:
+def storage_option_pairs(pairs, option: str = "`storage_options`") -> dict[str, str]:
     """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` as text (no parsing of the values); the first step of
     :func:`parse_storage_options`, also used by ``scaleattn submit`` to pass them on unchanged. Raises
     :class:`ParameterError` for a pair without ``=`` or with an empty key (naming ``option``)."""

@@ -184,10 +184,10 @@ def access_error(url: str, e: BaseException) -> StorageError | None:
         what = "permission denied" if isinstance(e, PermissionError) else "cannot read or write it"
         return StorageError(f"{url}: {what} on the local file system ({type(e).__name__}: {e}); check the path's"
                             " owner and permissions", transient=flaky)
-    hint = ("check the endpoint (--storage-option endpoint_url=http://HOST:PORT or AWS_ENDPOINT_URL) and the"
-            " credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or --storage-option key=..."
-            " --storage-option secret=...)") if str(url).startswith(("s3://", "s3a://")) else (
-            "check the URL, the --storage-option values and the credentials")
+    hint = ("check the endpoint (`storage_options={'endpoint_url': 'http://HOST:PORT'}` or AWS_ENDPOINT_URL) and"
+            " the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or `storage_options={'key':"
+            " ..., 'secret': ...}`)") if str(url).startswith(("s3://", "s3a://")) else (
+            "check the URL, the `storage_options` values and the credentials")
     return StorageError(f"{url}: cannot access the object store ({type(e).__name__}: {e}); {hint}", transient=flaky)
 
 

@@ -8,13 +8,16 @@ worker processes and CLI subprocesses. Library code calls these hooks at fixed p
   (a flaky store), to exercise the retry policy.
 - ``SCALEATTN_TEST_SOLVE_FAILURE=1``: the solve step of a fit raises ``RuntimeError`` as it starts (after the
   build), as a solver failure would.
+- ``SCALEATTN_TEST_PAUSE=WHERE:FILE``: the process writes FILE and sleeps (up to a minute) at the point WHERE:
+  ``import`` (as the package imports), ``exit`` (as the ``scaleattn`` command leaves ``main``), so that a test
+  can send a signal there once FILE exists.
 """
 from __future__ import annotations
 
 import os
 import time
 
-__all__ = ["before_task", "before_read", "before_solve", "stop_after_groups", "crash"]
+__all__ = ["before_task", "before_read", "before_solve", "stop_after_groups", "crash", "pause"]
 
 #: exit code of a process stopped by :func:`crash`
 CRASH_EXIT = 75
@@ -48,6 +51,15 @@ def stop_after_groups() -> int | None:
     """K of ``SCALEATTN_TEST_STOP_AFTER_GROUPS``, or None when unset."""
     v = os.environ.get("SCALEATTN_TEST_STOP_AFTER_GROUPS")
     return int(v) if v else None
+
+
+def pause(where: str) -> None:
+    """Called at the points ``SCALEATTN_TEST_PAUSE=WHERE:FILE`` names (``import``, ``exit``)."""
+    at, _, path = os.environ.get("SCALEATTN_TEST_PAUSE", "").partition(":")
+    if at == where and path:
+        with open(path, "w"):
+            pass
+        time.sleep(60)
 
 
 def crash() -> None:

@@ -265,7 +265,7 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
         raise IntegrityError(
             f"{name}: no chunk stored for samples {shown} ({n} of {arr.shape[0]} samples) of {loc.url}: zarr"
             f" would read them as the fill value {_plain(arr.fill_value)}; if the writer skipped such chunks on"
-            " purpose, pass --absent-chunks-are-fill (API: fill_absent_chunks=True)")
+            " purpose, pass `fill_absent_chunks=True`")
     return listings
 
 

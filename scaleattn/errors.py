@@ -3,11 +3,14 @@
 :class:`ScaleattnError` is the base: a ``ValueError``, so code that caught ``ValueError`` before keeps working.
 Each subclass also derives from the builtin it refines where that helps callers (``FileExistsError``,
 ``MemoryError``, ``ImportError``, ...), as zarr-python's ``zarr.errors`` does. The CLI maps any
-:class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 1).
+:class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 70).
 
 Messages name the problem and where it is (the array and sample, the option, the path), in one line. A message
-names a parameter as ``NAME must ...`` at its start, or anywhere in backticks, ```NAME``` or ```NAME=VALUE```: the
-command line prints these as its options (``--NAME``, ``--NAME VALUE``).
+names a parameter as the Python API spells it, as ``NAME must ...`` at its start, or anywhere in backticks,
+```NAME``` or ```NAME=VALUE``` (``pass `overwrite=True` to replace it``), never as a command-line option
+(``--overwrite``), which a Python caller cannot pass: the command line prints these as its options (``--NAME``,
+``--NAME VALUE``, a flag alone: ``--overwrite``; :func:`scaleattn.cli._typed`). A whole command in backticks
+(```scaleattn plot RUN_DIR```) is advice to run that command, from a shell.
 """
 from __future__ import annotations
 

@@ -388,7 +388,7 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
             ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
             if not given and _is_training(ds, r, storage_options) is False:  # (the report's numbers are another's)
                 raise DatasetError(f"{ds.url} changed since the fit (another dataset is stored there now); pass"
-                                   " --dataset (API: dataset=) to draw the predictions on it as it is now")
+                                   " `dataset` to draw the predictions on it as it is now")
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
                                                      dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
                                                      samples=(samples_drawn(ds), int(ds.n_samples)),
@@ -453,7 +453,7 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
             stack.enter_context(reading(resolve(run, storage_options), "run"))
         if data is not None:  # (the predictions' dataset: read as fit and evaluate read theirs)
             stack.enter_context(reading(data, "dataset"))
-        stack.enter_context(hold(out, "--out"))
+        stack.enter_context(hold(out, "`out`"))
         return write_files(out, figure_pngs(run_figures(run, dataset, storage_options, full_spectrum=full_spectrum),
                                             dpi))
 
@@ -474,8 +474,8 @@ def _check_plot_output(run, out, dataset, storage_options) -> Location | None:
         inputs.append(("dataset", dataset.store if isinstance(dataset, Dataset) else resolve(dataset, storage_options)))
     # (the report's dataset is known only now: options where neither it, the run nor out is a URL are refused)
     check_storage_options(storage_options, out, *(loc for _, loc in inputs))
-    check_disjoint([("--out", out)], inputs, contains_ok=True)
+    check_disjoint([("`out`", out)], inputs, contains_ok=True)
     # into a directory, but never another run's (the plots would pass for that run's); the run's own is its place
     own = not hasattr(run, "certificate") and relation(out, resolve(run, storage_options)) == "is"
-    check_output_location(out, "--out", into=not own)
+    check_output_location(out, "`out`", into=not own)
     return inputs[-1][1] if dataset else None

@@ -66,21 +66,21 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
     if not ds.has_targets:
         raise DatasetError(f"{ds.url}: has no 'targets' array; use certify for the certificate alone")
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
-    check_disjoint([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
-    check_disjoint([("--checkpoint", ckpt)], [("--out", out)], kind="output")
-    check_companions([("--out", out), ("--checkpoint", ckpt)], [("dataset", ds.store)])
+    check_disjoint([("`out`", out), ("`checkpoint`", ckpt)], [("dataset", ds.store)])
+    check_disjoint([("`checkpoint`", ckpt)], [("`out`", out)], kind="output")
+    check_companions([("`out`", out), ("`checkpoint`", ckpt)], [("dataset", ds.store)])
     # (OUT.checkpoint.zarr, when not given, is named as such: --checkpoint PATH is the way round its name)
-    for role, loc in (("--out", out), ("--checkpoint" if checkpoint is not None else "the default --checkpoint", ckpt)):
+    for role, loc in (("`out`", out), ("`checkpoint`" if checkpoint is not None else "the default `checkpoint`", ckpt)):
         if loc is not None:
             if loc is ckpt and checkpoint is None:
                 _check_default_checkpoint_name(ckpt)
             check_output_location(loc, role)
     if ckpt is not None and (resume or ckpt.exists()):  # (a checkpoint to resume is an input too)
-        check_kind(ckpt, "--checkpoint", "a checkpoint store (a Zarr directory)", directory=True)
+        check_kind(ckpt, "`checkpoint`", "a checkpoint store (a Zarr directory)", directory=True)
     # an output a live run writes is in use, before whatever else is true of it (the advice of "exists", pass
     # --overwrite or --resume, would only meet the lock next); --out first, as the fit takes the locks
     if any(loc is not None and loc.exists() for loc in (out, ckpt)):
-        for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+        for role, loc in (("`out`", out), ("`checkpoint`", ckpt)):
             if loc is not None and (loc.is_remote or os.path.isdir(os.path.dirname(loc.url))):
                 with hold(loc, role):
                     pass
@@ -88,15 +88,15 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
         if not overwrite:
             if resume and not (ckpt is not None and ckpt.exists()):
                 raise OutputExistsError(f"nothing to resume: {out.url!r} is a finished run and no checkpoint"
-                                        f" {ckpt.url!r} is left (--resume continues a fit that was interrupted;"
-                                        " pass --overwrite to fit again)")
-            raise OutputExistsError(f"output {out.url!r} already exists (pass --overwrite to replace it)")
-        check_replaceable(out, "--out", RUN)
+                                        f" {ckpt.url!r} is left (`resume=True` continues a fit that was"
+                                        " interrupted; pass `overwrite=True` to fit again)")
+            raise OutputExistsError(f"output {out.url!r} already exists (pass `overwrite=True` to replace it)")
+        check_replaceable(out, "`out`", RUN)
     if ckpt is not None and ckpt.exists() and not resume:
         if not overwrite:
-            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass --resume to continue"
-                                    " it, or --overwrite to start over")
-        check_replaceable(ckpt, "--checkpoint", _formats.CHECKPOINT[0])
+            raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass `resume=True` to"
+                                    " continue it, or `overwrite=True` to start over")
+        check_replaceable(ckpt, "`checkpoint`", _formats.CHECKPOINT[0])
     return ds
 
 
@@ -110,7 +110,7 @@ def holding(dataset, out=None, checkpoint=None, storage_options=None):
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     with contextlib.ExitStack() as stack:
         stack.enter_context(reading(ds.store, "dataset"))
-        for role, loc in (("--out", out), ("--checkpoint", ckpt)):
+        for role, loc in (("`out`", out), ("`checkpoint`", ckpt)):
             if loc is not None:
                 stack.enter_context(hold(loc, role))
                 clean_leftovers(loc, protect=[ds.store])
@@ -130,7 +130,7 @@ def kept_hint(ckpt: Location, what: str | None = None) -> str:
     """The resume hint for a kept checkpoint."""
     n = _done_groups(ckpt)
     held = what or ("nothing" if n is None else f"{n[0]} of {n[1]} row groups")
-    return f"the checkpoint {ckpt.url} keeps {held}: run the same command with --resume to continue"
+    return f"the checkpoint {ckpt.url} keeps {held}: run the same command with `resume=True` to continue"
 
 
 def rerun_command(dataset_url: str, out: str | None, ckpt: Location, checkpoint_given: bool) -> str:
@@ -146,9 +146,10 @@ def solve_hint(ckpt: Location, command: str, e: BaseException | None = None) -> 
     again; after the input changed (an :class:`IntegrityError` of a later pass), what a rerun recomputes."""
     if isinstance(e, IntegrityError):
         return (f"the checkpoint {ckpt.url} holds statistics of the data as it was before: once nothing writes to"
-                " the input, run again with --overwrite instead of --resume (a resume is refused: the data changed)")
+                " the input, run again with `overwrite=True` instead of `resume=True` (a resume is refused: the data"
+                " changed)")
     return (f"the checkpoint {ckpt.url} keeps all row groups: `{command}` (with this run's other options, or"
-            " another --solver) solves again from them without rebuilding any")
+            " another `solver`) solves again from them without rebuilding any")
 
 
 def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) -> None:
@@ -172,10 +173,10 @@ def _check_default_checkpoint_name(ckpt: Location) -> None:
     too long, the way round is said: its name follows --out's (advised 'a name of at most N bytes', not its own)."""
     size, limit = name_size(ckpt)
     if size + ADDED > limit:
-        raise UnsafeOutputError(f"the default --checkpoint {ckpt.url}: the name is {size} bytes long,"
+        raise UnsafeOutputError(f"the default `checkpoint` {ckpt.url}: the name is {size} bytes long,"
                                 f" {size + ADDED - limit} too many: scaleattn keeps names up to {ADDED} bytes longer"
-                                f" next to it and the file system takes at most {limit}; choose an --out name of at"
-                                f" most {limit - ADDED - len(CHECKPOINT_SUFFIX)} bytes, or --checkpoint PATH")
+                                f" next to it and the file system takes at most {limit}; choose an `out` name of at"
+                                f" most {limit - ADDED - len(CHECKPOINT_SUFFIX)} bytes, or `checkpoint=PATH`")
 
 
 #: what the default checkpoint adds to --out's name

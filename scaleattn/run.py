@@ -150,7 +150,7 @@ def write_files(out, files: dict) -> list[str]:
         return [loc.url for loc in targets]
     clash = [loc.url for loc in targets if os.path.lexists(loc.url) and not os.path.isfile(loc.url)]
     if clash:
-        raise UnsafeOutputError(f"{clash[0]} exists and is not a file: not replaced (choose another --out)")
+        raise UnsafeOutputError(f"{clash[0]} exists and is not a file: not replaced (choose another `out`)")
     _check_replaceable_files(targets)
     made = not os.path.isdir(out.url)
     token = uuid.uuid4().hex[:8]
@@ -192,7 +192,7 @@ def _check_replaceable_files(targets) -> None:
     for loc in targets:
         if loc.exists() and not is_scaleattn_plot(loc):
             raise UnsafeOutputError(f"{loc.url} exists and is not a plot scaleattn drew: not replaced; move it or"
-                                    " choose another --out")
+                                    " choose another `out`")
 
 
 def spectrum_not_kept(psi, *, recompute: bool = True, stats_kept: bool = True, path_known: bool = True) -> str:

@@ -4,8 +4,8 @@ submit``.
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
 out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
-``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (``--debug``
-shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 70 (:data:`EXIT_BUG`;
+``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
 """
@@ -19,7 +19,9 @@ import re
 import sys
 import time
 
+from .. import _testing
 from .._names import one_line
+from .._startup import EXIT_INTERRUPTED, STARTING, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
@@ -28,8 +30,9 @@ from .parser import build_parser, option_of, parse
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 EXIT_BAD_INPUT = 2
-EXIT_BUG = 1
-EXIT_INTERRUPTED = 130
+#: an internal error (a bug: an exception scaleattn did not raise on purpose): sysexits' EX_SOFTWARE, a code no
+#: command gives as its answer (``compare`` exits 0 / 1 / 2 as ``diff`` and ``cmp`` do: same, different, trouble)
+EXIT_BUG = 70
 
 
 def _command_start(argv) -> float:
@@ -56,7 +59,7 @@ TERM_CLEANUP_S = 20.0
 def _stopped_line(args, e: BaseException | None = None) -> str:
     """What a command stopped by SIGTERM says last: what it wrote, or what it kept (the hint on ``e``, as after
     Ctrl-C), or, when its clean-up ran out of time (no ``e``), where a fit's finished row groups would be."""
-    if getattr(args, "written", None) or args.command != "fit" or (e is not None and _hint(e)):
+    if getattr(args, "written", None) or args.command != "fit" or (e is not None and _hint(e, args)):
         tail = _kept(args, e)
     elif e is not None:
         tail = "; no row group was finished: rerun the same command (with or without --resume) to start again"
@@ -72,7 +75,7 @@ def _kept(args, e: BaseException | None) -> str:
     written = getattr(args, "written", None)  # set by a command once its output is complete
     if written:
         return f" after it wrote {written} in full"
-    return (_hint(e) if e is not None else "") or ("; nothing was written (outputs are written all or nothing)"
+    return (_hint(e, args) if e is not None else "") or ("; nothing was written (outputs are written all or nothing)"
                                                    if args.command in WRITERS else "")
 
 
@@ -127,26 +130,62 @@ def _step(e: BaseException) -> str:
     return step
 
 
-def _hint(e: BaseException) -> str:
+def _hint(e: BaseException, args) -> str:
     h = hint_of(e)
-    return f"; {h}" if h else ""
+    return f"; {_typed(h, args)}" if h else ""
 
 
 def _as_typed(e: ScaleattnError, args) -> str:
     """The error's text with the library's parameter names replaced by the command's options for them: a parameter
     check's leading name (``cutoff_rtol must be in (0, 1), got 2``, from :mod:`scaleattn._params`) and every name
-    the message quotes in backticks (:mod:`scaleattn.errors`: ```solver='krylov'``` -> ``--solver krylov``,
-    ```d_out``` -> ``--d-out``); a name the command has no option for stays as it is."""
+    the message quotes in backticks (:func:`_typed`)."""
     text = str(e)
     name = re.match(r"(\w+) must ", text) if isinstance(e, ParameterError) else None
     flag = name and option_of(args, name.group(1))
-    text = flag + text[name.end(1):] if flag else text
+    return _typed(flag + text[name.end(1):] if flag else text, args)
+
+
+#: parameters of the Python API that the command line spells otherwise (as a whole quote, or by name): the
+#: ``dest`` of the option(s) that say the same
+_SPELLED = {"storage_options": ("storage_option",), "client=None": ("local",), "ca_file": ("tls_ca_file",),
+            "cert": ("tls_cert",), "key": ("tls_key",), "security": ("tls_ca_file", "tls_cert", "tls_key")}
+
+
+def _typed(text: str, args) -> str:
+    """Library text (an error, its hint, a warning) as the command line says it: every parameter it quotes in
+    backticks as the Python API spells it (:mod:`scaleattn.errors`) becomes the command's option, ```d_out``` ->
+    ``--d-out``, ```solver='krylov'``` -> ``--solver krylov``, ```resume=True``` -> ``--resume`` (a flag takes no
+    value), ```storage_options={'key': ...}``` -> ``--storage-option key=...`` (a dict: the option once a
+    key); a name the command has no option for stays as it is."""
+    from .parser import option_action
 
     def typed(m):
-        flag = option_of(args, m.group(1))
-        return m.group(0) if not flag else flag if m.group(2) is None else f"{flag} {m.group(2).strip(chr(39))}"
+        dests = _SPELLED.get(m.group(0).strip("`"), _SPELLED.get(m.group(1), (m.group(1),)))
+        actions = [option_action(args, d) for d in dests]
+        if not all(actions):
+            return m.group(0)
+        flags = [max(a.option_strings, key=len) for a in actions]
+        if len(flags) > 1:
+            return f"{', '.join(flags[:-1])} and {flags[-1]}"
+        if m.group(2) is None or actions[0].nargs == 0:  # (a flag: the API's value is how it is set)
+            return flags[0]
+        return " ".join(f"{flags[0]} {v}" for v in _option_values(m.group(2)))
 
     return re.sub(r"`(\w+)(?:=([^`]*))?`", typed, text)
+
+
+def _option_values(text: str) -> list[str]:
+    """The value(s) of an option for a quoted Python value: a string without its quotes, a dict as ``KEY=VALUE``
+    pairs (``...`` for an elided one), anything else as written."""
+    import ast
+
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return [text]
+    if isinstance(value, dict):
+        return [f"{k}={'...' if v is Ellipsis else v}" for k, v in value.items()]
+    return [value if isinstance(value, str) else text]
 
 
 def _enable_faulthandler() -> None:
@@ -164,12 +203,37 @@ def _enable_faulthandler() -> None:
 
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
-    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept)."""
+    an unreachable store or cluster), 70 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept);
+    ``compare`` 0 same, 1 different, 2 not comparable.
+
+    Ctrl-C is one line and 130 at any point: while the package imports and once this function returns, as the
+    ``scaleattn`` program (:mod:`scaleattn._startup`), and here while the options are parsed, as in the command."""
+    import signal
+
+    release()  # (Ctrl-C while the package imported was scaleattn._startup's)
+    started = _command_start(argv)
+    args = None
+    try:
+        args = parse(argv)
+        return _command(args, started, argv)
+    except KeyboardInterrupt as e:  # before the command ran (its own are _run's) or as it ended
+        if isinstance(e, Terminated) and args is not None:
+            print(_stopped_line(args, e), file=sys.stderr)
+            return 128 + signal.SIGTERM
+        print(STARTING if args is None else f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if argv is None:  # the scaleattn program: the interpreter's exit is all that is left (clients, threads)
+            leave_on_interrupt(f"{'scaleattn' if args is None else _prog(args)}: interrupted while exiting (the"
+                               " command had ended)")
+            _testing.pause("exit")
+
+
+def _command(args, started: float, argv) -> int:
+    """:func:`main` once the options are parsed: the command with its warning lines and its SIGTERM handler."""
     import signal
     import threading
 
-    started = _command_start(argv)
-    args = parse(argv)
     _enable_faulthandler()
     if not args.debug:  # zarr's cancelled reads after an error would print "Task was destroyed" lines
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -193,7 +257,7 @@ def main(argv=None) -> int:
 def _warning_lines(args):
     """A warning prints as one line, ``PROG: warning: MESSAGE``, as the error lines do (Python's own format adds
     the file, line number and source line of the code that warned), a :class:`~scaleattn.errors.Note` as
-    ``PROG: note: MESSAGE``; with ``--debug`` as Python prints it."""
+    ``PROG: note: MESSAGE``, naming the command's options (:func:`_typed`); with ``--debug`` as Python prints it."""
     import warnings
 
     if args.debug:
@@ -203,7 +267,7 @@ def _warning_lines(args):
 
     def show(message, category, filename, lineno, file=None, line=None):
         kind = "note" if issubclass(category, Note) else "warning"
-        print(one_line(f"{_prog(args)}: {kind}: {message}"), file=file or sys.stderr)
+        print(one_line(f"{_prog(args)}: {kind}: {_typed(str(message), args)}"), file=file or sys.stderr)
 
     warnings.showwarning = show
     try:
@@ -218,15 +282,13 @@ def _run(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
-        if args.debug:
-            raise
-        print(_error_line(args, f"{_as_typed(e, args)}{_hint(e)}", usage=e.usage), file=sys.stderr)
+        if not _traceback_shown(args):
+            print(_error_line(args, f"{_as_typed(e, args)}{_hint(e, args)}", usage=e.usage), file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemoryError as e:  # sizes no up-front check caught: the machine's limit, not a bug
-        if args.debug:
-            raise
-        print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a machine"
-                                f" with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
+        if not _traceback_shown(args):
+            print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a"
+                                    f" machine with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
         return EXIT_BAD_INPUT
     except Terminated as e:
         print(_stopped_line(args, e), file=sys.stderr)
@@ -235,12 +297,23 @@ def _run(args) -> int:
         print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
-        if args.debug:
-            raise
+        if _traceback_shown(args):
+            return EXIT_BUG
         command = _prog(args).removeprefix("scaleattn ")
         print(one_line(f"{_prog(args)}: internal error (this is a bug; please report it with the output of"
-                       f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e)}"), file=sys.stderr)
+                       f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
+              file=sys.stderr)
         return EXIT_BUG
+
+
+def _traceback_shown(args) -> bool:
+    """With ``--debug``, print the traceback of the error being handled, in place of its one line: the exit code
+    stays the error's (it was Python's 1 for every error, a bad input or a bug, and for ``compare`` "different")."""
+    if args.debug:
+        import traceback
+
+        traceback.print_exc()
+    return args.debug
 
 
 if __name__ == "__main__":  # pragma: no cover

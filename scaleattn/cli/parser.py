@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     about = ("distance ||c(A) - c(B)|| of two models and whether they compute the same function (exit 0 same,"
              " 1 different, 2 when they cannot be compared: a store that is no model, different d or d_out, a bad"
-             " option)")
+             " option; 70 an internal error, as in every command)")
     cmp_ = sub.add_parser("compare", help=about, description=about)
     cmp_.add_argument("model_a", metavar="MODEL_A", help="model store (RUN/model.zarr)")
     cmp_.add_argument("model_b", metavar="MODEL_B", help="model store")
@@ -266,9 +266,15 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     """The command line option of ``args``' command that sets ``dest`` (``"cutoff_rtol"`` -> ``"--cutoff-rtol"``),
     or None (a positional argument, or no such option): errors raised by the library name its parameters, the
     CLI names them as its user typed them."""
+    action = option_action(args, dest)
+    return None if action is None else max(action.option_strings, key=len)
+
+
+def option_action(args: argparse.Namespace, dest: str) -> argparse.Action | None:
+    """The argparse action of the option of :func:`option_of` (its ``nargs`` 0: a flag), or None."""
     for action in _reached(build_parser(), args)._actions:
         if action.dest == dest and action.option_strings:
-            return max(action.option_strings, key=len)
+            return action
     return None
 
 

@@ -45,6 +45,9 @@ from ..statistics import Statistics
 __all__ = ["Checkpoint", "partial_checksum"]
 
 FORMAT, FORMAT_VERSION = _formats.CHECKPOINT
+#: how to start over from a checkpoint that is never reused, in the Python API's words (:mod:`scaleattn.errors`):
+#: :func:`~scaleattn.distributed.build.compute_statistics` has no ``overwrite``, a fit with ``resume`` keeps it
+_START_OVER = "start over (remove it, or fit with `overwrite=True` instead of `resume=True`)"
 
 
 def _layout(dataset, groups, tiles, targets: bool) -> dict:
@@ -114,32 +117,31 @@ class Checkpoint:
                 have = dict(store.open_group("r").attrs)
             except Exception as e:  # not a zarr group
                 raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
-                                      " choose another --checkpoint path") from None
+                                      " choose another `checkpoint` path") from None
             if have.get("format") == FORMAT and have.get("format_version") != FORMAT_VERSION:
                 raise CheckpointError(
                     f"checkpoint {url!r} was written by an older scaleattn (format v{have.get('format_version')},"
                     f" this one writes v{FORMAT_VERSION}): its partials are not bound to the rows they came from and"
-                    " cannot be verified, so it is never reused; start over with --overwrite")
+                    f" cannot be verified, so it is never reused; {_START_OVER}")
             if have.get("format") == FORMAT and "groups" not in have:
-                raise CheckpointError(f"checkpoint {url!r} is incomplete (its creation was cut short); start over"
-                                      " with --overwrite")
+                raise CheckpointError(f"checkpoint {url!r} is incomplete (its creation was cut short); {_START_OVER}")
             for k, v in want.items():
                 if have.get(k) != v:
                     shown = (lambda x: x if len(repr(x)) < 80 else repr(x)[:77] + "...")
                     raise CheckpointError(
                         f"checkpoint {url!r} was made by a different build ({k}: stored {shown(have.get(k))!r}, this "
-                        f"job {shown(v)!r}); it is never mixed in: remove it, or start over with --overwrite")
+                        f"job {shown(v)!r}); it is never mixed in; {_START_OVER}")
             built = have.get("kernel", "numpy")  # before the attribute, numpy was the only kernel
             if built != kernel:
                 raise CheckpointError(
                     f"checkpoint {url!r} was built by the {built!r} statistics kernel, this build uses {kernel!r}: "
-                    f"resume with SCALEATTN_KERNEL={built}, or start over with --overwrite")
+                    f"resume with SCALEATTN_KERNEL={built}, or {_START_OVER}")
             revision = have.get("kernel_revision", 1)  # before the attribute, every kernel was at revision 1
             if revision != KERNEL_REVISIONS[kernel]:
                 raise CheckpointError(
                     f"checkpoint {url!r} was built by revision {revision} of the {kernel!r} statistics kernel (another"
                     f" scaleattn), this one has revision {KERNEL_REVISIONS[kernel]}: their partials differ in the last"
-                    " bits and are never mixed; resume with the scaleattn that made it, or start over with --overwrite")
+                    f" bits and are never mixed; resume with the scaleattn that made it, or {_START_OVER}")
             return cls(*args, uid=str(have.get("uid", "")), kernel=kernel)
         ck = cls(*args, uid=uuid.uuid4().hex, kernel=kernel)
         ck._create({**want, "kernel": kernel, "kernel_revision": KERNEL_REVISIONS[kernel]})

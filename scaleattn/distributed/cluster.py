@@ -86,7 +86,7 @@ def _connect_once(address: str, host: str, port: int, where: str, timeout: float
                            f" listens on port {port} of {host}: is the scheduler running, on that port?)") from None
     except TimeoutError:
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: no answer within {timeout:g} s"
-                           + ("" if within else " (distributed.comm.timeouts.connect; --scheduler-timeout waits"
+                           + ("" if within else " (distributed.comm.timeouts.connect; `scheduler_timeout` waits"
                                                 " longer)")) from None
     except OSError as e:
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {e.strerror or e}") from None
@@ -95,11 +95,11 @@ def _connect_once(address: str, host: str, port: int, where: str, timeout: float
 def _wait_for_port(address: str, host: str, port: int, where: str, timeout: float) -> None:
     """Try the scheduler's TCP port until it accepts, for at most ``timeout`` s, the pause between tries doubling
     from 50 ms to :data:`POLL_S`: the runner goes on within about a second of the scheduler's start. Raises the
-    ClusterError of the last try (its cause named, "within ``timeout`` s (--scheduler-timeout)")."""
+    ClusterError of the last try (its cause named, "within ``timeout`` s (`scheduler_timeout`)")."""
     import time
 
     deadline, pause = time.monotonic() + timeout, 0.05
-    within = f" within {timeout:g} s (--scheduler-timeout)"
+    within = f" within {timeout:g} s (`scheduler_timeout`)"
     while True:
         left = deadline - time.monotonic()
         try:
@@ -140,8 +140,8 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                              " or tls://HOST:PORT") from None
     args = (security or Security()).get_connection_args("client")
     if address.startswith("tls://") and args.get("ssl_context") is None:
-        raise ParameterError(f"{where} {address}: a TLS address needs --tls-ca-file, --tls-cert and --tls-key (or"
-                             " the dask config distributed.comm.tls.*)")
+        raise ParameterError(f"{where} {address}: a TLS address needs `security` (or the dask config"
+                             " distributed.comm.tls.*)")
     tcp = address.split("://")[0] in ("tcp", "tls", "ws", "wss") or "://" not in address  # (ucx: not TCP)
     if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
         _connect_once(address, host, port, where,
@@ -167,7 +167,7 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     except OSError as e:
         if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
             return
-        within = f" within {scheduler_timeout:g} s (--scheduler-timeout)"
+        within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)"
         if tcp:
             _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if it is one
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
@@ -243,12 +243,12 @@ def tls_security(ca_file: str | None = None, cert: str | None = None, key: str |
     InputNotFoundError
         A file does not exist.
     """
-    files = {"--tls-ca-file": ca_file, "--tls-cert": cert, "--tls-key": key}
+    files = {"`ca_file`": ca_file, "`cert`": cert, "`key`": key}
     if not any(files.values()):
         return None
     missing = [k for k, v in files.items() if not v]
     if missing:
-        raise ParameterError(f"TLS needs all of --tls-ca-file, --tls-cert and --tls-key (missing {', '.join(missing)})")
+        raise ParameterError(f"TLS needs all of `ca_file`, `cert` and `key` (missing {', '.join(missing)})")
     for k, v in files.items():
         check_kind(v, k, "a PEM file", directory=False)
         if not os.path.isfile(v):
@@ -332,7 +332,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
 
     scheduler_timeout = seconds("scheduler_timeout", scheduler_timeout)
     worker_timeout = seconds("worker_timeout", worker_timeout)
-    where = "--scheduler" if scheduler else "$DASK_SCHEDULER_ADDRESS"
+    where = "`scheduler`" if scheduler else "$DASK_SCHEDULER_ADDRESS"
     scheduler = scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if scheduler and (workers or gpus):
         raise ParameterError("`workers` and `gpus` shape an embedded cluster; with `scheduler` the cluster has its"
@@ -353,14 +353,14 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                 client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
             except OSError as e:  # distributed raises OSError (TimeoutError) after the connect timeout
                 raise ClusterError(f"cannot reach the Dask scheduler at {scheduler}"
-                                   + (f" within {scheduler_timeout:g} s (--scheduler-timeout)" if timeout else "")
+                                   + (f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if timeout else "")
                                    + f": {_first_line(e)}") from None
             if worker_timeout is not None:
                 try:
                     client.wait_for_workers(1, timeout=worker_timeout)
                 except TimeoutError:
                     raise ClusterError(f"no Dask worker joined the scheduler at {scheduler} within"
-                                       f" {worker_timeout:g} s (--worker-timeout): are the worker pods Pending (no"
+                                       f" {worker_timeout:g} s (`worker_timeout`): are the worker pods Pending (no"
                                        " node with the requested CPUs, memory or GPUs) or failing?") from None
         else:
             n = gpus or workers or default_workers()
@@ -375,7 +375,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                     try:
                         from dask_cuda import LocalCUDACluster
                     except ImportError:
-                        raise MissingDependencyError.for_extra("--gpus", "gpu", "dask-cuda and CuPy") from None
+                        raise MissingDependencyError.for_extra("`gpus`", "gpu", "dask-cuda and CuPy") from None
                     cluster = LocalCUDACluster(n_workers=gpus, threads_per_worker=threads_per_worker, ip="127.0.0.1",
                                                **common)
                 else:

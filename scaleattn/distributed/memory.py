@@ -264,7 +264,7 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
             " available. Rewrite the dataset with smaller chunks (write_dataset(chunk_samples=...), or scaleattn"
             " import) or use a machine with more memory.")
     alt = est["paths"]["krylov"] + task - need  # the same work on the krylov path (no psi x psi array)
-    hint = f", or --solver krylov ({alt / GIB:.2f} GiB)" if est["path"] != "krylov" and alt <= have else ""
+    hint = f", or `solver='krylov'` ({alt / GIB:.2f} GiB)" if est["path"] != "krylov" and alt <= have else ""
     if client is None and task > have >= need:
         raise InsufficientMemoryError(
             f"a {what} with d = {d} ({est['path']} solver) needs {task / GIB:.2f} GiB in this process (statistics,"

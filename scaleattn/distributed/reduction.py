@@ -175,7 +175,7 @@ def check_reachable(client, inputs) -> None:
     who = f"workers ({outside[0]}{', ...' if len(outside) > 1 else ''})" if outside else "workers (none joined yet)"
     raise UnsupportedError(f"{role} {loc.url}: lives in the memory of this process, and the cluster's {who} run in"
                            " other processes, which cannot read it: write it to a path or store they share"
-                           " (s3://..., a shared file system), or compute in this process (client=None, --local)")
+                           " (s3://..., a shared file system), or compute in this process (`client=None`)")
 
 
 #: states of a worker's task that still runs user code (distributed's worker state machine)

@@ -76,14 +76,14 @@ def check_qr_memory(d: int, d_out: int, client=None, memory_limit=None) -> dict:
     if est["solver_bytes"] > have:
         raise InsufficientMemoryError(
             f"the QR certificate at d = {d} (psi = {est['psi']:,}) needs {est['solver_bytes'] / GIB:.1f} GiB on the"
-            f" solver node; this machine has {have / GIB:.1f} GiB available. Use --certificate gram or a machine"
+            f" solver node; this machine has {have / GIB:.1f} GiB available. Use `certificate='gram'` or a machine"
             f" with at least {1.25 * est['solver_bytes'] / GIB:.0f} GiB.")
     if client is not None:
         small, n_workers = small_workers(client, est["worker_bytes"])
         if small:
             raise InsufficientMemoryError(
                 f"the QR certificate at d = {d} needs {est['worker_bytes'] / GIB:.2f} GiB per worker; {len(small)} of"
-                f" {n_workers} workers have only {min(small) / GIB:.2f} GiB. Use --certificate gram or larger"
+                f" {n_workers} workers have only {min(small) / GIB:.2f} GiB. Use `certificate='gram'` or larger"
                 " workers.")
     return est
 

@@ -112,6 +112,33 @@ def test_solver_paths_agree_at_d16(cli, tmp_path):
         assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
 
 
+def test_compare_answers_as_diff_does_and_a_bug_is_none_of_its_answers(cli, tmp_path, monkeypatch):
+    """``compare`` exits 0 (same function), 1 (different), 2 (cannot compare); an internal error exited 1 too, so a
+    script could not tell a bug from "different". It has its own code (70), also with ``--debug``, which raised
+    (Python's exit 1) for a bug and for bad input alike."""
+    from scaleattn import heads
+    from scaleattn.heads import coef_from_heads
+
+    V, Q = np.ones((1, 1, 2)), np.eye(2)[None]
+    a, b, c = (tmp_path / n for n in ("a.zarr", "b.zarr", "c.zarr"))
+    MHLAModel(coef_from_heads(V, Q), V, Q, d=2).save(str(a))
+    MHLAModel(coef_from_heads(2 * V, Q), 2 * V, Q, d=2).save(str(b))
+    MHLAModel(coef_from_heads(V[:, :, :1], Q[:, :1, :1]), V[:, :, :1], Q[:, :1, :1], d=1).save(str(c))
+    assert cli("compare", a, a).stdout.splitlines()[-1] == "EQUIVALENT: same function on every input"
+    assert cli("compare", a, b, rc=1).stdout.splitlines()[-1] == "DIFFERENT functions"
+    assert "(d, d_out) = (2, 1) and (1, 1)" in cli("compare", a, c, rc=2).stderr
+    assert cli("--debug", "compare", a, c, rc=2).stderr.startswith("Traceback")
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(heads, "compare_models", broken)
+    err = cli("compare", a, b, rc=70).stderr
+    assert err.startswith("scaleattn compare: internal error (this is a bug") and "ZeroDivisionError" in err, err
+    err = cli("compare", a, b, "--debug", rc=70).stderr
+    assert err.startswith("Traceback") and err.strip().endswith("ZeroDivisionError: float division by zero"), err
+
+
 @pytest.mark.slow
 def test_cli_fit_minimal_witness_and_compare(cli, tmp_path):
     data, assoc = tmp_path / "d.zarr", tmp_path / "a.zarr"

@@ -182,6 +182,115 @@ def test_the_python_api_keeps_naming_its_parameters(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("made, api, command_line", [
+    ("run", "output {out!r} already exists (pass `overwrite=True` to replace it)",
+     "output {out!r} already exists (pass --overwrite to replace it)"),
+    ("run.checkpoint.zarr", "checkpoint {ckpt!r} of an unfinished fit exists: pass `resume=True` to continue it, or"
+                            " `overwrite=True` to start over",
+     "checkpoint {ckpt!r} of an unfinished fit exists: pass --resume to continue it, or --overwrite to start over"),
+], ids=["run", "checkpoint"])
+def test_a_refusal_says_the_python_keyword_in_python_and_the_option_on_the_command_line(causal_ds, tmp_path, cli,
+                                                                                         made, api, command_line):
+    """``scaleattn.fit(...)`` in a notebook told its caller to pass ``--overwrite`` or ``--resume``, options a
+    Python call cannot take: one message, the API's keyword in Python, the option on the command line."""
+    from scaleattn import fit
+    from scaleattn.errors import OutputExistsError
+
+    (tmp_path / made).mkdir()
+    names = dict(out=str(tmp_path / "run"), ckpt=str(tmp_path / "run.checkpoint.zarr"))
+    with pytest.raises(OutputExistsError) as e:
+        fit(causal_ds, tmp_path / "run", plots=False)
+    assert str(e.value) == api.format(**names)
+    line = _line(cli("fit", causal_ds.url, "--out", tmp_path / "run", "--local", rc=2))
+    assert line == "scaleattn fit: error: " + command_line.format(**names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [made]
+
+
+@pytest.mark.parametrize("quoted, typed", [
+    ("pass `resume=True` to continue", "pass --resume to continue"),  # a flag: its value is how Python sets it
+    ("pass `fill_absent_chunks=True`", "pass --absent-chunks-are-fill"),  # an option named otherwise
+    ("`solver='krylov'` (2.5 GiB)", "--solver krylov (2.5 GiB)"),
+    ("or `checkpoint=PATH`", "or --checkpoint PATH"),
+    ("the default `checkpoint` /x", "the default --checkpoint /x"),
+    ("`storage_options={'endpoint_url': 'http://HOST:PORT'}`", "--storage-option endpoint_url=http://HOST:PORT"),
+    ("`storage_options={'key': ..., 'secret': ...}`", "--storage-option key=... --storage-option secret=..."),
+    ("needs `security` (or the dask config)", "needs --tls-ca-file, --tls-cert and --tls-key (or the dask config)"),
+    ("(missing `ca_file`, `key`)", "(missing --tls-ca-file, --tls-key)"),
+    ("in this process (`client=None`)", "in this process (--local)"),
+    ("`pairs` <= `dim`", "`pairs` <= `dim`"),  # not options of fit: as they are
+])
+def test_the_command_line_says_each_python_keyword_as_its_option(quoted, typed):
+    import argparse
+
+    from scaleattn.cli import _typed
+
+    assert _typed(quoted, argparse.Namespace(command="fit")) == typed
+
+
+def test_hints_and_warnings_name_the_options_too(cli, monkeypatch):
+    """What was kept and how to continue (a hint), and a warning, are the library's words as well."""
+    import warnings
+
+    from scaleattn import cli as command_line
+    from scaleattn.errors import CheckpointError, Note, with_hint
+
+    def refused(args):
+        warnings.warn("no `checkpoint` given", Note, stacklevel=1)
+        raise with_hint(CheckpointError("refused"), "run again with `overwrite=True` instead of `resume=True`")
+
+    def interrupted(args):
+        raise with_hint(KeyboardInterrupt(), "the checkpoint c keeps 3 of 16 row groups: run the same command with"
+                                             " `resume=True` to continue")
+
+    monkeypatch.setitem(command_line.COMMANDS, "fit", refused)
+    assert cli("fit", "d.zarr", "--out", "run", rc=2).stderr.splitlines() == [
+        "scaleattn fit: note: no --checkpoint given",
+        "scaleattn fit: error: refused; run again with --overwrite instead of --resume"]
+    monkeypatch.setitem(command_line.COMMANDS, "fit", interrupted)
+    assert cli("fit", "d.zarr", "--out", "run", rc=130).stderr.splitlines() == [
+        "scaleattn fit: interrupted; the checkpoint c keeps 3 of 16 row groups: run the same command with --resume"
+        " to continue"]
+
+
+def test_library_messages_name_python_keywords_not_command_line_options():
+    """The class of the bug above: a string of the library (outside the command line's own modules) that names an
+    option ``--NAME`` reaches a Python caller as it is. Parameters go in backticks as Python spells them
+    (:mod:`scaleattn.errors`), which the command line turns into its options; a whole command (```scaleattn plot
+    RUN_DIR --full-spectrum```) is advice to run it from a shell."""
+    import ast
+    import pathlib
+
+    import scaleattn
+
+    root = pathlib.Path(scaleattn.__file__).parent
+    own = ("cli", "submit", "bench")  # the command line's own modules: options are their words
+    shared = ("report.py",)  # the summaries the command line prints (not errors; FitResult.summary() shows them too)
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in own or rel.name in shared:
+            continue
+        tree = ast.parse(path.read_text())
+        skip = {id(n.body[0].value) for n in ast.walk(tree)  # docstrings
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr)}
+        skip |= {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # (seen whole)
+        skip |= {id(x) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "rerun_command"
+                 for x in ast.walk(f)}  # the words of a whole command line
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+            else:
+                continue
+            if re.search(r"(?<![\w-])--[a-z]", re.sub(r"`scaleattn [^`]*`", "", text)):
+                bad.append(f"{rel}:{node.lineno}: {text[:90]!r}")
+    assert bad == []
+
+
 @pytest.mark.parametrize("argv, line", [
     # the CSV options were ignored without a word with --npz or --builtin, --horizon with --causal
     (["import", "{out}", "--builtin", "digits", "--length", "5"],

@@ -1,5 +1,6 @@
 """Ctrl-C and SIGTERM while the embedded Dask cluster starts: one line, exit 130 / 143, no traceback (from the job
-or from a worker process still importing), no worker process left running and nothing written."""
+or from a worker process still importing), no worker process left running and nothing written. Ctrl-C while the
+command imports the package, parses its options or exits: one line and 130 as well."""
 from __future__ import annotations
 
 import os
@@ -56,3 +57,101 @@ def test_a_signal_to_the_whole_job_while_its_cluster_starts_is_one_line(causal_d
     time.sleep(0.5)
     assert _live(p.pid) == [], _live(p.pid)  # the workers were stopped with the job
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)  # no output, no checkpoint, no temporary
+
+
+STARTING = "scaleattn: interrupted while starting; nothing was done"
+
+
+def _interrupted_at(where: str, argv: list[str], tmp_path) -> tuple[int, str, str]:
+    """Run ``argv`` (a real process: its own interpreter and signal handlers) with the hook
+    ``SCALEATTN_TEST_PAUSE`` (:mod:`scaleattn._testing`) pausing it at ``where``, send it Ctrl-C there:
+    (exit code, stdout, stderr)."""
+    marker = tmp_path / f"paused-{where}"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "SCALEATTN_TEST_PAUSE": f"{where}:{marker}"}
+    p = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not inherited ignored)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("how", ["-m scaleattn", "-m scaleattn.cli", "console script"])
+def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path, how):
+    """``import scaleattn`` (numpy, zarr, dask: a second or more) comes before ``main`` can catch anything: Ctrl-C
+    there printed a traceback through the import machinery (and the process died of the signal)."""
+    if how == "console script":  # what pip writes for [project.scripts] (the interpreter runs it by its path)
+        script = tmp_path / "bin" / "scaleattn"
+        script.parent.mkdir()
+        script.write_text("import sys\nfrom scaleattn.cli import main\nif __name__ == '__main__':\n"
+                          "    sys.exit(main())\n")
+        argv = [sys.executable, str(script)]
+    else:
+        argv = [sys.executable, *how.split()]
+    rc, out, err = _interrupted_at("import", [*argv, "generate", "mhla", "d.zarr"], tmp_path)
+    assert (rc, out, err) == (130, "", STARTING + "\n")
+    assert sorted(os.listdir(tmp_path)) == (["bin"] if how == "console script" else []) + ["paused-import"]
+
+
+def test_ctrl_c_while_a_program_imports_scaleattn_is_python_s_own(tmp_path):
+    """Only the command's process turns Ctrl-C into its line: a program that imports scaleattn keeps Python's
+    KeyboardInterrupt (its traceback, the death by the signal)."""
+    rc, _, err = _interrupted_at("import", [sys.executable, "-c", "import scaleattn"], tmp_path)
+    assert rc == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err
+
+
+def test_ctrl_c_as_the_command_exits_is_one_line(tmp_path):
+    """After ``main`` returned the interpreter still closes clients and joins threads; Ctrl-C there printed an
+    ``Exception ignored`` traceback. The command's output is out, complete, and the line says it had ended."""
+    rc, out, err = _interrupted_at("exit", [sys.executable, "-m", "scaleattn", "generate", "mhla", "d.zarr",
+                                            "--samples", "8", "--length", "3"], tmp_path)
+    assert (rc, out, err) == (130, "wrote d.zarr: N=8 T=3 d=2 d_out=2 causal=False\n",
+                              "scaleattn generate mhla: interrupted while exiting (the command had ended)\n")
+
+
+def test_ctrl_c_while_the_options_are_parsed_or_the_command_sets_up_is_one_line(tmp_path, capsys, monkeypatch):
+    """``main``'s own steps around the command (parsing the options, which imports every command's module,
+    enabling faulthandler) were outside its Ctrl-C handling: a traceback."""
+    import scaleattn.cli as command_line
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command_line, "parse", interrupted)
+    assert command_line.main(["generate", "mhla", str(tmp_path / "d.zarr")]) == 130
+    assert capsys.readouterr().err == STARTING + "\n"
+    monkeypatch.undo()
+    monkeypatch.setattr(command_line, "_enable_faulthandler", interrupted)
+    assert command_line.main(["generate", "mhla", str(tmp_path / "d.zarr")]) == 130
+    assert capsys.readouterr().err == ("scaleattn generate mhla: interrupted; nothing was written (outputs are"
+                                       " written all or nothing)\n")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("orig_argv, command", [
+    (["/venv/bin/python", "/venv/bin/scaleattn", "fit"], True),  # the console script, run by its shebang
+    (["python3", "-s", "/usr/local/bin/scaleattn"], True),
+    (["python", "-m", "scaleattn", "fit"], True),
+    (["python", "-X", "importtime", "-m", "scaleattn.cli"], True),
+    (["python", "-Bm", "scaleattn"], True),
+    (["python", "-mscaleattn.cli"], True),
+    (["python", "-m", "scaleattn.bench"], False),
+    (["python", "-m", "pytest", "tests"], False),
+    (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()", "--multiprocessing-fork"],
+     False),  # a Dask worker of the command: sys.argv is the command's there, the interpreter's line is not
+    (["python", "run.py", "-m", "scaleattn"], False),
+    (["python", "/home/me/scaleattn.py"], False),
+    (["python"], False),
+])
+def test_only_the_command_s_own_process_is_the_command(orig_argv, command):
+    from scaleattn._startup import is_the_command
+
+    assert is_the_command(orig_argv) is command

@@ -129,7 +129,7 @@ def test_fit_refuses_a_leftover_checkpoint_without_resume(data, tmp_path):
     out = str(tmp_path / "run")
     ck = out + ".checkpoint.zarr"
     compute_statistics(data, checkpoint=ck)  # as left by an interrupted fit
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(FileExistsError, match="pass `resume=True` to continue it, or `overwrite=True` to start over$"):
         fit(data, out, exact_mse=False, plots=False)
     res = fit(data, out, exact_mse=False, plots=False, resume=True, keep_checkpoint=True)
     assert res.report["groups_computed"] == 0 and res.report["groups_resumed"] == res.report["groups"] == 16
