@@ -3,7 +3,7 @@
 :class:`ScaleattnError` is the base: a ``ValueError``, so code that caught ``ValueError`` before keeps working.
 Each subclass also derives from the builtin it refines where that helps callers (``FileExistsError``,
 ``MemoryError``, ``ImportError``, ...), as zarr-python's ``zarr.errors`` does. The CLI maps any
-:class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 70).
+:class:`ScaleattnError` to exit code 2 with its one-line message; anything else is a bug (exit 1).
 
 Messages name the problem and where it is (the array and sample, the option, the path), in one line. A message
 names a parameter as the Python API spells it, as ``NAME must ...`` at its start, or anywhere in backticks,

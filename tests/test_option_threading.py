@@ -169,7 +169,7 @@ def test_report_loss_is_the_saved_models(tmp_path):
     assert exact["train_mse_stats"] == exact["lstsq_train_mse_stats"]
 
 
-def test_cli_maps_our_errors_to_2_and_bugs_to_70(small, monkeypatch, capsys):
+def test_cli_maps_our_errors_to_2_and_bugs_to_1(small, monkeypatch, capsys):
     import scaleattn.pipeline as pipeline
 
     assert main(["fit", small.url, "--out", "/nonexistent-dir/x", "--local", "--ridge", "-1"]) == 2
@@ -179,7 +179,7 @@ def test_cli_maps_our_errors_to_2_and_bugs_to_70(small, monkeypatch, capsys):
         raise ZeroDivisionError("float division by zero")
 
     monkeypatch.setattr(pipeline, "solve", broken)  # a bug inside the fit (the solve step)
-    assert main(["fit", small.url, "--out", str(small.url) + "-run", "--local", "--no-plots"]) == 70
+    assert main(["fit", small.url, "--out", str(small.url) + "-run", "--local", "--no-plots"]) == 1
     err = capsys.readouterr().err
     assert "internal error (this is a bug" in err and "ZeroDivisionError" in err and "Traceback" not in err
 

@@ -69,7 +69,7 @@ def _failed_solve(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("scaleattn.pipeline.SAY_KEPT_PSI", 0)  # said for large solves only: d = 2 here
     monkeypatch.setenv("SCALEATTN_TEST_SOLVE_FAILURE", "1")
     capsys.readouterr()
-    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--local", "--no-plots"]) == 70  # a bug's code
+    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--local", "--no-plots"]) == 1  # a bug's code
     err = capsys.readouterr().err
     monkeypatch.delenv("SCALEATTN_TEST_SOLVE_FAILURE")
     return ds, err, err.rsplit("`", 2)[-2]  # the error line's hint: `scaleattn fit ... --resume`

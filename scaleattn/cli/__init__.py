@@ -4,7 +4,7 @@ submit``.
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
 out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
-``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 70 (:data:`EXIT_BUG`;
+``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (:data:`EXIT_BUG`;
 ``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
@@ -30,9 +30,9 @@ from .parser import build_parser, option_of, parse
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 EXIT_BAD_INPUT = 2
-#: an internal error (a bug: an exception scaleattn did not raise on purpose): sysexits' EX_SOFTWARE, a code no
-#: command gives as its answer (``compare`` exits 0 / 1 / 2 as ``diff`` and ``cmp`` do: same, different, trouble)
-EXIT_BUG = 70
+#: an internal error (a bug: an exception scaleattn did not raise on purpose); the exit codes are part of the
+#: stable interface (ARCHITECTURE): ``compare``'s "different" is 1 too, told apart by the bug's "internal error" line
+EXIT_BUG = 1
 
 
 def _command_start(argv) -> float:
@@ -203,7 +203,7 @@ def _enable_faulthandler() -> None:
 
 def main(argv=None) -> int:
     """Entry point of the ``scaleattn`` command; returns the exit code: 0 ok, 2 our error (bad input, a refusal,
-    an unreachable store or cluster), 70 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept);
+    an unreachable store or cluster), 1 a bug, 130 Ctrl-C, 143 SIGTERM (a clean stop; the checkpoint is kept);
     ``compare`` 0 same, 1 different, 2 not comparable.
 
     Ctrl-C is one line and 130 at any point: while the package imports and once this function returns, as the

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     about = ("distance ||c(A) - c(B)|| of two models and whether they compute the same function (exit 0 same,"
              " 1 different, 2 when they cannot be compared: a store that is no model, different d or d_out, a bad"
-             " option; 70 an internal error, as in every command)")
+             " option; a bug exits 1 too, with its 'internal error' line on stderr)")
     cmp_ = sub.add_parser("compare", help=about, description=about)
     cmp_.add_argument("model_a", metavar="MODEL_A", help="model store (RUN/model.zarr)")
     cmp_.add_argument("model_b", metavar="MODEL_B", help="model store")
