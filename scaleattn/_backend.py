@@ -168,7 +168,7 @@ def check_device(device: str, *, need_gpu_here: bool = False) -> str:
     if not isinstance(device, str) or device not in DEVICES:
         raise ParameterError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
     if device == "gpu" and need_gpu_here and not have_cupy():
-        raise MissingDependencyError.for_extra("device='gpu'", "gpu", "CuPy and a CUDA GPU")
+        raise MissingDependencyError.for_extra("`device='gpu'`", "gpu", "CuPy and a CUDA GPU")
     return device
 
 

@@ -81,7 +81,7 @@ CASES = [
     ("rtol-zero", FIT_D + ["--cutoff-rtol", "0", *FIT], r"--cutoff-rtol must be in \(0, 1\), got 0"),
     ("rtol-negative-certify", ["certify", "d.zarr", "--rtol=-1e-3", "--local"], r"--cutoff-rtol must be in \(0, 1\)"),
     ("device-gpu-without-cupy", FIT_D + ["--device", "gpu", *FIT],
-     r"device='gpu' needs CuPy and a CUDA GPU: pip install .*\[gpu\]"),
+     r"error: --device gpu needs CuPy and a CUDA GPU: pip install .*\[gpu\]"),  # (the option, not the keyword)
     ("workers-absurd", FIT_D + ["--workers", "100000", "--quiet", "--no-plots"],
      r"--workers 100000 x --threads-per-worker 1: at most \d+ worker threads on this machine \(4 per core"),
     ("threads-absurd", FIT_D + ["--workers", "1", "--threads-per-worker", "5000", "--quiet"],
