@@ -34,6 +34,8 @@ def _target(orig_argv: list[str]) -> str | None:
         if word == "-" or not word.startswith("-"):
             return None if word == "-" else word
         if word.startswith("--"):
+            if word[2:] == "check-hash-based-pycs":  # (the one long option with a value of its own)
+                next(words, "")
             continue
         for k, flag in enumerate(word[1:], 2):  # (short options go together: -Bm MODULE, -Ximporttime)
             if flag in "mcXW":  # the rest of the word, or the next word, is its value

@@ -21,7 +21,7 @@ import time
 
 from .. import _testing
 from .._names import one_line
-from .._startup import EXIT_INTERRUPTED, STARTING, leave_on_interrupt, release
+from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
@@ -223,7 +223,9 @@ def main(argv=None) -> int:
         print(STARTING if args is None else f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        if argv is None:  # the scaleattn program: the interpreter's exit is all that is left (clients, threads)
+        # the scaleattn program: the interpreter's exit is all that is left (clients, threads). Not a program that
+        # ran main in its own process and goes on (IPython's %run -m scaleattn, runpy): its Ctrl-C stays Python's
+        if argv is None and is_the_command():
             leave_on_interrupt(f"{'scaleattn' if args is None else _prog(args)}: interrupted while exiting (the"
                                " command had ended)")
             _testing.pause("exit")

@@ -117,6 +117,32 @@ def test_ctrl_c_as_the_command_exits_is_one_line(tmp_path):
                               "scaleattn generate mhla: interrupted while exiting (the command had ended)\n")
 
 
+_RUNS_THE_COMMAND_AND_GOES_ON = r"""
+import runpy, signal, sys
+sys.argv = ["scaleattn", "generate", "mhla", "d.zarr", "--samples", "8", "--length", "3"]
+try:
+    runpy.run_module("scaleattn", run_name="__main__")  # as IPython's %run -m scaleattn does
+except SystemExit as e:
+    print("the command returned", e.code)
+try:
+    signal.raise_signal(signal.SIGINT)  # the program's own Ctrl-C, later on
+except KeyboardInterrupt:
+    print("the program's KeyboardInterrupt")
+"""
+
+
+def test_a_program_that_runs_the_command_in_its_process_keeps_its_ctrl_c(tmp_path):
+    """``main`` hands the interpreter's exit to a handler that ends the process with 130 on Ctrl-C only in the
+    ``scaleattn`` program: a program that runs the command in its own process and goes on (IPython's ``%run -m
+    scaleattn``, ``runpy``) was ended by its next Ctrl-C, "interrupted while exiting (the command had ended)"."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, "-c", _RUNS_THE_COMMAND_AND_GOES_ON], cwd=tmp_path, env=env, text=True,
+                       capture_output=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not inherited ignored)
+    assert (p.returncode, p.stdout.splitlines()[1:]) == (0, ["the command returned 0",
+                                                             "the program's KeyboardInterrupt"]), p.stderr
+
+
 def test_ctrl_c_while_the_options_are_parsed_or_the_command_sets_up_is_one_line(tmp_path, capsys, monkeypatch):
     """``main``'s own steps around the command (parsing the options, which imports every command's module,
     enabling faulthandler) were outside its Ctrl-C handling: a traceback."""
@@ -143,6 +169,7 @@ def test_ctrl_c_while_the_options_are_parsed_or_the_command_sets_up_is_one_line(
     (["python", "-X", "importtime", "-m", "scaleattn.cli"], True),
     (["python", "-Bm", "scaleattn"], True),
     (["python", "-mscaleattn.cli"], True),
+    (["python", "--check-hash-based-pycs", "never", "-m", "scaleattn"], True),  # (a long option with a value)
     (["python", "-m", "scaleattn.bench"], False),
     (["python", "-m", "pytest", "tests"], False),
     (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()", "--multiprocessing-fork"],
