@@ -156,36 +156,46 @@ def _typed(text: str, args) -> str:
     backticks as the Python API spells it (:mod:`scaleattn.errors`) becomes the command's option, ```d_out``` ->
     ``--d-out``, ```solver='krylov'``` -> ``--solver krylov``, ```resume=True``` -> ``--resume`` (a flag takes no
     value), ```storage_options={'key': ...}``` -> ``--storage-option key=...`` (a dict: the option once a
-    key); a name the command has no option for stays as it is."""
+    key); a name the command has no option for stays as it is, and so does a value the option cannot say (a flag
+    set otherwise than by giving it, ```overwrite=False```; ``None``; an empty dict)."""
     from .parser import option_action
 
     def typed(m):
+        whole = m.group(0).strip("`") in _SPELLED  # (``client=None``: the value is part of the name)
         dests = _SPELLED.get(m.group(0).strip("`"), _SPELLED.get(m.group(1), (m.group(1),)))
         actions = [option_action(args, d) for d in dests]
         if not all(actions):
             return m.group(0)
         flags = [max(a.option_strings, key=len) for a in actions]
-        if len(flags) > 1:
-            return f"{', '.join(flags[:-1])} and {flags[-1]}"
-        if m.group(2) is None or actions[0].nargs == 0:  # (a flag: the API's value is how it is set)
-            return flags[0]
-        return " ".join(f"{flags[0]} {v}" for v in _option_values(m.group(2)))
+        if m.group(2) is None or whole:
+            return f"{', '.join(flags[:-1])} and {flags[-1]}" if len(flags) > 1 else flags[0]
+        values = _option_values(m.group(2), actions[0]) if len(flags) == 1 else None
+        if values is None:
+            return m.group(0)
+        return " ".join(f"{flags[0]} {v}" if v else flags[0] for v in values)
 
     return re.sub(r"`(\w+)(?:=([^`]*))?`", typed, text)
 
 
-def _option_values(text: str) -> list[str]:
-    """The value(s) of an option for a quoted Python value: a string without its quotes, a dict as ``KEY=VALUE``
-    pairs (``...`` for an elided one), anything else as written."""
+def _option_values(text: str, action) -> list[str] | None:
+    """The value(s) of ``action``'s option for a quoted Python value: a string without its quotes (shell-quoted
+    where it needs it), a dict as ``KEY=VALUE`` pairs (``...`` for an elided one), anything else as written; for
+    a flag, ``[""]`` when the value is the one giving the flag sets (``True``). None where the option cannot say
+    it: another value of a flag (``False`` is the flag left out, not given), ``None``, an empty dict."""
     import ast
+    import shlex
 
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return [text]
+    except (ValueError, SyntaxError):  # (a placeholder: PATH, ...)
+        return None if action.nargs == 0 else [text]
+    if action.nargs == 0:
+        return [""] if value == action.const else None
+    if value is None or value == {}:
+        return None
     if isinstance(value, dict):
-        return [f"{k}={'...' if v is Ellipsis else v}" for k, v in value.items()]
-    return [value if isinstance(value, str) else text]
+        return [shlex.quote(f"{k}={'...' if v is Ellipsis else v}") for k, v in value.items()]
+    return [shlex.quote(value) if isinstance(value, str) else text]
 
 
 def _enable_faulthandler() -> None:

@@ -218,6 +218,11 @@ def test_a_refusal_says_the_python_keyword_in_python_and_the_option_on_the_comma
     ("(missing `ca_file`, `key`)", "(missing --tls-ca-file, --tls-key)"),
     ("in this process (`client=None`)", "in this process (--local)"),
     ("`pairs` <= `dim`", "`pairs` <= `dim`"),  # not options of fit: as they are
+    # values an option cannot say stay Python's: a flag set otherwise than by giving it (it read --overwrite), None
+    ("unless `overwrite=False`", "unless `overwrite=False`"),
+    ("`checkpoint=None` keeps none", "`checkpoint=None` keeps none"),
+    ("`storage_options={}`", "`storage_options={}`"),  # (it read as nothing at all)
+    ("`out='my run'`", "--out 'my run'"),  # a value as a shell takes it
 ])
 def test_the_command_line_says_each_python_keyword_as_its_option(quoted, typed):
     import argparse
