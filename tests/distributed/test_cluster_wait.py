@@ -18,7 +18,7 @@ from scaleattn.errors import ClusterError
 def test_unreachable_scheduler_fails_after_the_scheduler_timeout():
     t0 = time.monotonic()
     with pytest.raises(ClusterError, match=r"cannot reach the Dask scheduler at tcp://127.0.0.1:9 within 2 s"
-                                           r" \(--scheduler-timeout\)") as info:
+                                           r" \(`scheduler_timeout`\)") as info:
         with connect("tcp://127.0.0.1:9", scheduler_timeout=2, quiet=True):
             pass
     assert 1.5 <= time.monotonic() - t0 < 20
@@ -72,7 +72,7 @@ def test_no_worker_fails_after_the_worker_timeout():
     with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as lc:
         t0 = time.monotonic()
         with pytest.raises(ClusterError, match=r"no Dask worker joined the scheduler at tcp://127\.0\.0\.1:\d+ within"
-                                               r" 1\.5 s \(--worker-timeout\)") as info:
+                                               r" 1\.5 s \(`worker_timeout`\)") as info:
             with connect(lc.scheduler_address, worker_timeout=1.5, quiet=True):
                 pass
         assert 1.4 <= time.monotonic() - t0 < 20
