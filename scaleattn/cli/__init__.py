@@ -218,8 +218,6 @@ def main(argv=None) -> int:
 
     Ctrl-C is one line and 130 at any point: while the package imports and once this function returns, as the
     ``scaleattn`` program (:mod:`scaleattn._startup`), and here while the options are parsed, as in the command."""
-    import signal
-
     release()  # (Ctrl-C while the package imported was scaleattn._startup's)
     started = _command_start(argv)
     args = None
@@ -227,11 +225,10 @@ def main(argv=None) -> int:
         args = parse(argv)
         return _command(args, started, argv)
     except KeyboardInterrupt as e:  # before the command ran (its own are _run's) or as it ended
-        if isinstance(e, Terminated) and args is not None:
-            print(_stopped_line(args, e), file=sys.stderr)
-            return 128 + signal.SIGTERM
-        print(STARTING if args is None else f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        if args is None:
+            print(STARTING, file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return _stopped(args, e)
     finally:
         # the scaleattn program: the interpreter's exit is all that is left (clients, threads). Not a program that
         # ran main in its own process and goes on (IPython's %run -m scaleattn, runpy): its Ctrl-C stays Python's
@@ -289,8 +286,6 @@ def _warning_lines(args):
 
 
 def _run(args) -> int:
-    import signal
-
     try:
         return COMMANDS[args.command](args)
     except ScaleattnError as e:  # bad input, a refusal, a missing optional package, an unreachable store/cluster
@@ -302,12 +297,8 @@ def _run(args) -> int:
             print(_error_line(args, f"out of memory in {_step(e)}: {e or 'MemoryError'}: use smaller sizes or a"
                                     f" machine with more memory{_kept(args, e)}", usage=False), file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Terminated as e:
-        print(_stopped_line(args, e), file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except KeyboardInterrupt as e:
-        print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # (and Terminated: SIGTERM)
+        return _stopped(args, e)
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
         if _traceback_shown(args):
             return EXIT_BUG
@@ -316,6 +307,17 @@ def _run(args) -> int:
                        f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
               file=sys.stderr)
         return EXIT_BUG
+
+
+def _stopped(args, e: KeyboardInterrupt) -> int:
+    """Ctrl-C's or SIGTERM's (:class:`Terminated`) last line and exit code: 130, or 143 (128 + SIGTERM)."""
+    import signal
+
+    if isinstance(e, Terminated):
+        print(_stopped_line(args, e), file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _traceback_shown(args) -> bool:
