@@ -130,7 +130,7 @@ def kept_hint(ckpt: Location, what: str | None = None) -> str:
     """The resume hint for a kept checkpoint."""
     n = _done_groups(ckpt)
     held = what or ("nothing" if n is None else f"{n[0]} of {n[1]} row groups")
-    return f"the checkpoint {ckpt.url} keeps {held}: run the same command with `resume=True` to continue"
+    return f"the checkpoint {ckpt.url} keeps {held}: repeat the fit with `resume=True` to continue"
 
 
 def rerun_command(dataset_url: str, out: str | None, ckpt: Location, checkpoint_given: bool) -> str:

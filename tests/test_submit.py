@@ -410,6 +410,9 @@ def test_submit_refuses_an_image_without_registry(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "no image given: pass --image REGISTRY/scaleattn:" in err and "--registry" in err
+    with pytest.raises(ValueError, match=r"pass `image='REGISTRY/scaleattn:.*` or `registry='REGISTRY'`") as e:
+        submit.render_daskjob("s3://data/ds.zarr", "s3://r/x")  # the Python API names its keywords
+    assert "--" not in str(e.value)
     for bad in ("scaleattn", "team/images"):  # Docker Hub names, not a registry host
         rc = cli_main(["submit", *["s3://d/ds.zarr", "--out", "s3://r/x", "--registry", bad,
                                                     "--dry-run"]])
@@ -448,10 +451,10 @@ def test_submit_through_the_cli(cli):
     (dict(out="s3://bucket"), "bucket root"),
     (dict(out="s3:///path"), "no bucket"),
     (dict(out="s3://b/run 1"), "whitespace"),
-    (dict(out="s3://b/ds.zarr/"), r"--out s3://b/ds\.zarr/ is the DATASET"),
-    (dict(out="s3://b/ds.zarr/run"), r"--out s3://b/ds\.zarr/run lies inside the DATASET s3://b/ds\.zarr"),
-    (dict(out="s3://b/x/../ds.zarr"), r"is the DATASET"),
-    (dict(dataset="s3://b/runs/ds.zarr", out="s3://b/runs"), r"--out s3://b/runs contains the DATASET"),
+    (dict(out="s3://b/ds.zarr/"), r"`out='s3://b/ds\.zarr/'` is the dataset"),
+    (dict(out="s3://b/ds.zarr/run"), r"`out='s3://b/ds\.zarr/run'` lies inside the dataset 's3://b/ds\.zarr'"),
+    (dict(out="s3://b/x/../ds.zarr"), r"is the dataset"),
+    (dict(dataset="s3://b/runs/ds.zarr", out="s3://b/runs"), r"`out='s3://b/runs'` contains the dataset"),
     (dict(name="Fit_1"), "name must be"),
     (dict(name="x" * 54), "name must be"),
     (dict(namespace="ML"), "namespace must be"),

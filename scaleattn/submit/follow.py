@@ -57,7 +57,7 @@ def apply_daskjob(manifest: dict, *, follow: bool = True, timeout: float | None 
             Secret.get(ref, namespace=namespace, api=api)
         except kr8s.NotFoundError:
             raise SubmitError(f"Secret {ref!r} not found in namespace {namespace!r}: create it first"
-                              " (see docs/kubernetes.md) or pass another --secret") from None
+                              " (see docs/kubernetes.md) or pass another `secret`") from None
         except kr8s.ServerError as e:
             if _status_code(e) != 403:  # may not read Secrets: let the pods find out
                 raise SubmitError(f"cannot check Secret {ref!r}: {_one_line(e)}") from None
@@ -72,7 +72,7 @@ def apply_daskjob(manifest: dict, *, follow: bool = True, timeout: float | None 
             raise SubmitError("the DaskJob resource is not installed on this cluster: deploy the dask-kubernetes"
                               " operator first (see docs/kubernetes.md)") from None
         if code == 409:
-            raise SubmitError(f"DaskJob {name!r} already exists in namespace {namespace!r}: pass another --name"
+            raise SubmitError(f"DaskJob {name!r} already exists in namespace {namespace!r}: pass another `name`"
                               f" or `kubectl delete daskjob {name} -n {namespace}`") from None
         raise SubmitError(f"the API server refused the DaskJob: {_one_line(e)}") from None
     except Exception as e:

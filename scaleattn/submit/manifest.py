@@ -82,8 +82,8 @@ def default_image(gpus: int = 0, registry: str | None = None) -> str:
     registry = (registry if registry is not None else os.environ.get(REGISTRY_ENV, "")).strip().rstrip("/")
     if not registry:
         kind = "gpu" if gpus else "cpu"
-        raise ParameterError(f"no image given: pass --image REGISTRY/{IMAGE_NAME}:{__version__}-{kind}"
-                         f" or --registry REGISTRY (or set {REGISTRY_ENV}): the image you built and pushed"
+        raise ParameterError(f"no image given: pass `image='REGISTRY/{IMAGE_NAME}:{__version__}-{kind}'`"
+                         f" or `registry='REGISTRY'` (or set {REGISTRY_ENV}): the image you built and pushed"
                          " (docs/kubernetes.md, section 2)")
     if any(c.isspace() for c in registry) or registry_of(registry + "/x") is None:
         raise ParameterError(f"registry {registry!r} must start with a registry host (a name with a dot or a port,"
@@ -159,7 +159,8 @@ def _check_fit_args(fit_args) -> list[str]:
     for a in fit_args:
         flag = a.split("=", 1)[0]
         if flag in _RESERVED_FIT_ARGS:
-            raise ParameterError(f"fit option {flag} is set by the DaskJob itself and cannot be passed through")
+            raise ParameterError(f"fit option {flag} in `fit_args` is set by the DaskJob itself and cannot be"
+                                 " passed through")
     return list(fit_args)
 
 
@@ -315,11 +316,11 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
     ValueError
         On any invalid option, with a message naming it.
     """
-    _check_url("DATASET", dataset, need_path=False)
-    _check_url("--out", out, need_path=True)
+    _check_url("dataset", dataset, need_path=False)
+    _check_url("out", out, need_path=True)
     rel = relation(Location(out.rstrip("/")), Location(dataset.rstrip("/")))  # (by prefix, as every output)
     if rel is not None:
-        raise ParameterError(f"--out {out} {rel} the DATASET {dataset}: scaleattn never writes into or removes an"
+        raise ParameterError(f"`out={out!r}` {rel} the dataset {dataset!r}: scaleattn never writes into or removes an"
                              " input; choose a path outside it")
     gpus = _check_int("gpus", gpus, 0)
     workers = _check_int("workers", workers, 1)

@@ -345,7 +345,7 @@ def test_ctrl_c_says_what_was_kept_and_resume_is_bit_identical(tmp_path):
     assert p.returncode == 130
     line = error_line(err)  # (how many groups got done before the signal is the machine's speed; what is said true)
     expect(line, r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps \d+ of 16 row groups:"
-                 r" run the same command with --resume to continue$")
+                 r" repeat the fit with --resume to continue$")
     kept = int(re.search(r"keeps (\d+) of", line).group(1))
     done = int(zarr.open_group(str(tmp_path / "run.checkpoint.zarr"), mode="r")["done"][...].all(axis=1).sum())
     assert 1 <= kept == done < 16
@@ -368,7 +368,7 @@ def test_ctrl_c_to_the_whole_job_with_dask_workers_is_one_line(tmp_path):
     assert p.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     expect(error_line(err), r"fit: interrupted; the checkpoint \S*run\.checkpoint\.zarr keeps \d+ of 16 row groups:"
-                            r" run the same command with --resume to continue$")
+                            r" repeat the fit with --resume to continue$")
     assert run_cli(args + ["--resume"], cwd=tmp_path).returncode == 0
 
 

@@ -81,7 +81,7 @@ def test_own_store_edited_behind_its_manifest_fails_as_an_uninterrupted_fit_does
     assert rc == 2
     line = error_line(err)
     expect(line, r"tokens: samples \[8, 16\) of \S*own\.zarr: the values do not match the checksum recorded")
-    expect(line, r"the checkpoint \S*ck\.zarr keeps 15 of 16 row groups: run the same command with --resume")
+    expect(line, r"the checkpoint \S*ck\.zarr keeps 15 of 16 row groups: repeat the fit with --resume")
     rc, err = run_main(["fit", "own.zarr", "--out", "ref", *FIT], capsys, cwd=w)
     assert rc == 2 and "tokens: samples [8, 16)" in error_line(err)
     inputs.unchanged()
