@@ -92,14 +92,11 @@ def _connect_once(address: str, host: str, port: int, where: str, timeout: float
         raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {e.strerror or e}") from None
 
 
-def _wait_for_port(address: str, host: str, port: int, where: str, timeout: float) -> None:
-    """Try the scheduler's TCP port until it accepts, for at most ``timeout`` s, the pause between tries doubling
-    from 50 ms to :data:`POLL_S`: the runner goes on within about a second of the scheduler's start. Raises the
-    ClusterError of the last try (its cause named, "within ``timeout`` s (`scheduler_timeout`)")."""
-    import time
-
-    deadline, pause = time.monotonic() + timeout, 0.05
-    within = f" within {timeout:g} s (`scheduler_timeout`)"
+def _wait_for_port(address: str, host: str, port: int, where: str, deadline: float, within: str) -> None:
+    """Try the scheduler's TCP port until it accepts, until ``deadline`` (``time.monotonic()``), the pause between
+    tries doubling from 50 ms to :data:`POLL_S`: the runner goes on within about a second of the scheduler's start.
+    Raises the ClusterError of the last try (its cause named, and ``within``)."""
+    pause = 0.05
     while True:
         left = deadline - time.monotonic()
         try:
@@ -124,7 +121,9 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     ClusterError
         Without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does not resolve,
         no answer within distributed's connect timeout); with it, no connection within it (the cause named); or
-        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more.
+        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or, with
+        ``scheduler_timeout``, it kept closing connections before the handshake until it ended (a proxy whose
+        scheduler is not up: retried, as a refused connection is).
     """
     import dask
     from dask.utils import parse_timedelta
@@ -146,11 +145,11 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
         _connect_once(address, host, port, where,
                       parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s"))
-    elif tcp:  # retried here until the port accepts (distributed retries, not TCP, back off for minutes)
-        _wait_for_port(address, host, port, where, scheduler_timeout)
     # the port accepts (or distributed retries within --scheduler-timeout: not TCP); the handshake has its own bound
     retried = None if tcp else scheduler_timeout
     waited = (retried or 0) + HANDSHAKE_TIMEOUT_S
+    deadline = time.monotonic() + (scheduler_timeout or 0)
+    within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if scheduler_timeout else ""
 
     async def handshake():
         comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
@@ -159,18 +158,29 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     runner = LoopRunner()
     runner.start()
     try:
-        sync(runner.loop, handshake)
-    except TimeoutError:  # (an OSError too) connected, and no handshake came back
-        raise ClusterError(f"{host}:{port} ({where} {address}) accepted the connection but gave no Dask handshake"
-                           f" within {waited:g} s: not a Dask scheduler (its dashboard port, 8787, or another"
-                           " service?)") from None
-    except OSError as e:
-        if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
-            return
-        within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)"
-        if tcp:
-            _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if it is one
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
+        while True:
+            if scheduler_timeout is not None and tcp:  # until the port accepts (distributed's retries back off)
+                _wait_for_port(address, host, port, where, deadline, within)
+            try:
+                return sync(runner.loop, handshake)
+            except TimeoutError:  # (an OSError too) connected, and no handshake came back
+                raise ClusterError(f"{host}:{port} ({where} {address}) accepted the connection but gave no Dask"
+                                   f" handshake within {waited:g} s: not a Dask scheduler (its dashboard port, 8787,"
+                                   " or another service?)") from None
+            except OSError as e:
+                if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
+                    return
+                # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar)
+                left = deadline - time.monotonic()
+                if tcp and left > 0:
+                    time.sleep(min(POLL_S, left))
+                    continue
+                if tcp:
+                    _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause
+                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
+                                       " accepts connections but closes them before the Dask handshake (a proxy"
+                                       " whose scheduler is not up, or not a Dask scheduler)") from None
+                raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
     finally:
         runner.stop()
 

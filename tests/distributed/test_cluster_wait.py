@@ -65,6 +65,70 @@ def test_a_scheduler_that_starts_late_is_joined_within_seconds_of_its_start():
         proc.wait(30)
 
 
+def _closing_proxy(port: int, stop: list):
+    """Accept every connection on ``port`` and close it at once (a service mesh's sidecar, or a proxy in front of
+    a scheduler that is not up yet) until ``stop`` is set; then free the port."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        listener.settimeout(0.05)
+        while not stop:
+            try:
+                listener.accept()[0].close()
+            except TimeoutError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_proxy_that_closes_connections_is_waited_through_until_the_scheduler_answers():
+    """A port that accepts and closes at once is a scheduler not reachable yet, not a refusal: the runner keeps
+    trying for its ``scheduler_timeout`` (it failed on the first closed handshake), and says so when it ends."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop: list = []
+    proxy = threading.Thread(target=_closing_proxy, args=(port, stop), daemon=True)
+    proxy.start()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"cannot reach the Dask scheduler at tcp://127\.0\.0\.1:{port} within"
+                                           r" 3 s \(`scheduler_timeout`\): port \d+ of 127\.0\.0\.1 accepts"
+                                           r" connections but closes them before the Dask handshake"):
+        with connect(f"tcp://127.0.0.1:{port}", scheduler_timeout=3, quiet=True):
+            pass
+    assert 2.5 <= time.monotonic() - t0 < 8
+
+    procs = []
+
+    def scheduler_later():  # the proxy closes connections for 4 s, then the scheduler takes its port
+        time.sleep(4)
+        stop.append(True)
+        proxy.join()
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                       "--port", str(port), "--dashboard-address", ":0"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    later = threading.Thread(target=scheduler_later, daemon=True)
+    t0 = time.monotonic()
+    later.start()
+    try:
+        with connect(f"tcp://127.0.0.1:{port}", scheduler_timeout=120, quiet=True) as client:
+            assert client.scheduler_info()["address"].endswith(f":{port}")
+        assert time.monotonic() - t0 >= 4
+    finally:
+        later.join(10)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+
+
 @pytest.mark.slow
 def test_no_worker_fails_after_the_worker_timeout():
     from distributed import LocalCluster
