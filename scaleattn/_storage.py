@@ -22,7 +22,8 @@ from ._params import parse_storage_options, storage_option_pairs
 from .errors import MissingDependencyError, ParameterError, StorageError
 
 __all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
-           "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "RETRY_ATTEMPTS", "RETRY_DELAY"]
+           "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "options_for", "RETRY_ATTEMPTS",
+           "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -150,17 +151,17 @@ def check_storage_options(storage_options, *paths) -> None:
                          f" s3://BUCKET/KEY, not to local paths ({local}): nothing would read them; drop them")
 
 
+def options_for(path, storage_options):
+    """``storage_options`` where ``path`` (a path, URL or Location) is a URL, None for a local path: one call's
+    options (checked by :func:`check_storage_options`) go to its URLs only."""
+    return storage_options if is_url(_normal_url(str(getattr(path, "url", path)))) else None
+
+
 def _absolute(path: str) -> str:
     """``path`` made absolute as the operating system reads it: ``..`` after a symbolic link leaves the link's
     target, not the link's directory (``os.path.abspath`` alone would drop ``link/..`` as text, and a fit would
     read another store than ``ls`` shows at that path); without ``..`` the two readings agree, and links stay
-    as given (the stores' checks see them).
-
-    Examples
-    --------
-    >>> _absolute("/a/./b/")
-    '/a/b'
-    """
+    as given (the stores' checks see them): ``_absolute("/a/./b/") == "/a/b"``."""
     full = os.path.join(os.getcwd(), os.path.expanduser(path))
     parts = full.split(os.sep)
     if ".." not in parts:

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from . import _formats, _integrity, _testing
-from ._storage import Location, access_error, check_kind, did_you_mean, resolve
+from ._storage import Location, access_error, check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import (
     ARRAYS,
     check_arrays,
@@ -388,6 +388,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     >>> ds.n_samples, ds.length, ds.d, ds.d_out  # doctest: +SKIP
     (512, 100, 2, 2)
     """
+    check_storage_options(storage_options, url)  # (fsspec's options of a local path: ignored, so refused)
     loc = resolve(url, storage_options)
     url = loc.url
     check_kind(loc, "dataset", "a Zarr store (a directory)", directory=True)  # a file: say so, not "not a group"

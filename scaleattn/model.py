@@ -11,7 +11,7 @@ from . import report_html as _html
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
 from ._outputs import atomic_output
 from ._params import heads_spec
-from ._storage import check_kind, did_you_mean, resolve
+from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import check_lengths, check_values
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
 from .features import n_features, predict_rows, token_features, triu_index
@@ -160,6 +160,7 @@ class MHLAModel:
         Raises :class:`~scaleattn.errors.ParameterError` when the heads do not compute the coefficients'
         function (:func:`check_heads`): such a store would be one model to ``evaluate``, another to ``compare``."""
         check_heads(self.coef, self.V, self.Q, self.d, "model")
+        check_storage_options(storage_options, url)  # (fsspec's options of a local path: ignored, so refused)
         with atomic_output(resolve(url, storage_options), overwrite, _formats.MODEL[0]) as tmp:
             g = tmp.open_group("w")
             sums = {}
@@ -190,6 +191,7 @@ class MHLAModel:
         ParameterError
             ``url`` is a file (or a path through one).
         """
+        check_storage_options(storage_options, url)
         loc = resolve(url, storage_options)
         check_kind(loc, "model", "a model store (a Zarr directory)", directory=True)
         if not loc.exists():

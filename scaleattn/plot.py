@@ -26,7 +26,7 @@ import numpy as np
 from . import _formats
 from ._figures import integer_ticks, legend_outside, mark_clipped, new_figure, positive_floor
 from ._outputs import check_disjoint, check_output_location, hold, reading, relation
-from ._storage import Location, check_storage_options, resolve
+from ._storage import Location, check_storage_options, is_url, options_for, resolve
 from ._version import __version__
 from .dataset import Dataset, open_dataset
 from .errors import DatasetError, Note, ParameterError, ScaleattnError
@@ -365,7 +365,7 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
                 spectrum_not_kept(r.get("psi"), recompute=(r.get("psi") or 0) <= SPECTRUM_RECOMPUTE_PSI,
                                   stats_kept=getattr(run.statistics, "operator", None) is None)}
     else:
-        view = read_run(run, storage_options, full_spectrum=full_spectrum)
+        view = read_run(run, options_for(run, storage_options), full_spectrum=full_spectrum)
     r = view["report"]
     figs = {}
     if view["eigenvalues"] is not None:
@@ -383,9 +383,12 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
         figs["loss_vs_heads"] = lvh
     given = dataset is not None
     dataset = dataset if given else r.get("dataset")
+    check_storage_options(storage_options, *([] if hasattr(run, "certificate") else [run]),
+                          *([dataset] if dataset and not isinstance(dataset, Dataset) else []))
     if view["model"] is not None and dataset:
         try:
-            ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
+            opts = None if isinstance(dataset, Dataset) else options_for(dataset, storage_options)
+            ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, opts)
             if not given and _is_training(ds, r, storage_options) is False:  # (the report's numbers are another's)
                 raise DatasetError(f"{ds.url} changed since the fit (another dataset is stored there now); pass"
                                    " `dataset` to draw the predictions on it as it is now")
@@ -449,13 +452,15 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     out = resolve(out, storage_options)
     data = _check_plot_output(run, out, dataset, storage_options)  # before any work
     with contextlib.ExitStack() as stack:  # the run read and the plots written while no fit replaces either
-        if not hasattr(run, "certificate"):  # read, not written (unless it is --out): marked as read
-            stack.enter_context(reading(resolve(run, storage_options), "run"))
+        read = [] if hasattr(run, "certificate") else [resolve(run, storage_options)]
+        if read:  # read, not written (unless it is --out): marked as read
+            stack.enter_context(reading(read[0], "run"))
         if data is not None:  # (the predictions' dataset: read as fit and evaluate read theirs)
             stack.enter_context(reading(data, "dataset"))
+            read.append(data)
         stack.enter_context(hold(out, "`out`"))
-        return write_files(out, figure_pngs(run_figures(run, dataset, storage_options, full_spectrum=full_spectrum),
-                                            dpi))
+        opts = storage_options if any(is_url(loc.url) for loc in read) else None  # (they may be out's alone)
+        return write_files(out, figure_pngs(run_figures(run, dataset, opts, full_spectrum=full_spectrum), dpi))
 
 
 def _check_plot_output(run, out, dataset, storage_options) -> Location | None:

@@ -21,7 +21,7 @@ from ._outputs import (
     hold,
     reading,
 )
-from ._storage import Location, check_kind, check_storage_options, resolve
+from ._storage import Location, check_kind, check_storage_options, options_for, resolve
 from .dataset import Dataset, open_dataset
 from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, UnsafeOutputError, with_hint
 
@@ -33,7 +33,7 @@ def open_input(dataset, storage_options, fill_absent_chunks: bool = False) -> Da
     path through a file is refused as such, :func:`scaleattn._storage.check_kind`)."""
     if isinstance(dataset, Dataset):
         return dataset
-    return open_dataset(dataset, storage_options, fill_absent_chunks=fill_absent_chunks)
+    return open_dataset(dataset, options_for(dataset, storage_options), fill_absent_chunks=fill_absent_chunks)
 
 
 def run_locations(ds: Dataset, out, checkpoint, storage_options) -> tuple[Location | None, Location | None]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _formats, _integrity
 from ._outputs import RUN, atomic_output, is_scaleattn_plot
-from ._storage import Location, check_kind, did_you_mean, resolve, settle_writes
+from ._storage import Location, check_kind, check_storage_options, did_you_mean, resolve, settle_writes
 from .certificate import certify
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .features import n_features
@@ -245,6 +245,7 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
     ParameterError
         ``run`` is a file, or a path through a file.
     """
+    check_storage_options(storage_options, run)  # (fsspec's options of a local path: ignored, so refused)
     run = resolve(run, storage_options)
     check_kind(run, "run", "a run directory", directory=True)
     rp = run.join(REPORT)

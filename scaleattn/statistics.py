@@ -20,7 +20,7 @@ from . import _formats, _integrity, _kernel_compiled
 from . import report_html as _html
 from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
 from ._outputs import atomic_output
-from ._storage import check_kind, resolve
+from ._storage import check_kind, check_storage_options, resolve
 from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
 from .errors import DatasetError, IntegrityError, ParameterError
 from .features import (
@@ -227,6 +227,7 @@ class Statistics:
         ``url`` is a path, URL or :class:`~scaleattn._storage.Location`; an existing store is refused
         (:class:`~scaleattn.errors.OutputExistsError`) unless ``overwrite``."""
         s = self.to_numpy()
+        check_storage_options(storage_options, url)  # (fsspec's options of a local path: ignored, so refused)
         with atomic_output(resolve(url, storage_options), overwrite, _formats.STATISTICS[0]) as tmp:
             g = tmp.open_group("w")
             sums = {}
@@ -251,6 +252,7 @@ class Statistics:
         :func:`scaleattn._integrity.read_store`), :class:`~scaleattn.errors.ParameterError` if ``url`` is a
         file (or a path through one).
         """
+        check_storage_options(storage_options, url)
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
         a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "statistics"), _formats.STATISTICS,

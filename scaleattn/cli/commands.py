@@ -7,7 +7,7 @@ import time
 import warnings
 
 from .._params import parse_storage_options
-from .._storage import check_kind, check_storage_options
+from .._storage import check_kind, check_storage_options, options_for
 from ..errors import Note, ParameterError, StorageError
 
 __all__ = ["COMMANDS"]
@@ -200,7 +200,7 @@ def _cmd_evaluate(args) -> int:
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option, args.model, args.dataset)
     _check_cluster_args(args)
-    model = MHLAModel.load(args.model, opts)
+    model = MHLAModel.load(args.model, options_for(args.model, opts))
     ds = open_input(args.dataset, opts, fill_absent_chunks=args.fill_absent_chunks)
     with _cluster(args, reporter) as client:
         r = evaluate(model, ds, client, progress=reporter)
@@ -263,7 +263,8 @@ def _cmd_compare(args) -> int:
 
     opts = _storage_options(args.storage_option, args.model_a, args.model_b)
     real("rtol", args.rtol, 0.0, low_open=True)  # compare_models' check, before the models are read
-    r = compare_models(MHLAModel.load(args.model_a, opts), MHLAModel.load(args.model_b, opts), args.rtol)
+    a, b = (MHLAModel.load(m, options_for(m, opts)) for m in (args.model_a, args.model_b))
+    r = compare_models(a, b, args.rtol)
     _emit(args, r, comparison_summary(r))
     return 0 if r["equivalent"] else 1
 

@@ -60,3 +60,39 @@ def test_options_of_a_url_among_local_paths_are_taken(tmp_path):
     check_storage_options({"anon": True}, "d.zarr", "s3://bucket/run")
     check_storage_options(["anon=true"], "d.zarr", "S3://bucket/run")
     check_storage_options(None, "d.zarr")
+
+
+def test_the_readers_and_writers_of_stores_refuse_them_too(tmp_path, monkeypatch):
+    """The class beyond the commands: every function of the API that takes ``storage_options`` with a store's path
+    (open_dataset, the models' and statistics' load and save, read_run, the plots, the baselines' loader)."""
+    from scaleattn import fit, open_dataset, plot
+    from scaleattn.baselines.training import load_arrays
+    from scaleattn.model import MHLAModel
+    from scaleattn.plot import run_figures, sample_predictions, save_run_plots
+    from scaleattn.run import read_run
+    from scaleattn.statistics import Statistics
+
+    dataset(tmp_path / "d.zarr")
+    d, run = str(tmp_path / "d.zarr"), str(tmp_path / "run")
+    result = fit(d, run, client=None, plots=False)
+    inputs = Inputs(tmp_path / "d.zarr", tmp_path / "run")
+    listing = sorted(os.listdir(tmp_path))
+    opts = {"anon": True}
+    for call in (lambda: open_dataset(d, opts), lambda: MHLAModel.load(f"{run}/model.zarr", opts),
+                 lambda: result.model.save(str(tmp_path / "m.zarr"), storage_options=opts),
+                 lambda: Statistics.load(f"{run}/stats.zarr", opts),
+                 lambda: result.statistics.save(str(tmp_path / "s.zarr"), storage_options=opts),
+                 lambda: read_run(run, opts), lambda: run_figures(run, storage_options=opts),
+                 lambda: run_figures(result, d, storage_options=opts),
+                 lambda: sample_predictions(result.model, d, storage_options=opts),
+                 lambda: save_run_plots(run, str(tmp_path / "p"), storage_options=opts),
+                 lambda: load_arrays(d, opts)):
+        with pytest.raises(ParameterError, match=REFUSED):
+            call()
+    assert sorted(os.listdir(tmp_path)) == listing
+    inputs.unchanged()
+    # a URL among the paths takes them: the dataset at the URL is opened with them, the local run read without
+    opened = []
+    monkeypatch.setattr(plot, "open_dataset", lambda url, o: opened.append((url, o)) or open_dataset(d))
+    figs = run_figures(run, "s3://bucket/d.zarr", storage_options=opts)
+    assert opened == [("s3://bucket/d.zarr", opts)] and "predictions" in figs
