@@ -15,8 +15,8 @@ import unicodedata
 from ._storage import Location
 from .errors import UnsafeOutputError
 
-__all__ = ["check_output_name", "one_line", "control_character", "name_max", "name_size", "COMPANIONS", "ADDED",
-           "NAME_MAX"]
+__all__ = ["check_output_name", "one_line", "control_character", "name_max", "name_size", "takes", "COMPANIONS",
+           "ADDED", "NAME_MAX", "KEY_MAX", "INNER"]
 
 #: the names scaleattn keeps next to an output NAME: its lock (:func:`scaleattn._locks.lock_location`), a
 #: temporary holding the previous output moved aside (:func:`scaleattn._outputs.atomic_output`) and a reader's
@@ -26,6 +26,12 @@ COMPANIONS = (".{}.lock", ".{}.partial-0123abcd.old", ".{}.read-0123456789ab.par
 ADDED = max(len(c.format("")) for c in COMPANIONS)
 #: the longest name (in bytes) where the file system does not say (``os.pathconf`` absent, a URL): POSIX's usual
 NAME_MAX = 255
+#: object stores (S3, Google Cloud Storage, Azure Blob Storage) limit a whole key, not a name: 1,024 bytes
+KEY_MAX = 1024
+#: bytes of a key kept for the keys scaleattn writes inside an output (the longest, ``spectrum.zarr/
+#: eigenvalues_scaled/zarr.json``, is 42 bytes)
+INNER = 128
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 
 
 def control_character(text: str) -> str | None:
@@ -47,9 +53,20 @@ def one_line(text: str) -> str:
     return "".join(repr(c)[1:-1] if control_character(c) else c for c in text)
 
 
+def _object_key(loc: Location) -> str | None:
+    """The key of ``loc`` in its bucket where it is in an object store (:data:`OBJECT_STORES`), else None."""
+    scheme, _, rest = loc.url.split("::")[-1].partition("://")
+    return rest.partition("/")[2].rstrip("/") if loc.is_remote and scheme.lower() in OBJECT_STORES else None
+
+
 def name_max(loc: Location) -> int:
-    """The longest name, in bytes, that the file system of ``loc`` takes (``os.pathconf(DIR, 'PC_NAME_MAX')`` of
-    its nearest existing folder), :data:`NAME_MAX` where it does not say (no ``pathconf``, a URL)."""
+    """The longest name, in bytes, that the store of ``loc`` takes: in an object store what :data:`KEY_MAX` leaves
+    after the key's prefix and :data:`INNER`; on a file system ``os.pathconf(DIR, 'PC_NAME_MAX')`` of its nearest
+    existing folder; :data:`NAME_MAX` where it does not say (no ``pathconf``, another URL)."""
+    key = _object_key(loc)
+    if key is not None:
+        parent = posixpath.dirname(key)
+        return KEY_MAX - INNER - len(os.fsencode(parent)) - bool(parent)
     if loc.is_remote:
         return NAME_MAX
     folder = os.path.dirname(loc.url)
@@ -60,6 +77,14 @@ def name_max(loc: Location) -> int:
     except (AttributeError, OSError, ValueError):  # (no pathconf on this platform, or no such limit named)
         return NAME_MAX
     return n if n > 0 else NAME_MAX
+
+
+def takes(loc: Location, limit: int) -> str:
+    """What limits the name of ``loc`` to ``limit`` bytes, in words for an error."""
+    if _object_key(loc) is None:
+        return f"the file system takes at most {limit}"
+    return (f"the object store's keys take at most {KEY_MAX} bytes, of which its folder's prefix and the {INNER}"
+            f" kept for the keys inside leave it {limit}")
 
 
 def name_size(loc: Location) -> tuple[int, int]:
@@ -88,5 +113,5 @@ def check_output_name(loc: Location, role: str = "output") -> None:
     if size + ADDED > limit:
         raise UnsafeOutputError(f"{role} {loc.url}: the name is {size} bytes long, {size + ADDED - limit} too many:"
                                 f" scaleattn keeps names up to {ADDED} bytes longer next to it"
-                                f" ({COMPANIONS[-1].format('NAME').replace('0123456789ab', 'TOKEN')}) and the file"
-                                f" system takes at most {limit}; choose a name of at most {limit - ADDED} bytes")
+                                f" ({COMPANIONS[-1].format('NAME').replace('0123456789ab', 'TOKEN')}) and"
+                                f" {takes(loc, limit)}; choose a name of at most {limit - ADDED} bytes")

@@ -10,7 +10,7 @@ import os
 import shlex
 
 from . import _formats
-from ._names import ADDED, name_size
+from ._names import ADDED, name_size, takes
 from ._outputs import (
     RUN,
     check_companions,
@@ -175,7 +175,7 @@ def _check_default_checkpoint_name(ckpt: Location) -> None:
     if size + ADDED > limit:
         raise UnsafeOutputError(f"the default `checkpoint` {ckpt.url}: the name is {size} bytes long,"
                                 f" {size + ADDED - limit} too many: scaleattn keeps names up to {ADDED} bytes longer"
-                                f" next to it and the file system takes at most {limit}; choose an `out` name of at"
+                                f" next to it and {takes(ckpt, limit)}; choose an `out` name of at"
                                 f" most {limit - ADDED - len(CHECKPOINT_SUFFIX)} bytes, or `checkpoint=PATH`")
 
 

@@ -93,3 +93,22 @@ def test_one_line_and_the_check():
     with pytest.raises(UnsafeOutputError, match=r"--out s3://b/x\\ny: the path holds the control character \\n"):
         check_output_name(resolve("s3://b/x\ny"), "--out")
     check_output_name(resolve("s3://b/" + "k" * (255 - ADDED)), "--out")
+
+
+@pytest.mark.parametrize("prefix", ["s3://bucket/", "gs://bucket/runs/2026/", "simplecache::s3://bucket/a/"])
+def test_object_stores_limit_the_whole_key_not_the_name(prefix):
+    """S3, GCS and Azure keys have no folders: a name may be longer than a file system's 255 bytes, as long as the
+    whole key (its prefix, the name with the companions' ``ADDED`` bytes, the keys inside) stays within 1,024."""
+    from scaleattn._names import INNER, KEY_MAX
+
+    parent = prefix.split("::")[-1].split("://", 1)[1].partition("/")[2].rstrip("/")
+    longest = KEY_MAX - INNER - len(parent) - bool(parent) - ADDED  # (bytes; ASCII names)
+    assert longest > 255
+    check_output_name(resolve(prefix + "n" * longest))
+    with pytest.raises(UnsafeOutputError, match=rf"the name is {longest + 1} bytes long, 1 too many: .* the object"
+                                                rf" store's keys take at most {KEY_MAX} bytes.* choose a name of at"
+                                                rf" most {longest} bytes"):
+        check_output_name(resolve(prefix + "n" * (longest + 1)))
+    # another URL keeps the usual 255 bytes a name (HDFS's default limit of a path component)
+    with pytest.raises(UnsafeOutputError, match=r"the file system takes at most 255"):
+        check_output_name(resolve("hdfs://host/data/" + "n" * 240))
