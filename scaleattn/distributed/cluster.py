@@ -170,6 +170,9 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
             except OSError as e:
                 if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
                     return
+                refused = _tls_refused(e)
+                if refused:  # distributed's "never retry": a certificate one end does not accept
+                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {refused}") from None
                 # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar)
                 left = deadline - time.monotonic()
                 if tcp and left > 0:
@@ -183,6 +186,19 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                 raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
     finally:
         runner.stop()
+
+
+def _tls_refused(e: BaseException) -> str | None:
+    """Why a TLS handshake was refused, for distributed's never-retried error (``FatalCommClosedError``: a
+    certificate one end does not accept), or None: another error, or a TLS connection closed before its handshake
+    (``SSLEOFError``: a proxy whose scheduler is not up, retried as a closed connection is)."""
+    import ssl
+
+    from distributed.comm.core import FatalCommClosedError
+
+    if not isinstance(e, FatalCommClosedError) or isinstance(e.__cause__, ssl.SSLEOFError):
+        return None
+    return str(e) or f"the TLS handshake failed: {_first_line(e.__cause__ or e)}"
 
 
 def _first_line(e: BaseException) -> str:

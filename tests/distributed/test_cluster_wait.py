@@ -130,6 +130,23 @@ def test_a_proxy_that_closes_connections_is_waited_through_until_the_scheduler_a
 
 
 @pytest.mark.slow
+def test_a_tls_certificate_that_does_not_match_fails_at_once_with_a_scheduler_timeout():
+    """distributed's own fatal answer (a TLS certificate the scheduler does not accept) is not a scheduler still
+    starting: it was retried for the whole ``scheduler_timeout`` and then called a closing proxy."""
+    from distributed import LocalCluster, Security
+
+    with LocalCluster(n_workers=0, protocol="tls", security=Security.temporary(), host="127.0.0.1",
+                      dashboard_address=None) as lc:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=r"cannot reach the Dask scheduler at tls://127\.0\.0\.1:\d+ within 60 s"
+                                               r" \(`scheduler_timeout`\): TLS certificate does not match") as info:
+            with connect(lc.scheduler_address, security=Security.temporary(), scheduler_timeout=60, quiet=True):
+                pass
+        assert time.monotonic() - t0 < 20
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
 def test_no_worker_fails_after_the_worker_timeout():
     from distributed import LocalCluster
 
