@@ -152,7 +152,10 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if scheduler_timeout else ""
 
     async def handshake():
-        comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
+        try:
+            comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
+        except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
+            raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
         await comm.close()
 
     runner = LoopRunner()
@@ -168,8 +171,8 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                                    f" handshake within {waited:g} s: not a Dask scheduler (its dashboard port, 8787,"
                                    " or another service?)") from None
             except OSError as e:
-                if scheduler_timeout is None:  # the client's own error says what failed (a TLS scheduler, say)
-                    return
+                if scheduler_timeout is None and not isinstance(e, _ClosedBeforeTLS):  # the client's own error
+                    return  # says what failed (a TLS scheduler, say)
                 refused = _tls_refused(e)
                 if refused:  # distributed's "never retry": a certificate one end does not accept
                     raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {refused}") from None
@@ -186,6 +189,10 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                 raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
     finally:
         runner.stop()
+
+
+class _ClosedBeforeTLS(ConnectionError):
+    """A ``tls://`` port accepted and closed before the TLS handshake began (tornado's ValueError, as an OSError)."""
 
 
 def _tls_refused(e: BaseException) -> str | None:

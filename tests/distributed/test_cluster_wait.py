@@ -130,6 +130,39 @@ def test_a_proxy_that_closes_connections_is_waited_through_until_the_scheduler_a
 
 
 @pytest.mark.slow
+def test_a_tls_proxy_that_closes_connections_is_a_cluster_error_and_is_retried():
+    """tornado refuses to start TLS on a connection the other end already closed (a ValueError, "IOStream is not
+    idle"): it escaped as an internal error, with and without ``scheduler_timeout``, instead of the closing
+    proxy's line (retried until the timeout, as for tcp://)."""
+    import socket
+    import threading
+
+    from distributed import Security
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop: list = []
+    proxy = threading.Thread(target=_closing_proxy, args=(port, stop), daemon=True)
+    proxy.start()
+    time.sleep(0.2)
+    try:
+        with pytest.raises(ClusterError, match=rf"cannot reach the Dask scheduler at tls://127\.0\.0\.1:{port}:") as e:
+            with connect(f"tls://127.0.0.1:{port}", security=Security.temporary(), quiet=True):
+                pass
+        assert "\n" not in str(e.value)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=rf"at tls://127\.0\.0\.1:{port} within 3 s \(`scheduler_timeout`\):"
+                                               r" port \d+ of 127\.0\.0\.1 accepts connections but closes them"):
+            with connect(f"tls://127.0.0.1:{port}", security=Security.temporary(), scheduler_timeout=3, quiet=True):
+                pass
+        assert 2.5 <= time.monotonic() - t0 < 8
+    finally:
+        stop.append(True)
+        proxy.join()
+
+
+@pytest.mark.slow
 def test_a_tls_certificate_that_does_not_match_fails_at_once_with_a_scheduler_timeout():
     """distributed's own fatal answer (a TLS certificate the scheduler does not accept) is not a scheduler still
     starting: it was retried for the whole ``scheduler_timeout`` and then called a closing proxy."""
