@@ -110,6 +110,10 @@ def check_output_name(loc: Location, role: str = "output") -> None:
                                 " (every line naming it would break or garble the terminal); choose a path of"
                                 " printable characters")
     size, limit = name_size(loc)
+    if limit - ADDED < 1 and _object_key(loc) is not None:  # (the prefix alone is too long: no name would do)
+        raise UnsafeOutputError(f"{role} {loc.url}: {takes(loc, limit)}, and with the {ADDED} bytes scaleattn"
+                                " keeps next to it its folder's prefix leaves no room for a name: choose a shorter"
+                                f" folder (at most {KEY_MAX - INNER - ADDED - 2} bytes)")
     if size + ADDED > limit:
         raise UnsafeOutputError(f"{role} {loc.url}: the name is {size} bytes long, {size + ADDED - limit} too many:"
                                 f" scaleattn keeps names up to {ADDED} bytes longer next to it"

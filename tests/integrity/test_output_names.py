@@ -112,3 +112,11 @@ def test_object_stores_limit_the_whole_key_not_the_name(prefix):
     # another URL keeps the usual 255 bytes a name (HDFS's default limit of a path component)
     with pytest.raises(UnsafeOutputError, match=r"the file system takes at most 255"):
         check_output_name(resolve("hdfs://host/data/" + "n" * 240))
+
+
+def test_an_object_store_folder_that_leaves_no_room_says_so():
+    """A key prefix so long that no name fits said 'choose a name of at most -17 bytes'."""
+    with pytest.raises(UnsafeOutputError, match=r"its folder's prefix leaves no room for a name: choose a shorter"
+                                                r" folder \(at most \d+ bytes\)$") as e:
+        check_output_name(resolve("s3://b/" + "a" * 880 + "/run"), "--out")
+    assert "at most -" not in str(e.value)
