@@ -4,8 +4,7 @@ resolved once at the public entry; zarr groups, existence, removal, atomic outpu
 URLs go through fsspec (s3fs for ``s3://``) with the location's ``storage_options``; what they leave out comes
 from the standard environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``, and the
 endpoint ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` (read by botocore >= 1.31 itself). An unreachable
-endpoint or refused credentials raise :class:`~scaleattn.errors.StorageError` (the CLI exits with code 2).
-See docs/object-storage.md.
+endpoint or refused credentials raise :class:`~scaleattn.errors.StorageError` (docs/object-storage.md).
 """
 from __future__ import annotations
 
@@ -133,9 +132,8 @@ def resolve(url, storage_options=None) -> Location:
 
 
 def check_storage_options(storage_options, *paths) -> None:
-    """Refuse fsspec ``storage_options`` (``--storage-option``) given where none of ``paths`` (the paths and
-    URLs of one call; None entries skipped, a Location counts by its URL) is a URL: a local path is read by the
-    operating system, and fsspec's options were ignored without a word.
+    """Refuse fsspec ``storage_options`` given where none of ``paths`` (one call's; None skipped, a Location by
+    its URL) is a URL: the operating system reads a local path, and the options were ignored without a word.
 
     Raises
     ------
@@ -152,16 +150,14 @@ def check_storage_options(storage_options, *paths) -> None:
 
 
 def options_for(path, storage_options):
-    """``storage_options`` where ``path`` (a path, URL or Location) is a URL, None for a local path: one call's
-    options (checked by :func:`check_storage_options`) go to its URLs only."""
+    """``storage_options`` where ``path`` (a path, URL or Location) is a URL, None where it is a local path."""
     return storage_options if is_url(_normal_url(str(getattr(path, "url", path)))) else None
 
 
 def _absolute(path: str) -> str:
     """``path`` made absolute as the operating system reads it: ``..`` after a symbolic link leaves the link's
-    target, not the link's directory (``os.path.abspath`` alone would drop ``link/..`` as text, and a fit would
-    read another store than ``ls`` shows at that path); without ``..`` the two readings agree, and links stay
-    as given (the stores' checks see them): ``_absolute("/a/./b/") == "/a/b"``."""
+    target (``os.path.abspath`` alone drops ``link/..`` as text: a fit read another store than ``ls`` shows
+    there); without ``..`` both agree, and links stay as given: ``_absolute("/a/./b/") == "/a/b"``."""
     full = os.path.join(os.getcwd(), os.path.expanduser(path))
     parts = full.split(os.sep)
     if ".." not in parts:
@@ -227,10 +223,15 @@ def with_retries(fn, *args, attempts: int | None = None, delay: float | None = N
 
 @contextlib.contextmanager
 def _remote_access(url: str):
-    """Turn connection / credential / permission errors of a URL operation into :class:`StorageError`."""
+    """Turn connection / credential / permission errors of a URL operation into :class:`StorageError`, and an
+    option its file system does not take into a :class:`ParameterError`."""
     try:
         yield
     except Exception as e:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(e)) if isinstance(e, TypeError) else None
+        if bad and is_url(url):  # an fsspec option its file system does not take (s3fs finds it at first use)
+            raise ParameterError(f"{url}: the storage option {bad.group(1)!r} is not one its file system takes"
+                                 f" ({type(e).__name__}: {e}); check the option's name") from None
         err = access_error(url, e)
         if err is None:
             raise

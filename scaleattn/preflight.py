@@ -172,11 +172,13 @@ def _check_default_checkpoint_name(ckpt: Location) -> None:
     """``OUT.checkpoint.zarr`` holds its lock and temporaries too (:func:`scaleattn._names.check_output_name`);
     too long, the way round is said: its name follows --out's (advised 'a name of at most N bytes', not its own)."""
     size, limit = name_size(ckpt)
+    room = limit - ADDED - len(CHECKPOINT_SUFFIX)  # (none: the folder's prefix alone is too long)
     if size + ADDED > limit:
         raise UnsafeOutputError(f"the default `checkpoint` {ckpt.url}: the name is {size} bytes long,"
                                 f" {size + ADDED - limit} too many: scaleattn keeps names up to {ADDED} bytes longer"
-                                f" next to it and {takes(ckpt, limit)}; choose an `out` name of at"
-                                f" most {limit - ADDED - len(CHECKPOINT_SUFFIX)} bytes, or `checkpoint=PATH`")
+                                f" next to it and {takes(ckpt, limit)}; choose " + (
+                                    f"an `out` name of at most {room} bytes" if room > 0 else "a shorter folder for"
+                                    " `out`") + ", or `checkpoint=PATH`")
 
 
 #: what the default checkpoint adds to --out's name

@@ -149,6 +149,19 @@ def test_bad_endpoint_bucket_and_credentials_exit_2_with_a_clear_message(s3):
     assert not s3["fs"].exists(f"{BUCKET}/x")
 
 
+def test_a_storage_option_its_file_system_does_not_take_is_a_parameter_error(cli):
+    """s3fs takes any keyword and passes it on to botocore's session at its first use: a misspelled option was a
+    TypeError there, an internal error of the CLI. Nothing is reached: the session is made before any request."""
+    from scaleattn._storage import exists
+    from scaleattn.errors import ParameterError
+
+    with pytest.raises(ParameterError, match=r"s3://bucket/d\.zarr: the storage option 'connect_timeot' is not one"
+                                             r" its file system takes \(TypeError: .*connect_timeot"):
+        exists("s3://bucket/d.zarr", {"connect_timeot": 1})
+    r = cli("certify", "s3://bucket/d.zarr", "--local", "--storage-option", "connect_timeot=1", rc=2)
+    assert r.stderr.count("\n") == 1 and "the storage option 'connect_timeot' is not one" in r.stderr, r.stderr
+
+
 def test_store_hiccups_are_retried_bad_data_fails_once():
     """Tasks retry transient store errors themselves (Dask retries are off), so bad data fails at once."""
     from scaleattn._storage import StorageError, transient, with_retries

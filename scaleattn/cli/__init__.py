@@ -25,7 +25,7 @@ from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_inte
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
 from .commands import COMMANDS
-from .parser import build_parser, option_of, parse
+from .parser import build_parser, option_of, parse, positional_of
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -141,7 +141,7 @@ def _as_typed(e: ScaleattnError, args) -> str:
     the message quotes in backticks (:func:`_typed`)."""
     text = str(e)
     name = re.match(r"(\w+) must ", text) if isinstance(e, ParameterError) else None
-    flag = name and option_of(args, name.group(1))
+    flag = name and (option_of(args, name.group(1)) or positional_of(args, name.group(1)))
     return _typed(flag + text[name.end(1):] if flag else text, args)
 
 

@@ -270,6 +270,15 @@ def option_of(args: argparse.Namespace, dest: str) -> str | None:
     return None if action is None else max(action.option_strings, key=len)
 
 
+def positional_of(args: argparse.Namespace, dest: str) -> str | None:
+    """The name the usage line gives the positional argument ``dest`` of ``args``' command (``DATASET``), or
+    None."""
+    for action in _reached(build_parser(), args)._actions:
+        if action.dest == dest and not action.option_strings:
+            return action.metavar if isinstance(action.metavar, str) else dest.upper()
+    return None
+
+
 def option_action(args: argparse.Namespace, dest: str) -> argparse.Action | None:
     """The argparse action of the option of :func:`option_of` (its ``nargs`` 0: a flag), or None."""
     for action in _reached(build_parser(), args)._actions:

@@ -12,7 +12,7 @@ import re
 from urllib.parse import urlsplit
 
 from .._outputs import relation
-from .._params import MAX_SECONDS
+from .._params import MAX_SECONDS, storage_option_pairs
 from .._storage import Location
 from .._version import __version__
 from ..errors import ParameterError
@@ -111,7 +111,7 @@ def _check_url(what: str, url, need_path: bool) -> str:
         raise ParameterError(f"{what} must be an object-storage URL ({schemes}BUCKET/PATH):"
                          f" the pods cannot see local paths, got {url!r}")
     if not parts.netloc:
-        raise ParameterError(f"{what} has no bucket: {url!r}")
+        raise ParameterError(f"{what} must name a bucket: {url!r}")
     if need_path and not parts.path.strip("/"):
         raise ParameterError(f"{what} must name a path inside the bucket, not the bucket root: {url!r}")
     return url
@@ -137,7 +137,11 @@ def _check_int(what: str, value, minimum: int, maximum: int | None = None) -> in
 def _storage_option_args(storage_options: dict | None, secret: str | None) -> list[str]:
     """``{"endpoint_url": "http://..."}`` -> ``["--storage-option", "endpoint_url=http://..."]`` for ``fit``."""
     args: list[str] = []
-    for key, value in (storage_options or {}).items():
+    if not isinstance(storage_options, dict):  # (as everywhere in the API: a dict, or ["KEY=VALUE", ...])
+        if isinstance(storage_options, str):
+            raise ParameterError(f"`storage_options` must be a dict or a list of 'KEY=VALUE', got {storage_options!r}")
+        storage_options = storage_option_pairs(storage_options)
+    for key, value in storage_options.items():
         if not isinstance(key, str) or not _KEY.match(key):
             raise ParameterError(f"storage option names must be identifiers, got {key!r}")
         if any(word in key.lower() for word in _CREDENTIAL_WORDS):
@@ -272,7 +276,7 @@ def _runner_container(image: str, dataset: str, out: str, extra_args: list[str],
 
 def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, image: str | None = None,
                    registry: str | None = None, namespace: str = DEFAULT_NAMESPACE, name: str | None = None,
-                   storage_options: dict | None = None, fit_args: list[str] | None = None,
+                   storage_options: dict | list[str] | None = None, fit_args: list[str] | None = None,
                    secret: str | None = DEFAULT_SECRET, scheduler_timeout: int = SCHEDULER_TIMEOUT,
                    worker_timeout: int = WORKER_TIMEOUT, node_selector: dict | None = None,
                    deadline: int | None = None) -> dict:
@@ -294,7 +298,7 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
     namespace, name : str
         Where and under what name; the Dask cluster and its scheduler Service take the job's name
         (``<name>-scheduler``). Default name ``scaleattn-fit``.
-    storage_options : dict, optional
+    storage_options : dict or list of "KEY=VALUE", optional
         fsspec options passed to ``scaleattn fit --storage-option KEY=VALUE`` (e.g. ``endpoint_url``).
         Credential-like keys are refused: credentials come from ``secret``.
     fit_args : list of str, optional

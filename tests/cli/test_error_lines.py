@@ -76,6 +76,15 @@ def test_an_option_before_the_command_is_named(causal_ds, tmp_path, cli, argv, l
      " (see scaleattn generate assoc --help)"),
     (["submit", "s3://b/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--dry-run", "--worker-timeout", "0"],
      "scaleattn submit: error: --worker-timeout must be >= 1, got 0 (see scaleattn submit --help)"),
+    # the Python API's names (`dataset`, `out`, `image=`, `registry=`) said as the command line's
+    (["submit", "/d.zarr", "--out", "s3://b/r", "--image", "r.io/x", "--dry-run"],
+     "scaleattn submit: error: DATASET must be an object-storage URL (s3://BUCKET/PATH): the pods cannot see local"
+     " paths, got '/d.zarr' (see scaleattn submit --help)"),
+    (["submit", "s3://b/d.zarr", "--out", "s3:///r", "--image", "r.io/x", "--dry-run"],
+     "scaleattn submit: error: --out must name a bucket: 's3:///r' (see scaleattn submit --help)"),
+    (["submit", "s3://b/d.zarr", "--out", "s3://b/d.zarr/r", "--image", "r.io/x", "--dry-run"],
+     "scaleattn submit: error: --out s3://b/d.zarr/r lies inside the dataset 's3://b/d.zarr': scaleattn never writes"
+     " into or removes an input; choose a path outside it (see scaleattn submit --help)"),
 ])
 def test_every_error_line_has_one_format(causal_ds, tmp_path, cli, argv, line):
     out = tmp_path / "out"

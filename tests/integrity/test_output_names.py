@@ -120,3 +120,9 @@ def test_an_object_store_folder_that_leaves_no_room_says_so():
                                                 r" folder \(at most \d+ bytes\)$") as e:
         check_output_name(resolve("s3://b/" + "a" * 880 + "/run"), "--out")
     assert "at most -" not in str(e.value)
+    # the default checkpoint (OUT.checkpoint.zarr, 16 bytes more) of an out that fits there: no negative advice
+    from scaleattn.preflight import _check_default_checkpoint_name
+
+    with pytest.raises(UnsafeOutputError, match=r"choose a shorter folder for `out`, or `checkpoint=PATH`$") as e:
+        _check_default_checkpoint_name(resolve("s3://b/" + "a" * 850 + "/r.checkpoint.zarr"))
+    assert "at most -" not in str(e.value)
