@@ -17,6 +17,15 @@ __all__ = ["CliResult", "rel_err", "rel_mse", "run_cli", "run_cli_process", "ass
            "solve_arrays", "DATASETS", "write_small_dataset"]
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on (free when this returns)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rel_err(a, b, ord=None) -> float:
     """``||a - b|| / ||b||`` of the flattened arrays: 2-norm (``ord=None``) or max-abs (``ord=np.inf``)."""
     a, b = np.asarray(a), np.asarray(b)

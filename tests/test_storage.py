@@ -3,7 +3,6 @@ protocol: a moto server on 127.0.0.1, a dataset uploaded to it, `scaleattn fit /
 processes against s3:// (workers included), an interrupted fit resumed from its s3 checkpoint, and the results
 compared bit for bit with a local-disk fit."""
 import json
-import socket
 import urllib.request
 
 import numpy as np
@@ -15,15 +14,9 @@ from scaleattn.distributed.evaluate import evaluate
 from scaleattn.model import MHLAModel
 from scaleattn.pipeline import fit
 from scaleattn.statistics import Statistics
-from tests.helpers import assert_same_stats, moto_s3, run_cli_process, s3_env
+from tests.helpers import assert_same_stats, free_port, moto_s3, run_cli_process, s3_env
 
 BUCKET = "scaleattn-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(args, **env):
@@ -132,7 +125,7 @@ def _assert_clear_error(r, *words):
 @pytest.mark.slow
 def test_bad_endpoint_bucket_and_credentials_exit_2_with_a_clear_message(s3):
     ep = f"endpoint_url={s3['endpoint']}"
-    r = _cli(["certify", _url("d.zarr"), "--local", "--storage-option", f"endpoint_url=http://127.0.0.1:{_free_port()}"],
+    r = _cli(["certify", _url("d.zarr"), "--local", "--storage-option", f"endpoint_url=http://127.0.0.1:{free_port()}"],
              AWS_MAX_ATTEMPTS="1")  # nothing listens there; one attempt instead of botocore's retries
     _assert_clear_error(r, "cannot access the object store", "EndpointConnectionError", "endpoint_url")
     r = _cli(["fit", "s3://no-such-bucket/d.zarr", "--out", _url("x"), "--local", "--storage-option", ep])

@@ -176,17 +176,18 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                 refused = _tls_refused(e)
                 if refused:  # distributed's "never retry": a certificate one end does not accept
                     raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {refused}") from None
+                if not tcp:
+                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}"
+                                       ) from None
                 # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar)
                 left = deadline - time.monotonic()
-                if tcp and left > 0:
+                if left > 0:
                     time.sleep(min(POLL_S, left))
                     continue
-                if tcp:
-                    _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause
-                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
-                                       " accepts connections but closes them before the Dask handshake (a proxy"
-                                       " whose scheduler is not up, or not a Dask scheduler)") from None
-                raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}") from None
+                _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if one
+                raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
+                                   " accepts connections but closes them before the Dask handshake (a proxy whose"
+                                   " scheduler is not up, or not a Dask scheduler)") from None
     finally:
         runner.stop()
 

@@ -12,6 +12,7 @@ import pytest
 from scaleattn import cli
 from scaleattn.distributed.cluster import connect
 from scaleattn.errors import ClusterError
+from tests.helpers import free_port
 
 
 @pytest.mark.slow
@@ -35,9 +36,7 @@ def test_a_scheduler_that_starts_late_is_joined_within_seconds_of_its_start():
     import sys
     import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ready = []
 
     def watch():  # when the port first accepts: the scheduler is up (it answers the handshake at once)
@@ -86,14 +85,11 @@ def _closing_proxy(port: int, stop: list):
 def test_a_proxy_that_closes_connections_is_waited_through_until_the_scheduler_answers():
     """A port that accepts and closes at once is a scheduler not reachable yet, not a refusal: the runner keeps
     trying for its ``scheduler_timeout`` (it failed on the first closed handshake), and says so when it ends."""
-    import socket
     import subprocess
     import sys
     import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     stop: list = []
     proxy = threading.Thread(target=_closing_proxy, args=(port, stop), daemon=True)
     proxy.start()
@@ -134,14 +130,11 @@ def test_a_tls_proxy_that_closes_connections_is_a_cluster_error_and_is_retried()
     """tornado refuses to start TLS on a connection the other end already closed (a ValueError, "IOStream is not
     idle"): it escaped as an internal error, with and without ``scheduler_timeout``, instead of the closing
     proxy's line (retried until the timeout, as for tcp://)."""
-    import socket
     import threading
 
     from distributed import Security
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     stop: list = []
     proxy = threading.Thread(target=_closing_proxy, args=(port, stop), daemon=True)
     proxy.start()
