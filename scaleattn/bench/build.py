@@ -12,7 +12,7 @@
   one keeps the floor strict. ``vs_best`` is the ratio against the fastest rates measured anywhere in the run;
 - ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics.statistics_from_arrays` (features,
   ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.kernel.KERNELS`), best of ``repeats`` rounds with
-  the kernels alternating, more rounds (up to :data:`MAX_ROUNDS`) while a size's builds took under
+  the kernels alternating, more rounds of a kernel (up to :data:`MAX_ROUNDS`) while its own builds took under
   ``min_time`` (1 s) in all: builds of 30 ms sample the machine's speed of one instant;
 - ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
   at large ``d`` it runs a SYRK, ``psi^2/2`` multiply-adds per row against our ``psi^2/4``, so about 2x is
@@ -41,8 +41,8 @@ __all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_
 
 #: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
 TARGET_VS_LOOP = 3.0
-#: rounds of builds per size at most (:func:`build_table`'s ``min_time``)
-MAX_ROUNDS = 10
+#: rounds of builds per size and kernel at most (:func:`build_table`'s ``min_time``): 30 builds of d = 4's 20-30 ms
+MAX_ROUNDS = 30
 
 
 def target_vs_floor(d: int) -> float | None:
@@ -202,8 +202,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     kernels : sequence of str, optional
         Default :data:`scaleattn.kernel.KERNELS`.
     repeats : int
-        Best of at least this many builds of each kernel; more (at most :data:`MAX_ROUNDS`) while the size's
-        builds have taken under ``min_time`` seconds in all (``rounds`` in each row).
+        Best of at least this many builds of each kernel; more (at most :data:`MAX_ROUNDS`) while that kernel's
+        builds of the size have taken under ``min_time`` seconds in all (``rounds`` in each row).
     gemm_n : int
         Size of the square product that measures the GEMM rate.
     loop : bool
@@ -254,19 +254,22 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
                        None if lengths is None else lengths[:2], causal, kernel=kern)
         # the kernels alternate, in reverse order every other round, so that none is always timed right after the
         # loop's threaded BLAS or after the other kernel (the machine drifts within seconds)
-        # more rounds (up to MAX_ROUNDS) while this size's builds took under min_time in all: a 30 ms build is a
-        # sample of the machine's speed in that instant (one VM's one-thread DGEMM moved 39-61 GFLOP/s in 30 s)
-        best, spent, rounds = dict.fromkeys(kerns, float("inf")), 0.0, 0
-        while rounds < max(1, repeats) or (spent < min_time and rounds < MAX_ROUNDS):
-            for kern in (kerns if rounds % 2 == 0 else kerns[::-1]):
-                _settle()
-                t = _best(lambda: build(kern), 1)
-                best[kern], spent = min(best[kern], t), spent + t
-            rounds += 1
+        # more rounds of a kernel (up to MAX_ROUNDS) while its own builds of this size took under min_time: a 30 ms
+        # build is a sample of the machine's speed in that instant (one VM's one-thread DGEMM moved 39-61 GFLOP/s in
+        # 30 s; d = 4's build 18-30 ms on 2 threads, back to back). Counted per kernel: counted together, a 0.4 s
+        # numpy build ended the rounds of a 25 ms numba build after 2-3 samples
+        best, spent, rounds = (dict.fromkeys(kerns, v) for v in (float("inf"), 0.0, 0))
+        more = lambda k: rounds[k] < max(1, repeats) or (spent[k] < min_time and rounds[k] < MAX_ROUNDS)
+        while any(more(k) for k in kerns):
+            for kern in (kerns if max(rounds.values()) % 2 == 0 else kerns[::-1]):
+                if more(kern):
+                    _settle()
+                    t = _best(lambda: build(kern), 1)
+                    best[kern], spent[kern], rounds[kern] = min(best[kern], t), spent[kern] + t, rounds[kern] + 1
         size_rows = [{"d": d, "rows": nrows, "causal": causal, "variable_lengths": var, "kernel": kern,
                       "build_s": t, "loop_s": loop_s, "speedup_vs_loop": None if loop_s is None else loop_s / t,
                       "syrk_s": syrk_s, "macs": macs, "token_bytes": nbytes, "load_avg": os.getloadavg()[0],
-                      "rounds": rounds,
+                      "rounds": rounds[kern],
                       "loop_failed": failed if loop_s is None else None,  # (how the peer's process died)
                       "syrk_failed": failed if peers.get("syrk_started") and syrk_s is None else None}
                      for kern, t in best.items()]

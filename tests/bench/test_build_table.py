@@ -22,6 +22,31 @@ def test_build_table_keys_and_ratios():
     assert all(r["rounds"] == MAX_ROUNDS for r in t)  # builds of microseconds: as many rounds as allowed
 
 
+def test_a_fast_kernel_gets_its_own_rounds(monkeypatch):
+    """Rounds are counted per kernel: a slow kernel reaching ``min_time`` does not end a fast one's sampling
+    (a 0.4 s numpy build used to stop a 25 ms numba build after 2-3 samples)."""
+    import time
+
+    import scaleattn.bench.build as build
+    import scaleattn.statistics as statistics
+
+    calls = {"numba": 0, "numpy": 0}
+
+    def fake(stats, tokens, *args, kernel=None, **kw):
+        if tokens.shape[0] > 2:  # not the warm-up call on two samples
+            calls[kernel] += 1
+            time.sleep(0.25 if kernel == "numpy" else 0.001)
+        return stats
+
+    monkeypatch.setattr(statistics, "accumulate", fake)
+    monkeypatch.setattr(build, "_settle", lambda *a, **k: None)
+    t = build.build_table([(2, 400, True)], rate=1e10, bandwidth=1e10, repeats=1, loop=False, min_time=0.4)
+    rounds = {r["kernel"]: r["rounds"] for r in t}
+    assert rounds == {"numpy": 2, "numba": MAX_ROUNDS} == calls
+    fast = next(r for r in t if r["kernel"] == "numba")
+    assert 0.001 <= fast["build_s"] < 0.25
+
+
 def test_build_table_measures_the_rates_around_each_size():
     t = build_table([(2, 200, True), (3, 50, False)], kernels=("numpy",), loop=False, repeats=1, gemm_n=300)
     for r in t:
