@@ -121,9 +121,9 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
     ClusterError
         Without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does not resolve,
         no answer within distributed's connect timeout); with it, no connection within it (the cause named); or
-        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or, with
-        ``scheduler_timeout``, it kept closing connections before the handshake until it ended (a proxy whose
-        scheduler is not up: retried, as a refused connection is).
+        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or it closed the
+        connection before the handshake (a proxy whose scheduler is not up: with ``scheduler_timeout``, retried
+        until it ends, as a refused connection is; without it, at once).
     """
     import dask
     from dask.utils import parse_timedelta
@@ -171,23 +171,25 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                                    f" handshake within {waited:g} s: not a Dask scheduler (its dashboard port, 8787,"
                                    " or another service?)") from None
             except OSError as e:
-                if scheduler_timeout is None and not isinstance(e, _ClosedBeforeTLS):  # the client's own error
-                    return  # says what failed (a TLS scheduler, say)
                 refused = _tls_refused(e)
                 if refused:  # distributed's "never retry": a certificate one end does not accept
                     raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {refused}") from None
                 if not tcp:
                     raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}"
                                        ) from None
-                # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar)
+                # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar).
+                # Without scheduler_timeout this one try is the answer: the client's own try would race the same
+                # close (and raise tornado's raw ValueError when it loses)
                 left = deadline - time.monotonic()
-                if left > 0:
+                if scheduler_timeout is not None and left > 0:
                     time.sleep(min(POLL_S, left))
                     continue
-                _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if one
+                if scheduler_timeout is not None:
+                    _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if one
+                plain = " a TLS scheduler addressed as tcp://," if address.startswith("tcp://") else ""
                 raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
                                    " accepts connections but closes them before the Dask handshake (a proxy whose"
-                                   " scheduler is not up, or not a Dask scheduler)") from None
+                                   f" scheduler is not up,{plain} or not a Dask scheduler)") from None
     finally:
         runner.stop()
 
@@ -385,7 +387,9 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
             timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
             try:
                 client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
-            except OSError as e:  # distributed raises OSError (TimeoutError) after the connect timeout
+            except (OSError, ValueError) as e:  # OSError (TimeoutError) after the connect timeout; tornado's
+                if isinstance(e, ValueError) and "IOStream" not in str(e):  # ValueError: closed before TLS began
+                    raise
                 raise ClusterError(f"cannot reach the Dask scheduler at {scheduler}"
                                    + (f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if timeout else "")
                                    + f": {_first_line(e)}") from None
