@@ -112,7 +112,10 @@ def _wait_for_port(address: str, host: str, port: int, where: str, deadline: flo
 def _reach_scheduler(address: str, where: str, security, scheduler_timeout: float | None) -> None:
     """Check that ``address`` is a Dask scheduler before the client connects, so that a definite answer ends the
     wait at once: distributed retries a refused connection and a host name that does not resolve for its whole
-    connect timeout (30 s), and waits forever for the handshake of a port that accepts and never answers.
+    connect timeout (30 s), and waits forever for the handshake of a port that accepts and never answers. Over
+    TCP (and TLS) each try is one connection and one handshake (:func:`_one_handshake`), so its error is the
+    port's: distributed's connect also retries a closed connection within its timeout, and its last error then
+    read as a port that never answered.
 
     Raises
     ------
@@ -153,7 +156,11 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
 
     async def handshake():
         try:
-            comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
+            if tcp:  # one try, its error as it came: distributed's connect retries a closed connection inside
+                # its own timeout, so a TLS proxy that closed after a moment read as a port that never answered
+                comm = await wait_for(_one_handshake(address, args), waited)
+            else:
+                comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
         except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
             raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
         await comm.close()
@@ -192,6 +199,23 @@ def _reach_scheduler(address: str, where: str, security, scheduler_timeout: floa
                                    f" scheduler is not up,{plain} or not a Dask scheduler)") from None
     finally:
         runner.stop()
+
+
+async def _one_handshake(address: str, args: dict):
+    """One connection to ``address`` (TCP, and TLS for ``tls://``) and the Dask handshake on it, as
+    ``distributed.comm.connect`` makes them but without its retries; returns the open comm."""
+    from distributed.comm.core import parse_address
+    from distributed.comm.registry import get_backend
+
+    scheme, loc = parse_address(address)
+    comm = await get_backend(scheme).get_connector().connect(loc, **args)
+    try:
+        await comm.write(comm.handshake_info())
+        await comm.read()
+    except BaseException:
+        comm.abort()
+        raise
+    return comm
 
 
 class _ClosedBeforeTLS(ConnectionError):

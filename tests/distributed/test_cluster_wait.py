@@ -64,10 +64,11 @@ def test_a_scheduler_that_starts_late_is_joined_within_seconds_of_its_start():
         proc.wait(30)
 
 
-def _closing_proxy(port: int, stop: list):
-    """Accept every connection on ``port`` and close it at once (a service mesh's sidecar, or a proxy in front of
-    a scheduler that is not up yet) until ``stop`` is set; then free the port."""
+def _closing_proxy(port: int, stop: list, delay: float = 0.0):
+    """Accept every connection on ``port`` and close it at once, or ``delay`` s later (a service mesh's sidecar, or
+    a proxy in front of a scheduler that is not up yet) until ``stop`` is set; then free the port."""
     import socket
+    import threading
 
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -76,9 +77,13 @@ def _closing_proxy(port: int, stop: list):
         listener.settimeout(0.05)
         while not stop:
             try:
-                listener.accept()[0].close()
+                conn = listener.accept()[0]
             except TimeoutError:
-                pass
+                continue
+            if delay:
+                threading.Timer(delay, conn.close).start()
+            else:
+                conn.close()
 
 
 @pytest.mark.slow
@@ -157,6 +162,41 @@ def test_a_tls_proxy_that_closes_connections_is_a_cluster_error_and_is_retried()
         with pytest.raises(ClusterError, match=rf"at tls://127\.0\.0\.1:{port} within 3 s \(`scheduler_timeout`\):"
                                                r" port \d+ of 127\.0\.0\.1 accepts connections but closes them"):
             with connect(f"tls://127.0.0.1:{port}", security=Security.temporary(), scheduler_timeout=3, quiet=True):
+                pass
+        assert 2.5 <= time.monotonic() - t0 < 8
+    finally:
+        stop.append(True)
+        proxy.join()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["tcp", "tls"])
+def test_a_proxy_that_closes_connections_after_a_moment_is_retried_too(scheme):
+    """A proxy that holds the connection a moment before closing it (TLS: after the client's hello) is the same
+    closing proxy: distributed's connect retried it inside its own timeout, so a ``tls://`` one read, after 10 s
+    and past ``scheduler_timeout``, as "not a Dask scheduler"."""
+    import threading
+
+    from distributed import Security
+
+    port = free_port()
+    stop: list = []
+    proxy = threading.Thread(target=_closing_proxy, args=(port, stop, 0.3), daemon=True)
+    proxy.start()
+    time.sleep(0.2)
+    security = Security.temporary() if scheme == "tls" else None
+    closes = r"port \d+ of 127\.0\.0\.1 accepts connections but closes them before the Dask handshake"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=rf"^cannot reach the Dask scheduler at {scheme}://127\.0\.0\.1:{port}: "
+                                               + closes):
+            with connect(f"{scheme}://127.0.0.1:{port}", security=security, quiet=True):
+                pass
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=rf"at {scheme}://127\.0\.0\.1:{port} within 3 s"
+                                               r" \(`scheduler_timeout`\): " + closes):
+            with connect(f"{scheme}://127.0.0.1:{port}", security=security, scheduler_timeout=3, quiet=True):
                 pass
         assert 2.5 <= time.monotonic() - t0 < 8
     finally:
