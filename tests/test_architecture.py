@@ -32,6 +32,7 @@ CONTRACT = [
     # L3: Dask
     "distributed", "distributed.reduction", "distributed.partition", "distributed.checkpoint",
     "distributed.memory", "distributed.build", "distributed.operator", "distributed.evaluate", "distributed.tsqr",
+    "distributed.reach",  # is an address a Dask scheduler that answers (the check before the client connects)
     "distributed.cluster",
     # L4: runs, text, the main job, front doors for data
     "run", "_figures", "plot", "preflight", "pipeline", "estimator", "importers", "generate",

@@ -19,6 +19,7 @@ from .._storage import check_kind
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
 from ..progress import Reporter, as_reporter
 from .memory import available_memory, worker_config
+from .reach import first_line, reach_scheduler
 
 __all__ = ["connect", "tls_security", "default_workers", "check_workers", "embedded_security",
            "MAX_THREADS_PER_CORE"]
@@ -27,13 +28,6 @@ __all__ = ["connect", "tls_security", "default_workers", "check_workers", "embed
 MAX_THREADS_PER_CORE = 4
 #: memory a worker process needs before it holds any data (interpreter, numpy, distributed)
 WORKER_BASE_BYTES = 150e6
-#: how long a port that accepted the connection has to answer the Dask handshake (a scheduler answers at once;
-#: distributed itself waits forever, so another service on the port hung the job)
-HANDSHAKE_TIMEOUT_S = 10.0
-#: with --scheduler-timeout, the scheduler's port is tried at least this often (s) until it accepts: distributed's
-#: own retries back off exponentially with full jitter, so a scheduler that came up 60 s after the runner was
-#: reached 40 s later (the Kubernetes runner starts before its scheduler)
-POLL_S = 1.0
 
 
 @contextlib.contextmanager
@@ -69,174 +63,6 @@ def _signals_held():
             signal.signal(s, handler)
         for s in dict.fromkeys(got):  # the handlers of this process take it now (KeyboardInterrupt, the CLI's 143)
             signal.raise_signal(s)
-
-
-def _connect_once(address: str, host: str, port: int, where: str, timeout: float, within: str = "") -> None:
-    """One plain TCP connection to the scheduler's port, closed at once; its failure raises the ClusterError that
-    names it (connection refused, a host name that does not resolve, no answer)."""
-    import socket
-
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except socket.gaierror:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: the host name {host!r} does not"
-                           f" resolve (a typo in {where}, or no such service yet?)") from None
-    except ConnectionRefusedError:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: connection refused (nothing"
-                           f" listens on port {port} of {host}: is the scheduler running, on that port?)") from None
-    except TimeoutError:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: no answer within {timeout:g} s"
-                           + ("" if within else " (distributed.comm.timeouts.connect; `scheduler_timeout` waits"
-                                                " longer)")) from None
-    except OSError as e:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {e.strerror or e}") from None
-
-
-def _wait_for_port(address: str, host: str, port: int, where: str, deadline: float, within: str) -> None:
-    """Try the scheduler's TCP port until it accepts, until ``deadline`` (``time.monotonic()``), the pause between
-    tries doubling from 50 ms to :data:`POLL_S`: the runner goes on within about a second of the scheduler's start.
-    Raises the ClusterError of the last try (its cause named, and ``within``)."""
-    pause = 0.05
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return _connect_once(address, host, port, where, max(min(left, HANDSHAKE_TIMEOUT_S), 0.05), within)
-        except ClusterError:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-        time.sleep(min(pause, left))
-        pause = min(2 * pause, POLL_S)
-
-
-def _reach_scheduler(address: str, where: str, security, scheduler_timeout: float | None) -> None:
-    """Check that ``address`` is a Dask scheduler before the client connects, so that a definite answer ends the
-    wait at once: distributed retries a refused connection and a host name that does not resolve for its whole
-    connect timeout (30 s), and waits forever for the handshake of a port that accepts and never answers. Over
-    TCP (and TLS) each try is one connection and one handshake (:func:`_one_handshake`), so its error is the
-    port's: distributed's connect also retries a closed connection within its timeout, and its last error then
-    read as a port that never answered.
-
-    Raises
-    ------
-    ParameterError
-        Not an address (``foo``, ``tcp://:x``), or a ``tls://`` one without TLS settings.
-    ClusterError
-        Without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does not resolve,
-        no answer within distributed's connect timeout); with it, no connection within it (the cause named); or
-        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or it closed the
-        connection before the handshake (a proxy whose scheduler is not up: with ``scheduler_timeout``, retried
-        until it ends, as a refused connection is; without it, at once).
-    """
-    import dask
-    from dask.utils import parse_timedelta
-    from distributed import Security
-    from distributed.comm import connect as comm_connect
-    from distributed.comm import get_address_host_port
-    from distributed.utils import LoopRunner, sync, wait_for
-
-    try:
-        host, port = get_address_host_port(address)
-    except ValueError as e:
-        raise ParameterError(f"{where} {address!r} is not a Dask scheduler address ({e}): expected tcp://HOST:PORT"
-                             " or tls://HOST:PORT") from None
-    args = (security or Security()).get_connection_args("client")
-    if address.startswith("tls://") and args.get("ssl_context") is None:
-        raise ParameterError(f"{where} {address}: a TLS address needs `security` (or the dask config"
-                             " distributed.comm.tls.*)")
-    tcp = address.split("://")[0] in ("tcp", "tls", "ws", "wss") or "://" not in address  # (ucx: not TCP)
-    if scheduler_timeout is None and tcp:  # one try: its failure is the answer (with the option, retried until it ends)
-        _connect_once(address, host, port, where,
-                      parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s"))
-    # the port accepts (or distributed retries within --scheduler-timeout: not TCP); the handshake has its own bound
-    retried = None if tcp else scheduler_timeout
-    waited = (retried or 0) + HANDSHAKE_TIMEOUT_S
-    deadline = time.monotonic() + (scheduler_timeout or 0)
-    within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if scheduler_timeout else ""
-
-    async def handshake():
-        try:
-            if tcp:  # one try, its error as it came: distributed's connect retries a closed connection inside
-                # its own timeout, so a TLS proxy that closed after a moment read as a port that never answered
-                comm = await wait_for(_one_handshake(address, args), waited)
-            else:
-                comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
-        except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
-            raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
-        await comm.close()
-
-    runner = LoopRunner()
-    runner.start()
-    try:
-        while True:
-            if scheduler_timeout is not None and tcp:  # until the port accepts (distributed's retries back off)
-                _wait_for_port(address, host, port, where, deadline, within)
-            try:
-                return sync(runner.loop, handshake)
-            except TimeoutError:  # (an OSError too) connected, and no handshake came back
-                raise ClusterError(f"{host}:{port} ({where} {address}) accepted the connection but gave no Dask"
-                                   f" handshake within {waited:g} s: not a Dask scheduler (its dashboard port, 8787,"
-                                   " or another service?)") from None
-            except OSError as e:
-                refused = _tls_refused(e)
-                if refused:  # distributed's "never retry": a certificate one end does not accept
-                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {refused}") from None
-                if not tcp:
-                    raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: {_first_line(e)}"
-                                       ) from None
-                # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar).
-                # Without scheduler_timeout this one try is the answer: the client's own try would race the same
-                # close (and raise tornado's raw ValueError when it loses)
-                left = deadline - time.monotonic()
-                if scheduler_timeout is not None and left > 0:
-                    time.sleep(min(POLL_S, left))
-                    continue
-                if scheduler_timeout is not None:
-                    _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if one
-                plain = " a TLS scheduler addressed as tcp://," if address.startswith("tcp://") else ""
-                raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
-                                   " accepts connections but closes them before the Dask handshake (a proxy whose"
-                                   f" scheduler is not up,{plain} or not a Dask scheduler)") from None
-    finally:
-        runner.stop()
-
-
-async def _one_handshake(address: str, args: dict):
-    """One connection to ``address`` (TCP, and TLS for ``tls://``) and the Dask handshake on it, as
-    ``distributed.comm.connect`` makes them but without its retries; returns the open comm."""
-    from distributed.comm.core import parse_address
-    from distributed.comm.registry import get_backend
-
-    scheme, loc = parse_address(address)
-    comm = await get_backend(scheme).get_connector().connect(loc, **args)
-    try:
-        await comm.write(comm.handshake_info())
-        await comm.read()
-    except BaseException:
-        comm.abort()
-        raise
-    return comm
-
-
-class _ClosedBeforeTLS(ConnectionError):
-    """A ``tls://`` port accepted and closed before the TLS handshake began (tornado's ValueError, as an OSError)."""
-
-
-def _tls_refused(e: BaseException) -> str | None:
-    """Why a TLS handshake was refused, for distributed's never-retried error (``FatalCommClosedError``: a
-    certificate one end does not accept), or None: another error, or a TLS connection closed before its handshake
-    (``SSLEOFError``: a proxy whose scheduler is not up, retried as a closed connection is)."""
-    import ssl
-
-    from distributed.comm.core import FatalCommClosedError
-
-    if not isinstance(e, FatalCommClosedError) or isinstance(e.__cause__, ssl.SSLEOFError):
-        return None
-    return str(e) or f"the TLS handshake failed: {_first_line(e.__cause__ or e)}"
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def default_workers() -> int:
@@ -407,7 +233,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
     with contextlib.ExitStack() as stack:  # closes whatever was started, also when a later step fails
         if scheduler:
             reporter.line(f"connecting to the Dask scheduler {scheduler} ...")
-            _reach_scheduler(scheduler, where, security or None, scheduler_timeout)
+            reach_scheduler(scheduler, where, security or None, scheduler_timeout)
             timeout = {} if scheduler_timeout is None else {"timeout": scheduler_timeout}
             try:
                 client = stack.enter_context(Client(scheduler, **timeout, **kwargs))
@@ -416,7 +242,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                     raise
                 raise ClusterError(f"cannot reach the Dask scheduler at {scheduler}"
                                    + (f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if timeout else "")
-                                   + f": {_first_line(e)}") from None
+                                   + f": {first_line(e)}") from None
             if worker_timeout is not None:
                 try:
                     client.wait_for_workers(1, timeout=worker_timeout)

@@ -98,6 +98,7 @@ def test_a_proxy_that_closes_connections_is_waited_through_until_the_scheduler_a
     stop: list = []
     proxy = threading.Thread(target=_closing_proxy, args=(port, stop), daemon=True)
     proxy.start()
+    time.sleep(0.2)  # (listening: a refused first try is another line)
     t0 = time.monotonic()
     with pytest.raises(ClusterError, match=rf"at tcp://127\.0\.0\.1:{port}: port \d+ of 127\.0\.0\.1 accepts"
                                            r" connections but closes them before the Dask handshake"):  # one try
@@ -214,7 +215,7 @@ def test_a_connection_closed_under_the_client_before_tls_is_a_cluster_error(monk
     def closed(*a, **k):
         raise ValueError("IOStream is not idle; cannot convert to SSL")
 
-    monkeypatch.setattr(cluster, "_reach_scheduler", lambda *a: None)
+    monkeypatch.setattr(cluster, "reach_scheduler", lambda *a: None)
     monkeypatch.setattr(distributed, "Client", closed)
     with pytest.raises(ClusterError, match=r"^cannot reach the Dask scheduler at tcp://127\.0\.0\.1:1 within 2 s"
                                            r" \(`scheduler_timeout`\): IOStream is not idle"):
@@ -360,9 +361,9 @@ def test_the_environment_s_address_is_named_as_such(dataset, tmp_path, capsys, m
 def test_a_port_that_never_answers_the_handshake_is_not_a_scheduler(dataset, tmp_path, capsys, silent_port,
                                                                      monkeypatch, options):
     """distributed waits forever for the handshake of a port that accepted the connection (a job hung)."""
-    from scaleattn.distributed import cluster
+    from scaleattn.distributed import reach
 
-    monkeypatch.setattr(cluster, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(reach, "HANDSHAKE_TIMEOUT_S", 1.0)
     err, seconds = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", f"tcp://127.0.0.1:{silent_port}",
                                       *options)
     # with --scheduler-timeout too: the port accepted at once, so the handshake has its own bound alone
@@ -388,3 +389,93 @@ def test_the_cli_names_the_worker_timeout_when_no_worker_joins(dataset, tmp_path
                                     "--worker-timeout", "1")
     assert re.search(r"no Dask worker joined the scheduler at tcp://127\.0\.0\.1:\d+ within 1 s"
                      r" \(--worker-timeout\)", err), err
+
+
+def _answering_server(port: int, stop: list, payload: bytes, hold: float = 5.0):
+    """Accept every connection on ``port``, send ``payload`` at once (another service's banner or answer) and hold
+    the connection ``hold`` s, until ``stop`` is set."""
+    import socket
+    import threading
+
+    def serve(conn):
+        with conn:
+            try:
+                conn.sendall(payload)
+            except OSError:
+                return
+            time.sleep(hold)
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        listener.settimeout(0.05)
+        while not stop:
+            try:
+                conn = listener.accept()[0]
+            except TimeoutError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("payload", [
+    b"SSH-2.0-OpenSSH_9.6\r\n",  # read as a frame length of 3e18 bytes: numpy's MemoryError
+    b"\xff" * 16,  # a frame length past 2**63: numpy's ValueError (it read as a closing proxy, and was retried)
+    (4).to_bytes(8, "little") + b"abcd",  # a frame table too short: struct.error
+    (17).to_bytes(8, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"\x01",  # msgpack 1
+], ids=["ssh-banner", "high-bytes", "short-frames", "not-a-dict"])
+def test_a_port_that_answers_with_other_bytes_is_not_a_dask_scheduler_at_once(payload):
+    """A service that speaks first (an SSH or HTTP banner) had its bytes read as Dask's framing: a raw MemoryError,
+    struct.error or TypeError (the client's own handshake on a reply that is not a dict) escaped, or a ValueError
+    read as a closing proxy and retried until ``scheduler_timeout``."""
+    import threading
+
+    port = free_port()
+    stop: list = []
+    server = threading.Thread(target=_answering_server, args=(port, stop, payload), daemon=True)
+    server.start()
+    time.sleep(0.2)
+    try:
+        for timeout in (None, 30):
+            t0 = time.monotonic()
+            with pytest.raises(ClusterError, match=rf"^127\.0\.0\.1:{port} \(`scheduler` tcp://127\.0\.0\.1:{port}\)"
+                                                   r" answered the connection with .*: not a Dask scheduler") as e:
+                with connect(f"tcp://127.0.0.1:{port}", scheduler_timeout=timeout, quiet=True):
+                    pass
+            assert time.monotonic() - t0 < 5
+            assert "\n" not in str(e.value)
+    finally:
+        stop.append(True)
+        server.join()
+
+
+@pytest.mark.slow
+def test_a_client_certificate_the_scheduler_refuses_fails_at_once_every_time():
+    """TLS 1.3: the client's side of the handshake completes before the scheduler checks the client's certificate;
+    its alert came on the first read, or was lost to the reset the client's handshake bytes caused on the
+    connection the scheduler had closed, and then read as a closing proxy (about one try in two)."""
+    from distributed import LocalCluster, Security
+
+    sec, other = Security.temporary(), Security.temporary()
+    mixed = Security(tls_ca_file=sec.tls_ca_file, tls_client_cert=other.tls_client_cert,
+                     tls_client_key=other.tls_client_key, require_encryption=True)
+    with LocalCluster(n_workers=0, protocol="tls", security=sec, host="127.0.0.1", dashboard_address=None) as lc:
+        for timeout in (None,) * 20 + (60,) * 2:
+            t0 = time.monotonic()
+            with pytest.raises(ClusterError, match=r"^cannot reach the Dask scheduler at tls://.*UNKNOWN_CA") as e:
+                with connect(lc.scheduler_address, security=mixed, scheduler_timeout=timeout, quiet=True):
+                    pass
+            assert time.monotonic() - t0 < 5
+            assert "\n" not in str(e.value)
+
+
+def test_tls_settings_that_require_encryption_refuse_a_tcp_address():
+    """distributed's RuntimeError ("encryption required by Dask configuration") escaped raw."""
+    from distributed import Security
+
+    from scaleattn.errors import ParameterError
+
+    with pytest.raises(ParameterError, match=r"tcp://127\.0\.0\.1:1: the TLS settings .* require encryption"):
+        with connect("tcp://127.0.0.1:1", security=Security.temporary(), quiet=True):
+            pass
