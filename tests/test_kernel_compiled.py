@@ -315,12 +315,13 @@ np.savez(sys.argv[2], block=kc._J_BLOCK, **out)
 
 
 @pytest.mark.slow
-def test_micro_kernel_blocks_of_either_width_give_the_same_bits(tmp_path):
+def test_micro_kernel_blocks_of_either_width_agree(tmp_path):
     """The micro-kernel's register block is 4 x 4 where the host has 32 vector registers and 4 x 2 where it has
-    16 (:data:`scaleattn._kernel_compiled._J_BLOCK`): the block changes which sums share registers, not the order
-    of any sum, so both give the same bits on one host (kernel revision unchanged), and the numpy kernel's sums
-    to 1e-14. Each width in a fresh process with a numba cache of its own (the width is a compile-time constant,
-    not part of numba's cache key)."""
+    16 (:data:`scaleattn._kernel_compiled._J_BLOCK`): the block changes which sums share registers, so both agree
+    with each other and with the numpy kernel to 1e-14. Not the same bits everywhere: LLVM's vectoriser may
+    interleave the 4 x 2 block's reduction in two (it did on a Zen 4 core at 512 bits, not on Zen 3 or Emerald
+    Rapids), which reorders the sums. Each width in a fresh process with a numba cache of its own (the width is a
+    compile-time constant, not part of numba's cache key)."""
     import os
     import subprocess
     import sys
@@ -337,8 +338,10 @@ def test_micro_kernel_blocks_of_either_width_give_the_same_bits(tmp_path):
         res[width] = np.load(tmp_path / f"{width}.npz")
     host, other = res.values()
     assert (int(host["block"]), int(other["block"])) == ((4, 2) if wide else (2, 4))
-    for key in set(host.files) - {"block"}:
-        np.testing.assert_array_equal(other[key], host[key], err_msg=key)
+    for key in sorted(set(host.files) - {"block"}):
+        scale = abs(host[key]).max()
+        assert scale > 0, key
+        np.testing.assert_allclose(other[key], host[key], rtol=0, atol=1e-14 * scale, err_msg=key)
     rng = np.random.default_rng(3)  # the numpy kernel on the same data (the child's first draws)
     z, y, lens = rng.standard_normal((40, 30, 4)), rng.standard_normal((40, 30, 3)), rng.integers(1, 31, 40)
     ref = accumulate(Statistics.zeros(4, 3), z, y, lens, True, kernel="numpy")
