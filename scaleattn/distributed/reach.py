@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 from ..errors import ClusterError, ParameterError
@@ -191,6 +192,9 @@ async def _one_handshake(address: str, args: dict):
         comm = await get_backend(scheme).get_connector().connect(loc, **args)
     except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
         raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
+    log = logging.getLogger("distributed.protocol.core")  # it logs bytes it cannot decode with a traceback:
+    quiet = log.disabled  # here they are another service's answer, said in one line below
+    log.disabled = True
     reply = asyncio.ensure_future(comm.read())
     try:
         # a scheduler writes its handshake first: wait for it a moment before writing ours, so that a TLS alert sent
@@ -212,6 +216,8 @@ async def _one_handshake(address: str, args: dict):
         reply.cancel()
         comm.abort()
         raise
+    finally:
+        log.disabled = quiet
     return comm
 
 

@@ -424,8 +424,9 @@ def _answering_server(port: int, stop: list, payload: bytes, hold: float = 5.0):
     b"\xff" * 16,  # a frame length past 2**63: numpy's ValueError (it read as a closing proxy, and was retried)
     (4).to_bytes(8, "little") + b"abcd",  # a frame table too short: struct.error
     (17).to_bytes(8, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"\x01",  # msgpack 1
-], ids=["ssh-banner", "high-bytes", "short-frames", "not-a-dict"])
-def test_a_port_that_answers_with_other_bytes_is_not_a_dask_scheduler_at_once(payload):
+    (17).to_bytes(8, "little") + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"\xc1",  # not msgpack
+], ids=["ssh-banner", "high-bytes", "short-frames", "not-a-dict", "not-msgpack"])
+def test_a_port_that_answers_with_other_bytes_is_not_a_dask_scheduler_at_once(payload, caplog):
     """A service that speaks first (an SSH or HTTP banner) had its bytes read as Dask's framing: a raw MemoryError,
     struct.error or TypeError (the client's own handshake on a reply that is not a dict) escaped, or a ValueError
     read as a closing proxy and retried until ``scheduler_timeout``."""
@@ -445,6 +446,7 @@ def test_a_port_that_answers_with_other_bytes_is_not_a_dask_scheduler_at_once(pa
                     pass
             assert time.monotonic() - t0 < 5
             assert "\n" not in str(e.value)
+        assert not [r for r in caplog.records if r.name.startswith("distributed.protocol")]  # (with a traceback)
     finally:
         stop.append(True)
         server.join()
