@@ -64,11 +64,9 @@ def test_a_scheduler_that_starts_late_is_joined_within_seconds_of_its_start():
         proc.wait(30)
 
 
-def _closing_proxy(port: int, stop: list, delay: float = 0.0):
-    """Accept every connection on ``port`` and close it at once, or ``delay`` s later (a service mesh's sidecar, or
-    a proxy in front of a scheduler that is not up yet) until ``stop`` is set; then free the port."""
+def _serve(port: int, stop: list, handle):
+    """Accept connections on ``port``, each handed to ``handle(conn)``, until ``stop`` is set; then free the port."""
     import socket
-    import threading
 
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -80,10 +78,16 @@ def _closing_proxy(port: int, stop: list, delay: float = 0.0):
                 conn = listener.accept()[0]
             except TimeoutError:
                 continue
-            if delay:
-                threading.Timer(delay, conn.close).start()
-            else:
-                conn.close()
+            handle(conn)
+
+
+def _closing_proxy(port: int, stop: list, delay: float = 0.0):
+    """Accept every connection on ``port`` and close it at once, or ``delay`` s later (a service mesh's sidecar, or
+    a proxy in front of a scheduler that is not up yet) until ``stop`` is set; then free the port."""
+    import threading
+
+    _serve(port, stop, (lambda conn: threading.Timer(delay, conn.close).start()) if delay else
+           (lambda conn: conn.close()))
 
 
 @pytest.mark.slow
@@ -394,7 +398,6 @@ def test_the_cli_names_the_worker_timeout_when_no_worker_joins(dataset, tmp_path
 def _answering_server(port: int, stop: list, payload: bytes, hold: float = 5.0):
     """Accept every connection on ``port``, send ``payload`` at once (another service's banner or answer) and hold
     the connection ``hold`` s, until ``stop`` is set."""
-    import socket
     import threading
 
     def serve(conn):
@@ -405,17 +408,7 @@ def _answering_server(port: int, stop: list, payload: bytes, hold: float = 5.0):
                 return
             time.sleep(hold)
 
-    with socket.socket() as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen()
-        listener.settimeout(0.05)
-        while not stop:
-            try:
-                conn = listener.accept()[0]
-            except TimeoutError:
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    _serve(port, stop, lambda conn: threading.Thread(target=serve, args=(conn,), daemon=True).start())
 
 
 @pytest.mark.slow
