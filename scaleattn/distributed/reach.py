@@ -87,12 +87,11 @@ def reach_scheduler(address: str, where: str, security, scheduler_timeout: float
         settings that require encryption.
     ClusterError
         Another service answered the handshake (a banner, bytes that are not Dask's framing: at once, never
-        retried); or
-        Without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does not resolve,
-        no answer within distributed's connect timeout); with it, no connection within it (the cause named); or
-        the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or it closed the
-        connection before the handshake (a proxy whose scheduler is not up: with ``scheduler_timeout``, retried
-        until it ends, as a refused connection is; without it, at once).
+        retried); or, without ``scheduler_timeout``, the one try to connect failed (refused, a host name that does
+        not resolve, no answer within distributed's connect timeout); with it, no connection within it (the cause
+        named); or the port accepted but gave no Dask handshake within :data:`HANDSHAKE_TIMEOUT_S` more; or it
+        closed the connection before the handshake (a proxy whose scheduler is not up: with ``scheduler_timeout``,
+        retried until it ends, as a refused connection is; without it, at once).
 
     Examples
     --------
@@ -131,14 +130,14 @@ def reach_scheduler(address: str, where: str, security, scheduler_timeout: float
     within = f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if scheduler_timeout else ""
 
     async def handshake():
-        if tcp:  # one try, its error as it came: distributed's connect retries a closed connection inside
-            # its own timeout, so a TLS proxy that closed after a moment read as a port that never answered
-            comm = await wait_for(_one_handshake(address, args), waited)
-        else:
-            try:
+        try:
+            if tcp:  # one try, its error as it came: distributed's connect retries a closed connection inside
+                # its own timeout, so a TLS proxy that closed after a moment read as a port that never answered
+                comm = await wait_for(_one_handshake(address, args), waited)
+            else:
                 comm = await wait_for(comm_connect(address, timeout=retried or HANDSHAKE_TIMEOUT_S, **args), waited)
-            except ValueError as e:  # tornado will not start TLS on a connection already closed
-                raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
+        except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
+            raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
         await comm.close()
 
     runner = LoopRunner()
@@ -167,11 +166,11 @@ def reach_scheduler(address: str, where: str, security, scheduler_timeout: float
                 # accepted, then closed: a proxy in front of a scheduler not up yet (a service mesh's sidecar).
                 # Without scheduler_timeout this one try is the answer: the client's own try would race the same
                 # close (and raise tornado's raw ValueError when it loses)
-                left = deadline - time.monotonic()
-                if scheduler_timeout is not None and left > 0:
-                    time.sleep(min(POLL_S, left))
-                    continue
                 if scheduler_timeout is not None:
+                    left = deadline - time.monotonic()
+                    if left > 0:
+                        time.sleep(min(POLL_S, left))
+                        continue
                     _connect_once(address, host, port, where, HANDSHAKE_TIMEOUT_S, within)  # names the cause, if one
                 plain = " a TLS scheduler addressed as tcp://," if address.startswith("tcp://") else ""
                 raise ClusterError(f"cannot reach the Dask scheduler at {address}{within}: port {port} of {host}"
@@ -183,15 +182,14 @@ def reach_scheduler(address: str, where: str, security, scheduler_timeout: float
 
 async def _one_handshake(address: str, args: dict):
     """One connection to ``address`` (TCP, and TLS for ``tls://``) and the Dask handshake on it, as
-    ``distributed.comm.connect`` makes them but without its retries; returns the open comm."""
+    ``distributed.comm.connect`` makes them but without its retries; returns the open comm. Whatever the reply
+    raises other than an OSError (a closed connection) is :class:`_NotDask`, so only the connect's own errors
+    (tornado's ValueError among them) come out as they are."""
     from distributed.comm.core import parse_address
     from distributed.comm.registry import get_backend
 
     scheme, loc = parse_address(address)
-    try:
-        comm = await get_backend(scheme).get_connector().connect(loc, **args)
-    except ValueError as e:  # tornado will not start TLS on a connection already closed ("IOStream is not idle")
-        raise _ClosedBeforeTLS(f"the connection was closed before the TLS handshake ({e})") from None
+    comm = await get_backend(scheme).get_connector().connect(loc, **args)
     log = logging.getLogger("distributed.protocol.core")  # it logs bytes it cannot decode with a traceback:
     quiet = log.disabled  # here they are another service's answer, said in one line below
     log.disabled = True
