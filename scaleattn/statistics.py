@@ -32,12 +32,16 @@ from .features import (
 from .kernel import BLAS_MIN_D, expand_gram, fused_update, gram_update, kernel_name
 
 __all__ = ["Statistics", "accumulate", "statistics_from_arrays", "block_samples", "block_bytes_per_sample",
-           "BLOCK_BYTES"]
+           "BLOCK_BYTES", "DEVICE_BLOCK_BYTES"]
 
 FORMAT, FORMAT_VERSION = _formats.STATISTICS
 #: bytes of features per block of :func:`accumulate` (:func:`block_bytes_per_sample`): large blocks amortise the
 #: kernel's per-call work, small ones bound memory (32 MB: about 7,000 causal rows at d = 16)
 BLOCK_BYTES = 32e6
+#: the same on a device (CuPy, torch): a device pays ~10 us per launch, and the kernel launches one multiply per
+#: pair row and one matmul per panel of each block (``scaleattn.kernel._gram_update_xp``): large blocks let the
+#: matmuls dominate
+DEVICE_BLOCK_BYTES = 1e9
 
 
 @dataclasses.dataclass
@@ -281,11 +285,12 @@ def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
     return 8.0 * (2 * T * d + rows * (5 * m + d + d * d))
 
 
-def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None) -> int:
-    """Samples per block of :func:`accumulate`: ``block_rows`` feature rows if given, else about ``BLOCK_BYTES``."""
+def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None, device: bool = False) -> int:
+    """Samples per block of :func:`accumulate`: ``block_rows`` feature rows if given, else about ``BLOCK_BYTES``
+    (``DEVICE_BLOCK_BYTES`` for arrays of a namespace other than numpy's: ``device``)."""
     if block_rows is not None:
         return max(1, int(block_rows) // (T if causal else 1))
-    return max(1, int(BLOCK_BYTES // block_bytes_per_sample(d, T, causal)))
+    return max(1, int((DEVICE_BLOCK_BYTES if device else BLOCK_BYTES) // block_bytes_per_sample(d, T, causal)))
 
 
 def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bool = False,
@@ -300,7 +305,8 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
     block_rows : int, optional
-        Feature rows formed at a time (default: about ``BLOCK_BYTES`` of features, :func:`block_samples`); the
+        Feature rows formed at a time (default: about ``BLOCK_BYTES`` of features, ``DEVICE_BLOCK_BYTES`` on a
+        device, :func:`block_samples`); the
         result does not depend on it beyond round-off.
     cols : slice, optional
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
@@ -330,7 +336,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
             stats.yy += yy
             stats.n_rows += rows
         return stats
-    step = block_samples(d, T, causal, block_rows)
+    step = block_samples(d, T, causal, block_rows, device=not is_numpy(xp))
     for a in range(0, n, step):
         b = min(n, a + step)
         lens = None if lengths is None else lengths[a:b, ...]

@@ -2,11 +2,13 @@
 
 Measures on CuPy, in ONE run:
 
-- the device's float64 GEMM rate (square product) and the floor of the statistics build,
-  ``2 x (compact Gram multiply-adds) / rate`` (DESIGN §3); our build (features included) against it;
+- the device's float64 GEMM rate (square product) and copy bandwidth, and the floor of the statistics build: the
+  larger of ``2 x (compact Gram multiply-adds) / rate`` (DESIGN §3) and the tokens' bytes over the bandwidth
+  (docs/performance.md, "Definitions"); our build (features, checks and moments included, tokens already on the
+  device) against it, and as a fraction of the GEMM rate (issue 19: >= 0.8 where the multiply-adds dominate);
 - agreement of the GPU statistics with the CPU (numpy) statistics on the same rows (must be <= 1e-12 relative:
   float64 accumulation, never TF32/FP16);
-- d = 8, 16, 32 (psi up to 16,896);
+- d = 4, 8, 16, 24, 32 last tokens (psi up to 16,896) and d = 16 causal with variable lengths;
 - tensor attention on the GPU: exact streamed forward vs the polynomial fast path against n.
 
 Writes ``gpu.json`` and ``gpu.md``. Without CuPy or a GPU it raises ``RuntimeError`` with the reason.
@@ -50,30 +52,47 @@ def gemm_rate(n: int = 8192) -> float:
     return 2.0 * n**3 / t
 
 
-def build(d: int, rows: int, rate: float, check_rows: int = 2000) -> dict:
-    """GPU statistics build on ``rows`` last-token rows at dimension d: time, floor ratio, CPU agreement."""
+def copy_rate(nbytes: float = 2e9) -> float:
+    """Device memory bandwidth (bytes/s): a float64 copy, counting the bytes read and written."""
+    import cupy
+
+    a = cupy.ones(int(nbytes // 8))
+    b = cupy.empty_like(a)
+    t, _ = _timed(lambda: cupy.copyto(b, a), reps=5)
+    return 2.0 * a.nbytes / t
+
+
+def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False, check_rows: int = 2000) -> dict:
+    """GPU statistics build on ``rows`` rows at dimension d (last tokens of length-16 samples, or every prefix of
+    variable-length causal samples): time, both floors, CPU agreement on the first ``check_rows`` rows."""
     import cupy
 
     from scaleattn.statistics import statistics_from_arrays
 
     length = 16
     rng = np.random.default_rng(d)
-    samples = rows
+    samples = rows if not causal else -(-rows * 2 // (length + 1))  # lengths 1..16: (T + 1) / 2 rows a sample
     tok = rng.standard_normal((samples, length, d)) / np.sqrt(length)
-    y = rng.standard_normal((samples, d))
+    lens = rng.integers(1, length + 1, samples) if causal else None
+    y = rng.standard_normal((samples, length, d) if causal else (samples, d))
     gt, gy = cupy.asarray(tok), cupy.asarray(y)
-    t, st = _timed(lambda: statistics_from_arrays(gt, gy), reps=2)
+    gl = None if lens is None else cupy.asarray(lens)
+    t, st = _timed(lambda: statistics_from_arrays(gt, gy, gl, causal=causal), reps=2)
+    n_rows = st.n_rows
     m = n_pairs(d)
-    macs = rows * (m * (m + 1) // 2) * (d * (d + 1) // 2)
-    floor = 2.0 * macs / rate
-    k = min(check_rows, samples)
-    cpu = statistics_from_arrays(tok[:k], y[:k])
-    gpu = statistics_from_arrays(gt[:k], gy[:k]).to_numpy()
+    macs = n_rows * (m * (m + 1) // 2) * (d * (d + 1) // 2)
+    floor_flops, floor_bytes = 2.0 * macs / rate, tok.nbytes / bandwidth
+    floor = max(floor_flops, floor_bytes)
+    k = min(check_rows if not causal else max(1, check_rows // 8), samples)
+    ck = (tok[:k], y[:k], None if lens is None else lens[:k])
+    cpu = statistics_from_arrays(*ck, causal=causal)
+    gpu = statistics_from_arrays(gt[:k], gy[:k], None if gl is None else gl[:k], causal=causal).to_numpy()
     err = float(np.abs(gpu.gram_compact - cpu.gram_compact).max() / np.abs(cpu.gram_compact).max())
     errb = float(np.abs(gpu.moments - cpu.moments).max() / np.abs(cpu.moments).max())
-    return {"d": d, "rows": rows, "seconds": t, "floor_seconds": floor, "build_vs_floor": t / floor,
-            "rows_per_second": rows / t, "gram_rel_err_vs_cpu": err, "moments_rel_err_vs_cpu": errb,
-            "dtype": str(st.gram_compact.dtype)}
+    return {"d": d, "causal": causal, "rows": n_rows, "seconds": t, "floor_flops_seconds": floor_flops,
+            "floor_bytes_seconds": floor_bytes, "floor_seconds": floor, "build_vs_floor": t / floor,
+            "gemm_fraction": floor_flops / t, "rows_per_second": n_rows / t, "gram_rel_err_vs_cpu": err,
+            "moments_rel_err_vs_cpu": errb, "dtype": str(st.gram_compact.dtype)}
 
 
 def tensor_scaling(ns=(256, 512, 1024, 2048, 4096), d: int = 8, degree: int = 3) -> list[dict]:
@@ -96,12 +115,14 @@ def tensor_scaling(ns=(256, 512, 1024, 2048, 4096), d: int = 8, degree: int = 3)
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# GPU benchmark ({res['device']})", "", f"float64 GEMM: {res['gemm_tflops']:.2f} TFLOP/s", "",
-             "| d | rows | build s | floor s | build / floor | rows/s | rel err vs CPU (G, B) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"# GPU benchmark ({res['device']})", "", f"float64 GEMM: {res['gemm_tflops']:.2f} TFLOP/s, copy: "
+             f"{res['copy_tbps']:.2f} TB/s", "",
+             "| d | rows | build s | floor s (flops, bytes) | build / floor | of GEMM rate | rows/s | "
+             "rel err vs CPU (G, B) |", "|---|---|---|---|---|---|---|---|"]
     for b in res["builds"]:
-        lines.append(f"| {b['d']} | {b['rows']:,} | {b['seconds']:.3g} | {b['floor_seconds']:.3g} | "
-                     f"{b['build_vs_floor']:.2f} | {b['rows_per_second']:.3g} | "
+        lines.append(f"| {b['d']}{' causal' if b['causal'] else ''} | {b['rows']:,} | {b['seconds']:.3g} | "
+                     f"{b['floor_flops_seconds']:.3g}, {b['floor_bytes_seconds']:.3g} | {b['build_vs_floor']:.2f} | "
+                     f"{b['gemm_fraction']:.2f} | {b['rows_per_second']:.3g} | "
                      f"{b['gram_rel_err_vs_cpu']:.1e}, {b['moments_rel_err_vs_cpu']:.1e} |")
     lines += ["", "| n | d | degree | poly s | exact s | max abs err |", "|---|---|---|---|---|---|"]
     for r in res["tensor"]:
@@ -128,10 +149,15 @@ def run(out_dir, quick: bool = False) -> dict:
     props = cupy.cuda.runtime.getDeviceProperties(0)
     res = {"device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
            "quick": quick}
-    rate = gemm_rate(4096 if quick else 8192)
-    res["gemm_tflops"] = rate / 1e12
-    sizes = [(8, 20_000), (16, 20_000)] if quick else [(8, 200_000), (16, 100_000), (32, 20_000)]
-    res["builds"] = [build(d, rows, rate) for d, rows in sizes]
+    rate, bandwidth = gemm_rate(4096 if quick else 8192), copy_rate(2e8 if quick else 2e9)
+    res["gemm_tflops"], res["copy_tbps"] = rate / 1e12, bandwidth / 1e12
+    sizes = ([(8, 20_000, False), (16, 20_000, False), (8, 20_000, True)] if quick else
+             [(4, 2_000_000, False), (8, 1_000_000, False), (16, 200_000, False), (24, 100_000, False),
+              (32, 100_000, False), (16, 200_000, True)])
+    res["builds"] = []
+    for d, rows, causal in sizes:
+        res["builds"].append(build(d, rows, rate, bandwidth, causal))
+        print(res["builds"][-1], flush=True)  # a partial result survives a later failure
     res["tensor"] = tensor_scaling((256, 512, 1024) if quick else (256, 512, 1024, 2048, 4096))
     res["seconds"] = time.perf_counter() - t0
     (out_dir / "gpu.json").write_text(json.dumps(res, indent=2, default=float))
