@@ -4,14 +4,12 @@
 and accumulated with one GEMM into its slice of ``Tc``. On numpy, groups of panels (disjoint rows of ``Tc``)
 run on a persistent thread pool with every BLAS call on one thread, under one process-wide lock, so the bits do
 not depend on the thread count or on the BLAS thread count. Any other array API namespace (CuPy on a GPU, torch,
-``array_api_strict`` in the tests) runs the same panels in the same order on the arrays' device, written against the
-standard only (:func:`_gram_update_xp`).
+``array_api_strict`` in the tests) builds device-sized panels on the arrays' device (:func:`_gram_update_xp`).
 
-Two kernels compute the same sums (to round-off, 1e-14 relative; each gives the same bits for any thread
-count): ``"numba"`` (the default for numpy input, :mod:`scaleattn._kernel_compiled`: features, ``u`` and the
-moments formed in cache-sized buffers by compiled loops, no numpy temporaries) and ``"numpy"`` (the array code
-above, also the CuPy path). Choose with the environment variable ``SCALEATTN_KERNEL=numpy|numba`` or the
-module switch :data:`KERNEL`; :func:`kernel_name` says which one runs.
+Two kernels compute the same sums on numpy (to 1e-14 relative; each gives the same bits for any thread count):
+``"numba"`` (the default, :mod:`scaleattn._kernel_compiled`: features, ``u`` and the moments formed in
+cache-sized buffers by compiled loops) and ``"numpy"`` (the array code above). Choose with the environment
+variable ``SCALEATTN_KERNEL=numpy|numba`` or the module switch :data:`KERNEL`; :func:`kernel_name` says which.
 """
 from __future__ import annotations
 
@@ -72,8 +70,7 @@ def kernel_name(xp=np, kernel: str | None = None) -> str:
 #: packing of v)
 PANEL_ROWS = 1024
 PANEL_COLS = 256
-#: bytes of one ``u`` panel on a device (CuPy, torch): measured on an H200 at d = 8 to 32, 0.25 GB to 4 GB
-#: panels were within 15 % of each other and 1 GB the best or near it
+#: bytes of one ``u`` panel on a device (CuPy, torch): on an H200 (d = 8 to 32) 0.25-4 GB within 15 %, 1 GB best
 DEVICE_PANEL_BYTES = 1e9
 #: below this many multiply-adds per call the kernel runs on one thread (handing work to a thread would dominate)
 MIN_THREAD_MACS = 50_000_000
@@ -179,9 +176,8 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         taken by whichever thread is free; every BLAS call runs on one thread. Each entry of ``gram`` is summed by
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     panel_rows, panel_cols : int, optional
-        Rows and columns of ``u`` per panel: numpy default :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized);
-        other namespaces default to the whole block's rows and :data:`DEVICE_PANEL_BYTES` panels (a device pays
-        per launch, :func:`_gram_update_xp`).
+        ``u`` panel: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized), each built in a buffer and
+        accumulated with one GEMM; other namespaces all rows x :data:`DEVICE_PANEL_BYTES` (:func:`_gram_update_xp`).
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
     kernel : {"numba", "numpy"}, optional
@@ -197,9 +193,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         ``gram`` has the wrong number of rows for ``cols``. An exception in any job is re-raised here, after
         every thread has stopped.
 
-    ``u`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer and
-    accumulated with one GEMM ``gram[panel] += u_panel^T v``. Multiply-adds: ``rows * width * d(d+1)/2``;
-    extra memory: one panel per thread.
+    Multiply-adds: ``rows * width * d(d+1)/2``; extra memory: one panel per thread.
     """
     xp = get_xp(gram, s, x)
     if not is_numpy(xp):
@@ -250,28 +244,24 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
 
 
 def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
-    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``), on the arrays'
-    device: ``u`` panels of the whole block's rows and about :data:`DEVICE_PANEL_BYTES` (``panel_rows``,
-    ``panel_cols`` when given), each built by :func:`~scaleattn.features.pair_products` into one reused buffer and
-    accumulated with one ``matmul`` into its rows of ``gram`` (DESIGN §3). A device pays per launch, not per cache
-    miss, so the panels are as large as memory allows (measured on an H200, d = 32, 100,000 rows: 0.40 s, of
-    which the matmuls alone 0.32 s; one matmul per pair row, ``s_q^T (s_p v)``, took 0.62 s)."""
+    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``) on the arrays'
+    device: ``u`` panels of all rows and about :data:`DEVICE_PANEL_BYTES`, each built by
+    :func:`~scaleattn.features.pair_products` into one reused buffer and accumulated with one ``matmul`` (DESIGN
+    §3). A device pays per launch, not per cache miss (H200, d = 32, 100,000 rows: 0.40 s, the matmuls 0.32 s;
+    one matmul per pair row, ``s_q^T (s_p v)``, 0.62 s: docs/performance.md, "GPU")."""
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     rows = s.shape[0]
-    panel_rows = rows if panel_rows is None else max(1, min(int(panel_rows), rows))
-    if panel_cols is None:
-        panel_cols = int(DEVICE_PANEL_BYTES // (8 * panel_rows))
-    panel_cols = max(1, min(int(panel_cols), c1 - c0))
+    panel_rows = max(1, min(int(panel_rows or rows), rows))
+    panel_cols = max(1, min(int(panel_cols or DEVICE_PANEL_BYTES // (8 * panel_rows)), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
-    buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s)) if rows else None
+    buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s))  # reused by every panel
     for r in range(0, rows, panel_rows):
         r1 = min(r + panel_rows, rows)  # the standard leaves out-of-bounds slice stops unspecified
         sr, vr = s[r:r1, :], v[r:r1, :]
-        for a in range(c0, c1, panel_cols):
-            b = min(c1, a + panel_cols)
+        for a, b in ((a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols)):
             gram[a - c0 : b - c0, :] += xp.matmul(pair_products(sr, slice(a, b), out=buf).T, vr)
     for _, job in extra:
         job()
