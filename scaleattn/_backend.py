@@ -19,8 +19,8 @@ import numpy as np
 
 from .errors import DeviceMismatchError, MissingDependencyError, ParameterError
 
-__all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "from_host", "on_device", "as_float64", "contiguous",
-           "to_numpy", "have_cupy", "array_module", "check_device", "DEVICES"]
+__all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "on_accelerator", "from_host", "on_device",
+           "as_float64", "contiguous", "to_numpy", "have_cupy", "array_module", "check_device", "DEVICES"]
 
 #: the devices a statistics build can run on (``--device``)
 DEVICES = ("auto", "cpu", "gpu")
@@ -97,6 +97,25 @@ def numpy_or_cupy(a) -> bool:
 def device_of(a):
     """The device of array ``a`` (``array_api_compat.device``; ``"cpu"`` for numpy)."""
     return array_api_compat.device(a)
+
+
+def on_accelerator(a) -> bool:
+    """True for an array in an accelerator's memory: CuPy's, or another array API library's on a device that is not
+    the CPU (torch ``cuda``, a JAX GPU, ``array_api_strict``'s simulated second device). The device paths size
+    their blocks and panels for launches, not caches, only there (a torch CPU tensor keeps the host's sizes).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> on_accelerator(np.ones(2))
+    False
+    """
+    if not _is_foreign(a):
+        return False
+    if array_api_compat.is_cupy_array(a):
+        return True
+    dev = device_of(a)
+    return "cpu" not in str(getattr(dev, "type", dev)).lower()
 
 
 def from_host(a, xp, device=None):

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from . import _kernel_compiled
-from ._backend import device_of, get_xp, is_numpy
+from ._backend import device_of, get_xp, is_numpy, on_accelerator
 from .errors import ParameterError
 from .features import expand_compact_gram, n_features, n_pairs, pair_products
 
@@ -177,7 +177,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     panel_rows, panel_cols : int, optional
         ``u`` panel: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized), each built in a buffer and
-        accumulated with one GEMM; other namespaces all rows x :data:`DEVICE_PANEL_BYTES` (:func:`_gram_update_xp`).
+        accumulated with one GEMM; on an accelerator all rows x :data:`DEVICE_PANEL_BYTES` (:func:`_gram_update_xp`).
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
     kernel : {"numba", "numpy"}, optional
@@ -244,22 +244,22 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
 
 
 def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
-    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``) on the arrays'
-    device: ``u`` panels of all rows and about :data:`DEVICE_PANEL_BYTES`, each built by
-    :func:`~scaleattn.features.pair_products` into one reused buffer and accumulated with one ``matmul`` (DESIGN
-    §3). A device pays per launch, not per cache miss (H200, d = 32, 100,000 rows: 0.40 s, the matmuls 0.32 s;
-    one matmul per pair row, ``s_q^T (s_p v)``, 0.62 s: docs/performance.md, "GPU")."""
+    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``): ``u`` panels,
+    each built by :func:`~scaleattn.features.pair_products` into one reused buffer and accumulated with one
+    ``matmul`` (DESIGN §3); on an accelerator of all rows and about :data:`DEVICE_PANEL_BYTES`, since a device pays
+    per launch, not per cache miss (H200, d = 32, 100,000 rows: 0.40 s, the matmuls 0.32 s; one matmul per pair
+    row, ``s_q^T (s_p v)``, 0.62 s: docs/performance.md, "GPU"); else the host's cache-sized panels."""
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
-    rows = s.shape[0]
-    panel_rows = max(1, min(int(panel_rows or rows), rows))
-    panel_cols = max(1, min(int(panel_cols or DEVICE_PANEL_BYTES // (8 * panel_rows)), c1 - c0))
+    rows, big = s.shape[0], on_accelerator(s)
+    panel_rows = max(1, min(int(panel_rows or (rows if big else PANEL_ROWS)), rows))
+    width = DEVICE_PANEL_BYTES // (8 * panel_rows) if big else PANEL_COLS
+    panel_cols = max(1, min(int(panel_cols or width), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
     buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s))  # reused by every panel
-    for r in range(0, rows, panel_rows):
-        r1 = min(r + panel_rows, rows)  # the standard leaves out-of-bounds slice stops unspecified
+    for r, r1 in ((r, min(r + panel_rows, rows)) for r in range(0, rows, panel_rows)):  # (in-bounds stops)
         sr, vr = s[r:r1, :], v[r:r1, :]
         for a, b in ((a, min(c1, a + panel_cols)) for a in range(c0, c1, panel_cols)):
             gram[a - c0 : b - c0, :] += xp.matmul(pair_products(sr, slice(a, b), out=buf).T, vr)

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _formats, _integrity, _kernel_compiled
 from . import report_html as _html
-from ._backend import device_of, get_xp, is_numpy, on_device, to_numpy
+from ._backend import device_of, get_xp, is_numpy, on_accelerator, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, check_storage_options, resolve
 from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
@@ -287,7 +287,7 @@ def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
 
 def block_samples(d: int, T: int, causal: bool, block_rows: int | None = None, device: bool = False) -> int:
     """Samples per block of :func:`accumulate`: ``block_rows`` feature rows if given, else about ``BLOCK_BYTES``
-    (``DEVICE_BLOCK_BYTES`` for arrays of a namespace other than numpy's: ``device``)."""
+    (``DEVICE_BLOCK_BYTES`` for arrays on an accelerator: ``device``, :func:`scaleattn._backend.on_accelerator`)."""
     if block_rows is not None:
         return max(1, int(block_rows) // (T if causal else 1))
     return max(1, int((DEVICE_BLOCK_BYTES if device else BLOCK_BYTES) // block_bytes_per_sample(d, T, causal)))
@@ -317,7 +317,8 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
     ``B += s^T (x (x) y)``; with the numba kernel below ``BLAS_MIN_D`` all of it (features included) in one
     fused pass over the block's tokens (:func:`scaleattn.kernel.fused_update`, blocks of ``BLOCK_BYTES`` of
-    float64 tokens and targets). Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n``.
+    float64 tokens and targets). Memory: about ``BLOCK_BYTES`` beyond the statistics, whatever ``n`` (on an
+    accelerator ``DEVICE_BLOCK_BYTES`` and a ``scaleattn.kernel.DEVICE_PANEL_BYTES`` panel).
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
@@ -336,7 +337,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
             stats.yy += yy
             stats.n_rows += rows
         return stats
-    step = block_samples(d, T, causal, block_rows, device=not is_numpy(xp))
+    step = block_samples(d, T, causal, block_rows, device=on_accelerator(tokens))
     for a in range(0, n, step):
         b = min(n, a + step)
         lens = None if lengths is None else lengths[a:b, ...]
@@ -377,7 +378,7 @@ def _finite(a) -> bool:
 def _moments_update(moments, s, x, y) -> None:
     """``B += s^T (x (x) y)`` in place: ``phi^T y`` without forming ``phi = s (x) x`` ([Y25] Alg. 1, DESIGN §3)."""
     xp = get_xp(moments, s, x, y)
-    xy = xp.reshape(x[:, :, None] * y[:, None, :], (x.shape[0], -1))
+    xy = xp.reshape(x[:, :, None] * y[:, None, :], (x.shape[0], x.shape[1] * y.shape[1]))  # (0 rows: no -1)
     moments += xp.reshape(s.T @ xy, moments.shape)
 
 

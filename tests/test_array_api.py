@@ -15,7 +15,7 @@ import array_api_strict as xs  # a test dependency: a missing one fails here, it
 import numpy as np
 import pytest
 
-from scaleattn._backend import array_module, get_xp, to_numpy
+from scaleattn._backend import array_module, get_xp, on_accelerator, to_numpy
 from scaleattn.errors import DeviceMismatchError
 from scaleattn.features import (
     coef_distance,
@@ -149,6 +149,8 @@ def test_backend_helpers(dev):
     with host_allowed():
         np.testing.assert_array_equal(to_numpy(a), np.arange(6.0).reshape(2, 3))  # explicit copy (DLPack)
     assert array_module("cpu") is np and get_xp(np.ones(2)) is np
+    # the simulated second device stands for an accelerator (device-sized blocks and panels), the CPU device not
+    assert on_accelerator(a) == (dev == DEVICES[1]) and not on_accelerator(np.ones(2))
 
 
 def test_kernel_choice_by_namespace():
@@ -223,6 +225,38 @@ def test_gram_update(dev, cols):
     assert out is gram
     same(gram, ref, dev, rtol=1e-14)
     same(gram, dense, dev, rtol=1e-14)
+
+
+@pytest.mark.parametrize("panel_bytes", [1, 8 * 7 * 40, None])
+def test_gram_update_device_panels(dev, monkeypatch, panel_bytes):
+    """Panels of ``DEVICE_PANEL_BYTES`` (one column, 7 of 55, all) on the accelerator and the host's panels on the
+    CPU device, a column tile cutting pair rows, and no rows at all: ``u^T v`` of the dense pair products."""
+    import scaleattn.kernel as kernel
+
+    if panel_bytes is not None:
+        monkeypatch.setattr(kernel, "DEVICE_PANEL_BYTES", panel_bytes)
+    s_np, x_np = token_features(data(d=4)["tokens"], None, False)  # 14 rows; m = 10, so 55 pair products
+    s_np = np.concatenate([s_np] * 3)  # 42 rows
+    x_np = np.concatenate([x_np] * 3)
+    for cols in (None, slice(12, 49)):
+        c0, c1, _ = (slice(0, 55) if cols is None else cols).indices(55)
+        dense = pair_products(s_np)[:, c0:c1].T @ pair_products(x_np)
+        got = gram_update(xs.zeros((c1 - c0, 10), dtype=xs.float64, device=dev), put(s_np, dev), put(x_np, dev), cols)
+        same(got, dense, dev, rtol=1e-14)
+    empty = gram_update(xs.zeros((55, 10), dtype=xs.float64, device=dev), put(s_np[:0], dev), put(x_np[:0], dev))
+    same(empty, np.zeros((55, 10)), dev)
+
+
+def test_statistics_of_blocks_without_rows(dev):
+    """A causal block whose samples all have length 0 adds nothing (the moments' reshape of 0 rows too)."""
+    D = data(d=3)
+    lens = D["lengths"].copy()
+    lens[:5] = 0
+    ref = statistics_from_arrays(D["tokens"], D["targets"], lens, block_rows=9)
+    st = statistics_from_arrays(put(D["tokens"], dev), put(D["targets"], dev), put(lens, dev), block_rows=9)
+    assert st.n_rows == ref.n_rows == int(lens.sum())
+    same(st.gram_compact, ref.gram_compact, dev, rtol=1e-14)
+    same(st.moments, ref.moments, dev, rtol=1e-14)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -441,6 +475,7 @@ def test_torch_tensors_take_the_same_path():
     ref = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"])
     st = statistics_from_arrays(*(torch.asarray(D[k]) for k in ("tokens", "targets", "lengths")))
     assert isinstance(st.gram_compact, torch.Tensor) and st.gram_compact.dtype == torch.float64
+    assert not on_accelerator(st.gram_compact)  # a CPU tensor keeps the host's block and panel sizes
     g = to_numpy(st.gram_compact)
     assert np.abs(g - ref.gram_compact).max() <= 1e-14 * np.abs(ref.gram_compact).max()
     A = tensor_inputs()
