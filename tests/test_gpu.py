@@ -146,20 +146,14 @@ def test_tensor_attention_on_gpu(put, causal):
     rng = np.random.default_rng(3)
     A = {k: 0.4 * rng.standard_normal((2, 40, 4)) for k in NAMES + ("E",)}
     G = {k: put(v) for k, v in A.items()}
-    kw = dict(causal=causal, block_size=(16, 8, 8))  # several blocks and partial masks
-    same(attention(*(G[k] for k in NAMES), **kw), attention(*(A[k] for k in NAMES), **kw), G["Q"], 1e-13)
-    loss, g = attention_grad(*(G[k] for k in NAMES + ("E",)), **kw)
-    loss_ref, g_ref = attention_grad(*(A[k] for k in NAMES + ("E",)), **kw)
-    assert loss == pytest.approx(loss_ref, rel=1e-13)
-    for k in NAMES:
-        same(g[k], g_ref[k], G["Q"], 1e-12)
-    pk = dict(causal=causal, degree=4, block_size=16)
-    same(poly_attention(*(G[k] for k in NAMES), **pk), poly_attention(*(A[k] for k in NAMES), **pk), G["Q"], 1e-13)
-    loss, g = poly_attention_grad(*(G[k] for k in NAMES + ("E",)), **pk)
-    loss_ref, g_ref = poly_attention_grad(*(A[k] for k in NAMES + ("E",)), **pk)
-    assert loss == pytest.approx(loss_ref, rel=1e-13)
-    for k in NAMES:
-        same(g[k], g_ref[k], G["Q"], 1e-12)
+    for fwd, grad, kw in ((attention, attention_grad, dict(causal=causal, block_size=(16, 8, 8))),  # several blocks
+                          (poly_attention, poly_attention_grad, dict(causal=causal, degree=4, block_size=16))):
+        same(fwd(*(G[k] for k in NAMES), **kw), fwd(*(A[k] for k in NAMES), **kw), G["Q"], 1e-13)
+        loss, g = grad(*(G[k] for k in NAMES + ("E",)), **kw)
+        loss_ref, g_ref = grad(*(A[k] for k in NAMES + ("E",)), **kw)
+        assert loss == pytest.approx(loss_ref, rel=1e-13)
+        for k in NAMES:
+            same(g[k], g_ref[k], G["Q"], 1e-12)
     assert logit_bound(G["Q"], G["K1"], G["K2"]) == pytest.approx(logit_bound(A["Q"], A["K1"], A["K2"]), rel=1e-13)
 
 
