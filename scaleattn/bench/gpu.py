@@ -5,7 +5,8 @@ Measures on CuPy, in ONE run:
 - the device's float64 GEMM rate (square product) and copy bandwidth, and the floor of the statistics build: the
   larger of ``2 x (compact Gram multiply-adds) / rate`` (DESIGN §3) and the tokens' bytes over the bandwidth
   (docs/performance.md, "Definitions"); our build (features, checks and moments included, tokens already on the
-  device) against it, and as a fraction of the GEMM rate (issue 19: >= 0.8 where the multiply-adds dominate);
+  device) against it, and as a fraction of the GEMM rate (issue 19: >= 0.8 where the multiply-adds dominate); the
+  same for the build's matmuls alone (its ceiling at the device's GEMM efficiency on those shapes);
 - agreement of the GPU statistics with the CPU (numpy) statistics on the same rows (must be <= 1e-12 relative:
   float64 accumulation, never TF32/FP16);
 - d = 4, 8, 16, 24, 32 last tokens (psi up to 16,896) and d = 16 causal with variable lengths;
@@ -67,7 +68,7 @@ def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False
     variable-length causal samples): time, both floors, CPU agreement on the first ``check_rows`` rows."""
     import cupy
 
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.statistics import block_samples, statistics_from_arrays
 
     length = 16
     rng = np.random.default_rng(d)
@@ -89,10 +90,28 @@ def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False
     gpu = statistics_from_arrays(gt[:k], gy[:k], None if gl is None else gl[:k], causal=causal).to_numpy()
     err = float(np.abs(gpu.gram_compact - cpu.gram_compact).max() / np.abs(cpu.gram_compact).max())
     errb = float(np.abs(gpu.moments - cpu.moments).max() / np.abs(cpu.moments).max())
+    t_mm = matmuls_seconds(d, n_rows, -(-samples // block_samples(d, length, causal, device=True)))
     return {"d": d, "causal": causal, "rows": n_rows, "seconds": t, "floor_flops_seconds": floor_flops,
             "floor_bytes_seconds": floor_bytes, "floor_seconds": floor, "build_vs_floor": t / floor,
-            "gemm_fraction": floor_flops / t, "rows_per_second": n_rows / t, "gram_rel_err_vs_cpu": err,
-            "moments_rel_err_vs_cpu": errb, "dtype": str(st.gram_compact.dtype)}
+            "gemm_fraction": floor_flops / t, "matmuls_seconds": t_mm, "matmuls_gemm_fraction": floor_flops / t_mm,
+            "rows_per_second": n_rows / t, "gram_rel_err_vs_cpu": err, "moments_rel_err_vs_cpu": errb,
+            "dtype": str(st.gram_compact.dtype)}
+
+
+def matmuls_seconds(d: int, n_rows: int, blocks: int) -> float:
+    """The build's ``u^T v`` matmuls alone, on random panels of the shapes the device path uses (``blocks`` blocks
+    of ``n_rows / blocks`` rows, ``scaleattn.kernel.DEVICE_PANEL_BYTES`` panels): the ceiling of the build's
+    formulation at this device's GEMM efficiency on those shapes (H200, d = 32: 0.73 of the square GEMM's rate)."""
+    import cupy
+
+    from scaleattn.kernel import DEVICE_PANEL_BYTES
+
+    rows, mm, dd = -(-n_rows // blocks), n_pairs(n_pairs(d)), n_pairs(d)
+    width = max(1, min(mm, int(DEVICE_PANEL_BYTES // (8 * rows))))
+    rng = cupy.random.default_rng(d)
+    u, v = rng.random((rows, width)), rng.random((rows, dd))
+    t, _ = _timed(lambda: u.T @ v)
+    return blocks * (mm / width) * t
 
 
 def tensor_scaling(ns=(256, 512, 1024, 2048, 4096), d: int = 8, degree: int = 3) -> list[dict]:
@@ -117,12 +136,13 @@ def tensor_scaling(ns=(256, 512, 1024, 2048, 4096), d: int = 8, degree: int = 3)
 def markdown(res: dict) -> str:
     lines = [f"# GPU benchmark ({res['device']})", "", f"float64 GEMM: {res['gemm_tflops']:.2f} TFLOP/s, copy: "
              f"{res['copy_tbps']:.2f} TB/s", "",
-             "| d | rows | build s | floor s (flops, bytes) | build / floor | of GEMM rate | rows/s | "
-             "rel err vs CPU (G, B) |", "|---|---|---|---|---|---|---|---|"]
+             "| d | rows | build s | floor s (flops, bytes) | build / floor | of GEMM rate | its matmuls alone | "
+             "rows/s | rel err vs CPU (G, B) |", "|---|---|---|---|---|---|---|---|---|"]
     for b in res["builds"]:
         lines.append(f"| {b['d']}{' causal' if b['causal'] else ''} | {b['rows']:,} | {b['seconds']:.3g} | "
                      f"{b['floor_flops_seconds']:.3g}, {b['floor_bytes_seconds']:.3g} | {b['build_vs_floor']:.2f} | "
-                     f"{b['gemm_fraction']:.2f} | {b['rows_per_second']:.3g} | "
+                     f"{b['gemm_fraction']:.2f} | {b['matmuls_seconds']:.3g} s, {b['matmuls_gemm_fraction']:.2f} | "
+                     f"{b['rows_per_second']:.3g} | "
                      f"{b['gram_rel_err_vs_cpu']:.1e}, {b['moments_rel_err_vs_cpu']:.1e} |")
     lines += ["", "| n | d | degree | poly s | exact s | max abs err |", "|---|---|---|---|---|---|"]
     for r in res["tensor"]:
