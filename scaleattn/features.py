@@ -19,7 +19,7 @@ import numpy as np
 from ._backend import as_float64, device_of, from_host, get_xp, is_numpy, on_device
 
 __all__ = ["n_pairs", "n_features", "triu_index", "vech", "token_features", "row_targets", "phi",
-           "pair_products", "pair_spans", "compact_factors", "expand_compact_gram", "predict_rows", "coef_distance"]
+           "pair_products", "compact_factors", "expand_compact_gram", "predict_rows", "coef_distance"]
 
 
 def n_pairs(d: int) -> int:
@@ -138,23 +138,6 @@ def _pair_offsets(m: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.arange(m, 0, -1))]).astype(np.int64)
 
 
-def pair_spans(m: int, cols: slice | None = None) -> tuple[int, int, list[tuple[int, int, int, int]]]:
-    """The pair rows ``p`` of ``u = vech(s s^T)`` (m columns in ``s``) that meet the step-1 column range ``cols``
-    (default all), DESIGN §3 and §6 (column tiles).
-
-    Returns ``(c0, c1, spans)``: the clipped range and, per pair row met, ``(p, lo, hi, q0)``: columns
-    ``[lo, hi)`` of ``u`` hold the pairs ``(p, q)`` for ``q = q0 .. q0 + hi - lo - 1``.
-    """
-    off = _pair_offsets(m)
-    c0, c1, _ = (slice(0, int(off[m])) if cols is None else cols).indices(int(off[m]))
-    spans, p = [], max(int(np.searchsorted(off, c0, side="right")) - 1, 0)
-    while p < m and off[p] < c1:
-        lo, hi = max(int(off[p]), c0), min(int(off[p + 1]), c1)
-        spans.append((p, lo, hi, p + lo - int(off[p])))
-        p += 1
-    return c0, c1, spans
-
-
 def pair_products(s, cols: slice | None = None, out=None):
     """Columns ``cols`` of ``u = vech(s s^T)``: (rows, width) float64, ``u[:, (p, q)] = s_p * s_q`` (q >= p).
 
@@ -166,16 +149,21 @@ def pair_products(s, cols: slice | None = None, out=None):
     """
     xp = get_xp(s)
     rows, m = s.shape
-    c0, c1, spans = pair_spans(m, cols)
+    off = _pair_offsets(m)
+    c0, c1, _ = (slice(0, int(off[m])) if cols is None else cols).indices(int(off[m]))
     width = max(c1 - c0, 0)
     u = xp.empty((rows, width), dtype=xp.float64, device=device_of(s)) if out is None else out[:rows, :width]
     # ufuncs with out= (CuPy's namespace holds CuPy's own multiply)
     mul = np.multiply if is_numpy(xp) else xp.multiply if array_api_compat.is_cupy_namespace(xp) else None
-    for p, lo, hi, q0 in spans:  # u[:, (p, q>=p)] = s_p * s_q, clipped to columns [c0, c1)
+    p = max(int(np.searchsorted(off, c0, side="right")) - 1, 0)
+    while p < m and off[p] < c1:  # u[:, (p, q>=p)] = s_p * s_q, clipped to columns [c0, c1)
+        lo, hi = max(int(off[p]), c0), min(int(off[p + 1]), c1)
+        q0 = p + lo - int(off[p])
         if mul is not None:
             mul(s[:, p : p + 1], s[:, q0 : q0 + hi - lo], out=u[:, lo - c0 : hi - c0])
         else:
             u[:, lo - c0 : hi - c0] = s[:, p : p + 1] * s[:, q0 : q0 + hi - lo]
+        p += 1
     return u
 
 

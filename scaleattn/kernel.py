@@ -1,10 +1,9 @@
 """The compact-Gram kernel ``Tc += u^T v`` (DESIGN §3) and its thread and BLAS machinery (layer L2).
 
-``u = vech(s s^T)`` is never formed whole: each (panel_rows, panel_cols) panel is built in a cache-sized buffer
-and accumulated with one GEMM into its slice of ``Tc``. On numpy, groups of panels (disjoint rows of ``Tc``)
-run on a persistent thread pool with every BLAS call on one thread, under one process-wide lock, so the bits do
-not depend on the thread count or on the BLAS thread count. Any other array API namespace (CuPy on a GPU, torch,
-``array_api_strict`` in the tests) builds device-sized panels on the arrays' device (:func:`_gram_update_xp`).
+On numpy, each (panel_rows, panel_cols) panel of ``u = vech(s s^T)`` is built in a cache-sized buffer and
+accumulated with one GEMM into its slice of ``Tc``; groups of panels (disjoint rows of ``Tc``) run on a thread
+pool with every BLAS call on one thread, under one process-wide lock, so the bits do not depend on the thread or
+BLAS thread count. Other array API namespaces (CuPy, torch, ``array_api_strict``): :func:`_gram_update_xp`.
 
 Two kernels compute the same sums on numpy (to 1e-14 relative; each gives the same bits for any thread count):
 ``"numba"`` (the default, :mod:`scaleattn._kernel_compiled`: features, ``u`` and the moments formed in
@@ -65,9 +64,8 @@ def kernel_name(xp=np, kernel: str | None = None) -> str:
         raise ParameterError(f"kernel must be one of {', '.join(map(repr, KERNELS))} (SCALEATTN_KERNEL), got {name!r}")
     return name if is_numpy(xp) else "numpy"  # numpy itself, or array_api_compat's wrapper on numpy < 2.1
 
-#: the Gram kernel forms u in (PANEL_ROWS, PANEL_COLS) panels and accumulates each with one BLAS GEMM into its
-#: slice of Tc (:func:`gram_update`); 1024 x 256 measured fastest on 2 cores (the GEMM's K = 1024 amortises the
-#: packing of v)
+#: the numpy Gram kernel's u panels, one BLAS GEMM each into a slice of Tc (:func:`gram_update`): 1024 x 256
+#: measured fastest on 2 cores (the GEMM's K = 1024 amortises the packing of v)
 PANEL_ROWS = 1024
 PANEL_COLS = 256
 #: bytes of one ``u`` panel on a device (CuPy, torch): on an H200 (d = 8 to 32) 0.25-4 GB within 15 %, 1 GB best
@@ -176,8 +174,8 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         taken by whichever thread is free; every BLAS call runs on one thread. Each entry of ``gram`` is summed by
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     panel_rows, panel_cols : int, optional
-        ``u`` panel: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized), each built in a buffer and
-        accumulated with one GEMM; on an accelerator all rows x :data:`DEVICE_PANEL_BYTES` (:func:`_gram_update_xp`).
+        ``u`` panel, built in a buffer, one GEMM each: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized);
+        on an accelerator all rows x :func:`_device_panel_cols` (:func:`_gram_update_xp`)
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
     kernel : {"numba", "numpy"}, optional
@@ -244,19 +242,16 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
 
 
 def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
-    """:func:`gram_update` in a non-numpy array API namespace (CuPy, torch, ``array_api_strict``): ``u`` panels,
-    each built by :func:`~scaleattn.features.pair_products` into one reused buffer and accumulated with one
-    ``matmul`` (DESIGN §3); on an accelerator of all rows and about :data:`DEVICE_PANEL_BYTES`, since a device pays
-    per launch, not per cache miss (H200, d = 32, 100,000 rows: 0.40 s, the matmuls 0.32 s; one matmul per pair
-    row, ``s_q^T (s_p v)``, 0.62 s: docs/performance.md, "GPU"); else the host's cache-sized panels."""
+    """:func:`gram_update` in a non-numpy array API namespace: ``u`` panels built into one reused buffer, one
+    ``matmul`` each (DESIGN §3); on an accelerator of all rows x :func:`_device_panel_cols`, since a device pays per
+    launch, not per cache miss (measured: docs/performance.md, "GPU"); else the host's cache-sized panels."""
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if gram.shape[0] != c1 - c0:
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     rows, big = s.shape[0], on_accelerator(s)
     panel_rows = max(1, min(int(panel_rows or (rows if big else PANEL_ROWS)), rows))
-    width = DEVICE_PANEL_BYTES // (8 * panel_rows) if big else PANEL_COLS
-    panel_cols = max(1, min(int(panel_cols or width), c1 - c0))
+    panel_cols = max(1, min(int(panel_cols or (_device_panel_cols(panel_rows) if big else PANEL_COLS)), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
     buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s))  # reused by every panel
     for r, r1 in ((r, min(r + panel_rows, rows)) for r in range(0, rows, panel_rows)):  # (in-bounds stops)
@@ -266,6 +261,11 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     for _, job in extra:
         job()
     return gram
+
+
+def _device_panel_cols(rows: int) -> int:
+    """Columns of a ``u`` panel of ``rows`` rows on an accelerator: about :data:`DEVICE_PANEL_BYTES`."""
+    return max(1, int(DEVICE_PANEL_BYTES // (8 * max(rows, 1))))
 
 
 def _gram_update_compiled(gram, s, x, c0: int, c1: int, threads, extra):

@@ -305,9 +305,8 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     causal : bool
         Prefix mode (DESIGN §1): every valid position is a row.
     block_rows : int, optional
-        Feature rows formed at a time (default: about ``BLOCK_BYTES`` of features, ``DEVICE_BLOCK_BYTES`` on a
-        device, :func:`block_samples`); the
-        result does not depend on it beyond round-off.
+        Feature rows formed at a time (default: about ``BLOCK_BYTES`` of features, ``DEVICE_BLOCK_BYTES`` on an
+        accelerator, :func:`block_samples`); the result does not depend on it beyond round-off.
     cols : slice, optional
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
     kernel : {"numba", "numpy"}, optional
