@@ -17,6 +17,7 @@ import array_api_compat
 import numpy as np
 
 from ._backend import as_float64, device_of, from_host, get_xp, is_numpy, on_device
+from .errors import ParameterError
 
 __all__ = ["n_pairs", "n_features", "triu_index", "vech", "token_features", "row_targets", "phi",
            "pair_products", "compact_factors", "expand_compact_gram", "predict_rows", "coef_distance"]
@@ -88,7 +89,8 @@ def token_features(tokens, lengths=None, causal: bool = False):
     if lengths is not None:
         lengths = _lengths(lengths, xp, tokens)
         valid = xp.arange(T, device=dev)[None, :] < lengths[:, None]  # (n, T)
-        z = z * xp.astype(valid, xp.float64)[..., None]  # padding rows are zero by format; enforce it
+        # padding is zero by format; enforced by where, not by a 0/1 product (NaN * 0 = NaN: padding is ignored)
+        z = xp.where(valid[..., None], z, xp.asarray(0.0, dtype=xp.float64, device=dev))
     if not causal:  # S = Z^T Z per sample as a batched matmul: no (n, T, m) temporary
         s = vech(xp.matmul(xp.permute_dims(z, (0, 2, 1)), z))
         last = (lengths - 1) if lengths is not None else xp.full(n, T - 1, dtype=xp.int64, device=dev)
@@ -234,8 +236,8 @@ def coef_distance(coef_a, coef_b) -> float:
 
     Raises
     ------
-    ValueError
-        Shapes that do not broadcast (numpy's error).
+    ParameterError
+        Shapes that differ (broadcasting would compare models of different ``psi`` or ``d_out``).
 
     See Also
     --------
@@ -248,4 +250,7 @@ def coef_distance(coef_a, coef_b) -> float:
     2.449...
     """
     xp = get_xp(coef_a, coef_b)
+    if tuple(coef_a.shape) != tuple(coef_b.shape):
+        raise ParameterError(f"coef_distance: shapes {tuple(coef_a.shape)} and {tuple(coef_b.shape)} differ"
+                             " (coefficients of models of different d or d_out)")
     return float(xp.linalg.vector_norm(as_float64(coef_a, xp) - as_float64(coef_b, xp)))

@@ -21,7 +21,7 @@ from . import report_html as _html
 from ._backend import device_of, get_xp, is_numpy, on_accelerator, on_device, to_numpy
 from ._outputs import atomic_output
 from ._storage import check_kind, check_storage_options, resolve
-from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_underflow
+from .datacheck import MAX_TARGET, MAX_TOKEN, check_arrays, check_lengths, check_underflow
 from .errors import DatasetError, IntegrityError, ParameterError
 from .features import (
     n_features,
@@ -113,9 +113,16 @@ class Statistics:
         return n_features(self.d)
 
     def __add__(self, other: Statistics) -> Statistics:
+        if not isinstance(other, Statistics):
+            return NotImplemented
         if (self.d, self.d_out) != (other.d, other.d_out):
             raise ParameterError(f"cannot add statistics of (d, d_out) = {(self.d, self.d_out)} and"
                                  f" {(other.d, other.d_out)}")
+        if tuple(self.gram_compact.shape) != tuple(other.gram_compact.shape):  # a column tile and the whole Tc
+            raise ParameterError(f"cannot add statistics whose compact Grams are {tuple(self.gram_compact.shape)} and"
+                                 f" {tuple(other.gram_compact.shape)} (a column tile, accumulate(cols=), adds only"
+                                 " to the same tile)")
+        get_xp(self.gram_compact, other.gram_compact, self.moments, other.moments)  # DeviceMismatchError if mixed
         return Statistics(self.gram_compact + other.gram_compact, self.moments + other.moments,
                           self.yy + other.yy, self.n_rows + other.n_rows, self.d)
 
@@ -313,6 +320,16 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         :func:`scaleattn.kernel.kernel_name` (default ``$SCALEATTN_KERNEL``, else numba; numpy for CuPy). Both
         give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
+    Raises
+    ------
+    DatasetError
+        ``targets`` whose shape does not fit ``causal`` and ``stats.d_out``; ``lengths`` of the wrong shape or
+        outside ``1 <= length <= T`` (naming the first such sample).
+    ParameterError
+        ``tokens`` of another ``d`` than ``stats``; ``stats.gram_compact`` without the rows of ``cols``.
+    DeviceMismatchError
+        Arrays of another namespace or device than ``stats``.
+
     Per block: ``Tc += u^T v`` by :func:`gram_update` (DESIGN §3) and, in the same threads,
     ``B += s^T (x (x) y)``; with the numba kernel below ``BLAS_MIN_D`` all of it (features included) in one
     fused pass over the block's tokens (:func:`scaleattn.kernel.fused_update`, blocks of ``BLOCK_BYTES`` of
@@ -321,6 +338,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
+    _check_block(stats, tokens, targets, lengths, causal, cols)
     kern = kernel_name(xp, kernel)
     if kern == "numba" and d < BLAS_MIN_D and is_numpy(xp):  # one fused compiled pass per block (bits: shapes only)
         # no feature buffers per block (tokens and targets are read in place): a block is BLOCK_BYTES of float64
@@ -365,6 +383,30 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     return stats
 
 
+def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool, cols) -> None:
+    """What :func:`accumulate` needs of a block beyond its namespace: ``d`` and ``d_out`` of ``stats``, targets
+    whose shape fits ``causal``, lengths in ``1 <= length <= T`` (the kernels would read past a sample or count an
+    empty one as a row), ``Tc`` rows for ``cols``; one :class:`DatasetError` / :class:`ParameterError` line."""
+    n, T, d = tokens.shape
+    if d != stats.d:
+        raise ParameterError(f"tokens: d = {d} but the statistics are for d = {stats.d}")
+    if targets is not None:
+        want = (n, T, stats.d_out) if causal else (n, stats.d_out)
+        if tuple(targets.shape) != want:
+            kind = "(sample, position, output)" if causal else "(sample, output)"
+            raise DatasetError(f"targets: shape {tuple(targets.shape)}, expected {want}: {kind} for"
+                               f" causal={causal} and d_out = {stats.d_out}")
+    if lengths is not None:
+        if tuple(lengths.shape) != (n,):
+            raise DatasetError(f"lengths: expected shape ({n},) to match tokens, got {tuple(lengths.shape)}")
+        check_lengths(lengths, 0, T)
+    mm = n_pairs(n_pairs(d))
+    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
+    if stats.gram_compact.shape[0] != c1 - c0:
+        raise ParameterError(f"statistics: the compact Gram has {stats.gram_compact.shape[0]} rows but the column"
+                             f" range [{c0}, {c1}) has {c1 - c0}")
+
+
 def _finite(a) -> bool:
     """No NaN or Inf in ``a``: its max and min (the standard's ``max``/``min`` propagate NaN), two passes and no
     temporary (``isfinite`` would allocate a boolean copy: 485 MB for ``Tc`` at d = 44)."""
@@ -391,13 +433,14 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     Parameters
     ----------
     tokens : array (n, T, d), float
-        Token-major sequences (positions at or past ``lengths`` are padding).
+        Token-major sequences (positions at or past ``lengths`` are padding, ignored even if NaN); nested lists
+        are read with ``numpy.asarray``.
     targets : array (n, d_out) or (n, T, d_out), float, optional
         Last-token or per-prefix targets; without them only the Gram is built (enough for the certificate).
     lengths : array (n,), int, optional
-        Valid length of each sequence.
+        Valid length of each sequence, ``1 <= lengths <= T``.
     causal : bool, optional
-        Prefix mode; default ``targets.ndim == 3``.
+        Prefix mode; default ``targets.ndim == 3`` (with targets, it must agree with their shape).
     block_rows : int, optional
         Feature rows formed at a time (memory; the result does not depend on it beyond round-off).
 
@@ -409,7 +452,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     Raises
     ------
     DatasetError
-        Shapes or dtypes that are not a dataset's (:func:`scaleattn.dataset.check_arrays`); tokens so small
+        Shapes or dtypes that are not a dataset's (:func:`scaleattn.datacheck.check_arrays`), ``causal`` that
+        contradicts the targets' shape, a length outside ``1 <= length <= T`` (naming the sample); tokens so small
         that the features underflow float64, targets so small that their squares do
         (:func:`scaleattn.datacheck.check_underflow`).
 
@@ -425,7 +469,12 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     >>> st.n_rows, st.psi, st.gram_compact.shape
     (500, 6, (6, 3))
     """
+    tokens, targets, lengths = (a if a is None or array_api_compat.is_array_api_obj(a) else np.asarray(a)
+                                for a in (tokens, targets, lengths))  # (nested lists, as the estimator takes)
     check_arrays(tokens, targets, lengths)
+    if causal is not None and targets is not None and bool(causal) != (targets.ndim == 3):
+        raise DatasetError(f"targets: shape {tuple(targets.shape)} with causal={bool(causal)}: causal targets are"
+                           " (sample, position, output), last-token ones (sample, output)")
     check_underflow(tokens)  # (a Gram underflowed to zero looks like all-zero data: refused here, not after)
     if targets is not None:
         check_underflow(targets, name="targets")  # (y^2 underflowed to zero: an MSE of 0, relative nan)

@@ -60,3 +60,15 @@ def test_non_causal_token_gram_matches_definition():
         S = z.T @ z
         assert np.allclose(s[i], S[np.triu_indices(3)], rtol=1e-14, atol=1e-15)
         assert np.array_equal(x[i], z[-1])
+
+
+def test_coef_distance_refuses_different_shapes():
+    """Broadcasting (6, 1) against (6, 2) gave 0, which the docs read as "the same function"."""
+    import pytest
+
+    from scaleattn.errors import ParameterError
+    from scaleattn.features import coef_distance
+
+    with pytest.raises(ParameterError, match="differ"):
+        coef_distance(np.ones((6, 1)), np.ones((6, 2)))
+    assert coef_distance(np.zeros((6, 1)), np.ones((6, 1))) == pytest.approx(6 ** 0.5, rel=1e-15)

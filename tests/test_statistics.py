@@ -162,3 +162,100 @@ def test_dataset_reads_refuse_tokens_whose_gram_underflows(tmp_path):
     g.create_array("targets", data=np.ones((8, 2)))
     with pytest.raises(DatasetError, match=r"tokens: sample 0 has values of magnitude at most 1\.0e-60"):
         open_dataset(str(tmp_path / "t.zarr")).read(0, 8)
+
+
+def _small(seed=0, n=3, T=4, d=2):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, T, d)), rng.standard_normal((n, 1))
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+@pytest.mark.parametrize("lengths, sample", [([4, 0, 4], 1), ([4, 5, 4], 1), ([4, 4, 9], 2), ([-1, 4, 4], 0)])
+def test_lengths_outside_one_to_T_are_refused_naming_the_sample(lengths, sample, kernel, monkeypatch):
+    """A length past T made the numpy kernel read the next sample's tokens, the numba one clamp; 0 counted an
+    empty sample as a row (n_rows, yy): every kernel refuses them, naming the sample."""
+    import scaleattn.kernel
+    from scaleattn.errors import DatasetError
+
+    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
+    tok, y = _small()
+    with pytest.raises(DatasetError, match=rf"lengths: sample {sample} has length {lengths[sample]}"):
+        statistics_from_arrays(tok, y, np.array(lengths))
+    from scaleattn.statistics import accumulate
+
+    with pytest.raises(DatasetError, match=rf"sample {sample}"):  # (accumulate checks the same on its own)
+        accumulate(Statistics.zeros(2, 1), tok, y, np.array(lengths))
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_padding_is_ignored_on_every_kernel(causal, kernel, monkeypatch):
+    """Padding is ignored: a NaN there (a 0/1 mask multiplied it into NaN on the numpy path) leaves the statistics
+    equal to those of the same data with zero padding, and equal to the dense rows."""
+    import scaleattn.kernel
+
+    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
+    tok, _ = _small(1)
+    lens = np.array([4, 2, 3])
+    y = np.random.default_rng(2).standard_normal((3, 4, 1) if causal else (3, 1))
+    clean = tok.copy()
+    for i, n in enumerate(lens):
+        clean[i, n:] = 0.0
+    dirty = clean.copy()
+    dirty[1, 3, 0], dirty[2, 3, 1] = np.nan, np.inf
+    st = statistics_from_arrays(dirty, y, lens, causal=causal)
+    P = dense_rows(clean, lens, causal)
+    G = P.T @ P
+    assert np.isfinite(st.gram_compact).all() and np.isfinite(st.moments).all()
+    assert np.abs(st.gram() - G).max() <= 1e-13 * np.abs(G).max()
+    assert st.n_rows == P.shape[0]
+
+
+def test_adding_statistics_refuses_tiles_and_mixed_namespaces():
+    """A column tile (accumulate(cols=)) broadcast into every row of a whole Tc when added; statistics of two
+    array libraries were converted silently one way and failed with a bare TypeError the other."""
+    from scaleattn.errors import DeviceMismatchError, ParameterError
+    from scaleattn.statistics import accumulate
+
+    tok, y = _small()
+    full = statistics_from_arrays(tok, y)
+    tile = Statistics.zeros(2, 1)
+    tile.gram_compact = np.zeros((1, 3))
+    accumulate(tile, tok, y, cols=slice(0, 1))
+    assert np.allclose(tile.gram_compact, full.gram_compact[:1], rtol=1e-14)
+    with pytest.raises(ParameterError, match="compact Grams are"):
+        full + tile
+    strict = pytest.importorskip("array_api_strict")
+    other = statistics_from_arrays(strict.asarray(tok), strict.asarray(y))
+    for a, b in ((full, other), (other, full)):
+        with pytest.raises(DeviceMismatchError):
+            a + b
+
+
+@pytest.mark.parametrize("case", ["causal-2d", "last-3d", "wrong-dout", "wrong-d"])
+def test_accumulate_refuses_blocks_that_do_not_fit_the_statistics(case):
+    from scaleattn.errors import DatasetError, ParameterError
+    from scaleattn.statistics import accumulate
+
+    tok, y = _small()
+    stats, causal, targets, err = Statistics.zeros(2, 1), False, y, DatasetError
+    if case == "causal-2d":
+        causal = True
+    elif case == "last-3d":
+        targets = np.zeros((3, 4, 1))
+    elif case == "wrong-dout":
+        targets = np.zeros((3, 2))
+    else:
+        stats, err = Statistics.zeros(3, 1), ParameterError
+    with pytest.raises(err):
+        accumulate(stats, tok, targets, causal=causal)
+    if case in ("causal-2d", "last-3d"):
+        with pytest.raises(DatasetError, match="causal"):
+            statistics_from_arrays(tok, targets, causal=causal)
+
+
+def test_nested_lists_are_read_as_arrays():
+    tok, y = _small()
+    a, b = statistics_from_arrays(tok.tolist(), y.tolist()), statistics_from_arrays(tok, y)
+    assert a.n_rows == b.n_rows == 3
+    assert np.array_equal(a.gram_compact, b.gram_compact)
