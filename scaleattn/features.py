@@ -24,21 +24,73 @@ __all__ = ["n_pairs", "n_features", "triu_index", "vech", "token_features", "row
 
 
 def n_pairs(d: int) -> int:
-    """``m = d(d+1)/2``: entries of the upper triangle (``vech``) of a d x d symmetric matrix."""
+    """``m = d(d+1)/2``: entries of the upper triangle (``vech``) of a d x d symmetric matrix (DESIGN §2).
+
+    Parameters
+    ----------
+    d : int
+        Side of the matrix (the token dimension).
+
+    Returns
+    -------
+    int
+        ``d (d + 1) // 2``.
+
+    Examples
+    --------
+    >>> n_pairs(2), n_pairs(4), n_pairs(8)
+    (3, 10, 36)
+    """
     return d * (d + 1) // 2
 
 
 def n_features(d: int) -> int:
-    """``psi = d^2 (d+1) / 2``: number of cubic MHLA features ([Y25] §2.1: 6, 40, 288 for d = 2, 4, 8)."""
+    """``psi = d^2 (d+1) / 2``: number of cubic MHLA features ([Y25] §2.1: 6, 40, 288 for d = 2, 4, 8).
+
+    Parameters
+    ----------
+    d : int
+        Token dimension.
+
+    Returns
+    -------
+    int
+        ``n_pairs(d) * d``: the length of ``phi(Z)`` and the rows of the coefficients (DESIGN §2).
+
+    Examples
+    --------
+    >>> n_features(2), n_features(4), n_features(8)
+    (6, 40, 288)
+    """
     return n_pairs(d) * d
 
 
 @functools.lru_cache(maxsize=64)
 def triu_index(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row-major upper-triangle indices of an n x n matrix.
+    """Row-major upper-triangle indices of an n x n matrix (the order of ``vech``, DESIGN §2).
 
-    Returns ``(I, J, pos)``: ``I, J`` (n(n+1)/2,) int64 with ``I <= J``, and ``pos`` (n, n) int64 mapping
-    ``(i, j)`` and ``(j, i)`` to the vech position of ``(min, max)``.
+    Parameters
+    ----------
+    n : int
+        Side of the matrix.
+
+    Returns
+    -------
+    I, J : ndarray (n(n+1)/2,), int64
+        Row and column of each vech position, ``I <= J``.
+    pos : ndarray (n, n), int64
+        Maps ``(i, j)`` and ``(j, i)`` to the vech position of ``(min, max)``. All three are cached (shared
+        between calls): do not modify them.
+
+    See Also
+    --------
+    vech : the upper triangle in this order.
+
+    Examples
+    --------
+    >>> I, J, pos = triu_index(3)
+    >>> I.tolist(), J.tolist(), pos[2, 1].item()
+    ([0, 0, 0, 1, 1, 2], [0, 1, 2, 1, 2, 2], 4)
     """
     I, J = np.triu_indices(n)
     pos = np.empty((n, n), dtype=np.int64)
@@ -53,7 +105,26 @@ def _host_index(a, xp, like):
 
 
 def vech(a, n: int | None = None):
-    """Upper triangle, row-major, of the trailing (n, n) axes of ``a``: shape (..., n(n+1)/2)."""
+    """Upper triangle, row-major, of the trailing (n, n) axes of ``a``: shape (..., n(n+1)/2) (DESIGN §2).
+
+    Parameters
+    ----------
+    a : array (..., n, n)
+        Any dtype; numpy or any array API array (the result is in its namespace, on its device).
+    n : int, optional
+        Side of the trailing axes; default ``a.shape[-1]``.
+
+    Returns
+    -------
+    array (..., n(n+1)/2), dtype of ``a``
+        Entries ``a[..., i, j]``, ``i <= j``, in the order of :func:`triu_index`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> vech(np.arange(9.0).reshape(3, 3))
+    array([0., 1., 2., 4., 5., 8.])
+    """
     n = a.shape[-1] if n is None else n
     xp = get_xp(a)
     I, J, _ = triu_index(n)
@@ -80,7 +151,30 @@ def token_features(tokens, lengths=None, causal: bool = False):
     Returns
     -------
     s : array (rows, m), float64
+        ``vech(S)`` of each row, ``m = d(d+1)/2``; ``rows = n`` (last-token) or ``sum(lengths)`` (causal).
     x : array (rows, d), float64
+        The query token of each row.
+
+    Raises
+    ------
+    DeviceMismatchError
+        ``lengths`` an array of another library than numpy that is not in the tokens' namespace and device.
+
+    See Also
+    --------
+    phi : the cubic features of these rows.
+    compact_factors : the compact Gram factors of these rows.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> tokens = np.arange(12.0).reshape(2, 3, 2)  # 2 sequences of 3 tokens in R^2
+    >>> s, x = token_features(tokens)
+    >>> s.shape, bool(np.allclose(s[1], vech(tokens[1].T @ tokens[1]))), x[1]
+    ((2, 3), True, array([10., 11.]))
+    >>> s, x = token_features(tokens, lengths=np.array([3, 2]), causal=True)
+    >>> s.shape, x[-1]  # 3 + 2 prefixes; the last one ends at token 1 of sequence 1
+    ((5, 3), array([8., 9.]))
     """
     xp = get_xp(tokens)
     dev = device_of(tokens)
@@ -113,6 +207,31 @@ def row_targets(targets, lengths=None, causal: bool = False):
 
     ``targets`` is (n, d_out) for last-token data or (n, T, d_out) for causal data (any array API array;
     ``lengths`` as in :func:`token_features`).
+
+    Parameters
+    ----------
+    targets : array (n, d_out) or (n, T, d_out), float
+        Last-token targets, or per-prefix targets when ``causal``.
+    lengths : array (n,), int, optional
+        Valid length of each sequence (causal only; ignored otherwise).
+    causal : bool
+        Prefix mode: keep the targets of the valid positions, sequence-major.
+
+    Returns
+    -------
+    array (rows, d_out), float64
+        In the namespace and on the device of ``targets``.
+
+    Raises
+    ------
+    DeviceMismatchError
+        As :func:`token_features`, for ``lengths``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> row_targets(np.ones((2, 3, 1)), lengths=np.array([3, 2]), causal=True).shape
+    (5, 1)
     """
     xp = get_xp(targets)
     y = as_float64(targets, xp)
@@ -129,6 +248,24 @@ def phi(s, x):
     """Dense cubic features ``phi = vech(S) (x) x`` ([Y25] H(Z), DESIGN §2): (rows, psi), P-major.
 
     Used for prediction checks and the naive baselines; the statistics never form it.
+
+    Parameters
+    ----------
+    s : array (rows, m), float
+        ``vech(S)`` of each row (:func:`token_features`).
+    x : array (rows, d), float
+        Query token of each row; same namespace and device as ``s``.
+
+    Returns
+    -------
+    array (rows, m * d), dtype of ``s * x``
+        ``phi[i, P * d + l] = s[i, P] * x[i, l]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> phi(np.array([[1.0, 2.0, 3.0]]), np.array([[1.0, 10.0]]))
+    array([[ 1., 10.,  2., 20.,  3., 30.]])
     """
     xp = get_xp(s, x)
     return xp.reshape(s[:, :, None] * x[:, None, :], (s.shape[0], -1))
@@ -148,6 +285,29 @@ def pair_products(s, cols: slice | None = None, out=None):
     temporaries are made: one multiply per pair row ``p`` that meets ``cols`` (DESIGN §3, §6 column tiles).
     numpy and CuPy multiply into ``out`` in place; other namespaces (the standard has no ``out=``) assign each
     product into its columns, the same values (one more pass over ``u``: 1.2x slower on a GPU, measured).
+
+    Parameters
+    ----------
+    s : array (rows, m), float64
+        Rows of a vector (``vech(S)``, or a token ``x``).
+    cols : slice, optional
+        Step-1 slice of the ``m(m+1)/2`` columns of ``u``; default all.
+    out : array (rows', >= width), float64, optional
+        Buffer for the result, same namespace and device as ``s``.
+
+    Returns
+    -------
+    array (rows, width), float64
+        ``u`` (a view of ``out`` when given).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> s = np.array([[1.0, 2.0, 3.0]])
+    >>> pair_products(s), bool(np.array_equal(pair_products(s), vech(s[:, :, None] * s[:, None, :])))
+    (array([[1., 2., 3., 4., 6., 9.]]), True)
+    >>> pair_products(s, cols=slice(3, 5))
+    array([[4., 6.]])
     """
     xp = get_xp(s)
     rows, m = s.shape
@@ -176,6 +336,33 @@ def compact_factors(s, x, out_u=None, cols: slice | None = None):
     (rows, m(m+1)/2) index temporaries are made. ``cols`` (a step-1 slice of the m(m+1)/2 axis) builds only
     those columns of ``u``, shape (rows, cols width): the factor of one column tile of ``Tc`` (DESIGN §6).
     See :func:`pair_products`.
+
+    Parameters
+    ----------
+    s : array (rows, m), float64
+        ``vech(S)`` of each row (:func:`token_features`).
+    x : array (rows, d), float64
+        Query token of each row.
+    out_u : array (rows', >= width), float64, optional
+        Buffer for ``u``.
+    cols : slice, optional
+        Columns of ``u`` to build; default all.
+
+    Returns
+    -------
+    u : array (rows, m(m+1)/2 or the width of ``cols``), float64
+    v : array (rows, d(d+1)/2), float64
+
+    See Also
+    --------
+    expand_compact_gram : ``G`` from ``Tc = u^T v``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> u, v = compact_factors(*token_features(np.ones((5, 4, 2))))
+    >>> u.shape, v.shape
+    ((5, 6), (5, 3))
     """
     return pair_products(s, cols, out_u), pair_products(x)
 
@@ -188,6 +375,31 @@ def expand_compact_gram(gram_compact, d: int):
     group by row group (``np.take`` on small indices into the rows of a preallocated ``G``): the 4-D gather makes
     psi^2-element index arrays and ran at 0.3 GB/s at d = 32. The same values (a copy); the compiled copy is
     :func:`scaleattn.kernel.expand_gram`.
+
+    Parameters
+    ----------
+    gram_compact : array (m(m+1)/2, d(d+1)/2), float
+        The compact Gram ``Tc`` (``gram_compact`` of :class:`scaleattn.Statistics`).
+    d : int
+        Token dimension (``m = d(d+1)/2``).
+
+    Returns
+    -------
+    array (psi, psi), float64
+        ``G = sum_i phi_i phi_i^T``, symmetric; numpy in, numpy out (a new array).
+
+    See Also
+    --------
+    compact_factors : the factors of ``Tc``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> s, x = token_features(np.random.default_rng(0).standard_normal((5, 4, 2)))
+    >>> u, v = compact_factors(s, x)
+    >>> G = expand_compact_gram(u.T @ v, d=2)
+    >>> G.shape, bool(np.allclose(G, phi(s, x).T @ phi(s, x)))
+    ((6, 6), True)
     """
     xp = get_xp(gram_compact)
     m = n_pairs(d)
@@ -212,6 +424,33 @@ def predict_rows(coef, s, x):
 
     ``coef`` (psi, d_out) is viewed as (m, d, d_out): ``y_hat[i, a] = sum_{P,l} s[i,P] coef[P,l,a] x[i,l]``
     (two matmuls; all three in one namespace, on one device).
+
+    Parameters
+    ----------
+    coef : array (psi, d_out), float
+        Coefficients (DESIGN §2).
+    s : array (rows, m), float
+        ``vech(S)`` of each row (:func:`token_features`).
+    x : array (rows, d), float
+        Query token of each row.
+
+    Returns
+    -------
+    array (rows, d_out)
+        Predictions, in the arrays' namespace and common dtype.
+
+    Raises
+    ------
+    DeviceMismatchError
+        The three arrays are of different libraries or on different devices.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> s, x = token_features(np.random.default_rng(0).standard_normal((5, 4, 2)))
+    >>> coef = np.arange(12.0).reshape(6, 2)
+    >>> bool(np.allclose(predict_rows(coef, s, x), phi(s, x) @ coef))
+    True
     """
     xp = get_xp(coef, s, x)
     m, d = s.shape[1], x.shape[1]

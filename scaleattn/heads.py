@@ -42,6 +42,36 @@ def coef_to_W(coef, d: int) -> np.ndarray:
     """Symmetric-split W (d_out*d, d*d) of coefficients (psi, d_out) ([Y25] Alg. 1 step 3; DESIGN §5).
 
     ``W[a,j,k,l] = W[a,k,j,l] = c[(j,k),l] / 2`` for ``j < k`` and ``W[a,j,j,l] = c[(j,j),l]``.
+
+    Parameters
+    ----------
+    coef : array (psi, d_out), float
+        Coefficients, ``psi = d^2(d+1)/2`` (DESIGN §2).
+    d : int
+        Token dimension.
+
+    Returns
+    -------
+    ndarray (d_out*d, d*d), float64
+        Row ``a*d + j``, column ``k*d + l``; ``coef_from_W(coef_to_W(c, d), d, d_out) == c``.
+
+    Raises
+    ------
+    ParameterError
+        ``coef`` does not have psi rows.
+
+    See Also
+    --------
+    coef_from_W : the inverse map ``p(W)``.
+    svd_heads : heads from the SVD of this W.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> c = np.arange(12.0).reshape(6, 2)
+    >>> W = coef_to_W(c, d=2)
+    >>> W.shape, bool(np.array_equal(coef_from_W(W, 2, 2), c))
+    ((4, 4), True)
     """
     c = _shape(coef, d)  # (m, d, d_out)
     I, J, _ = triu_index(d)
@@ -53,7 +83,35 @@ def coef_to_W(coef, d: int) -> np.ndarray:
 
 
 def coef_from_W(W, d: int, d_out: int) -> np.ndarray:
-    """``c = p(W)`` (psi, d_out): ``c[(j,k),l,a] = W[a,j,k,l] + W[a,k,j,l]`` (j < k), ``W[a,j,j,l]`` (j = k)."""
+    """``c = p(W)`` (psi, d_out): ``c[(j,k),l,a] = W[a,j,k,l] + W[a,k,j,l]`` (j < k), ``W[a,j,j,l]`` (j = k).
+
+    What the data see of ``W[a,j,k,l] = sum_h V_h[a,j] Q_h[k,l]`` ([Y25] Cor. 2.4, eq. 15's ``p``; DESIGN §2).
+
+    Parameters
+    ----------
+    W : array (d_out*d, d*d), float
+        Row ``a*d + j``, column ``k*d + l``.
+    d, d_out : int
+        Token and output dimensions.
+
+    Returns
+    -------
+    ndarray (psi, d_out), float64 (for float ``W``)
+        The symmetrised coefficients, ``psi = d^2(d+1)/2``.
+
+    Raises
+    ------
+    ValueError
+        ``W`` does not have ``d_out * d^3`` entries (numpy's reshape error).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> W = np.zeros((1, 2, 2, 2))  # [a, j, k, l]
+    >>> W[0, 0, 1, :], W[0, 1, 0, :] = 3.0, -1.0  # only the sum over (j, k) <-> (k, j) is seen
+    >>> coef_from_W(W.reshape(2, 4), d=2, d_out=1).ravel()
+    array([0., 0., 2., 2., 0., 0.])
+    """
     W4 = np.asarray(W).reshape(d_out, d, d, d)
     I, J, _ = triu_index(d)
     sym = W4[:, I, J, :] + np.where(I != J, 1.0, 0.0)[None, :, None] * W4[:, J, I, :]  # (a, m, l)
@@ -109,9 +167,26 @@ def _fold(U, s, Vt, d, d_out):
 
 @dataclasses.dataclass
 class Heads:
-    """Attention heads ``V`` (H, d_out, d), ``Q`` (H, d, d) with the singular values of the symmetric-split W
+    """Attention heads of a model found from its coefficients ([Y25] Alg. 1; DESIGN §5).
+
+    Heads ``V`` (H, d_out, d), ``Q`` (H, d, d) with the singular values of the symmetric-split W
     (``spectrum``, [Y25] Alg. 1) and the relative residual ``||c(V, Q) - c|| / ||c||`` of the coefficients
     they reproduce; the search fields are set by :func:`scaleattn.head_search.search_heads` (DESIGN §5).
+
+    Attributes
+    ----------
+    V : ndarray (H, d_out, d), float64
+        Value/output matrices of the heads.
+    Q : ndarray (H, d, d), float64
+        Fused key-query matrices.
+    spectrum : ndarray (min(d_out*d, d*d),), float64
+        Singular values, descending, of the symmetric-split W (of the last iterate for :func:`rank_r_heads`).
+    residual : float
+        ``||c(V, Q) - c|| / ||c||`` (0 for exact heads, up to round-off).
+    method : str
+        ``"svd"``, ``"rank-r"``, or the search's (``"minimal"``, ``"best-H"``, ``"fit-H"``, ``"loss-H"``).
+    n_heads : int
+        ``H``; the other fields (``sse``, ``curve``, ``exact``, the bounds, ...) are commented in the class body.
 
     See Also
     --------
@@ -191,8 +266,9 @@ class Heads:
 
 
 def svd_heads(coef, d: int, rtol: float = 1e-12) -> Heads:
-    """Heads by SVD of the symmetric-split W ([Y25] Alg. 1; DESIGN §5): ``V_r = fold(sqrt(sigma_r) u_r)``,
-    ``Q_r = fold(sqrt(sigma_r) v_r)``, keeping ``sigma_r > rtol * sigma_1``.
+    """Heads by SVD of the symmetric-split W ([Y25] Alg. 1; DESIGN §5).
+
+    ``V_r = fold(sqrt(sigma_r) u_r)``, ``Q_r = fold(sqrt(sigma_r) v_r)``, keeping ``sigma_r > rtol * sigma_1``.
 
     Parameters
     ----------
@@ -259,9 +335,49 @@ _STALL = 50
 
 
 def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=None) -> Heads:
-    """Best r-head model found by alternating projections between rank-r matrices (truncated SVD) and the
-    affine set ``{W : p(W) = coef}`` (DESIGN §5, beyond [Y25]). Returns the rank-r heads of the last iterate;
-    their residual is 0 (to ``tol``) when r heads can represent the function exactly."""
+    """Best r-head model found by alternating projections (DESIGN §5, beyond [Y25]).
+
+    The projections alternate between rank-r matrices (truncated SVD) and the affine set ``{W : p(W) = coef}``.
+    Returns the rank-r heads of the last iterate; their residual is 0 (to ``tol``) when r heads can represent the
+    function exactly. They can stall short of an exact model that exists (DESIGN §5):
+    :func:`scaleattn.search_heads` is the reliable search.
+
+    Parameters
+    ----------
+    coef : array (psi, d_out), float
+        Coefficients.
+    d : int
+        Token dimension.
+    r : int
+        Number of heads.
+    iters : int
+        Most projection sweeps.
+    tol : float
+        Stop when the relative residual ``||p(W_r) - coef|| / ||coef||`` is at most this.
+    W0 : array (d_out*d, d*d), float, optional
+        Start; default the symmetric split :func:`coef_to_W`.
+
+    Returns
+    -------
+    Heads
+        ``min(r, d_out*d, d*d)`` heads, ``method = "rank-r"``.
+
+    Raises
+    ------
+    ParameterError
+        ``coef`` does not have psi = d^2(d+1)/2 rows.
+
+    See Also
+    --------
+    svd_heads : all the heads of the symmetric split, no search.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> c = coef_from_heads(np.ones((1, 2, 2)), np.eye(2)[None])  # one head
+    >>> svd_heads(c, d=2).n_heads, rank_r_heads(c, d=2, r=1).residual < 1e-12
+    (2, True)
+    """
     coef = np.asarray(coef, np.float64)
     d_out = coef.shape[1]
     W = coef_to_W(coef, d) if W0 is None else W0
@@ -281,8 +397,9 @@ def rank_r_heads(coef, d: int, r: int, iters: int = 500, tol: float = 1e-13, W0=
 
 
 def compare_models(model_a, model_b, rtol: float = 1e-8) -> dict:
-    """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2) and whether
-    they compute the same function on every input of every length ([Y25] Cor. 2.4).
+    """Distance ``||c(Theta_a) - c(Theta_b)||_F`` of two models' heads ([Y25] eq. 15; DESIGN §2), and a verdict.
+
+    ``equivalent``: whether they compute the same function on every input of every length ([Y25] Cor. 2.4).
 
     Parameters
     ----------

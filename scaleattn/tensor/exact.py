@@ -173,25 +173,56 @@ def _exact_backward(Q, K1, K2, V1, V2, O, lse, R, s, masked, w1, w2, bs, xp, xar
 def attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, block_size=None):
     """Exact tensor (2-simplicial) attention Att = D^-1 A (V1 (/) V2), streamed (DESIGN §8; [C25] Def. 1.1).
 
+    ``S[i,j,k] = s <q_i, k1_j * k2_k>``, ``P[i,j,k] = softmax of S[i]`` over the n^2 pairs (j, k),
+    ``O_i = sum_jk P[i,j,k] (v1_j * v2_k)``; an online softmax over (query, key1, key2) blocks keeps memory at
+    O(n d + block) for O(n^3 d) time.
+
     Parameters
     ----------
-    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64, numpy or any array API array (CuPy, torch, ...), all
-        the same shape, namespace and device (the outputs are too). Leading axes are batch
-        and heads and are independent.
-    scale : None (s = 1/d, as in [C25]), ``"sqrt"`` (1/sqrt(d)) or a finite float.
-    causal : bool. Pairs (j, k) with j <= i and k <= i only.
-    window : None or (w1, w2): causal windows i - w1 < j <= i, i - w2 < k <= i (``None`` entry = unbounded);
-        implies ``causal``. Cost O(n w1 w2 d) instead of O(n^3 d).
-    block_size : None, int or (bq, bj, bk): block of the online softmax (memory O(B bq bj bk + n d)).
+    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64
+        Queries, keys and values: numpy or any array API array (CuPy, torch, ...), all the same shape, namespace
+        and device (the outputs are too). Leading axes are batch and heads and are independent.
+    scale : None, ``"sqrt"`` or float
+        The logit scale s: None for 1/d (as in [C25]), ``"sqrt"`` for 1/sqrt(d), or a finite float.
+    causal : bool
+        Pairs (j, k) with j <= i and k <= i only.
+    window : (w1, w2), optional
+        Causal windows i - w1 < j <= i, i - w2 < k <= i (``None`` entry = unbounded); implies ``causal``. Cost
+        O(n w1 w2 d) instead of O(n^3 d).
+    block_size : int or (bq, bj, bk), optional
+        Block of the online softmax (memory O(B bq bj bk + n d)); default about 8 MB of logits.
 
     Returns
     -------
-    O : array (..., n, d) in the inputs' common float dtype (computed in float64).
+    O : array (..., n, d)
+        In the inputs' common float dtype (computed in float64).
 
     Raises
     ------
-    TypeError : non-float dtype / non-array input (the message names the argument).
-    ValueError : shape mismatch, ndim < 2, non-finite entries, bad window/scale.
+    TypeError
+        A missing or non-array input, a non-float dtype, ``scale`` neither a string nor a number, ``causal`` not a
+        bool (the message names the argument).
+    ParameterError
+        (a ValueError) Shape mismatch, ndim < 2, n or d = 0, non-finite entries, a bad window, scale or block_size.
+    DeviceMismatchError
+        Arrays of different libraries or devices.
+
+    See Also
+    --------
+    poly_attention : the O(n r d) polynomial approximation.
+    attention_grad : the loss and the gradients.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.tensor import attention
+    >>> Q, K1, K2, V1, V2 = np.random.default_rng(0).standard_normal((5, 6, 3))
+    >>> S = np.einsum("it,jt,kt->ijk", Q, K1, K2) / 3  # s = 1/d
+    >>> P = np.exp(S) / np.exp(S).sum(axis=(1, 2), keepdims=True)
+    >>> bool(np.allclose(attention(Q, K1, K2, V1, V2), np.einsum("ijk,jt,kt->it", P, V1, V2)))
+    True
+    >>> bool(np.allclose(attention(Q, K1, K2, V1, V2, causal=True)[0], V1[0] * V2[0]))  # query 0 sees (0, 0)
+    True
     """
     xp, f, dtype, shape, _, s, (masked, w1, w2) = _prepare(
         {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, causal, window)
@@ -208,11 +239,43 @@ def attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=None, 
     dV1_j = sum_ik P (R_i*v2_k), dV2 symmetric. P is recomputed per block from the saved row log-sum-exp, as in
     FlashAttention's backward: memory O(n d + block).
 
-    Parameters as :func:`attention`; ``E`` (..., n, d) is the target.
+    Parameters
+    ----------
+    Q, K1, K2, V1, V2 : array (..., n, d), float32/float64
+        As in :func:`attention`.
+    E : array (..., n, d), float32/float64
+        The target, same shape, namespace and device.
+    scale, causal, window, block_size
+        As in :func:`attention`.
 
     Returns
     -------
-    (loss, grads) : float, dict with keys "Q", "K1", "K2", "V1", "V2" (arrays shaped like the inputs).
+    loss : float
+        ``1/2 ||O - E||_F^2`` summed over the batch axes (in float64).
+    grads : dict of str to array (..., n, d)
+        Keys "Q", "K1", "K2", "V1", "V2": ``dL/dQ``, ... shaped like the inputs, in their common float dtype.
+
+    Raises
+    ------
+    TypeError, ParameterError, DeviceMismatchError
+        As :func:`attention` (``E`` is checked like the others).
+
+    See Also
+    --------
+    poly_attention_grad : the same for the polynomial approximation, O(n r d).
+    weight_grad : gradients with respect to the weights and [C25]'s X.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.tensor import attention, attention_grad
+    >>> Q, K1, K2, V1, V2, E = np.random.default_rng(0).standard_normal((6, 5, 3))
+    >>> loss, g = attention_grad(Q, K1, K2, V1, V2, E)
+    >>> L = lambda Qx: 0.5 * np.sum((attention(Qx, K1, K2, V1, V2) - E) ** 2)
+    >>> h = np.zeros_like(Q)
+    >>> h[2, 1] = 1e-6  # central difference in Q[2, 1]
+    >>> bool(np.isclose(loss, L(Q))), bool(np.isclose(g["Q"][2, 1], (L(Q + h) - L(Q - h)) / 2e-6, atol=1e-6))
+    (True, True)
     """
     xp, f, dtype, shape, _, s, (masked, w1, w2) = _prepare(
         {"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2, "E": E}, scale, causal, window)

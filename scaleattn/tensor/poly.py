@@ -11,7 +11,7 @@ import numpy as np
 from .._backend import device_of, from_host, is_numpy
 from ..errors import ParameterError, UnsupportedError
 from ._common import _BLOCK_ELEMS, _NAMES, _cast, _empty, _window, _zeros
-from .bounds import _check_degree, _eps, _logit_bound_flat, _pl1, choose_degree
+from .bounds import _LargeLogits, _plan_poly, _poly_grad_bounds
 from .exact import _prepare, attention, attention_grad
 
 __all__ = ["poly_attention", "poly_attention_grad"]
@@ -59,8 +59,6 @@ def _monomials(d, g):
         deriv.append((np.array(idx, dtype=np.int64), np.array(lower, dtype=np.int64), np.array(mult)))
     return {"off": off, "parent": np.array(parent, dtype=np.int64), "var": np.array(var, dtype=np.int64),
             "inv_fact": inv_fact, "deriv": deriv, "r": len(alphas)}
-
-
 
 
 def _mono_xp(mono, xp, dev=None):
@@ -114,38 +112,6 @@ def _outer_rows(U, X, Y, xp):
 def _mT(a, xp):
     """Swap the last two axes of a 3-D array."""
     return xp.permute_dims(a, (0, 2, 1))
-
-
-class _LargeLogits(Exception):
-    pass
-
-
-def _plan_poly(f, s, xp, degree, tol, max_degree, max_rank):
-    """Pick g and compute the a-priori estimate; raise _LargeLogits(message) outside the polynomial regime."""
-    Bt, n, d = f["Q"].shape
-    Bl = _logit_bound_flat(f["Q"], f["K1"], f["K2"], s, xp)
-    vmax = float(xp.max(xp.abs(f["V1"]))) * float(xp.max(xp.abs(f["V2"])))
-    if isinstance(degree, str):
-        if degree != "auto":
-            raise ParameterError(f"degree must be 'auto' or an int >= 1, got {degree!r}")
-        tol_ = 1e-6 if tol is None else float(tol)
-        g = choose_degree(Bl, d, tol_, max(vmax, 1e-300), max_degree=max_degree, max_rank=max_rank)
-        if g is None:
-            raise _LargeLogits(
-                f"max |logit| <= {Bl:.4g} (bound s*max|q|*max|k1*k2|): no degree <= {max_degree} with rank "
-                f"<= {max_rank} reaches the output error tol {tol_:.3g} (Taylor bound e^B B^(g+1)/(g+1)!)")
-    else:
-        g = _check_degree(degree)
-    eps = _eps(Bl, g)
-    pl1 = _pl1(eps)
-    out_bound = pl1 * vmax
-    if eps >= 0.5 or (tol is not None and out_bound > float(tol)):
-        what = f"tol {float(tol):.3g}" if tol is not None else "the regime limit eps_g < 1/2"
-        raise _LargeLogits(
-            f"max |logit| <= {Bl:.4g} (bound s*max|q|*max|k1*k2|) is too large for degree {g}: Taylor relative "
-            f"error bound eps_g = {eps:.3g}, output error bound {out_bound:.3g} exceeds {what}")
-    return {"degree": g, "rank": math.comb(d + g, g), "logit_bound": Bl, "eps": eps, "p_l1_bound": pl1,
-            "out_bound": out_bound, "vmax": vmax}
 
 
 def _poly_rows(r, B, block_size):
@@ -371,36 +337,6 @@ def _poly_core_causal(f, s, g, xp, want_grad, block_size=None, xargs=None):
     return out
 
 
-def _poly_grad_bounds(f, s, plan, R, O, xp):
-    """Rigorous a-posteriori-from-a-priori bounds on the entrywise error of the five poly gradients.
-
-    With pi = 2 eps_g/(1-eps_g), gamma = (eps_{g-1} + eps_g)/(1 - eps_g) (the gradients see T_{g-1} = T_g'),
-    U = max|V1| max|V2|, dO_1 <= d pi U per row: per row i the l1 error of F~ - F is at most
-    e_i = gamma (||R~_i||_1 U + |w~_i|) + dO_1 U + dO_1 (||R~_i||_inf + U). Then
-    |d dQ| <= s max|K1| max|K2| max_i e_i, |d dK1| <= s max|Q| max|K2| sum_i e_i (K2 symmetric),
-    |d dV1| <= max|V2| sum_i pi (||R~_i||_inf + U) (V2 symmetric); max over batch entries.
-    """
-    g, U = plan["degree"], plan["vmax"]
-    eg = plan["eps"]
-    eg1 = _eps(plan["logit_bound"], g - 1)
-    pi = plan["p_l1_bound"]
-    gam = (eg1 + eg) / (1.0 - eg)
-    d = f["Q"].shape[-1]
-    dO1 = d * pi * U
-    w = xp.abs(xp.sum(O * R, axis=-1))
-    R1, Rinf = xp.sum(xp.abs(R), axis=-1), xp.max(xp.abs(R), axis=-1)
-    e = gam * (R1 * U + w) + dO1 * U + dO1 * (Rinf + U)  # (B, n)
-    ev = pi * (Rinf + U)
-    mx = {k: float(xp.max(xp.abs(f[k]))) for k in _NAMES}
-    esum, emax = float(xp.max(xp.sum(e, axis=-1))), float(xp.max(e))
-    evsum = float(xp.max(xp.sum(ev, axis=-1)))
-    return {"Q": abs(s) * mx["K1"] * mx["K2"] * emax,
-            "K1": abs(s) * mx["Q"] * mx["K2"] * esum,
-            "K2": abs(s) * mx["Q"] * mx["K1"] * esum,
-            "V1": mx["V2"] * evsum, "V2": mx["V1"] * evsum,
-            "_row_e_total": float(xp.sum(e))}
-
-
 def _poly_args(on_large, causal, window):
     if on_large not in ("exact", "raise"):
         raise ParameterError(f"on_large must be 'exact' or 'raise', got {on_large!r}")
@@ -426,19 +362,60 @@ def poly_attention(Q, K1, K2, V1, V2, scale=None, causal=False, window=None, *, 
                    on_large="exact", max_degree=40, max_rank=200_000, info=None, block_size=None):
     """Fast tensor attention via the degree-g Taylor polynomial of exp ([Alman & Song 2024]; [C25] §5; DESIGN §8).
 
-    Same inputs/output as :func:`attention`. Time O(n r d), memory O(block r + r d), r = C(d+g, g).
-    causal : bool. ``True``: prefix sums of the key statistics over j, k <= i (same mask as :func:`attention`),
+    Same inputs/output as :func:`attention`. Time O(n r d), memory O(block r + r d), r = C(d+g, g): exp(S) is
+    replaced by ``U1 (U2 (/) U3)^T`` with monomial features, so nothing n^2-sized is formed.
+
+    Parameters
+    ----------
+    Q, K1, K2, V1, V2, scale
+        As in :func:`attention`: arrays (..., n, d), float32/float64, one namespace and device.
+    causal : bool
+        ``True``: prefix sums of the key statistics over j, k <= i (same mask as :func:`attention`),
         still O(n r d) time, memory O(block r d + r d) (see ``_poly_core_causal``); the error bounds are unchanged
         (the per-entry bound holds for any subset of keys).
-    window : only None or (None, None) (= causal); a finite w1 or w2 raises UnsupportedError (a NotImplementedError).
+    window : None or (None, None)
+        (None, None) is ``causal=True``; a finite w1 or w2 is refused.
+    degree : int >= 1 or ``"auto"``
+        Taylor degree g; ``"auto"``: the smallest g whose a-priori output bound is <= ``tol`` (default tol 1e-6).
+    tol : float, optional
+        With an explicit degree, ``tol`` (if given) is the allowed output error bound.
+    on_large : ``"exact"`` or ``"raise"``
+        When the logits are outside the polynomial regime (eps_g >= 1/2, the bound exceeds ``tol``, no degree
+        reaches ``tol``, or an approximate row sum is <= 0): warn with RuntimeWarning and compute the exact
+        :func:`attention` (default), or raise.
+    max_degree, max_rank : int
+        Largest g and r = C(d+g, g) that ``degree="auto"`` may pick.
+    info : dict, optional
+        Filled with path ("poly"/"exact"), degree, rank, logit_bound, eps (relative entry error bound),
+        p_l1_bound (row l1 bound on P), out_bound (entrywise |O~ - O| bound), min_rowsum.
+    block_size : int or tuple, optional
+        Rows per block (the first entry of a tuple); default about 8 MB of features.
 
-    degree : int >= 1 or ``"auto"`` (smallest g whose a-priori output bound is <= ``tol``, default tol 1e-6).
-    tol : float or None. With an explicit degree, ``tol`` (if given) is the allowed output error bound.
-    on_large : ``"exact"`` (default: warn with RuntimeWarning and compute the exact attention) or ``"raise"``
-        (ValueError naming the logit bound and the error bound) when the logits are outside the polynomial regime:
-        eps_g >= 1/2, the bound exceeds ``tol``, no degree reaches ``tol``, or an approximate row sum is <= 0.
-    info : optional dict, filled with path ("poly"/"exact"), degree, rank, logit_bound, eps (relative entry error
-        bound), p_l1_bound (row l1 bound on P), out_bound (entrywise |O~ - O| bound), min_rowsum.
+    Returns
+    -------
+    array (..., n, d)
+        The approximate ``O`` in the inputs' common float dtype, within ``info["out_bound"]`` of :func:`attention`.
+
+    Raises
+    ------
+    TypeError, ParameterError
+        As :func:`attention`; a bad ``degree`` or ``on_large``; with ``on_large="raise"``, logits outside the
+        polynomial regime (the message names the logit bound and the error bound).
+    UnsupportedError
+        (a NotImplementedError) A finite window.
+
+    See Also
+    --------
+    poly_error_bound, choose_degree : the a-priori bound and the degree it gives.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.tensor import attention, poly_attention
+    >>> Q, K1, K2, V1, V2 = np.random.default_rng(0).standard_normal((5, 64, 4)) / 2
+    >>> O = poly_attention(Q, K1, K2, V1, V2, info=(info := {}))  # degree "auto", tol 1e-6
+    >>> info["path"], info["degree"], bool(np.allclose(O, attention(Q, K1, K2, V1, V2), rtol=0, atol=1e-6))
+    ('poly', 11, True)
     """
     masked = _poly_args(on_large, causal, window)
     xp, f, dtype, shape, _, s, _ = _prepare({"Q": Q, "K1": K1, "K2": K2, "V1": V1, "V2": V2}, scale, False, None)
@@ -462,10 +439,41 @@ def poly_attention_grad(Q, K1, K2, V1, V2, E, scale=None, causal=False, window=N
 
     These are the exact gradients of the polynomial model (features U1 = (s q)^alpha/alpha!, U2 = k1^alpha,
     U3 = k2^alpha, chain rule through the monomials), computed with the Khatri-Rao identity so no n^2 object is
-    formed. Same signature/return as :func:`attention_grad`, options as :func:`poly_attention`. ``info`` also gets
-    ``grad_bound``: dict of entrywise bounds on |grad~ - grad| per tensor (see ``_poly_grad_bounds``).
+    formed. Same signature/return as :func:`attention_grad`, options as :func:`poly_attention`.
     ``causal=True``: gradients of the causal Taylor model, O(n r d) with a second pass over the rows in reverse
     order for the key side (suffix sums over queries i >= j; formulas in ``_poly_core_causal``).
+
+    Parameters
+    ----------
+    Q, K1, K2, V1, V2, E, scale, causal, window
+        As in :func:`attention_grad` (arrays (..., n, d), float32/float64); a finite window is refused.
+    degree, tol, on_large, max_degree, max_rank, block_size
+        As in :func:`poly_attention`.
+    info : dict, optional
+        As in :func:`poly_attention`, plus ``grad_bound``: dict of entrywise bounds on |grad~ - grad| per tensor
+        (see ``bounds._poly_grad_bounds``).
+
+    Returns
+    -------
+    loss : float
+        ``1/2 ||Att~ - E||_F^2`` summed over the batch axes.
+    grads : dict of str to array (..., n, d)
+        ``"Q"``, ``"K1"``, ``"K2"``, ``"V1"``, ``"V2"``, in the inputs' common float dtype.
+
+    Raises
+    ------
+    ParameterError, UnsupportedError, TypeError
+        As :func:`poly_attention` (``E`` is checked like the others).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.tensor import attention_grad, poly_attention_grad
+    >>> Q, K1, K2, V1, V2, E = np.random.default_rng(0).standard_normal((6, 64, 4)) / 2
+    >>> loss, g = poly_attention_grad(Q, K1, K2, V1, V2, E, degree=6, info=(info := {}))
+    >>> loss_ex, g_ex = attention_grad(Q, K1, K2, V1, V2, E)
+    >>> bool(abs(loss - loss_ex) < 1e-7), all(np.abs(g[k] - g_ex[k]).max() <= info["grad_bound"][k] for k in g)
+    (True, True)
     """
     masked = _poly_args(on_large, causal, window)
     xp, f, dtype, shape, _, s, _ = _prepare(

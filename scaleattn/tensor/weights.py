@@ -11,8 +11,9 @@ import numpy as np
 from .._backend import as_float64, device_of, get_xp, on_device, to_numpy
 from ..errors import ParameterError
 from ._common import _NAMES, _flat, _scale, _validate, _window
+from .bounds import _LargeLogits, _plan_poly
 from .exact import _block_sizes, _exact_backward, _exact_forward
-from .poly import _large, _LargeLogits, _plan_poly, _poly_args, _poly_core
+from .poly import _large, _poly_args, _poly_core
 
 __all__ = ["khatri_rao", "TensorWeights", "weight_grad", "train"]
 
@@ -21,7 +22,34 @@ __all__ = ["khatri_rao", "TensorWeights", "weight_grad", "train"]
 # parameters, X and weight gradients
 # ----------------------------------------------------------------------------------------------------------------
 def khatri_rao(A, B):
-    """Column-wise Khatri-Rao product A (/) B: (p, d), (q, d) -> (p*q, d), row b*q + c = A[b] * B[c]."""
+    """Column-wise Khatri-Rao product A (/) B: (p, d), (q, d) -> (p*q, d), row b*q + c = A[b] * B[c].
+
+    The product of [C25]'s ``Att = D^-1 A (V1 (/) V2)`` and ``X = W_Q (W_K1 (/) W_K2)^T``; the fast path rests on
+    ``(A (/) B)^T (C (/) D) = (A^T C) * (B^T D)`` (DESIGN §8).
+
+    Parameters
+    ----------
+    A : array (p, d)
+        Numpy or any array API array.
+    B : array (q, d)
+        Same namespace and device as ``A``.
+
+    Returns
+    -------
+    array (p*q, d), the common dtype of ``A`` and ``B``
+
+    Raises
+    ------
+    DeviceMismatchError
+        ``A`` and ``B`` of different libraries or devices.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> A, B, C, D = np.random.default_rng(0).standard_normal((4, 3, 2))
+    >>> khatri_rao(A, B).shape, bool(np.allclose(khatri_rao(A, B).T @ khatri_rao(C, D), (A.T @ C) * (B.T @ D)))
+    ((9, 2), True)
+    """
     xp = get_xp(A, B)
     return xp.reshape(A[:, None, :] * B[None, :, :], (A.shape[0] * B.shape[0], A.shape[1]))
 
@@ -30,7 +58,24 @@ def khatri_rao(A, B):
 class TensorWeights:
     """Weights of one tensor-attention head: Q = A1 W_Q, K1 = A2 W_K1, K2 = A3 W_K2, V1 = A4 W_V1, V2 = A5 W_V2.
 
-    Each is (p, d) (p = input width, d = attention width). ``X()`` is [C25]'s X = W_Q (W_K1 (/) W_K2)^T (p, p^2).
+    Each is (p, d) (p = input width, d = attention width). ``X()`` is [C25]'s X = W_Q (W_K1 (/) W_K2)^T (p, p^2)
+    (DESIGN §8).
+
+    Parameters
+    ----------
+    W_Q, W_K1, W_K2, W_V1, W_V2 : array (p, d), float
+        The five projections; numpy or any array API arrays (:func:`weight_grad` moves host weights to the
+        inputs' device; :func:`train` works on numpy float64 copies).
+
+    See Also
+    --------
+    weight_grad, train : gradients and training of these weights.
+
+    Examples
+    --------
+    >>> W = TensorWeights.random(p=3, d=2, seed=0)
+    >>> W.W_Q.shape, W.X().shape, sorted(W.as_dict())
+    ((3, 2), (3, 9), ['W_K1', 'W_K2', 'W_Q', 'W_V1', 'W_V2'])
     """
 
     W_Q: object
@@ -40,9 +85,11 @@ class TensorWeights:
     W_V2: object
 
     def X(self):
+        """[C25]'s ``X = W_Q (W_K1 (/) W_K2)^T`` (p, p^2): ``X[a, b*p + c] = sum_t W_Q[a,t] W_K1[b,t] W_K2[c,t]``."""
         return self.W_Q @ khatri_rao(self.W_K1, self.W_K2).T
 
     def as_dict(self):
+        """The five weights by name (``"W_Q"``, ...)."""
         return {fl.name: getattr(self, fl.name) for fl in fields(self)}
 
     @classmethod
@@ -59,18 +106,59 @@ def weight_grad(A1, A2, A3, A4, A5, W, E, scale=None, causal=False, window=None,
                 tol=None, on_large="exact", with_x=True, info=None, block_size=None):
     """Loss and gradients w.r.t. the weights and [C25]'s X for one or a batch of sequences.
 
-    A1..A5 : (..., n, p) inputs (self-attention: pass the same array five times); W : :class:`TensorWeights` with
-    (p, d) matrices; E : (..., n, d) target. L = 1/2 sum over batch of ||Att - E||_F^2, Att computed from
-    Q = A1 W_Q, ..., V2 = A5 W_V2 with scale s (default 1/d).
+    L = 1/2 sum over batch of ||Att - E||_F^2, Att computed from Q = A1 W_Q, ..., V2 = A5 W_V2 with scale s
+    (default 1/d). The weight gradients follow by the chain rule (dW_Q = sum A1^T dQ, ...); "X" (p, p^2) =
+    s A1^T F (A2 (x) A3) summed over the batch ([C25] §4; DESIGN §8) is the gradient of L as a function of X
+    (row a, column b*p + c). Inputs and weights are used in float64; outputs are float64.
 
-    path : "exact" (streamed, any mask) or "poly" (Taylor fast path, options degree/tol/on_large/info as in
-    :func:`poly_attention_grad`; ``causal=True`` supported, grad_X included, a finite window raises
-    NotImplementedError).
+    Parameters
+    ----------
+    A1, A2, A3, A4, A5 : array (..., n, p), float32/float64
+        Inputs of the five projections (one shape, namespace and device; self-attention: pass the same array
+        five times).
+    W : TensorWeights
+        (p, d) weights; host (numpy) weights are moved to the inputs' device.
+    E : array (..., n, d), float
+        Target of the attention output.
+    scale, causal, window, block_size
+        As in :func:`attention`.
+    path : ``"exact"`` or ``"poly"``
+        The streamed exact attention (any mask) or the Taylor fast path (``causal=True`` supported, grad_X
+        included, a finite window raises NotImplementedError).
+    degree, tol, on_large, info
+        Of the ``"poly"`` path, as in :func:`poly_attention_grad` (``info`` without ``grad_bound``).
+    with_x : bool
+        Also return the gradient with respect to X.
 
-    Returns (loss, grads) with grads "W_Q", "W_K1", "W_K2", "W_V1", "W_V2" (chain rule: dW_Q = sum A1^T dQ, ...)
-    and, if ``with_x``, "X" (p, p^2) = s A1^T F (A2 (x) A3) summed over the batch ([C25] §4; DESIGN §8): the
-    gradient of L as a function of X (row a, column b*p + c). Inputs and weights are used in float64; outputs are
-    float64.
+    Returns
+    -------
+    loss : float
+        ``1/2 sum ||Att - E||_F^2`` over the batch.
+    grads : dict of str to array
+        ``"W_Q"``, ... (p, d) float64, and ``"X"`` (p, p^2) float64 when ``with_x``; in the inputs' namespace.
+
+    Raises
+    ------
+    TypeError
+        ``W`` not a :class:`TensorWeights`; as :func:`attention` for the arrays.
+    ParameterError
+        A bad ``path`` or ``on_large``; weights not all (p, d); inputs whose width is not p; ``E`` not
+        (..., n, d); as :func:`attention`; with ``on_large="raise"``, logits outside the polynomial regime.
+    UnsupportedError
+        A finite window on the ``"poly"`` path.
+
+    See Also
+    --------
+    attention_grad : the gradients with respect to Q, K1, K2, V1, V2.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> A, E, W = rng.standard_normal((8, 3)), rng.standard_normal((8, 2)), TensorWeights.random(p=3, d=2, seed=1)
+    >>> loss, g = weight_grad(A, A, A, A, A, W, E)  # self-attention: the same input five times
+    >>> g["X"].shape, bool(np.allclose(g["W_Q"], g["X"] @ khatri_rao(W.W_K1, W.W_K2)))  # dL/dW_Q through X
+    ((3, 9), True)
     """
     if path not in ("exact", "poly"):
         raise ParameterError(f"path must be 'exact' or 'poly', got {path!r}")
@@ -146,15 +234,57 @@ def train(A, E, W0, *, steps=100, lr=1e-2, optimizer="adam", path="exact", degre
 
     (X = W_Q (W_K1 (/) W_K2)^T of [C25] is trained through its factors; ``weight_grad`` also gives grad_X.)
 
-    A : (N, n, p) array (self-attention: A1 = ... = A5 = A) or a tuple of five (N, n, p) arrays.
-    E : (N, n, d) targets. W0 : :class:`TensorWeights` (not modified).
     The objective is the mean over the N sequences of 1/2 ||Att - E||_F^2. Each step sums per-batch gradients over
     ``batch_size`` sequences (all N if None); with a ``distributed.Client`` the batches are scattered once and the
     per-batch gradients are computed with ``client.map`` and summed here, else locally.
-    path : "exact" or "poly" (options degree, tol, on_large as in :func:`weight_grad`).
 
-    Returns a dict: weights (TensorWeights, numpy), loss (steps + 1 values: before each step and after the last),
-    time (cumulative wall seconds at each loss value), grad_norm (per step).
+    Parameters
+    ----------
+    A : array (N, n, p) or tuple of five (N, n, p) arrays, float
+        Inputs (self-attention: A1 = ... = A5 = A); device arrays are copied to the host.
+    E : array (N, n, d), float
+        Targets.
+    W0 : TensorWeights
+        Starting weights (p, d), not modified.
+    steps : int
+        Optimizer steps.
+    lr : float
+        Learning rate.
+    optimizer : ``"adam"`` or ``"gd"``
+        Adam (with ``betas``, ``adam_eps``) or plain gradient descent.
+    path, degree, tol, on_large, scale, causal, window
+        As in :func:`weight_grad`.
+    batch_size : int, optional
+        Sequences per gradient task (all N by default); every step uses all N sequences.
+    client : distributed.Client, optional
+        Computes the per-batch gradients on a Dask cluster.
+    betas : (float, float)
+        Adam's moment decay rates.
+    adam_eps : float
+        Adam's denominator guard.
+    callback : callable, optional
+        Called as ``callback(step, loss, weights)`` after each step (the loss before it, the new weights).
+
+    Returns
+    -------
+    dict
+        ``weights`` (TensorWeights of (p, d) float64 numpy arrays), ``loss`` (steps + 1 floats: before each step
+        and after the last), ``time`` (cumulative wall seconds at each loss value), ``grad_norm`` (per step).
+
+    Raises
+    ------
+    ParameterError
+        A bad ``optimizer`` or ``path``; ``A`` not one array or five; shapes not (N, n, p) and (N, n, d) with one
+        N; ``batch_size`` < 1; as :func:`weight_grad`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> A, E = rng.standard_normal((4, 6, 3)), rng.standard_normal((4, 6, 2))
+    >>> out = train(A, E, TensorWeights.random(p=3, d=2), steps=20, lr=0.05)
+    >>> len(out["loss"]), out["loss"][-1] < out["loss"][0], out["weights"].W_Q.shape
+    (21, True, (3, 2))
     """
     if optimizer not in ("adam", "gd"):
         raise ParameterError(f"optimizer must be 'adam' or 'gd', got {optimizer!r}")
