@@ -32,7 +32,7 @@ from .dataset import check_arrays
 from .errors import ParameterError
 from .features import n_features, phi, row_targets, token_features
 from .kernel import one_blas_thread
-from .solver import Solution
+from .solver import Solution, check_no_worse_than_zero, min_norm
 from .spectrum import Spectrum, default_rtol, lambda_min_full_rank
 
 __all__ = ["QRFactor", "QRSolution", "accumulate_r", "merge_factors", "factor_from_arrays", "certificate_from_r",
@@ -304,6 +304,8 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     ------
     ParameterError
         A factor without targets.
+    DatasetError
+        A solve that lost its accuracy (:func:`scaleattn.solver.check_no_worse_than_zero`).
 
     Examples
     --------
@@ -334,10 +336,13 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     c = apply(z)
     if refine and ridge == 0:
         c = c + apply(z - R11 @ c)
-    if ridge == 0 and null.shape[1]:
-        c = c - null @ (null.T @ c)
-    r = z - R11 @ c
-    sse = float(np.sum(r * r) + np.sum(factor.R[psi:, psi:] ** 2))
+    def sse_of(c):
+        r = z - R11 @ c
+        return float(np.sum(r * r) + np.sum(factor.R[psi:, psi:] ** 2))
+    if ridge == 0:
+        c = min_norm(c, null, sse_of, lambda c: residual_floor(factor, c))
+    sse = sse_of(c)
+    check_no_worse_than_zero(sse, float(np.sum(factor.R[:, psi:] ** 2)), residual_floor(factor, c))
     return QRSolution(c, cert, null, sse, float(ridge), dof, factor=factor)
 
 

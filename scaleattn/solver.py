@@ -26,11 +26,12 @@ from .certificate import (
     operator_of,
 )
 from .dense import blocked_cholesky
-from .errors import ParameterError
+from .errors import DatasetError, ParameterError
 from .krylov import krylov_solve
 from .spectrum import EIGH_FALLBACK_PSI, default_rtol, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "MAX_RIDGE"]
+__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "check_no_worse_than_zero", "min_norm", "MAX_RIDGE",
+           "SSE_SLACK"]
 
 #: the largest ridge accepted. The scaled eigenvalues are at most psi, so past it the effective dof is below
 #: psi / 1e12 (the coefficients are zero to round-off); near 1e308, ``ridge * diag(G)`` overflows float64
@@ -40,6 +41,47 @@ MAX_RIDGE = 1e12
 def check_ridge(ridge) -> float:
     """``ridge`` validated: a number in ``[0, MAX_RIDGE]``."""
     return real("ridge", ridge, 0.0, MAX_RIDGE)
+
+
+#: how far past its round-off floor a fit's SSE may exceed the zero model's (``yy``) before it is refused
+SSE_SLACK = 100.0
+
+
+def min_norm(c, null, sse, floor):
+    """``c`` without its components in the orthonormal ``null`` basis (min-norm in the original coordinates, as
+    ``numpy.linalg.lstsq``), unless that changes the training SSE beyond round-off: with feature scales far
+    apart (one token 1e10 times the rest) a direction null in the Jacobi-scaled Gram is not null for the data in
+    the original coordinates, and removing it moved a fit's SSE from 7.6e3 to 1.4e40. ``sse(c)`` and
+    ``floor(c)`` give the SSE and its round-off (:meth:`scaleattn.Statistics.sse_floor`); ``c`` (the Jacobi-scaled
+    min-norm solution, the same predictions) is then kept."""
+    if not null.shape[1]:
+        return c
+    p = c - null @ (null.T @ c)
+    return p if sse(p) <= sse(c) + SSE_SLACK * max(floor(c), floor(p)) else c
+
+
+def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:
+    """Refuse a fit whose training SSE exceeds that of predicting zero (``yy``) beyond ``SSE_SLACK`` times its
+    round-off ``floor``: every least-squares fit, truncated, ridge or CG, has ``sse <= yy`` (``c = 0`` is
+    feasible and each of them minimises over a subspace that contains it), so a larger one is a solve that lost
+    its accuracy, never a result.
+
+    Raises
+    ------
+    DatasetError
+        Naming both figures and the likely cause (features whose scales span many orders of magnitude).
+    """
+    if sse > yy + SSE_SLACK * floor:
+        raise DatasetError(f"the least-squares solve lost its accuracy on these data: its training SSE {sse:.3e}"
+                           f" exceeds that of predicting zero (sum y^2 = {yy:.3e}) beyond round-off ({floor:.1e}):"
+                           " the features' scales span too many orders of magnitude for float64 (a few tokens far"
+                           " larger than the rest?); rescale the tokens or remove the outlying samples")
+
+
+def _checked(sol: Solution, stats, gram) -> Solution:
+    """``sol`` once :func:`check_no_worse_than_zero` passed on its statistics."""
+    check_no_worse_than_zero(sol.sse, float(stats.yy), stats.sse_floor(sol.coef, gram))
+    return sol
 
 
 def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
@@ -72,7 +114,7 @@ def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) ->
         # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
         dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
     c = f.scale[:, None] * cs
-    return Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof)
+    return _checked(Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof), stats, f.G)
 
 
 @dataclasses.dataclass
@@ -177,6 +219,9 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         Statistics without targets or without rows; a negative or non-finite ``ridge``; an unknown solver; a
         cutoff outside (0, 1); ``ridge > 0`` with the krylov path (its effective degrees of freedom need the
         whole spectrum).
+    DatasetError
+        Non-finite statistics; a solve that lost its accuracy, its training SSE above the zero model's
+        (:func:`check_no_worse_than_zero`).
 
     See Also
     --------
@@ -227,10 +272,9 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         c = spec.pinv_apply(B)
         if refine:
             c = c + spec.pinv_apply(B - G @ c)
-        if null.shape[1]:
-            c = c - null @ (null.T @ c)  # min-norm: no component in the null space of G
+        c = min_norm(c, null, lambda c: stats.sse(c, G), lambda c: stats.sse_floor(c, G))
     cert = certificate_from_spectrum(G, spec, stats.n_rows)
-    return Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge))
+    return _checked(Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge)), stats, G)
 
 
 def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None) -> Solution:
@@ -248,7 +292,7 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
                            "solve_converged": bool(ks.converged.all())})
     if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
         cert.estimates["traffic"] = op.traffic_summary()
-    return Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank))
+    return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
 
 
 def shared_gram(stats, solver: str = "auto", large_psi: int | None = None):

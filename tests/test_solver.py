@@ -291,3 +291,48 @@ def test_a_small_solve_does_not_load_the_compiled_kernels():
 
     out = subprocess.run([sys.executable, "-c", _CLIENT_SOLVE], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"], out
+
+
+def _outlier_data(magnitude):
+    """A causal MHLA teacher on d = 2 with one token ``magnitude`` times the rest (sample 10, position 0)."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 20, 2))
+    V, Q = rng.standard_normal((2, 2)), rng.standard_normal((2, 2))
+    S = np.cumsum(np.einsum("ntd,nte->ntde", X, X), axis=1) / 20
+    Y = np.einsum("od,ntde,ef,ntf->nto", V, S, Q, X)
+    X[10, 0, 0] = magnitude
+    return X, Y
+
+
+@pytest.mark.parametrize("magnitude", [1e10, 1e20, 1e30])
+@pytest.mark.parametrize("path", ["gram", "qr"])
+def test_one_outlying_token_gives_a_least_squares_fit_not_garbage(magnitude, path):
+    """Feature scales 1e60 apart: a direction null in the Jacobi-scaled Gram was not null for the data in the
+    original coordinates, and removing it for min-norm moved the SSE from 7.6e3 to 1.4e40 (worse than predicting
+    zero, reported as a normal fit). The fit's SSE is now at most the zero model's and equals the column-scaled
+    SVD reference's at the rank the solve chose, measured on the dense features (not from the statistics)."""
+    from scaleattn.qr import factor_from_arrays, solve_from_r
+
+    X, Y = _outlier_data(magnitude)
+    P, y = dense_phi(X, causal=True), Y.reshape(-1, 2)
+    sol = solve(statistics_from_arrays(X, Y)) if path == "gram" else solve_from_r(factor_from_arrays(X, Y))
+    sse = float(np.sum((P @ sol.coef - y) ** 2))
+    assert sse <= float(np.sum(y * y))
+    ref = col_scaled_lstsq(P, y, drop=P.shape[1] - sol.certificate.rank)
+    assert sse == pytest.approx(float(np.sum((P @ ref - y) ** 2)), rel=1e-6)
+
+
+def test_a_fit_worse_than_predicting_zero_is_refused(monkeypatch):
+    """The guard behind every path: had the min-norm step still projected along a direction that is not null for
+    the data (the old behaviour, forced here), the solve is refused with one line instead of returned."""
+    from scaleattn.errors import DatasetError
+
+    def always(c, null, sse, floor):
+        return c - null @ (null.T @ c)
+    monkeypatch.setattr(solver, "min_norm", always)
+    X, Y = _outlier_data(1e10)
+    with pytest.raises(DatasetError, match="lost its accuracy.*exceeds that of predicting zero"):
+        solve(statistics_from_arrays(X, Y))
+    solver.check_no_worse_than_zero(10.0, 10.0, 0.0)  # equal: a fit that explains nothing is still a fit
+    with pytest.raises(DatasetError):
+        solver.check_no_worse_than_zero(10.0 + 1.0, 10.0, 1e-3)
