@@ -136,12 +136,22 @@ def expected_keys(array) -> dict[str, tuple[int, ...]]:
 
 def list_chunks(loc, name: str) -> dict[str, str]:
     """Storage key (relative to array ``name`` of the group at ``loc``) -> signature (size and modification
-    time, or the object store's ETag) of every object stored under the array, metadata documents excluded."""
+    time, or the object store's ETag) of every object stored under the array, metadata documents excluded.
+    Local symbolic links are followed (the signature is the target's), once each: a folder reached twice raises
+    :class:`~scaleattn.errors.IntegrityError`."""
     meta = {"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"}
     out = {}
     if not loc.is_remote:
         root = os.path.join(loc.url, name)
-        for dirpath, _, files in os.walk(root):
+        seen = set()
+        # symbolic links to directories are followed, as zarr's reads follow them (a chunk folder on another disk)
+        for dirpath, dirs, files in os.walk(root, followlinks=True):
+            real = os.path.realpath(dirpath)
+            if real in seen:
+                raise IntegrityError(f"{name}: the folder {os.path.relpath(dirpath, root)!r} of {loc.url} is reached"
+                                     f" twice through symbolic links ({real}): a link loop, or two keys sharing"
+                                     " their chunks; copy the store without them")
+            seen.add(real)
             for f in files:
                 p = os.path.join(dirpath, f)
                 rel = os.path.relpath(p, root).replace(os.sep, "/")

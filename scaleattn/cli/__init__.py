@@ -5,7 +5,8 @@ Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an 
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
 out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
 ``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (:data:`EXIT_BUG`;
-``--debug`` shows the traceback); Ctrl-C exits 130. The line ends with what was kept and how to continue
+``--debug`` shows the traceback); Ctrl-C exits 130; standard output closed by its reader (``| head``) exits
+141 without a line. The line ends with what was kept and how to continue
 (a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
 terminal unless ``--debug``.
 """
@@ -24,7 +25,7 @@ from .._names import one_line
 from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
-from .commands import COMMANDS
+from .commands import COMMANDS, StdoutClosed
 from .parser import build_parser, option_of, parse, positional_of
 
 __all__ = ["main", "build_parser", "COMMANDS"]
@@ -33,6 +34,9 @@ EXIT_BAD_INPUT = 2
 #: an internal error (a bug: an exception scaleattn did not raise on purpose); the exit codes are part of the
 #: stable interface (ARCHITECTURE): ``compare``'s "different" is 1 too, told apart by the bug's "internal error" line
 EXIT_BUG = 1
+#: standard output closed by its reader (``| head``): 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE
+#: ended; no line is printed (the files are written)
+EXIT_STDOUT_CLOSED = 141
 
 
 def _command_start(argv) -> float:
@@ -300,6 +304,9 @@ def _run(args) -> int:
     except KeyboardInterrupt as e:  # (and Terminated: SIGTERM)
         return _stopped(args, e)
     except Exception as e:  # anything else is a bug in scaleattn: one line, the traceback only with --debug
+        if isinstance(e, StdoutClosed):  # `| head`: the reader left, not a bug
+            _quiet_stdout()
+            return EXIT_STDOUT_CLOSED
         if _traceback_shown(args):
             return EXIT_BUG
         command = _prog(args).removeprefix("scaleattn ")
@@ -307,6 +314,15 @@ def _run(args) -> int:
                        f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
               file=sys.stderr)
         return EXIT_BUG
+
+
+def _quiet_stdout() -> None:
+    """Standard output's reader has gone: point it at ``/dev/null`` so that the interpreter's flush at exit does
+    not fail a second time (Python's documented recipe for SIGPIPE)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (a replaced sys.stdout without a file)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _stopped(args, e: KeyboardInterrupt) -> int:

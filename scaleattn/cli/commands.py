@@ -63,11 +63,27 @@ def _reporter(args):
     return as_reporter(not (args.quiet or getattr(args, "json", False)))
 
 
+class StdoutClosed(Exception):
+    """Standard output's reader has gone (``| head``): what the command wrote to files is complete."""
+
+
+def _out(text: str) -> None:
+    """Print a result on standard output. A reader that left raises :class:`StdoutClosed` (the CLI exits 141,
+    silently); any other failure to write there (a full disk, ``> /dev/full``) one
+    :class:`~scaleattn.errors.StorageError` line, not an internal error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError as e:
+        raise StdoutClosed() from e
+    except OSError as e:
+        raise StorageError(f"cannot write the result to standard output: {e.strerror or e}") from e
+
+
 def _emit(args, payload: dict, text: str) -> None:
     """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
     from .._formats import dumps
 
-    print(dumps(payload) if args.json else text, flush=True)
+    _out(dumps(payload) if args.json else text)
 
 
 def _wrote(path, ds) -> str:
@@ -93,7 +109,7 @@ def _cmd_generate(args) -> int:
                                      seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
                                      storage_options=opts)
     args.written = args.path
-    print(_wrote(args.path, ds))
+    _out(_wrote(args.path, ds))
     return 0
 
 
@@ -126,7 +142,7 @@ def _cmd_import(args) -> int:
     else:
         ds = importers.load_digits_dataset(args.path, **kw)
     args.written = args.path
-    print(_wrote(args.path, ds))
+    _out(_wrote(args.path, ds))
     return 0
 
 
@@ -220,7 +236,7 @@ def _cmd_plot(args) -> int:
                            full_spectrum=args.full_spectrum)
     args.written = f"{len(paths)} plots in {where}"
     for p in paths:
-        print(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it
+        _out(f"wrote {where}/{posixpath.basename(p)}")  # the directory as the user gave it
     return 0
 
 
@@ -250,7 +266,7 @@ def _cmd_bench(args) -> int:
 
     for md in sorted(glob.glob(os.path.join(args.out, "*.md"))):  # the tables, also kept next to the JSON
         with open(md) as f:
-            print(f.read())
+            _out(f.read())
     print(f"results in {args.out}/", file=sys.stderr)
     return 0
 

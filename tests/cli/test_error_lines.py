@@ -367,3 +367,31 @@ def test_a_misspelled_required_option_gets_its_suggestion(causal_ds, tmp_path, c
     out = tmp_path / "out"
     r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
     assert _line(r) == line.format(out=out)
+
+
+@pytest.mark.parametrize("sink", ["closed", "full"])
+def test_a_result_that_standard_output_cannot_take_is_not_an_internal_error(causal_ds, tmp_path, sink):
+    """``scaleattn fit ... | head`` (the reader leaves before the JSON) printed "internal error ... BrokenPipeError"
+    and exited 1; ``> /dev/full`` the same with OSError. The first exits 141 (128 + SIGPIPE, as a shell reports a
+    tool SIGPIPE ended) without a line, the second with one error line and 2; the run's files are written."""
+    import os
+    import subprocess
+    import sys
+
+    if sink == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    argv = [sys.executable, "-m", "scaleattn.cli", "fit", causal_ds.url, "--out", str(tmp_path / "run"), "--local",
+            "--quiet", "--no-plots", "--json"]
+    if sink == "closed":
+        r, w = os.pipe()
+        os.close(r)  # no reader: the first write fails with EPIPE
+        p = subprocess.run(argv, stdout=w, stderr=subprocess.PIPE, text=True, timeout=300)
+        os.close(w)
+        assert p.returncode == 141 and p.stderr == "", p.stderr
+    else:
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert p.returncode == 2
+        assert _line(p) == ("scaleattn fit: error: cannot write the result to standard output: No space left on"
+                            " device")
+    assert (tmp_path / "run" / "report.json").exists()

@@ -418,3 +418,28 @@ def test_a_replaced_store_is_refused_after_its_cached_group_was_evicted(tmp_path
         open_dataset(write_dataset(tmp_path / f"o{i}.zarr", X, Y, chunk_samples=8).url).read(0, 8)
     with pytest.raises(IntegrityError, match=r"d\.zarr is not the dataset the client checked"):
         ds.read(0, 32)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_chunk_folders_behind_symbolic_links_are_read_as_zarr_reads_them(own, base, tmp_path, capsys):
+    """A chunk folder moved to another disk and linked back: zarr reads the store as before, and so does the fit
+    (bit for bit); it was refused as "no chunk stored" / "damaged or partly copied". A link loop is refused in
+    one line naming it."""
+    src = base / ("own.zarr" if own else "foreign.zarr")
+    w = tmp_path / "w"
+    w.mkdir()
+    shutil.copytree(src, w / "linked.zarr")
+    os.rename(w / "linked.zarr/tokens/c", w / "elsewhere")
+    os.symlink(w / "elsewhere", w / "linked.zarr/tokens/c")
+    inputs = Inputs(w / "linked.zarr")
+    rc, err = run_main(["fit", "linked.zarr", "--out", "a", *FIT], capsys, cwd=w)
+    assert rc == 0, err
+    rc, err = run_main(["fit", str(src), "--out", "b", *FIT], capsys, cwd=w)
+    assert rc == 0, err
+    same_stats(stats_of(w / "a"), stats_of(w / "b"))
+    os.symlink(w / "elsewhere", w / "elsewhere" / "loop")
+    rc, err = run_main(["fit", "linked.zarr", "--out", "c", *FIT], capsys, cwd=w)
+    assert rc == 2 and "reached twice through symbolic links" in error_line(err)
+    assert not (w / "c").exists()
+    os.unlink(w / "elsewhere" / "loop")  # (the hash of the input walks the links too)
+    inputs.unchanged()
