@@ -145,7 +145,7 @@ def list_chunks(loc, name: str) -> dict[str, str]:
         root = os.path.join(loc.url, name)
         seen = set()
         # symbolic links to directories are followed, as zarr's reads follow them (a chunk folder on another disk)
-        for dirpath, dirs, files in os.walk(root, followlinks=True):
+        for dirpath, _, files in os.walk(root, followlinks=True):
             real = os.path.realpath(dirpath)
             if real in seen:
                 raise IntegrityError(f"{name}: the folder {os.path.relpath(dirpath, root)!r} of {loc.url} is reached"
