@@ -118,13 +118,16 @@ def _check_tiny(mag, start: int, xp, name: str) -> None:
                            f" {name} (multiply them by 1e{-math.floor(math.log10(m))})")
 
 
-def check_lengths(lens, start: int, T: int) -> None:
-    """Every length in ``1 <= length <= T``, naming the first sample that is not (as :func:`check_values`)."""
+def check_lengths(lens, start: int, T: int, low: int = 1) -> None:
+    """Every length in ``low <= length <= T``, naming the first sample that is not (as :func:`check_values`);
+    ``low = 0`` for in-memory causal blocks (a sample of no prefixes adds no rows), 1 for datasets and
+    last-token rows (the row is the last token)."""
     xp = get_xp(lens)
-    bad = (lens < 1) | (lens > T)
+    bad = (lens < low) | (lens > T)
     if bool(xp.any(bad)):
         i = _first(bad, xp)
-        raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected 1 <= length <= T = {T}")
+        raise DatasetError(f"lengths: sample {start + i} has length {int(lens[i])}, expected {low} <= length <= T"
+                           f" = {T}")
 
 
 def _first(mask, xp) -> int:

@@ -84,7 +84,7 @@ from .lanczos import (
     product,
     spectrum_from_runs,
 )
-from .spectrum import default_rtol
+from .spectrum import default_rtol, min_norm
 
 __all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
 
@@ -488,8 +488,10 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         iters += cg["iterations"]
     coef = to_numpy(scale[:, None] * cg["x"])
     Nb = spec.null_basis(scale)
-    if Nb.shape[1]:
-        coef = coef - Nb @ (Nb.T @ coef)  # min-norm in original coordinates, as the dense path
+    if Nb.shape[1] and B is not None:  # min-norm in original coordinates where that keeps the fit, as the dense path
+        Bh, root = to_numpy(B), np.sqrt(np.clip(to_numpy(diag), 0.0, None))
+        fit_change = lambda c: float(np.sum(c * to_numpy(op.matmat(xp.asarray(c)))) - 2.0 * np.sum(c * Bh))  # SSE-yy
+        coef = min_norm(coef, Nb, fit_change, lambda c: EPS * float(np.sum((root @ np.abs(c)) ** 2)))
     if not cg["converged"].all():
         notes.append(f"CG: {int((~cg['converged']).sum())} of {coef.shape[1]} outputs did not reach the backward"
                      f" error {btol:.1e} in {maxiter} passes (worst {float(np.max(cg['backward_error'])):.2e})")

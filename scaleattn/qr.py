@@ -32,8 +32,8 @@ from .dataset import check_arrays
 from .errors import ParameterError
 from .features import n_features, phi, row_targets, token_features
 from .kernel import one_blas_thread
-from .solver import Solution, check_no_worse_than_zero, min_norm
-from .spectrum import Spectrum, default_rtol, lambda_min_full_rank
+from .solver import Solution, check_no_worse_than_zero
+from .spectrum import Spectrum, default_rtol, lambda_min_full_rank, min_norm
 
 __all__ = ["QRFactor", "QRSolution", "accumulate_r", "merge_factors", "factor_from_arrays", "certificate_from_r",
            "solve_from_r", "needs_qr", "qr_cutoff", "residual_floor", "CERTIFICATE_METHODS", "QR_MAX_PSI",

@@ -135,7 +135,9 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"loss vs heads ({what}, from the statistics): " + "  ".join(f"{h}:{v:.3g}" for h, v in points))
         few = r.get("heads_fewer_within")
         if few:  # the curve flattens early: "minimal" means exact, which noisy data make the generic bound
-            lines.append(f"fewer heads: {few['heads']} heads come within {100 * few['relative_gap']:.2g} % of the"
+            k = few["heads"]
+            lines.append(f"fewer heads: {k} {'head comes' if k == 1 else 'heads come'} within"
+                         f" {100 * few['relative_gap']:.2g} % of the"
                          f" {what} of these {r['n_heads']} (--heads {few['heads']})")
     if r.get("ridge"):
         lines.append(f"ridge {r['ridge']:.3g}  effective dof {r['effective_dof']:.4g} of {r['psi']} per output")

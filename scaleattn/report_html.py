@@ -189,7 +189,8 @@ def _heads_card(r: dict) -> str:
         few = r.get("heads_fewer_within")
         if few:  # the summary's hint: the card left it out
             note += (f'<div class="scaleattn-fewer-within" style="margin-top:0.25em">fewer heads:'
-                     f' {few["heads"]} heads come within {100 * few["relative_gap"]:.2g} % of the {_e(what)} of these'
+                     f' {few["heads"]} {"head comes" if few["heads"] == 1 else "heads come"} within'
+                     f' {100 * few["relative_gap"]:.2g} % of the {_e(what)} of these'
                      f' {r["n_heads"]} (<code>heads={few["heads"]}</code>)</div>')
     if r.get("heads_budget_exhausted"):
         note += (f'<div style="margin-top:0.25em">the head search stopped at its budget after'

@@ -28,10 +28,9 @@ from .certificate import (
 from .dense import blocked_cholesky
 from .errors import DatasetError, ParameterError
 from .krylov import krylov_solve
-from .spectrum import EIGH_FALLBACK_PSI, default_rtol, scaled_spectrum, solver_path
+from .spectrum import EIGH_FALLBACK_PSI, SSE_SLACK, default_rtol, min_norm, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "check_no_worse_than_zero", "min_norm", "MAX_RIDGE",
-           "SSE_SLACK"]
+__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "check_no_worse_than_zero", "MAX_RIDGE"]
 
 #: the largest ridge accepted. The scaled eigenvalues are at most psi, so past it the effective dof is below
 #: psi / 1e12 (the coefficients are zero to round-off); near 1e308, ``ridge * diag(G)`` overflows float64
@@ -41,23 +40,6 @@ MAX_RIDGE = 1e12
 def check_ridge(ridge) -> float:
     """``ridge`` validated: a number in ``[0, MAX_RIDGE]``."""
     return real("ridge", ridge, 0.0, MAX_RIDGE)
-
-
-#: how far past its round-off floor a fit's SSE may exceed the zero model's (``yy``) before it is refused
-SSE_SLACK = 100.0
-
-
-def min_norm(c, null, sse, floor):
-    """``c`` without its components in the orthonormal ``null`` basis (min-norm in the original coordinates, as
-    ``numpy.linalg.lstsq``), unless that changes the training SSE beyond round-off: with feature scales far
-    apart (one token 1e10 times the rest) a direction null in the Jacobi-scaled Gram is not null for the data in
-    the original coordinates, and removing it moved a fit's SSE from 7.6e3 to 1.4e40. ``sse(c)`` and
-    ``floor(c)`` give the SSE and its round-off (:meth:`scaleattn.Statistics.sse_floor`); ``c`` (the Jacobi-scaled
-    min-norm solution, the same predictions) is then kept."""
-    if not null.shape[1]:
-        return c
-    p = c - null @ (null.T @ c)
-    return p if sse(p) <= sse(c) + SSE_SLACK * max(floor(c), floor(p)) else c
 
 
 def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:

@@ -324,7 +324,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     ------
     DatasetError
         ``targets`` whose shape does not fit ``causal`` and ``stats.d_out``; ``lengths`` of the wrong shape or
-        outside ``1 <= length <= T`` (naming the first such sample).
+        outside ``1 <= length <= T`` (``0 <= length`` when causal), naming the first such sample.
     ParameterError
         ``tokens`` of another ``d`` than ``stats``; ``stats.gram_compact`` without the rows of ``cols``.
     DeviceMismatchError
@@ -385,8 +385,9 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
 
 def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool, cols) -> None:
     """What :func:`accumulate` needs of a block beyond its namespace: ``d`` and ``d_out`` of ``stats``, targets
-    whose shape fits ``causal``, lengths in ``1 <= length <= T`` (the kernels would read past a sample or count an
-    empty one as a row), ``Tc`` rows for ``cols``; one :class:`DatasetError` / :class:`ParameterError` line."""
+    whose shape fits ``causal``, lengths in ``1 <= length <= T`` (0 too when causal: no rows; the kernels would
+    read past a sample, or count an empty one as a last-token row), ``Tc`` rows for ``cols``; one
+    :class:`DatasetError` / :class:`ParameterError` line."""
     n, T, d = tokens.shape
     if d != stats.d:
         raise ParameterError(f"tokens: d = {d} but the statistics are for d = {stats.d}")
@@ -399,7 +400,7 @@ def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool, cols
     if lengths is not None:
         if tuple(lengths.shape) != (n,):
             raise DatasetError(f"lengths: expected shape ({n},) to match tokens, got {tuple(lengths.shape)}")
-        check_lengths(lengths, 0, T)
+        check_lengths(lengths, 0, T, low=0 if causal else 1)
     mm = n_pairs(n_pairs(d))
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
     if stats.gram_compact.shape[0] != c1 - c0:
@@ -438,7 +439,7 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     targets : array (n, d_out) or (n, T, d_out), float, optional
         Last-token or per-prefix targets; without them only the Gram is built (enough for the certificate).
     lengths : array (n,), int, optional
-        Valid length of each sequence, ``1 <= lengths <= T``.
+        Valid length of each sequence, ``1 <= lengths <= T`` (causal: 0 too, a sequence of no rows).
     causal : bool, optional
         Prefix mode; default ``targets.ndim == 3`` (with targets, it must agree with their shape).
     block_rows : int, optional
@@ -453,7 +454,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     ------
     DatasetError
         Shapes or dtypes that are not a dataset's (:func:`scaleattn.datacheck.check_arrays`), ``causal`` that
-        contradicts the targets' shape, a length outside ``1 <= length <= T`` (naming the sample); tokens so small
+        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the
+        sample; tokens so small
         that the features underflow float64, targets so small that their squares do
         (:func:`scaleattn.datacheck.check_underflow`).
 

@@ -35,7 +35,8 @@ HTML = {
 def _needs(name):
     missing = [m for m in NEEDS.get(name, []) if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"{name}.ipynb needs {', '.join(missing)} (pip install torch==2.13.0 / the data extra)")
+        extras = sorted({"torch" if m == "torch" else "data" for m in missing})
+        pytest.skip(f"{name}.ipynb needs {', '.join(missing)} (pip install -e '.[{','.join(extras)}]')")
 
 
 def _joined(v):

@@ -96,7 +96,19 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
     def error(self, message: str):
-        self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message}{_suggestion(message)} (see {self.prog} --help)") + "\n")
+
+
+def _suggestion(message: str) -> str:
+    """`` (did you mean 'fit'?)`` for argparse's "invalid choice: 'fitt' (choose from 'generate', 'fit', ...)"
+    (a mistyped command, task or option value), as an unknown option gets its closest match; else empty."""
+    import difflib
+
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if not m:
+        return ""
+    close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), 1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fit", help="fit MHLA by least squares on Dask, certify identifiability, recover heads")
     f.add_argument("dataset", help="dataset (Zarr group path or URL)")
-    f.add_argument("--out", required=True,
-                   help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
+    f.add_argument_group("required").add_argument(
+        "--out", required=True, help="run directory: report.json, model.zarr, stats.zarr, spectrum.zarr and PNG plots")
     f.add_argument("--heads", default="svd", help="svd (paper's Alg. 1), minimal, or a head count H (default svd)")
     f.add_argument("--heads-budget", type=positive_seconds, default=None, metavar="SECONDS",
                    help="time budget of the head search for minimal / H (default 60; the report says when it ran"

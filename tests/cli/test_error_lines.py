@@ -395,3 +395,21 @@ def test_a_result_that_standard_output_cannot_take_is_not_an_internal_error(caus
         assert _line(p) == ("scaleattn fit: error: cannot write the result to standard output: No space left on"
                             " device")
     assert (tmp_path / "run" / "report.json").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["fitt"], "scaleattn: error: argument COMMAND: invalid choice: 'fitt' (choose from 'generate', 'import', 'fit',"
+               " 'certify', 'compare', 'evaluate', 'plot', 'bench', 'submit') (did you mean 'fit'?) (see scaleattn"
+               " --help)"),
+    (["generate", "mhlaa", "{out}"], "scaleattn generate: error: argument TASK: invalid choice: 'mhlaa' (choose from"
+                                     " 'mhla', 'assoc') (did you mean 'mhla'?) (see scaleattn generate --help)"),
+    (["fit", "{ds}", "--out", "{out}", "--device", "gpx"],
+     "scaleattn fit: error: argument --device: invalid choice: 'gpx' (choose from 'auto', 'cpu', 'gpu') (did you"
+     " mean 'gpu'?) (see scaleattn fit --help)"),
+])
+def test_a_mistyped_command_or_choice_gets_its_suggestion(causal_ds, tmp_path, cli, argv, line):
+    """A mistyped option had its "did you mean"; a mistyped command, task or option value now too."""
+    out = tmp_path / "out"
+    r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
+    assert _line(r) == line
+    assert not out.exists()

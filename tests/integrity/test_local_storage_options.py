@@ -62,11 +62,21 @@ def test_options_of_a_url_among_local_paths_are_taken(tmp_path):
     check_storage_options(None, "d.zarr")
 
 
+def _baselines_loader(d, opts):
+    """The baselines' loader call where PyTorch is installed (the ``torch`` extra; ``.[test]`` alone lacks it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return []
+    from scaleattn.baselines.training import load_arrays
+
+    return [lambda: load_arrays(d, opts)]
+
+
 def test_the_readers_and_writers_of_stores_refuse_them_too(tmp_path, monkeypatch):
     """The class beyond the commands: every function of the API that takes ``storage_options`` with a store's path
     (open_dataset, the models' and statistics' load and save, read_run, the plots, the baselines' loader)."""
     from scaleattn import fit, open_dataset, plot
-    from scaleattn.baselines.training import load_arrays
     from scaleattn.model import MHLAModel
     from scaleattn.plot import run_figures, sample_predictions, save_run_plots
     from scaleattn.run import read_run
@@ -86,7 +96,7 @@ def test_the_readers_and_writers_of_stores_refuse_them_too(tmp_path, monkeypatch
                  lambda: run_figures(result, d, storage_options=opts),
                  lambda: sample_predictions(result.model, d, storage_options=opts),
                  lambda: save_run_plots(run, str(tmp_path / "p"), storage_options=opts),
-                 lambda: load_arrays(d, opts)):
+                 *_baselines_loader(d, opts)):
         with pytest.raises(ParameterError, match=REFUSED):
             call()
     assert sorted(os.listdir(tmp_path)) == listing
