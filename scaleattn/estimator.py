@@ -12,9 +12,10 @@ from ._params import choice, heads_spec
 from .certificate import check_cutoff
 from .datacheck import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError, NotFittedError
+from .features import row_targets
 from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
-from .solver import check_ridge, shared_gram, solve
+from .solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import statistics_from_arrays
 
@@ -162,7 +163,24 @@ class MHLARegressor:
         self.certificate_ = self.solution_.certificate
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads
+        self._check_training_error(tokens, targets, lengths)
         return self
+
+    def _check_training_error(self, tokens, targets, lengths) -> None:
+        """The fitted model's training error measured on the arrays (not from the statistics, whose formula loses
+        its digits on ill-conditioned data) is at most the zero model's, or
+        :func:`scaleattn.solver.check_no_worse_than_zero` refuses the fit (the model is then not kept)."""
+        causal = targets.ndim == 3
+        xp = get_xp(targets)
+        y = row_targets(targets, lengths, causal)
+        r = y - row_targets(self.model_.predict(tokens, lengths), lengths, causal)
+        yy = float(xp.sum(y * y))
+        try:
+            check_no_worse_than_zero(float(xp.sum(r * r)), yy, 1e-9 * yy)
+        except DatasetError:
+            for name in ("model_", "solution_", "heads_result_", "certificate_", "coef_", "n_heads_"):
+                self.__dict__.pop(name, None)
+            raise
 
     #: what scikit-learn < 1.6 reads (``is_regressor``; ``cross_val_score`` picks its splitter and scorer by it)
     _estimator_type = "regressor"

@@ -296,7 +296,7 @@ def _dense_smallest(op, M: BlockJacobi, chunk: int = 256) -> dict:
 
 def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol: float = EIG_RTOL,
                  maxiter: int = MAXITER, block: int = BLOCK, seed: int = 0, unscaled: bool = True,
-                 dense_null_max: int = DENSE_NULL_MAX, eig_budget: str = "solve"):
+                 dense_null_max: int = DENSE_NULL_MAX, eig_budget: str = "solve", yy: float | None = None):
     """Certificate quantities and, with ``B``, min-norm coefficients ``G^+ B`` from products ``G X`` only.
 
     Parameters
@@ -305,7 +305,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns``
         (:mod:`scaleattn.gram_operator`).
     B : array (psi, d_out), optional
-        ``sum_i phi_i y_i^T``; None for the certificate alone.
+        ``sum_i phi_i y_i^T``; None for the certificate alone. ``yy`` (``sum ||y_i||^2``) lets the min-norm step
+        move predictions by ``MIN_NORM_RTOL`` of the residual, else round-off (:func:`scaleattn.spectrum.min_norm`).
     rtol : float
         Relative eigenvalue cutoff of the Jacobi-scaled Gram (:func:`scaleattn.solver.default_rtol`).
     btol : float, optional
@@ -489,9 +490,9 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     coef = to_numpy(scale[:, None] * cg["x"])
     Nb = spec.null_basis(scale)
     if Nb.shape[1] and B is not None:  # min-norm in original coordinates where that keeps the fit, as the dense path
-        Bh, root = to_numpy(B), np.sqrt(np.clip(to_numpy(diag), 0.0, None))
-        fit_change = lambda c: float(np.sum(c * to_numpy(op.matmat(xp.asarray(c)))) - 2.0 * np.sum(c * Bh))  # SSE-yy
-        coef = min_norm(coef, Nb, fit_change, lambda c: EPS * float(np.sum((root @ np.abs(c)) ** 2)))
+        quad = lambda n: float(np.sum(n * to_numpy(op.matmat(xp.asarray(n)))))  # noqa: E731 (n^T G n)
+        sse = 0.0 if yy is None else yy + quad(coef) - 2.0 * float(np.sum(coef * to_numpy(B)))  # (no yy: strict)
+        coef = min_norm(coef, Nb, quad, np.sqrt(np.clip(to_numpy(diag), 0.0, None)), sse, yy or 0.0)
     if not cg["converged"].all():
         notes.append(f"CG: {int((~cg['converged']).sum())} of {coef.shape[1]} outputs did not reach the backward"
                      f" error {btol:.1e} in {maxiter} passes (worst {float(np.max(cg['backward_error'])):.2e})")

@@ -50,7 +50,7 @@ from .preflight import (
 from .progress import as_reporter
 from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
-from .solver import Solution, check_ridge, shared_gram, solve
+from .solver import Solution, check_no_worse_than_zero, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
 from .statistics import Statistics
 
@@ -351,6 +351,8 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
         t = time.perf_counter()
         report["train_mse"] = evaluate(model, ds, client, progress=reporter)["mse"]
         check_unchanged(ds, *build["bindings"], during="the evaluation pass read it")
+        # measured on the data, not from the statistics: a model (least squares or its heads) worse than zero
+        check_no_worse_than_zero(report["train_mse"], report["target_mean_square"], 1e-9 * report["target_mean_square"])
         times["evaluate"] = time.perf_counter() - t
     else:
         report["train_mse"] = report["train_mse_stats"]

@@ -339,10 +339,11 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     def sse_of(c):
         r = z - R11 @ c
         return float(np.sum(r * r) + np.sum(factor.R[psi:, psi:] ** 2))
+    yy = float(np.sum(factor.R[:, psi:] ** 2))
     if ridge == 0:
-        c = min_norm(c, null, sse_of, lambda c: residual_floor(factor, c))
+        c = min_norm(c, null, lambda n: float(np.sum((R11 @ n) ** 2)), np.linalg.norm(R11, axis=0), sse_of(c), yy)
     sse = sse_of(c)
-    check_no_worse_than_zero(sse, float(np.sum(factor.R[:, psi:] ** 2)), residual_floor(factor, c))
+    check_no_worse_than_zero(sse, yy, residual_floor(factor, c))
     return QRSolution(c, cert, null, sse, float(ridge), dof, factor=factor)
 
 

@@ -54,8 +54,8 @@ def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:
         Naming both figures and the likely cause (features whose scales span many orders of magnitude).
     """
     if sse > yy + SSE_SLACK * floor:
-        raise DatasetError(f"the least-squares solve lost its accuracy on these data: its training SSE {sse:.3e}"
-                           f" exceeds that of predicting zero (sum y^2 = {yy:.3e}) beyond round-off ({floor:.1e}):"
+        raise DatasetError(f"the fit lost its accuracy on these data: its training error {sse:.3e}"
+                           f" exceeds that of predicting zero ({yy:.3e}) beyond round-off ({floor:.1e}):"
                            " the features' scales span too many orders of magnitude for float64 (a few tokens far"
                            " larger than the rest?); rescale the tokens or remove the outlying samples")
 
@@ -254,7 +254,8 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         c = spec.pinv_apply(B)
         if refine:
             c = c + spec.pinv_apply(B - G @ c)
-        c = min_norm(c, null, lambda c: stats.sse(c, G), lambda c: stats.sse_floor(c, G))
+        c = min_norm(c, null, lambda n: float(np.sum(n * (G @ n))), np.sqrt(np.clip(np.diag(G), 0.0, None)),
+                     stats.sse(c, G), stats.yy)
     cert = certificate_from_spectrum(G, spec, stats.n_rows)
     return _checked(Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge)), stats, G)
 
@@ -266,7 +267,7 @@ def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None)
         raise ParameterError("`ridge` > 0 is not available with `solver='krylov'` (its effective degrees of freedom"
                              " need the whole spectrum): use `solver='cholesky'` or `solver='eigh'`")
     op = operator_of(stats)
-    ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, **(options or {}))
+    ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, yy=float(stats.yy), **(options or {}))
     cert = certificate_from_krylov(ks.spectrum, stats.n_rows)
     Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
     sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))

@@ -23,7 +23,8 @@ from .errors import ParameterError
 __all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
            "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "EIGH_FALLBACK_PSI", "SYEVD_MAX",
            "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER", "EIG_TOP_RTOL",
-           "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK"]
+           "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK",
+           "MIN_NORM_RTOL"]
 
 #: numpy's eigh (LAPACK syevd) sizes its workspace with 32-bit integers: 1 + 6n + 2n^2 overflows near 32,767
 SYEVD_MAX = 30_000
@@ -77,24 +78,37 @@ EIG_TOP_BLOCK = 16
 SOLVERS = ("auto", "eigh", "cholesky", "krylov")
 
 
-#: how far past its round-off floor a change of a fit's SSE counts (:func:`min_norm`) or an SSE above the zero
-#: model's is refused (:func:`scaleattn.solver.check_no_worse_than_zero`)
+EPS = float(np.finfo(np.float64).eps)
+
+#: how far past its round-off floor an SSE above the zero model's is refused
+#: (:func:`scaleattn.solver.check_no_worse_than_zero`)
 SSE_SLACK = 100.0
+#: the min-norm step (:func:`min_norm`) may move the predictions by this fraction of the residual's norm at most
+MIN_NORM_RTOL = 1e-5
 
 
-def min_norm(c, null, sse, floor):
-    """``c`` without its components in the orthonormal ``null`` basis (min-norm in the original coordinates, as
-    ``numpy.linalg.lstsq``), unless that changes the training SSE beyond round-off: with feature scales far
-    apart (one token 1e10 times the rest) a direction null in the Jacobi-scaled Gram is not null for the data in
-    the original coordinates, and removing it moved a fit's SSE from 7.6e3 to 1.4e40; with a loose cutoff
-    (``cutoff_rtol = 1e-3``) the dropped directions are determined by the data, and removing them in the
-    original coordinates gave an SSE of 2.7e3 against the zero model's 1.9e3. ``sse(c)`` and
-    ``floor(c)`` give the SSE and its round-off (:meth:`scaleattn.Statistics.sse_floor`); ``c`` (the Jacobi-scaled
-    min-norm solution, the same predictions) is then kept."""
+def min_norm(c, null, quad, root, sse: float, yy: float):
+    """``c`` without its components ``n`` in the orthonormal ``null`` basis (min-norm in the original coordinates,
+    as ``numpy.linalg.lstsq``) when that leaves the predictions as they are: ``||Phi n||^2 = quad(n)`` at most
+    ``MIN_NORM_RTOL^2`` times the SSE (clipped to ``[0, yy]``: a statistics SSE can be far off on such data), or
+    within the SSE's round-off when that is below ``MIN_NORM_RTOL^2 yy`` (an exact fit), with its own round-off
+    ``eps (sum_j |n_j| root_j)^2`` added (``root = sqrt(diag G)``); else ``c``, the
+    Jacobi-scaled min-norm solution, is kept. A direction null in the Jacobi-scaled Gram need not be null for the
+    data in the original coordinates: with one token 1e10 times the rest removing it moved a fit's SSE from 7.6e3
+    to 1.4e40, with a loose cutoff (``cutoff_rtol = 1e-3``, directions the data determine dropped) from below the
+    zero model's 1.9e3 to 2.7e3, and with an outlier 1e3 times the rest from 224 to 284 (zero model: 267).
+
+    ``c`` (psi, d_out); ``quad(n)``: ``sum over outputs of n^T G n``; ``root`` (psi,)."""
     if not null.shape[1]:
         return c
-    p = c - null @ (null.T @ c)
-    return p if sse(p) <= sse(c) + SSE_SLACK * max(floor(c), floor(p)) else c
+    n = null @ (null.T @ c)
+    root, yy = np.asarray(root), max(float(yy), 0.0)
+    unsure = EPS * float(np.sum((root @ np.abs(n)) ** 2))  # the round-off of quad(n)
+    # the SSE formula's own round-off (Statistics.sse_floor): an exact fit may move within it, by at most a
+    # MIN_NORM_RTOL^2 fraction of yy (on ill-conditioned data it exceeds yy itself)
+    floor = EPS * float(np.sum((np.sqrt(yy / max(c.shape[1], 1)) + root @ np.abs(c)) ** 2))
+    allowed = max(MIN_NORM_RTOL**2 * min(max(float(sse), 0.0), yy), min(SSE_SLACK * floor, MIN_NORM_RTOL**2 * yy))
+    return c - n if quad(n) + unsure <= allowed else c
 
 
 def syevd_workspace(n: int) -> int:
