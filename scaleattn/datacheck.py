@@ -43,8 +43,9 @@ MIN_TOKEN = 1e-38
 MIN_TARGET = 1e-100
 #: per array checked for magnitude: (smallest and largest accepted largest |value| of a sample, what underflows,
 #: what overflows)
-_RANGE = {"tokens": (MIN_TOKEN, MAX_TOKEN, "its degree-6 features underflow", "its cubic features overflow"),
-          "targets": (MIN_TARGET, MAX_TARGET, "its square underflows",
+_RANGE = {"tokens": (MIN_TOKEN, MAX_TOKEN, "its degree-6 features near the underflow of",
+                     "its cubic features overflow"),
+          "targets": (MIN_TARGET, MAX_TARGET, "its square nears the underflow of",
                       "its square and its products with the cubic features (the moments) overflow")}
 
 

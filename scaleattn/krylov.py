@@ -47,8 +47,8 @@ eigenvalues at round-off level would absorb noise. The eigenvectors of ``Gs`` be
 (found by the preconditioned LOBPCG of :mod:`scaleattn.lanczos`, which grows its block until one Ritz value
 above the cutoff settles) are deflated: CG runs on their orthogonal complement (``P Gs P``, ``P = I - W W^T``),
 which is the truncated pseudo-inverse; then ``c = S x`` minus its projection on ``null(G) = span(S W, e_j for
-all-zero features)``, exactly as :func:`scaleattn.solver.solve`. Guaranteed: ``c`` has no component in the
-null space found, and its residual on the complement meets ``btol``; the null space is complete when
+all-zero features)`` where that keeps the predictions (:func:`scaleattn.spectrum.min_norm`, as the dense path).
+Guaranteed: the residual on the complement meets ``btol``; the null space is complete when
 ``rank_converged`` is True (the first Ritz value above the cutoff settled with its residual below the gap).
 Once a null direction shows up (a Ritz value below the cutoff: Ritz values are upper bounds, so there is
 an eigenvalue below it), a Gram of at most :data:`DENSE_NULL_MAX` features has its smallest eigenpairs
@@ -72,7 +72,7 @@ import dataclasses
 import numpy as np
 
 from ._backend import get_xp, to_numpy
-from .errors import ParameterError
+from .errors import DatasetError, ParameterError
 from .gram_operator import BlockJacobi, blas_single_thread
 from .lanczos import (
     EPS,
@@ -93,17 +93,16 @@ MAXITER = 2000
 #: Lanczos steps at most (its basis is kept for full reorthogonalisation: LANCZOS_MAX psi-vectors; the largest
 #: eigenvalues converge in 20-60 steps on the MHLA Grams measured)
 LANCZOS_MAX = 300
-#: default relative residual that makes an eigenvalue estimate "converged": its interval is then this narrow
-#: (the Ritz value itself is far more accurate, its error being of the order of the residual squared over the
-#: gap: 1e-7 relative at d = 16 when the residual is 1e-2 relative, measured)
+#: default relative residual that makes an eigenvalue estimate "converged": its interval is then this narrow (the
+#: Ritz value's error is ~ residual^2 / gap: 1e-7 relative at d = 16 for a residual of 1e-2, measured)
 EIG_RTOL = 1e-2
-#: with ``eig_budget="solve"`` the eigenvalue runs take at least this many passes (a small Gram's solve ends in
-#: a few dozen; passes are cheap there, and the intervals close)
+#: with ``eig_budget="solve"`` the eigenvalue runs take at least this many passes (cheap for a small Gram)
 MIN_EIG_PASSES = 100
+#: the largest diagonal entry of G the solver takes (norms of its products square it: 1e308 overflows)
+MAX_DIAG = 1e150
 #: null vectors are accepted when their residual is below this fraction of the first eigenvalue kept
 NULL_RTOL = 1e-10
-#: first LOBPCG block (grown 4x while it holds only numerically null Ritz values); 2 needs the fewest
-#: column products at d = 16 (block 1: 2x the iterations, block 4: 1.7x the products)
+#: first LOBPCG block (grown 4x while it holds only null Ritz values); 2 needs the fewest products at d = 16
 BLOCK = 2
 #: up to this psi a null space of more than a quarter of the features is found from the assembled scaled Gram
 DENSE_NULL_MAX = 4096
@@ -342,8 +341,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
 
     Raises
     ------
-    ParameterError
-        ``B`` without ``psi`` rows.
+    ParameterError, DatasetError
+        ``B`` without ``psi`` rows; a diagonal of ``G`` above :data:`MAX_DIAG` (its products would overflow).
 
     References
     ----------
@@ -366,11 +365,12 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         raise ParameterError(f"B has {B.shape[0]} rows, expected psi = {psi}")
     if eig_budget not in ("solve", "full"):
         raise ParameterError(f"eig_budget must be 'solve' or 'full', got {eig_budget!r}")
-    # the solve's target is the Gram's own round-off whatever the rank cutoff (a looser user cutoff must not
-    # loosen the coefficients)
+    # the solve's target is the Gram's own round-off whatever the rank cutoff (a looser one must not loosen c)
     btol = min(rtol, default_rtol(psi)) / 16 if btol is None else float(btol)
-    passes0 = getattr(op, "passes", 0)
-    diag = op.diagonal()
+    passes0, diag = getattr(op, "passes", 0), op.diagonal()
+    if float(xp.max(diag)) > MAX_DIAG:  # the unscaled runs' norms square G's entries: refused, not NaN
+        raise DatasetError(f"the Gram's diagonal reaches {float(xp.max(diag)):.1e}: the krylov solver's products"
+                           " would overflow float64; rescale the tokens, or use solver='cholesky' or 'eigh'")
     M = BlockJacobi(op.token_columns(), diag, op.d)
     scale, live = M.scale, M.live
     nlive = int(live.sum())

@@ -121,8 +121,7 @@ class FitResult:
 
 
 #: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
-#: its solve, where the finished build is kept and how to solve again from it; a smaller solve is over before the
-#: line could help
+#: its solve, where the finished build is kept and how to solve again from it (a smaller solve is over sooner)
 SAY_KEPT_PSI = 2_000
 
 
@@ -347,16 +346,15 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     times["solve_and_heads"] = times["solve"] + times["heads"]
     del G
     model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
+    ms = report["target_mean_square"]
     if exact_mse:
         t = time.perf_counter()
         report["train_mse"] = evaluate(model, ds, client, progress=reporter)["mse"]
         check_unchanged(ds, *build["bindings"], during="the evaluation pass read it")
-        # measured on the data, not from the statistics: a model (least squares or its heads) worse than zero
-        check_no_worse_than_zero(report["train_mse"], report["target_mean_square"], 1e-9 * report["target_mean_square"])
+        check_no_worse_than_zero(report["train_mse"], ms, 1e-9 * ms)  # on the data: a model worse than zero
         times["evaluate"] = time.perf_counter() - t
     else:
         report["train_mse"] = report["train_mse_stats"]
-    ms = report["target_mean_square"]
     report["relative_train_mse"] = report["train_mse"] / ms if ms > 0 else float("nan")
     report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
     report["checkpoint"] = None if kept_ckpt is None else kept_ckpt.url

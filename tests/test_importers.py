@@ -93,7 +93,7 @@ def test_npz_import_errors_name_the_file(tmp_path, capsys):
     tok[3, 1, 0] = np.nan
     np.savez(tmp_path / "nan.npz", tokens=tok, targets=np.ones((20, 2)))
     for name, what in (("tiny.npz", r"tokens: sample 0 has values of magnitude at most 1\.\de-60: its degree-6"
-                                    r" features underflow float64 .*multiply them by 1e60\)$"),
+                                    r" features near the underflow of float64 .*multiply them by 1e60\)$"),
                        ("nan.npz", r"tokens: sample 3 contains NaN or Inf")):
         capsys.readouterr()
         assert main(["import", str(tmp_path / "out.zarr"), "--npz", str(tmp_path / name)]) == 2

@@ -432,3 +432,18 @@ def test_ridge_never_takes_krylov_and_is_refused_with_it_before_the_build(monkey
     monkeypatch.setattr(pipeline, "compute_statistics", no_build)
     with pytest.raises(ParameterError, match="`ridge` > 0 needs a dense solver"):
         scaleattn.fit(causal_ds, solver="krylov", ridge=0.1)
+
+
+def test_a_gram_whose_products_would_overflow_is_refused_in_one_line():
+    """A token 1e30 times the rest: G's diagonal reaches 2.5e178 and the krylov solver's unscaled runs squared it
+    into inf (numpy's multi-line "array must not contain infs or NaNs"); the dense paths, Jacobi-scaled, fit it."""
+    import scaleattn
+    from scaleattn.errors import DatasetError
+
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((40, 5, 2))
+    t[3, 1] *= 1e30
+    st = statistics_from_arrays(t, rng.standard_normal((40, 5, 1)), causal=True)
+    with pytest.raises(DatasetError, match="krylov solver's products would overflow float64"):
+        scaleattn.solve(st, solver="krylov")
+    assert scaleattn.solve(st, solver="eigh").certificate.verdict == "not identifiable"

@@ -128,7 +128,7 @@ def test_tokens_whose_gram_underflows_are_refused_not_certified():
     rng = np.random.default_rng(0)
     z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))
     with pytest.raises(DatasetError, match=r"tokens: sample 0 has values of magnitude at most \d\.\de-60: its degree-6"
-                                           r" features underflow float64 .*multiply them by 1e60"):
+                                           r" features near the underflow of float64 .*multiply them by 1e60"):
         statistics_from_arrays(z * 1e-60, y)
     assert certify(statistics_from_arrays(z * 1e-30, y)).verdict == "identifiable"
     z[:5] = 0.0
@@ -144,7 +144,7 @@ def test_targets_whose_squares_underflow_are_refused_not_fitted():
     rng = np.random.default_rng(0)
     z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))
     with pytest.raises(DatasetError, match=r"targets: sample 0 has values of magnitude at most \d\.\de-20\d: its square"
-                                           r" underflows float64 .*multiply them by 1e20\d"):
+                                           r" nears the underflow of float64 .*multiply them by 1e20\d"):
         statistics_from_arrays(z, y * 1e-200)
     y[:5] = 0.0
     st = statistics_from_arrays(z, y * 1e-90)

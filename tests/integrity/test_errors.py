@@ -95,10 +95,12 @@ CASES = [
      r"targets: sample 30 has a value of magnitude 1\.0e\+200: its square and its products with the cubic features"
      r" \(the moments\) overflow float64 \(\|targets\| <= 1e\+100 is accepted\)"),  # (targets have no features)
     ("underflow-targets", ["fit", "tiny-targets.zarr", "--out", "run", *FIT],
-     r"targets: sample 11 has values of magnitude at most \d\.\de-20\d: its square underflows float64 \(a sample that"
-     r" is not all zero needs a \|target\| >= 1e-100\); rescale the targets \(multiply them by 1e20\d\)"),
+     r"targets: sample 11 has values of magnitude at most \d\.\de-20\d: its square nears the underflow of float64"
+     r" \(a sample that is not all zero needs a \|target\| >= 1e-100\); rescale the targets"
+     r" \(multiply them by 1e20\d\)"),
     ("underflow-targets-import", ["import", "o.zarr", "--npz", "tiny-targets.npz"],
-     r"tiny-targets\.npz: targets: sample \d+ has values of magnitude at most .*: its square underflows float64"),
+     r"tiny-targets\.npz: targets: sample \d+ has values of magnitude at most .*: its square nears the underflow"
+     r" of float64"),
     ("overflow-certify", ["certify", "big-tokens.zarr", "--local", "--quiet"], r"tokens: sample 3 .*overflow"),
     # import and generate name every bad argument
     ("csv-empty", ["import", "o.zarr", "--csv", "empty.csv"], r"empty\.csv: empty file"),
