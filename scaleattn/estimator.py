@@ -17,7 +17,7 @@ from .model import model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
-from .statistics import statistics_from_arrays
+from .statistics import block_samples, statistics_from_arrays
 
 __all__ = ["MHLARegressor"]
 
@@ -163,20 +163,29 @@ class MHLARegressor:
         self.certificate_ = self.solution_.certificate
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads
-        self._check_training_error(tokens, targets, lengths)
+        self._check_training_error(stats.to_numpy(), G, tokens, targets, lengths)
         return self
 
-    def _check_training_error(self, tokens, targets, lengths) -> None:
-        """The fitted model's training error measured on the arrays (not from the statistics, whose formula loses
-        its digits on ill-conditioned data) is at most the zero model's, or
-        :func:`scaleattn.solver.check_no_worse_than_zero` refuses the fit (the model is then not kept)."""
-        causal = targets.ndim == 3
-        xp = get_xp(targets)
-        y = row_targets(targets, lengths, causal)
-        r = y - row_targets(self.model_.predict(tokens, lengths), lengths, causal)
-        yy = float(xp.sum(y * y))
+    def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
+        """The fitted model's training error is at most the zero model's, or
+        :func:`scaleattn.solver.check_no_worse_than_zero` refuses the fit (no model is kept): from the statistics
+        where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in blocks of
+        samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
+        coef, yy = self.model_.coef, float(stats.yy)
+        floor = stats.sse_floor(coef, gram)
+        if floor <= 1e-6 * yy:
+            sse = stats.sse(coef, gram)
+        else:
+            causal, (n, T, d) = targets.ndim == 3, tokens.shape
+            xp, step, sse, yy, floor = get_xp(targets), block_samples(d, T, causal), 0.0, 0.0, 0.0
+            for a in range(0, n, step):
+                lens = None if lengths is None else lengths[a : a + step]
+                y = row_targets(targets[a : a + step, ...], lens, causal)
+                r = y - row_targets(self.model_.predict(tokens[a : a + step, ...], lens), lens, causal)
+                sse, yy = sse + float(xp.sum(r * r)), yy + float(xp.sum(y * y))
+            floor = 1e-9 * yy
         try:
-            check_no_worse_than_zero(float(xp.sum(r * r)), yy, 1e-9 * yy)
+            check_no_worse_than_zero(sse, yy, floor)
         except DatasetError:
             for name in ("model_", "solution_", "heads_result_", "certificate_", "coef_", "n_heads_"):
                 self.__dict__.pop(name, None)

@@ -304,8 +304,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns``
         (:mod:`scaleattn.gram_operator`).
     B : array (psi, d_out), optional
-        ``sum_i phi_i y_i^T``; None for the certificate alone. ``yy`` (``sum ||y_i||^2``) lets the min-norm step
-        move predictions by ``MIN_NORM_RTOL`` of the residual, else round-off (:func:`scaleattn.spectrum.min_norm`).
+        ``sum_i phi_i y_i^T``; None for the certificate alone. With ``yy`` (``sum ||y_i||^2``) the min-norm step
+        moves predictions by ``MIN_NORM_RTOL`` of the residual at most, else of their norm (``spectrum.min_norm``).
     rtol : float
         Relative eigenvalue cutoff of the Jacobi-scaled Gram (:func:`scaleattn.solver.default_rtol`).
     btol : float, optional
@@ -365,8 +365,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         raise ParameterError(f"B has {B.shape[0]} rows, expected psi = {psi}")
     if eig_budget not in ("solve", "full"):
         raise ParameterError(f"eig_budget must be 'solve' or 'full', got {eig_budget!r}")
-    # the solve's target is the Gram's own round-off whatever the rank cutoff (a looser one must not loosen c)
-    btol = min(rtol, default_rtol(psi)) / 16 if btol is None else float(btol)
+    btol = min(rtol, default_rtol(psi)) / 16 if btol is None else float(btol)  # G's round-off, whatever the cutoff
     passes0, diag = getattr(op, "passes", 0), op.diagonal()
     if float(xp.max(diag)) > MAX_DIAG:  # the unscaled runs' norms square G's entries: refused, not NaN
         raise DatasetError(f"the Gram's diagonal reaches {float(xp.max(diag)):.1e}: the krylov solver's products"
@@ -491,8 +490,9 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     Nb = spec.null_basis(scale)
     if Nb.shape[1] and B is not None:  # min-norm in original coordinates where that keeps the fit, as the dense path
         quad = lambda n: float(np.sum(n * to_numpy(op.matmat(xp.asarray(n)))))  # noqa: E731 (n^T G n)
-        sse = 0.0 if yy is None else yy + quad(coef) - 2.0 * float(np.sum(coef * to_numpy(B)))  # (no yy: strict)
-        coef = min_norm(coef, Nb, quad, np.sqrt(np.clip(to_numpy(diag), 0.0, None)), sse, yy or 0.0)
+        yy = quad(coef) if yy is None else yy  # (no yy: the predictions' own norm)
+        sse = yy + quad(coef) - 2.0 * float(np.sum(coef * to_numpy(B)))
+        coef = min_norm(coef, Nb, quad, np.sqrt(np.clip(to_numpy(diag), 0.0, None)), sse, yy)
     if not cg["converged"].all():
         notes.append(f"CG: {int((~cg['converged']).sum())} of {coef.shape[1]} outputs did not reach the backward"
                      f" error {btol:.1e} in {maxiter} passes (worst {float(np.max(cg['backward_error'])):.2e})")

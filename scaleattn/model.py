@@ -13,7 +13,7 @@ from ._outputs import atomic_output
 from ._params import heads_spec
 from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import check_lengths, check_values
-from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
+from .errors import DatasetError, FormatError, InputNotFoundError, IntegrityError, ParameterError
 from .features import n_features, predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
@@ -298,7 +298,15 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     G = shared_gram(stats, solver) if gram is None else gram  # krylov: no psi x psi array past 4,096 features
     sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G) if solution is None else solution
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget, ridge=sol.ridge, progress=progress)
-    return model_from_heads(sol, h, stats.d, causal), sol, h
+    model = model_from_heads(sol, h, stats.d, causal)
+    if not heads_are_exact(h):  # V = 0 is an H-head model: a search that ends above it failed (ill-conditioned G)
+        sse = stats.sse(model.coef, G)
+        if not sse <= stats.yy + stats.sse_floor(model.coef, G):
+            raise DatasetError(f"the head search's {h.V.shape[0]}-head model fits worse than predicting zero (its"
+                               f" training SSE {sse:.3e} against {stats.yy:.3e}): the search lost its accuracy on"
+                               " this ill-conditioned Gram; use heads='svd' (the least-squares fit's exact heads),"
+                               " or rescale the tokens")
+    return model, sol, h
 
 
 def model_from_heads(solution: Solution, heads: Heads, d: int, causal: bool = False) -> MHLAModel:

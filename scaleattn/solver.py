@@ -2,7 +2,8 @@
 
 [Y25] Algorithm 1 solves ``min_c sum_i ||y_i - c^T phi_i||^2`` over the cubic features; from the statistics
 that is ``G c = B``. :func:`solve` returns the min-norm solution ``c = G^+ B`` (Jacobi-scaled pseudo-inverse
-with one step of iterative refinement, or a Cholesky solve for large psi; :mod:`scaleattn.spectrum`) together
+with one step of iterative refinement, the null directions removed in the original coordinates where that keeps
+the predictions, :func:`scaleattn.spectrum.min_norm`; or a Cholesky solve for large psi) together
 with the certificate (:mod:`scaleattn.certificate`), optionally with a scaled ridge. The ``"krylov"`` path
 (:mod:`scaleattn.krylov`) solves by preconditioned CG on the matrix-free operator of the compact Gram
 (:mod:`scaleattn.gram_operator`): ``G`` is never formed.
@@ -28,7 +29,7 @@ from .certificate import (
 from .dense import blocked_cholesky
 from .errors import DatasetError, ParameterError
 from .krylov import krylov_solve
-from .spectrum import EIGH_FALLBACK_PSI, SSE_SLACK, default_rtol, min_norm, scaled_spectrum, solver_path
+from .spectrum import EIGH_FALLBACK_PSI, default_rtol, min_norm, scaled_spectrum, solver_path
 
 __all__ = ["Solution", "solve", "shared_gram", "check_ridge", "check_no_worse_than_zero", "MAX_RIDGE"]
 
@@ -43,17 +44,17 @@ def check_ridge(ridge) -> float:
 
 
 def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:
-    """Refuse a fit whose training SSE exceeds that of predicting zero (``yy``) beyond ``SSE_SLACK`` times its
-    round-off ``floor``: every least-squares fit, truncated, ridge or CG, has ``sse <= yy`` (``c = 0`` is
-    feasible and each of them minimises over a subspace that contains it), so a larger one is a solve that lost
-    its accuracy, never a result.
+    """Refuse a fit whose training SSE exceeds that of predicting zero (``yy``) beyond its round-off ``floor``
+    (:meth:`scaleattn.Statistics.sse_floor`, a bound by absolute values) or is NaN: every least-squares fit,
+    truncated, ridge or CG, has ``sse <= yy`` (``c = 0`` is feasible and each of them minimises over a subspace
+    that contains it), so a larger one is a solve that lost its accuracy, never a result.
 
     Raises
     ------
     DatasetError
         Naming both figures and the likely cause (features whose scales span many orders of magnitude).
     """
-    if sse > yy + SSE_SLACK * floor:
+    if not sse <= yy + floor:  # (NaN too)
         raise DatasetError(f"the fit lost its accuracy on these data: its training error {sse:.3e}"
                            f" exceeds that of predicting zero ({yy:.3e}) beyond round-off ({floor:.1e}):"
                            " the features' scales span too many orders of magnitude for float64 (a few tokens far"
@@ -105,7 +106,8 @@ class Solution:
 
     ``coef`` (psi, d_out) float64 is the paper's ``p(Theta)`` (DESIGN §2); ``certificate`` as above;
     ``null_basis`` (psi, ambiguous_dim) spans the coefficient directions the data do not determine;
-    ``sse`` the sum of squared residuals from the statistics.
+    ``sse`` the sum of squared residuals from the statistics. Min-norm in the original coordinates where removing
+    the null directions keeps the predictions (:func:`scaleattn.spectrum.min_norm`), else in the Jacobi-scaled ones.
 
     Attributes
     ----------

@@ -80,8 +80,8 @@ SOLVERS = ("auto", "eigh", "cholesky", "krylov")
 
 EPS = float(np.finfo(np.float64).eps)
 
-#: how far past its round-off floor an SSE above the zero model's is refused
-#: (:func:`scaleattn.solver.check_no_worse_than_zero`)
+#: the SSE formula's round-off (:meth:`scaleattn.Statistics.sse_floor`, an order of magnitude) times this is what an
+#: exact fit's min-norm step may move it by (:func:`min_norm`)
 SSE_SLACK = 100.0
 #: the min-norm step (:func:`min_norm`) may move the predictions by this fraction of the residual's norm at most
 MIN_NORM_RTOL = 1e-5

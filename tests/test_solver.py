@@ -418,3 +418,42 @@ def test_a_head_fit_worse_than_predicting_zero_is_refused_not_kept():
             est.predict(t)
     else:  # a search that found a fit no worse than zero is a fit
         assert float(np.sum((est.predict(t) - y) ** 2)) <= float(np.sum(y * y))
+
+
+def test_the_head_search_result_is_checked_from_the_statistics_too():
+    """heads=1 on noise targets with a x1e4 token: the search's model had SSE 731 against the zero model's 597 by
+    the statistics (round-off 2.8); without a data pass (exact_mse=False) it was returned. Now
+    model_from_statistics refuses it, naming the head search; a NaN SSE is refused too."""
+    from scaleattn.errors import DatasetError
+    from scaleattn.model import model_from_statistics
+
+    data = make_mhla(d=2, heads=2, length=6, samples=300, seed=2)
+    tok = data["tokens"].copy()
+    tok[7, 2] *= 1e4
+    y = np.random.default_rng(0).standard_normal(data["targets"].shape)
+    st = statistics_from_arrays(tok, y)
+    try:
+        model, _, _ = model_from_statistics(st, heads=1)
+    except DatasetError as e:
+        assert "head search's 1-head model fits worse than predicting zero" in str(e)
+    else:
+        P = dense_phi(tok)
+        assert float(np.sum((P @ model.coef - y) ** 2)) <= st.yy
+    with pytest.raises(DatasetError):
+        solver.check_no_worse_than_zero(float("nan"), 1.0, 0.0)
+
+
+def test_the_estimator_measures_on_the_data_only_where_the_statistics_cannot_tell(monkeypatch):
+    """Well-conditioned data: the training error comes from the statistics (no prediction pass, which tripled the
+    fit's time and memory); the outlier data of the tests above: measured on the arrays."""
+    import scaleattn
+
+    calls = []
+    real = scaleattn.MHLAModel.predict
+    monkeypatch.setattr(scaleattn.MHLAModel, "predict", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    data = make_mhla(d=2, heads=1, length=10, samples=200, causal=True, seed=0)
+    scaleattn.MHLARegressor().fit(data["tokens"], data["targets"])
+    assert calls == []
+    X, Y = _outlier_data(1e10)
+    est = scaleattn.MHLARegressor().fit(X, Y)
+    assert calls and float(np.sum((est.predict(X) - Y) ** 2)) <= float(np.sum(Y * Y))

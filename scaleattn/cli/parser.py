@@ -107,7 +107,8 @@ def _suggestion(message: str) -> str:
     m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if not m:
         return ""
-    close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), 1)
+    choices = [c.strip().strip("'") for c in m.group(2).split(",")]  # quoted (3.11) or not (3.12.8+, 3.13)
+    close = difflib.get_close_matches(m.group(1), choices, 1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

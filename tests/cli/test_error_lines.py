@@ -413,3 +413,13 @@ def test_a_mistyped_command_or_choice_gets_its_suggestion(causal_ds, tmp_path, c
     r = cli(*[a.format(ds=causal_ds.url, out=out) for a in argv], rc=2)
     assert _line(r) == line
     assert not out.exists()
+
+
+def test_the_suggestion_reads_both_argparse_spellings_of_the_choices():
+    """Python 3.12.8+ and 3.13 print the choices without quotes: the did-you-mean must not depend on them."""
+    from scaleattn.cli.parser import _suggestion
+
+    for choices in ("'generate', 'fit', 'certify'", "generate, fit, certify"):
+        message = f"argument COMMAND: invalid choice: 'fitt' (choose from {choices})"
+        assert _suggestion(message) == " (did you mean 'fit'?)"
+    assert _suggestion("argument COMMAND: invalid choice: 'zzzz' (choose from generate, fit)") == ""
