@@ -13,7 +13,7 @@ from .certificate import check_cutoff
 from .datacheck import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError, NotFittedError
 from .features import row_targets
-from .model import model_from_statistics
+from .model import heads_are_exact, model_from_statistics
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
@@ -185,7 +185,7 @@ class MHLARegressor:
                 sse, yy = sse + float(xp.sum(r * r)), yy + float(xp.sum(y * y))
             floor = 1e-9 * yy
         try:
-            check_no_worse_than_zero(sse, yy, floor)
+            check_no_worse_than_zero(sse, yy, floor, None if heads_are_exact(self.heads_result_) else self.n_heads_)
         except DatasetError:
             for name in ("model_", "solution_", "heads_result_", "certificate_", "coef_", "n_heads_"):
                 self.__dict__.pop(name, None)

@@ -13,11 +13,11 @@ from ._outputs import atomic_output
 from ._params import heads_spec
 from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import check_lengths, check_values
-from .errors import DatasetError, FormatError, InputNotFoundError, IntegrityError, ParameterError
+from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
 from .features import n_features, predict_rows, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
-from .solver import Solution, shared_gram, solve
+from .solver import Solution, check_no_worse_than_zero, shared_gram, solve
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
            "check_heads", "EXACT_HEADS_RTOL", "HEADS_MATCH_RTOL"]
@@ -300,12 +300,7 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     h = recover_heads(sol.coef, stats.d, heads, stats, gram=G, budget=heads_budget, ridge=sol.ridge, progress=progress)
     model = model_from_heads(sol, h, stats.d, causal)
     if not heads_are_exact(h):  # V = 0 is an H-head model: a search that ends above it failed (ill-conditioned G)
-        sse = stats.sse(model.coef, G)
-        if not sse <= stats.yy + stats.sse_floor(model.coef, G):
-            raise DatasetError(f"the head search's {h.V.shape[0]}-head model fits worse than predicting zero (its"
-                               f" training SSE {sse:.3e} against {stats.yy:.3e}): the search lost its accuracy on"
-                               " this ill-conditioned Gram; use heads='svd' (the least-squares fit's exact heads),"
-                               " or rescale the tokens")
+        check_no_worse_than_zero(stats.sse(model.coef, G), stats.yy, stats.sse_floor(model.coef, G), model.n_heads)
     return model, sol, h
 
 

@@ -43,7 +43,7 @@ def check_ridge(ridge) -> float:
     return real("ridge", ridge, 0.0, MAX_RIDGE)
 
 
-def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:
+def check_no_worse_than_zero(sse: float, yy: float, floor: float, heads: int | None = None) -> None:
     """Refuse a fit whose training SSE exceeds that of predicting zero (``yy``) beyond its round-off ``floor``
     (:meth:`scaleattn.Statistics.sse_floor`, a bound by absolute values) or is NaN: every least-squares fit,
     truncated, ridge or CG, has ``sse <= yy`` (``c = 0`` is feasible and each of them minimises over a subspace
@@ -52,13 +52,19 @@ def check_no_worse_than_zero(sse: float, yy: float, floor: float) -> None:
     Raises
     ------
     DatasetError
-        Naming both figures and the likely cause (features whose scales span many orders of magnitude).
+        Naming both figures and the likely cause (features whose scales span many orders of magnitude; with
+        ``heads``, the head search that made an H-head model).
     """
-    if not sse <= yy + floor:  # (NaN too)
-        raise DatasetError(f"the fit lost its accuracy on these data: its training error {sse:.3e}"
-                           f" exceeds that of predicting zero ({yy:.3e}) beyond round-off ({floor:.1e}):"
-                           " the features' scales span too many orders of magnitude for float64 (a few tokens far"
-                           " larger than the rest?); rescale the tokens or remove the outlying samples")
+    if sse <= yy + floor:  # (NaN is refused)
+        return
+    if heads is not None:  # a head search's lossy model (V = 0 is one of them): the search failed, not the solve
+        raise DatasetError(f"the head search's {heads}-head model fits worse than predicting zero (its training"
+                           f" error {sse:.3e} against {yy:.3e}): the search lost its accuracy on this"
+                           " ill-conditioned Gram; use heads='svd' (the least-squares fit's exact heads)")
+    raise DatasetError(f"the fit lost its accuracy on these data: its training error {sse:.3e}"
+                       f" exceeds that of predicting zero ({yy:.3e}) beyond round-off ({floor:.1e}):"
+                       " the features' scales span too many orders of magnitude for float64 (a few tokens far"
+                       " larger than the rest?); rescale the tokens or remove the outlying samples")
 
 
 def _checked(sol: Solution, stats, gram) -> Solution:

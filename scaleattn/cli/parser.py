@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ridge on features scaled to unit mean square, for noisy or short data, at most 1e12"
                         " (default 0)")
     f.add_argument("--no-exact-mse", action="store_true",
-                   help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor)")
+                   help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor;"
+                        " the pass still runs where that round-off passes 1e-6 of the mean y^2)")
     f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")
     f.add_argument("--resume", action="store_true",
                    help="continue an interrupted fit from its checkpoint: finished row groups are not recomputed")
