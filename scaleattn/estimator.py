@@ -12,8 +12,7 @@ from ._params import choice, heads_spec
 from .certificate import check_cutoff
 from .datacheck import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError, NotFittedError
-from .features import row_targets
-from .model import heads_are_exact, model_from_statistics
+from .model import heads_are_exact, model_from_statistics, residual_sums
 from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
 from .spectrum import SOLVERS
@@ -177,12 +176,10 @@ class MHLARegressor:
             sse = stats.sse(coef, gram)
         else:
             causal, (n, T, d) = targets.ndim == 3, tokens.shape
-            xp, step, sse, yy, floor = get_xp(targets), block_samples(d, T, causal), 0.0, 0.0, 0.0
-            for a in range(0, n, step):
-                lens = None if lengths is None else lengths[a : a + step]
-                y = row_targets(targets[a : a + step, ...], lens, causal)
-                r = y - row_targets(self.model_.predict(tokens[a : a + step, ...], lens), lens, causal)
-                sse, yy = sse + float(xp.sum(r * r)), yy + float(xp.sum(y * y))
+            step = block_samples(d, T, causal)
+            sse, yy, _ = sum(residual_sums(coef, tokens[a : a + step, ...], targets[a : a + step, ...],
+                                           None if lengths is None else lengths[a : a + step], causal)
+                             for a in range(0, n, step))
             floor = 1e-9 * yy
         try:
             check_no_worse_than_zero(sse, yy, floor, None if heads_are_exact(self.heads_result_) else self.n_heads_)

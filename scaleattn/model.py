@@ -14,13 +14,13 @@ from ._params import heads_spec
 from ._storage import check_kind, check_storage_options, did_you_mean, resolve
 from .datacheck import check_lengths, check_values
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
-from .features import n_features, predict_rows, token_features, triu_index
+from .features import n_features, predict_rows, row_targets, token_features, triu_index
 from .head_search import DEFAULT_BUDGET, search_heads
 from .heads import Heads, coef_from_heads, svd_heads
 from .solver import Solution, check_no_worse_than_zero, shared_gram, solve
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
-           "check_heads", "EXACT_HEADS_RTOL", "HEADS_MATCH_RTOL"]
+           "check_heads", "residual_sums", "EXACT_HEADS_RTOL", "HEADS_MATCH_RTOL"]
 
 FORMAT, FORMAT_VERSION = _formats.MODEL
 
@@ -302,6 +302,17 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
     if not heads_are_exact(h):  # V = 0 is an H-head model: a search that ends above it failed (ill-conditioned G)
         check_no_worse_than_zero(stats.sse(model.coef, G), stats.yy, stats.sse_floor(model.coef, G), model.n_heads)
     return model, sol, h
+
+
+def residual_sums(coef, tokens, targets, lengths=None, causal: bool = False) -> np.ndarray:
+    """``[sum of squared residuals, sum y^2, count of target entries]`` of coefficients ``coef`` (psi, d_out) on
+    a block of samples, by :func:`~scaleattn.features.predict_rows` (``phi`` never formed); numpy or any array API
+    arrays (``coef`` is moved to the tokens' device). What a data pass sums (``distributed.evaluate``)."""
+    xp = get_xp(tokens, targets)
+    s, x = token_features(tokens, lengths, causal)
+    y = row_targets(targets, lengths, causal)
+    r = y - predict_rows(as_float64(on_device(coef, xp, device_of(tokens)), xp), s, x)
+    return np.array([float(xp.sum(r * r)), float(xp.sum(y * y)), float(np.prod(y.shape))])
 
 
 def model_from_heads(solution: Solution, heads: Heads, d: int, causal: bool = False) -> MHLAModel:

@@ -6,7 +6,7 @@ import numpy as np
 
 from .._outputs import reading
 from .._storage import with_retries
-from ..features import predict_rows, row_targets, token_features
+from ..model import residual_sums
 from ..progress import as_reporter
 from .partition import row_groups
 from .reduction import check_reachable, run_trees, tree_reduce
@@ -18,10 +18,7 @@ def group_errors(dataset, start: int, stop: int, coef) -> np.ndarray:
     """``[sum of squared residuals, sum y^2, count of target entries]`` of samples ``[start, stop)``."""
     tot = np.zeros(3)
     for tok, lens, y in dataset.read_chunks(start, stop):
-        s, x = token_features(tok, lens, dataset.causal)
-        yr = row_targets(y, lens, dataset.causal)
-        r = yr - predict_rows(coef, s, x)
-        tot += [float((r * r).sum()), float((yr * yr).sum()), yr.size]
+        tot += residual_sums(coef, tok, y, lens, dataset.causal)
     return tot
 
 
