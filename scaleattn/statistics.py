@@ -326,7 +326,9 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         ``targets`` whose shape does not fit ``causal`` and ``stats.d_out``; ``lengths`` of the wrong shape or
         outside ``1 <= length <= T`` (``0 <= length`` when causal), naming the first such sample.
     ParameterError
-        ``tokens`` of another ``d`` than ``stats``; ``stats.gram_compact`` without the rows of ``cols``.
+        ``tokens`` of another ``d`` than ``stats``.
+    ValueError
+        ``stats.gram_compact`` without the rows of ``cols`` (the kernel's check).
     DeviceMismatchError
         Arrays of another namespace or device than ``stats``.
 
@@ -338,7 +340,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     """
     xp = get_xp(stats.gram_compact, tokens, targets)  # one namespace and device, or DeviceMismatchError
     n, T, d = tokens.shape
-    _check_block(stats, tokens, targets, lengths, causal, cols)
+    _check_block(stats, tokens, targets, lengths, causal)
     kern = kernel_name(xp, kernel)
     if kern == "numba" and d < BLAS_MIN_D and is_numpy(xp):  # one fused compiled pass per block (bits: shapes only)
         # no feature buffers per block (tokens and targets are read in place): a block is BLOCK_BYTES of float64
@@ -383,11 +385,11 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
     return stats
 
 
-def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool, cols) -> None:
+def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool) -> None:
     """What :func:`accumulate` needs of a block beyond its namespace: ``d`` and ``d_out`` of ``stats``, targets
     whose shape fits ``causal``, lengths in ``1 <= length <= T`` (0 too when causal: no rows; the kernels would
-    read past a sample, or count an empty one as a last-token row), ``Tc`` rows for ``cols``; one
-    :class:`DatasetError` / :class:`ParameterError` line."""
+    read past a sample, or count an empty one as a last-token row); one :class:`DatasetError` /
+    :class:`ParameterError` line (the kernels check ``Tc``'s rows against ``cols`` themselves)."""
     n, T, d = tokens.shape
     if d != stats.d:
         raise ParameterError(f"tokens: d = {d} but the statistics are for d = {stats.d}")
@@ -401,11 +403,6 @@ def _check_block(stats: Statistics, tokens, targets, lengths, causal: bool, cols
         if tuple(lengths.shape) != (n,):
             raise DatasetError(f"lengths: expected shape ({n},) to match tokens, got {tuple(lengths.shape)}")
         check_lengths(lengths, 0, T, low=0 if causal else 1)
-    mm = n_pairs(n_pairs(d))
-    c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
-    if stats.gram_compact.shape[0] != c1 - c0:
-        raise ParameterError(f"statistics: the compact Gram has {stats.gram_compact.shape[0]} rows but the column"
-                             f" range [{c0}, {c1}) has {c1 - c0}")
 
 
 def _finite(a) -> bool:
