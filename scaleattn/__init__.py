@@ -14,20 +14,17 @@ Layers (ARCHITECTURE.md; tests/test_architecture.py enforces them): L0 ``_versio
 """
 from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__
-from .certificate import Certificate, certify
-from .dataset import Dataset, open_dataset
-from .dataset_writer import write_dataset
+from .data import Dataset, open_dataset, write_dataset
 from .distributed.build import compute_statistics
 from .distributed.cluster import connect
 from .distributed.evaluate import evaluate
 from .errors import DatasetError, ScaleattnError
 from .estimator import MHLARegressor
 from .features import coef_distance
-from .head_search import search_heads
-from .heads import Heads, coef_from_heads, compare_models, svd_heads
+from .heads import Heads, coef_from_heads, compare_models, search_heads, svd_heads
+from .linalg import Certificate, Solution, certify, solve
 from .model import MHLAModel
 from .pipeline import FitResult, certify_dataset, fit
-from .solver import Solution, solve
 from .statistics import Statistics, statistics_from_arrays
 
 __all__ = [

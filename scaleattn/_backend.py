@@ -89,7 +89,7 @@ def is_numpy(xp) -> bool:
 
 def numpy_or_cupy(a) -> bool:
     """True for numpy and CuPy arrays (host array-likes included): the libraries the matrix-free operator and the
-    krylov solver are written for (:mod:`scaleattn.gram_operator`: ``take(out=)``, methods outside the standard);
+    krylov solver are written for (:mod:`scaleattn.linalg._gram`: ``take(out=)``, methods outside the standard);
     other namespaces (torch, array-api-strict) reach them through the host (:func:`to_numpy`)."""
     return not _is_foreign(a) or array_api_compat.is_cupy_array(a)
 

@@ -34,7 +34,7 @@ _reads = [0]
 
 
 def before_read(url: str) -> None:
-    """Called before every dataset read (:meth:`scaleattn.dataset.Dataset.read`)."""
+    """Called before every dataset read (:meth:`scaleattn.data._dataset.Dataset.read`)."""
     k = os.environ.get("SCALEATTN_TEST_READ_FAILURES")
     if k and _reads[0] < int(k):
         _reads[0] += 1

@@ -87,7 +87,7 @@ class StorageError(ScaleattnError, OSError):
 
     The message names the URL, the underlying error and where the endpoint and credentials come from.
     ``transient`` is True when the cause was a dropped connection or a timeout, which the retry policy
-    (:func:`scaleattn._storage.with_retries`) retries; refused credentials or permissions are not."""
+    (:func:`scaleattn.store._location.with_retries`) retries; refused credentials or permissions are not."""
 
     def __init__(self, *args, transient: bool = False):
         super().__init__(*args)

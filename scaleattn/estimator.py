@@ -9,14 +9,14 @@ import numpy as np
 
 from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec
-from .certificate import check_cutoff
-from .datacheck import check_arrays, check_lengths, check_values, is_real
+from .data._checks import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError, NotFittedError
+from .linalg._certificate import check_cutoff
+from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
+from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
+from .linalg._spectrum import SOLVERS
 from .model import heads_are_exact, model_from_statistics, residual_sums
-from .qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
-from .solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
-from .spectrum import SOLVERS
-from .statistics import block_samples, statistics_from_arrays
+from .statistics._container import block_samples, statistics_from_arrays
 
 __all__ = ["MHLARegressor"]
 
@@ -26,7 +26,7 @@ _DEPRECATED = "deprecated"
 def _as_float(name: str, a):
     """``a`` as float64 in its own namespace and on its own device (numpy for host array-likes): integers are
     converted, booleans, complex, strings and objects refused; NaN, Inf and overflowing magnitudes refused naming
-    the sample (:func:`scaleattn.datacheck.check_values`)."""
+    the sample (:func:`scaleattn.data._checks.check_values`)."""
     if a is None:
         return None
     xp = get_xp(a)
@@ -63,17 +63,17 @@ class MHLARegressor:
     Parameters
     ----------
     heads : "svd", "minimal" or int
-        Head recovery (:func:`scaleattn.head_search.search_heads`).
+        Head recovery (:func:`scaleattn.heads._search.search_heads`).
     cutoff_rtol : float, optional
         Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
     ridge : float
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
     solver : "auto", "eigh", "cholesky" or "krylov"
-        Solver path (:func:`scaleattn.spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
+        Solver path (:func:`scaleattn.linalg._spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
         compact Gram, ``G`` never formed).
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
-        (:mod:`scaleattn.qr`) only when the Gram does not certify identifiability and psi is small.
+        (:mod:`scaleattn.linalg._qr`) only when the Gram does not certify identifiability and psi is small.
     rtol
         Deprecated name of ``cutoff_rtol``.
 
@@ -167,7 +167,8 @@ class MHLARegressor:
 
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
         """The fitted model's training error is at most the zero model's, or
-        :func:`scaleattn.solver.check_no_worse_than_zero` refuses the fit (no model is kept): from the statistics
+        :func:`scaleattn.linalg._solver.check_no_worse_than_zero` refuses the fit (no model is kept): from the
+        statistics
         where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in blocks of
         samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
         coef, yy = self.model_.coef, float(stats.yy)

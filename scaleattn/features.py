@@ -374,7 +374,7 @@ def expand_compact_gram(gram_compact, d: int):
     namespace and on the device of ``gram_compact`` (integer-array indexing, array API 2024.12). On numpy, row
     group by row group (``np.take`` on small indices into the rows of a preallocated ``G``): the 4-D gather makes
     psi^2-element index arrays and ran at 0.3 GB/s at d = 32. The same values (a copy); the compiled copy is
-    :func:`scaleattn.kernel.expand_gram`.
+    :func:`scaleattn.statistics._kernel.expand_gram`.
 
     Parameters
     ----------

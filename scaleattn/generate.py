@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _formats
-from ._outputs import atomic_output
 from ._params import integer, real
-from ._storage import check_storage_options, resolve
-from .datacheck import MAX_TARGET
-from .dataset import open_dataset
-from .dataset_writer import (
+from .data._checks import MAX_TARGET
+from .data._dataset import open_dataset
+from .data._writer import (
     create_dataset,
     default_chunk_samples,
     finish_dataset,
@@ -33,6 +30,9 @@ from .importers import (  # noqa: F401 (moved)
     standardize,
     windows,
 )
+from .store import _formats
+from .store._location import check_storage_options, resolve
+from .store._outputs import atomic_output
 
 __all__ = ["make_teacher", "mhla_forward", "make_mhla", "generate_mhla", "make_assoc", "generate_assoc",
            "make_icl_regression"]
@@ -108,7 +108,7 @@ def generate_mhla(
         Output dimension (default d).
     noise : float
         Standard deviation of Gaussian target noise, in ``[0, MAX_TARGET / 10]`` (larger targets are refused by a
-        fit: :data:`scaleattn.datacheck.MAX_TARGET`).
+        fit: :data:`scaleattn.data._checks.MAX_TARGET`).
     causal : bool
         Targets at every prefix (N, T, d_out).
     variable_lengths : bool

@@ -14,12 +14,9 @@ import zlib
 
 import numpy as np
 
-from ._names import check_output_name
-from ._outputs import check_companions, check_disjoint
 from ._params import integer
-from ._storage import check_kind, check_storage_options, did_you_mean, resolve
-from .datacheck import MAX_TOKEN, check_values, is_real
-from .dataset_writer import write_dataset
+from .data._checks import MAX_TOKEN, check_values, is_real
+from .data._writer import write_dataset
 from .errors import (
     DatasetError,
     InputNotFoundError,
@@ -29,6 +26,9 @@ from .errors import (
     hint_of,
     with_hint,
 )
+from .store._location import check_kind, check_storage_options, did_you_mean, resolve
+from .store._names import check_output_name
+from .store._outputs import check_companions, check_disjoint
 
 __all__ = ["windows", "standardize", "import_arrays", "import_csv", "load_digits_dataset"]
 
@@ -111,7 +111,8 @@ NPZ, CSV = "a .npz or .npy file", "a CSV file"
 
 
 def _check_source(path, expected: str, role: str = "") -> None:
-    """The source file exists and is a file (:func:`scaleattn._storage.check_kind`; ``role`` names the option)."""
+    """The source file exists and is a file (:func:`scaleattn.store._location.check_kind`; ``role`` names the
+    option)."""
     check_kind(path, role, expected, directory=False)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file{did_you_mean(path)}")
@@ -119,7 +120,7 @@ def _check_source(path, expected: str, role: str = "") -> None:
 
 def _check_output(url, path, storage_options) -> None:
     """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be; its
-    name holds them (:func:`scaleattn._names.check_output_name`, before the file is read)."""
+    name holds them (:func:`scaleattn.store._names.check_output_name`, before the file is read)."""
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
     check_output_name(pairs[0][0][1], "output")
     check_storage_options(storage_options, url)  # (before the file is read; write_dataset's check comes late)

@@ -6,18 +6,18 @@ import dataclasses
 
 import numpy as np
 
-from . import _formats, _integrity
-from . import report_html as _html
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
-from ._outputs import atomic_output
 from ._params import heads_spec
-from ._storage import check_kind, check_storage_options, did_you_mean, resolve
-from .datacheck import check_lengths, check_values
+from .data._checks import check_lengths, check_values
+from .display import _html as _html
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
 from .features import n_features, predict_rows, row_targets, token_features, triu_index
-from .head_search import DEFAULT_BUDGET, search_heads
-from .heads import Heads, coef_from_heads, svd_heads
-from .solver import Solution, check_no_worse_than_zero, shared_gram, solve
+from .heads._algebra import Heads, coef_from_heads, svd_heads
+from .heads._search import DEFAULT_BUDGET, search_heads
+from .linalg._solver import Solution, check_no_worse_than_zero, shared_gram, solve
+from .store import _formats, _integrity
+from .store._location import check_kind, check_storage_options, did_you_mean, resolve
+from .store._outputs import atomic_output
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
            "check_heads", "residual_sums", "EXACT_HEADS_RTOL", "HEADS_MATCH_RTOL"]
@@ -54,7 +54,7 @@ class MHLAModel:
     Examples
     --------
     >>> import numpy as np
-    >>> from scaleattn.heads import coef_from_heads
+    >>> from scaleattn.heads._algebra import coef_from_heads
     >>> V, Q = np.ones((1, 2, 2)), np.eye(2)[None]
     >>> model = MHLAModel(coef_from_heads(V, Q), V, Q, d=2)
     >>> z = np.random.default_rng(0).standard_normal((3, 5, 2))
@@ -82,7 +82,7 @@ class MHLAModel:
                 + (f", heads_method={self.attrs['heads_method']!r}" if "heads_method" in self.attrs else "") + ")")
 
     def _repr_html_(self) -> str:
-        """The model card in Jupyter (:func:`scaleattn.report_html.model_html`): heads, sizes, head norms."""
+        """The model card in Jupyter (:func:`scaleattn.display._html.model_html`): heads, sizes, head norms."""
         def render():
             V, Q = np.asarray(self.V), np.asarray(self.Q)
             norms = [(float(np.linalg.norm(V[h])), float(np.linalg.norm(Q[h]))) for h in range(self.n_heads)]
@@ -94,7 +94,7 @@ class MHLAModel:
         return _html.safe_html(render, lambda: repr(self))
 
     def check_dataset(self, dataset) -> None:
-        """Refuse a :class:`~scaleattn.dataset.Dataset` this model cannot predict or be measured on: without
+        """Refuse a :class:`~scaleattn.data._dataset.Dataset` this model cannot predict or be measured on: without
         targets, or of another token or target dimension (one line naming both, not a shape error deep in a
         prediction or a plot)."""
         if not dataset.has_targets:
@@ -184,7 +184,7 @@ class MHLAModel:
         FormatError
             The store is not a model, or an array's metadata cannot be read.
         IntegrityError
-            The store is not the one written (:func:`scaleattn._integrity.read_store`: manifest, attributes,
+            The store is not the one written (:func:`scaleattn.store._integrity.read_store`: manifest, attributes,
             absent chunks), or its attributes, coefficients and heads do not describe one model.
         InputNotFoundError
             Nothing at ``url``.
@@ -250,7 +250,7 @@ def check_heads(coef, V, Q, d: int, where: str) -> None:
     if not dist <= HEADS_MATCH_RTOL * ref:
         raise ParameterError(f"{where}: its heads V, Q compute other coefficients than its coef (relative distance"
                              f" {dist / max(ref, 1e-300):.2e} > {HEADS_MATCH_RTOL:.0e}): predictions and comparisons"
-                             " would disagree; give heads that compute coef (scaleattn.heads.svd_heads)")
+                             " would disagree; give heads that compute coef (scaleattn.heads._algebra.svd_heads)")
 
 
 #: heads reproducing the fitted coefficients to this relative residual define the same model
@@ -268,7 +268,7 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
     """Heads for coefficients: ``"svd"`` ([Y25] Alg. 1), ``"minimal"`` or an integer H (best H-head model).
 
     With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
-    loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.head_search.search_heads`,
+    loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.heads._search.search_heads`,
     ``budget`` seconds; with ``ridge``, the scaled ridge ``coef`` was fitted with, its losses are that fit's
     objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available.
     Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
@@ -289,7 +289,7 @@ def model_from_statistics(stats, causal: bool = False, heads="svd", cutoff_rtol=
 
     The feature Gram is expanded from the compact one once (or taken from ``gram``, which is not modified) and
     shared by the solve and the head search. ``solution``: a solution the caller already has (e.g. from a QR
-    of the features, :func:`scaleattn.qr.solve_from_r`) instead of solving here. When the heads cannot
+    of the features, :func:`scaleattn.linalg._qr.solve_from_r`) instead of solving here. When the heads cannot
     reproduce the fit (``heads=H`` below the minimal head count, :func:`heads_are_exact`) the model's
     coefficients are the heads' own ``c(Theta)``: the model is the H-head model. ``heads_budget``: seconds for
     the head search (None: no limit); ``progress(text)``: told the head count the search tries, as it goes.

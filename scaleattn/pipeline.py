@@ -4,7 +4,7 @@ Data flow one way (DESIGN §6)::
 
     Zarr dataset --row groups--> workers: features -> partial statistics --tree reduction--> statistics
         --> solver (client side): Jacobi-scaled eigh, certificate, c = G^+ B --> heads --> model + report
-    only when the Gram cannot certify (``certificate="auto"``, :func:`scaleattn.qr.needs_qr`):
+    only when the Gram cannot certify (``certificate="auto"``, :func:`scaleattn.linalg._qr.needs_qr`):
     Zarr dataset --row groups--> workers: R of [phi | y] --TSQR tree--> R --> certificate, c = R^+ z
 
 :func:`fit` and :func:`certify_dataset` are the public entries: they validate every parameter and resolve every
@@ -16,16 +16,14 @@ import dataclasses
 import time
 import warnings
 
-from . import _formats, _testing
-from . import report as _text
-from . import report_html as _html
+from . import _testing
 from ._backend import check_device
-from ._outputs import reading
 from ._params import choice, heads_spec, no_other_kwargs, renamed, seconds
-from ._storage import Location, check_storage_options
 from ._version import __version__
-from .certificate import Certificate, ambiguity_witness, certify, check_cutoff
-from .dataset import Dataset
+from .data._dataset import Dataset
+from .display import _html as _html
+from .display import _text as _text
+from .display._progress import as_reporter
 from .distributed.build import check_unchanged, compute_statistics
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
@@ -34,8 +32,12 @@ from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
-from .head_search import DEFAULT_BUDGET
-from .heads import Heads, coef_from_heads
+from .heads._algebra import Heads, coef_from_heads
+from .heads._search import DEFAULT_BUDGET
+from .linalg._certificate import Certificate, ambiguity_witness, certify, check_cutoff
+from .linalg._qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
+from .linalg._solver import Solution, check_no_worse_than_zero, check_ridge, shared_gram, solve
+from .linalg._spectrum import SOLVERS
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
 from .preflight import (
@@ -47,12 +49,11 @@ from .preflight import (
     run_locations,
     solve_hint,
 )
-from .progress import as_reporter
-from .qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .run import write_run
-from .solver import Solution, check_no_worse_than_zero, check_ridge, shared_gram, solve
-from .spectrum import SOLVERS
-from .statistics import Statistics
+from .statistics._container import Statistics
+from .store import _formats
+from .store._location import Location, check_storage_options
+from .store._outputs import reading
 
 __all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI"]
 
@@ -104,7 +105,7 @@ class FitResult:
         return self.solution.certificate
 
     def summary(self) -> str:
-        """The same summary ``scaleattn fit`` prints (:func:`scaleattn.report.fit_summary`)."""
+        """The same summary ``scaleattn fit`` prints (:func:`scaleattn.display._text.fit_summary`)."""
         return _text.fit_summary(self.report)
 
     def _repr_html_(self) -> str:
@@ -135,14 +136,14 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     Parameters
     ----------
     dataset : str, path-like, Location or Dataset
-        A dataset group (:mod:`scaleattn.dataset`); local paths are made absolute.
+        A dataset group (:mod:`scaleattn.data._dataset`); local paths are made absolute.
     out : str, path-like or Location, optional
         Run directory to write ``report.json``, ``model.zarr``, ``stats.zarr`` (atomically: nothing is left
         behind on failure; an existing ``out`` is refused unless ``overwrite``).
     client : distributed.Client, optional
         Cluster to run on (:func:`scaleattn.distributed.cluster.connect`); None computes in this process.
     heads : "svd" | "minimal" | int
-        Head recovery (:func:`scaleattn.head_search.search_heads`).
+        Head recovery (:func:`scaleattn.heads._search.search_heads`).
     cutoff_rtol : float, optional
         Relative eigenvalue cutoff in (0, 1) (default ``16 psi eps``).
     ridge : float
@@ -154,7 +155,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         Replace an existing ``out`` (and start over instead of resuming a checkpoint).
     progress : bool or Reporter
         Bars in rows (rate, row groups done, time left) and the phases statistics, solve, heads, evaluate,
-        write: on stderr, or live in the cell in a notebook (:mod:`scaleattn.progress`).
+        write: on stderr, or live in the cell in a notebook (:mod:`scaleattn.display._progress`).
     storage_options : dict or list of "KEY=VALUE", optional
         fsspec options for the dataset, ``out`` and the checkpoint.
     device : "auto" | "cpu" | "gpu"
@@ -170,12 +171,12 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
     solver : "auto" | "eigh" | "cholesky" | "krylov"
-        Solver path (:func:`scaleattn.spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
+        Solver path (:func:`scaleattn.linalg._spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI`` and to the matrix-free krylov path past ``KRYLOV_PSI`` or when the dense path does not fit
         in memory (:func:`scaleattn.distributed.memory.check_fit_memory`).
     certificate : "auto" | "gram" | "qr"
-        What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.qr`): ``"gram"`` the float64 Gram
+        What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.linalg._qr`): ``"gram"`` the float64 Gram
         only; ``"qr"`` a tall-skinny QR of the features ``[Phi | Y]`` (a second pass over the data, any psi):
         rank from the singular values of R, ``c = R^+ z``, the residual from R; ``"auto"`` the QR only when the
         Gram does not certify identifiability and psi <= ``QR_MAX_PSI`` (well-conditioned data: one pass,

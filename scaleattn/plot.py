@@ -23,16 +23,16 @@ import warnings
 
 import numpy as np
 
-from . import _formats
-from ._figures import integer_ticks, legend_outside, mark_clipped, new_figure, positive_floor
-from ._outputs import check_disjoint, check_output_location, hold, reading, relation
-from ._storage import Location, check_storage_options, is_url, options_for, resolve
 from ._version import __version__
-from .dataset import Dataset, open_dataset
+from .data._dataset import Dataset, open_dataset
+from .display._figures import integer_ticks, legend_outside, mark_clipped, new_figure, positive_floor
+from .display._text import minimal_heads
 from .errors import DatasetError, Note, ParameterError, ScaleattnError
-from .report import minimal_heads
 from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spectrum_not_kept, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
+from .store import _formats
+from .store._location import Location, check_storage_options, is_url, options_for, resolve
+from .store._outputs import check_disjoint, check_output_location, hold, reading, relation
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
            "sample_predictions", "samples_drawn", "dataset_rows", "run_figures", "figure_pngs", "save_run_plots"]
@@ -144,7 +144,8 @@ def spectrum_figure(eigenvalues, eigenvalues_scaled=None, *, rtol: float | None 
     return fig
 
 
-#: singular values of W above this fraction of the largest count towards its rank (as :func:`scaleattn.heads.svd_heads`
+#: singular values of W above this fraction of the largest count towards its rank (as
+# :func:`scaleattn.heads._algebra.svd_heads`
 #: keeps them)
 SVD_RANK_RTOL = 1e-12
 
@@ -155,7 +156,7 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
     """Singular values ``sigma_r`` of ``W`` (d_out*d, d*d), the head spectrum of [Y25] Alg. 1 (DESIGN §5), with
     the number of heads kept marked (``gid="n_heads"``). Log y; zeros are drawn at a floor.
 
-    ``minimal`` (:func:`scaleattn.report.minimal_heads` of the report: ``{"count", "exact", "source"}``) marks
+    ``minimal`` (:func:`scaleattn.display._text.minimal_heads` of the report: ``{"count", "exact", "source"}``) marks
     the fewest heads known to compute the function (``gid="minimal_heads"``) when it is below ``n_heads``,
     labelled "fewer heads suffice"; ``method`` (the report's ``heads_method``) names the heads kept.
 
@@ -200,7 +201,7 @@ def head_spectrum_figure(singular_values, n_heads: int | None = None, title: str
 def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None, title: str | None = None):
     """Training loss against the number of heads H from ``report["loss_vs_heads"]``
     (a list of ``{"heads": H, "train_mse_stats": mse}``, or ``"train_objective_stats"`` after a ridge fit:
-    :func:`scaleattn._formats.loss_curve`); None when it has fewer than two points (the ``svd`` heads give one
+    :func:`scaleattn.store._formats.loss_curve`); None when it has fewer than two points (the ``svd`` heads give one
     point: no curve).
     With ``target_mean_square`` the zero-model MSE (mean y^2) is drawn for reference. The y axis is log unless
     everything drawn spans less than :data:`LINEAR_SPAN` (then linear, plain numbers); the x ticks are integers,
@@ -237,7 +238,7 @@ def loss_vs_heads_figure(loss_vs_heads, target_mean_square: float | None = None,
 
 def sample_predictions(model, dataset, max_points: int = PREDICTION_POINTS, storage_options=None):
     """Targets and predictions ``(y, y_hat)``, each (rows, d_out) float64, for the first samples of a dataset
-    (a :class:`~scaleattn.dataset.Dataset`, or a path/URL opened with ``storage_options``; at most about
+    (a :class:`~scaleattn.data._dataset.Dataset`, or a path/URL opened with ``storage_options``; at most about
     ``max_points`` rows; causal data give one row per valid prefix)."""
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, storage_options)
     model.check_dataset(ds)  # (a dataset of another d or d_out: one line naming both)
@@ -428,7 +429,7 @@ def figure_pngs(figs: dict, dpi: int = 120) -> dict:
     for name, fig in figs.items():
         buf = io.BytesIO()
         # the Software text marks the file as scaleattn's: only such a file is ever replaced by a later plot or
-        # removed with a run (scaleattn._outputs.is_scaleattn_plot)
+        # removed with a run (scaleattn.store._outputs.is_scaleattn_plot)
         fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": f"{_formats.PLOT_SOFTWARE} {__version__}"})
         out[f"{name}.png"] = buf.getvalue()
     return out
@@ -465,8 +466,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
 
 def _check_plot_output(run, out, dataset, storage_options) -> Location | None:
     """Plots only add files, but never into an input store: refuse an ``out`` that is or lies inside the
-    dataset or one of the run's stores (:func:`scaleattn._outputs.check_disjoint`), or where they would not last
-    (:func:`scaleattn._outputs.check_output_location`). Returns the dataset's location (None without one)."""
+    dataset or one of the run's stores (:func:`scaleattn.store._outputs.check_disjoint`), or where they would not last
+    (:func:`scaleattn.store._outputs.check_output_location`). Returns the dataset's location (None without one)."""
     inputs = []
     if not hasattr(run, "certificate"):
         run_loc = resolve(run, storage_options)

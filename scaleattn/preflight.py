@@ -9,9 +9,12 @@ import contextlib
 import os
 import shlex
 
-from . import _formats
-from ._names import ADDED, name_size, takes
-from ._outputs import (
+from .data._dataset import Dataset, open_dataset
+from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, UnsafeOutputError, with_hint
+from .store import _formats
+from .store._location import Location, check_kind, check_storage_options, options_for, resolve
+from .store._names import ADDED, name_size, takes
+from .store._outputs import (
     RUN,
     check_companions,
     check_disjoint,
@@ -21,16 +24,13 @@ from ._outputs import (
     hold,
     reading,
 )
-from ._storage import Location, check_kind, check_storage_options, options_for, resolve
-from .dataset import Dataset, open_dataset
-from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, UnsafeOutputError, with_hint
 
 __all__ = ["preflight", "holding", "open_input", "run_locations", "after_failed_build", "kept_hint"]
 
 
 def open_input(dataset, storage_options, fill_absent_chunks: bool = False) -> Dataset:
-    """The dataset of a run: a :class:`~scaleattn.dataset.Dataset` as is, else opened (and checked; a file or a
-    path through a file is refused as such, :func:`scaleattn._storage.check_kind`)."""
+    """The dataset of a run: a :class:`~scaleattn.data._dataset.Dataset` as is, else opened (and checked; a file or a
+    path through a file is refused as such, :func:`scaleattn.store._location.check_kind`)."""
     if isinstance(dataset, Dataset):
         return dataset
     return open_dataset(dataset, options_for(dataset, storage_options), fill_absent_chunks=fill_absent_chunks)
@@ -102,9 +102,9 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
 
 @contextlib.contextmanager
 def holding(dataset, out=None, checkpoint=None, storage_options=None):
-    """Hold the locks of a fit's run directory and checkpoint for the block (:func:`scaleattn._outputs.hold`):
+    """Hold the locks of a fit's run directory and checkpoint for the block (:func:`scaleattn.store._outputs.hold`):
     a second run to the same output is refused naming the first. Temporaries a killed run left are removed.
-    The dataset is marked as read meanwhile (:func:`scaleattn._outputs.reading`): no other run replaces it, and
+    The dataset is marked as read meanwhile (:func:`scaleattn.store._outputs.reading`): no other run replaces it, and
     a run replacing it now refuses this one."""
     ds = open_input(dataset, storage_options)
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
@@ -169,7 +169,7 @@ def after_failed_build(e: BaseException, ckpt: Location | None, new_ckpt: bool) 
 
 
 def _check_default_checkpoint_name(ckpt: Location) -> None:
-    """``OUT.checkpoint.zarr`` holds its lock and temporaries too (:func:`scaleattn._names.check_output_name`);
+    """``OUT.checkpoint.zarr`` holds its lock and temporaries too (:func:`scaleattn.store._names.check_output_name`);
     too long, the way round is said: its name follows --out's (advised 'a name of at most N bytes', not its own)."""
     size, limit = name_size(ckpt)
     room = limit - ADDED - len(CHECKPOINT_SUFFIX)  # (none: the folder's prefix alone is too long)

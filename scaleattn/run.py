@@ -5,7 +5,7 @@ Layout::
 
     RUN/report.json     every number of the fit (strict JSON)
     RUN/model.zarr      coefficients and heads (:class:`~scaleattn.model.MHLAModel`)
-    RUN/stats.zarr      sufficient statistics (:class:`~scaleattn.statistics.Statistics`), mergeable
+    RUN/stats.zarr      sufficient statistics (:class:`~scaleattn.statistics._container.Statistics`), mergeable
     RUN/spectrum.zarr   eigenvalues of Lambda_D and of the Jacobi-scaled Gram (eigh path only: psi <= 2,000
                         or a singular Gram)
     RUN/*.png           plots (:mod:`scaleattn.plot`)
@@ -18,15 +18,15 @@ import uuid
 
 import numpy as np
 
-from . import _formats, _integrity
-from ._outputs import RUN, atomic_output, is_scaleattn_plot
-from ._storage import Location, check_kind, check_storage_options, did_you_mean, resolve, settle_writes
-from .certificate import certify
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .features import n_features
+from .linalg._certificate import certify
+from .linalg._spectrum import LARGE_PSI
 from .model import MHLAModel
-from .spectrum import LARGE_PSI
-from .statistics import Statistics
+from .statistics._container import Statistics
+from .store import _formats, _integrity
+from .store._location import Location, check_kind, check_storage_options, did_you_mean, resolve, settle_writes
+from .store._outputs import RUN, atomic_output, is_scaleattn_plot
 
 __all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "report_digest",
            "spectrum_not_kept", "REPORT", "MODEL", "STATS", "SPECTRUM", "RUN_ATTR", "SPECTRUM_RECOMPUTE_PSI"]
@@ -77,7 +77,7 @@ def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
 
 def _read_spectrum(loc: Location):
     """``(attributes, eigenvalues, eigenvalues_scaled)`` of a spectrum store, checked
-    (:func:`scaleattn._integrity.read_store`; both arrays (psi,))."""
+    (:func:`scaleattn.store._integrity.read_store`; both arrays (psi,))."""
     a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "spectrum"), _formats.SPECTRUM, "spectrum",
                                       ("eigenvalues", "eigenvalues_scaled"))
     ev, ws = arrays["eigenvalues"], arrays["eigenvalues_scaled"]
@@ -90,7 +90,7 @@ def _read_spectrum(loc: Location):
 def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> list[str]:
     """Write a fit's run directory at ``out`` (a path, URL or Location): ``report.json``, ``model.zarr``,
     ``stats.zarr``, ``spectrum.zarr`` when the certificate has the whole spectrum, and ``files`` (name ->
-    bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn._outputs.atomic_output`).
+    bytes, e.g. the PNG plots), all or nothing (:func:`~scaleattn.store._outputs.atomic_output`).
 
     ``result`` is a :class:`~scaleattn.pipeline.FitResult` (``model``, ``statistics``, ``certificate``,
     ``report``). Returns the names written, in that order. Raises :class:`~scaleattn.errors.OutputExistsError`
@@ -241,7 +241,7 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
         ``report.json`` is not JSON, or a value the plots use has the wrong type.
     IntegrityError
         A store does not belong to this report (or was written before runs bound their stores to it), or is
-        not the store written (:func:`scaleattn._integrity.read_store`).
+        not the store written (:func:`scaleattn.store._integrity.read_store`).
     ParameterError
         ``run`` is a file, or a path through a file.
     """
@@ -284,7 +284,7 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
 
 
 def _member_attrs(loc: Location, kind, what: str) -> dict:
-    """The checked attributes of a store of the run (:func:`scaleattn._integrity.store_attrs`)."""
+    """The checked attributes of a store of the run (:func:`scaleattn.store._integrity.store_attrs`)."""
     return _integrity.store_attrs(_integrity.open_store(loc, what), kind, what, loc.url)[0]
 
 

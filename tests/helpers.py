@@ -93,8 +93,8 @@ def assert_same_stats(a, b) -> None:
 
 def solve_arrays(D):
     """``(statistics, solution)`` of the arrays of a ``generate.make_*`` dict, in process."""
-    from scaleattn.solver import solve
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.linalg._solver import solve
+    from scaleattn.statistics._container import statistics_from_arrays
 
     st = statistics_from_arrays(D["tokens"], D["targets"])
     return st, solve(st)

@@ -29,8 +29,8 @@ from scaleattn.features import (
     vech,
 )
 from scaleattn.generate import make_mhla
-from scaleattn.kernel import gram_update
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
+from scaleattn.statistics._kernel import gram_update
 from scaleattn.tensor import (
     TensorWeights,
     attention,
@@ -158,7 +158,7 @@ def test_kernel_choice_by_namespace():
     kernel; any other namespace the array path."""
     import array_api_compat
 
-    from scaleattn.kernel import kernel_name
+    from scaleattn.statistics._kernel import kernel_name
 
     wrapper = array_api_compat.array_namespace(np.empty(0))
     assert wrapper is not np
@@ -231,7 +231,7 @@ def test_gram_update(dev, cols):
 def test_gram_update_device_panels(dev, monkeypatch, panel_bytes):
     """Panels of ``DEVICE_PANEL_BYTES`` (one column, 7 of 55, all) on the accelerator and the host's panels on the
     CPU device, a column tile cutting pair rows, and no rows at all: ``u^T v`` of the dense pair products."""
-    import scaleattn.kernel as kernel
+    import scaleattn.statistics._kernel as kernel
 
     if panel_bytes is not None:
         monkeypatch.setattr(kernel, "DEVICE_PANEL_BYTES", panel_bytes)
@@ -295,7 +295,7 @@ def test_dask_task_moves_chunks_to_the_device(tmp_path, monkeypatch, cols):
     a column tile), and equals the host task's."""
     import scaleattn.distributed.build as build
     from scaleattn.generate import generate_mhla
-    from scaleattn.statistics import Statistics
+    from scaleattn.statistics._container import Statistics
 
     ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=10, samples=40, causal=True,
                        variable_lengths=True, seed=1)

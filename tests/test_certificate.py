@@ -3,12 +3,12 @@ models with equal training loss but different predictions when the data do not i
 import numpy as np
 
 import scaleattn
-from scaleattn.certificate import ambiguity_witness
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_assoc
-from scaleattn.heads import compare_models, svd_heads
+from scaleattn.heads._algebra import compare_models, svd_heads
+from scaleattn.linalg._certificate import ambiguity_witness
 from scaleattn.model import MHLAModel
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
 from tests.helpers import solve_arrays
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn.dataset import open_dataset
-from scaleattn.dataset_writer import create_dataset, write_block, write_dataset, write_unit
+from scaleattn.data._dataset import open_dataset
+from scaleattn.data._writer import create_dataset, write_block, write_dataset, write_unit
 
 
 def _data(N=53, T=5, d=3, d_out=2, seed=0):
@@ -84,7 +84,7 @@ def test_stores_hold_no_object_or_pickled_data(tmp_path):
 
 
 def test_chunk_cache_bounds_order_and_forget():
-    from scaleattn.dataset import ChunkCache
+    from scaleattn.data._dataset import ChunkCache
 
     c = ChunkCache(entries=2, max_bytes=100)
     a, b, big = np.zeros(4), np.ones(4), np.zeros(20)  # 32, 32 and 160 bytes
@@ -101,7 +101,7 @@ def test_chunk_cache_bounds_order_and_forget():
 
 
 def test_a_store_without_manifest_keeps_no_chunk(tmp_path):
-    from scaleattn.dataset import CUT_CHUNKS
+    from scaleattn.data._dataset import CUT_CHUNKS
 
     tok, y, _ = _data(N=20)
     write_dataset(str(tmp_path / "n.zarr"), tok, y, chunk_samples=8)

@@ -1,4 +1,4 @@
-"""The dense path's algebra (:mod:`scaleattn.dense`): the blocked Cholesky against scipy's one-call LAPACK
+"""The dense path's algebra (:mod:`scaleattn.linalg._dense`): the blocked Cholesky against scipy's one-call LAPACK
 factor, the block Krylov extreme eigenvalues and the Cholesky path's certificate against dense ``eigvalsh``."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from scaleattn.certificate import certify
-from scaleattn.dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
 from scaleattn.generate import make_mhla
-from scaleattn.spectrum import EIG_MAXITER, EIG_RTOL, cholesky_factor, default_rtol
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.linalg._certificate import certify
+from scaleattn.linalg._dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
+from scaleattn.linalg._spectrum import EIG_MAXITER, EIG_RTOL, cholesky_factor, default_rtol
+from scaleattn.statistics._container import statistics_from_arrays
 
 
 def _spd(n, seed=0, cond=1e3):
@@ -172,14 +172,14 @@ def test_cholesky_certificate_against_dense_eigvalsh(d):
 def test_auto_falls_back_to_krylov_not_eigh_past_the_fallback_size(monkeypatch):
     """A Gram that is not positive definite on the Cholesky path: auto takes krylov past EIGH_FALLBACK_PSI (a
     full eigh would take hours at d = 32), an explicit solver="cholesky" still falls back to eigh."""
-    import scaleattn.certificate
-    import scaleattn.solver
-    from scaleattn.solver import solve
+    import scaleattn.linalg._certificate
+    import scaleattn.linalg._solver
+    from scaleattn.linalg._solver import solve
 
     D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
     st = statistics_from_arrays(D["tokens"], D["targets"])
     ref = solve(st, solver="eigh")
-    for mod in (scaleattn.solver, scaleattn.certificate):
+    for mod in (scaleattn.linalg._solver, scaleattn.linalg._certificate):
         monkeypatch.setattr(mod, "EIGH_FALLBACK_PSI", 10)
     auto = solve(st, large_psi=10)
     assert auto.certificate.estimates["solver"] == "krylov" and auto.rank == ref.rank < st.psi
@@ -210,8 +210,8 @@ def test_cholesky_lambda_min_interval_against_eigvalsh_on_crowded_bottom(bottom)
     d = 24, 32): the Cholesky path's lambda_min (scaled and unscaled) within EIG_RTOL of dense references, each
     inside its reported interval, and the verdict the eigh path's (identifiable; near the cutoff: settled at a
     margin of ~30, "not settled" at ~3)."""
-    from scaleattn.certificate import certificate_from_factor, certificate_from_spectrum
-    from scaleattn.spectrum import lambda_min_full_rank, scaled_spectrum
+    from scaleattn.linalg._certificate import certificate_from_factor, certificate_from_spectrum
+    from scaleattn.linalg._spectrum import lambda_min_full_rank, scaled_spectrum
 
     n, rows = 1200, 5000
     G = _crowded_gram(n, bottom)

@@ -28,7 +28,7 @@ Comparison of a printed line with the README's (:func:`line_matches`), after nor
 Lines written by Dask's own loggers (``2026-01-01 12:00:00,000 - distributed.... - WARNING - ...``, e.g. an
 event loop slowed by a loaded machine) are left out of the printed output before comparing, and so is a bar's
 ``NAME: waiting for the first group (...)`` line, printed only when the first group takes longer than
-:data:`scaleattn.progress.PENDING_S` (a first compile, a loaded machine).
+:data:`scaleattn.display._progress.PENDING_S` (a first compile, a loaded machine).
 
 ``python tests/test_docs.py`` prints what the README's blocks print now, for updating the README.
 """

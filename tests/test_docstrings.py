@@ -15,7 +15,7 @@ numpydoc = pytest.importorskip("numpydoc.docscrape", reason="numpydoc parses the
 NAMES = [n for n in scaleattn.__all__ if n != "__version__"]
 #: modules whose public functions and classes are documented like the top level (constants such as
 #: ``FEWER_HEADS_RTOL`` have no docstring of their own)
-MODULES = ["scaleattn.tensor", "scaleattn.features", "scaleattn.heads"]
+MODULES = ["scaleattn.tensor", "scaleattn.features", "scaleattn.heads._algebra"]
 MODULE_NAMES = [f"{m}.{n}" for m in MODULES for n in importlib.import_module(m).__all__
                 if callable(getattr(importlib.import_module(m), n))]
 

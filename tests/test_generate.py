@@ -1,7 +1,7 @@
 """Synthetic datasets: the stored targets are the stored teacher's forward pass; lengths and chunks as asked."""
 import numpy as np
 
-from scaleattn.dataset import open_dataset
+from scaleattn.data._dataset import open_dataset
 from scaleattn.generate import generate_mhla, mhla_forward
 
 

@@ -7,8 +7,8 @@ import pytest
 from scaleattn._backend import device_of, have_cupy, to_numpy
 from scaleattn.features import n_pairs, pair_products, phi, predict_rows, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.kernel import gram_update
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
+from scaleattn.statistics._kernel import gram_update
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not have_cupy(), reason="needs CuPy and a CUDA GPU")]
 NAMES = ("Q", "K1", "K2", "V1", "V2")

@@ -1,4 +1,4 @@
-"""The compiled product of the Gram operator (:mod:`scaleattn._gram_compiled`) against the dense ``G @ X``
+"""The compiled product of the Gram operator (:mod:`scaleattn.linalg._gram_compiled`) against the dense ``G @ X``
 (``expand_compact_gram``, an independent expansion) and against the numpy path: any d (1 to 16), any k (vector,
 1, 2, 7), tiles that cut segments, causal and last-token data with variable lengths, any thread count; the
 ``SCALEATTN_KERNEL`` switch."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import scaleattn.gram_operator as go
-import scaleattn.kernel as kernel
-from scaleattn import _gram_compiled
+import scaleattn.linalg._gram as go
+import scaleattn.statistics._kernel as kernel
 from scaleattn.distributed.partition import tile_bounds
 from scaleattn.features import expand_compact_gram
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.linalg import _gram_compiled
+from scaleattn.statistics._container import statistics_from_arrays
 
 
 def rel(a, b):

@@ -1,4 +1,4 @@
-"""The head search and its lower bounds (DESIGN §2, §5; scaleattn.head_search).
+"""The head search and its lower bounds (DESIGN §2, §5; scaleattn.heads._search).
 
 Independent references: the Jacobian of ``(V, Q) -> c`` by central differences of ``coef_from_heads`` (exact for
 a bilinear map) and its rank by ``numpy.linalg.matrix_rank``; a plain nonlinear least-squares fit
@@ -15,7 +15,8 @@ from threadpoolctl import threadpool_limits
 
 from scaleattn.features import n_features, phi, predict_rows, row_targets, token_features
 from scaleattn.generate import make_mhla, mhla_forward
-from scaleattn.head_bounds import (
+from scaleattn.heads._algebra import coef_from_heads, svd_heads
+from scaleattn.heads._bounds import (
     KIND_EVERY_C,
     KIND_GENERIC,
     flattening_bound,
@@ -23,12 +24,11 @@ from scaleattn.head_bounds import (
     image_dimension,
     naive_dimension,
 )
-from scaleattn.head_fit import fit_heads
-from scaleattn.head_search import loss_vs_heads, search_heads
-from scaleattn.heads import coef_from_heads, svd_heads
+from scaleattn.heads._fit import fit_heads
+from scaleattn.heads._search import loss_vs_heads, search_heads
+from scaleattn.linalg._solver import solve
 from scaleattn.model import model_from_statistics
-from scaleattn.solver import solve
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
 
 TIMINGS = {}
 
@@ -300,9 +300,9 @@ def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_pat
     training loss the 1-head model of a 1-head teacher fitted with a ridge was below the returned model (the
     curve never reached the fit it was drawn for)."""
     import scaleattn
-    from scaleattn._formats import loss_curve
     from scaleattn.plot import loss_vs_heads_figure
     from scaleattn.run import read_run
+    from scaleattn.store._formats import loss_curve
 
     d, d_out, lam = 3, 3, 1e-3
     z, y = _agnostic(d, d_out, seed=1)
@@ -337,7 +337,7 @@ def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_pat
     assert what == "train MSE + ridge penalty" and len(points) == 2
     assert points[-1][1] == pytest.approx(r["train_objective_stats"], rel=1e-8)
     assert min(v for _, v in points) >= r["train_objective_stats"] * (1 - 1e-9) > r["lstsq_train_mse_stats"]
-    assert "loss vs heads (train MSE + ridge penalty, from the statistics): " in scaleattn.report.fit_summary(r)
+    assert "loss vs heads (train MSE + ridge penalty, from the statistics): " in scaleattn.display._text.fit_summary(r)
     plain = scaleattn.fit(causal_ds, heads=2, plots=False).report
     assert "train_objective_stats" not in plain and loss_curve(plain["loss_vs_heads"])[0] == "train MSE"
 
@@ -348,8 +348,8 @@ def test_summary_labels_say_which_loss_and_which_coefficients(causal_groups_ds):
     measured train MSE line came from the statistics: each label now names what it is, checked against the
     numbers computed here."""
     import scaleattn
-    from scaleattn.heads import coef_distance
-    from scaleattn.report import fit_summary
+    from scaleattn.display._text import fit_summary
+    from scaleattn.heads._algebra import coef_distance
 
     V, Q = causal_groups_ds.teacher()  # a 2-head teacher: 1 head cannot reproduce the fit
     teacher = coef_from_heads(V, Q)
@@ -373,7 +373,7 @@ def test_summary_labels_say_which_loss_and_which_coefficients(causal_groups_ds):
 
 
 def _line(r):
-    from scaleattn.report import heads_line as _heads_line
+    from scaleattn.display._text import heads_line as _heads_line
 
     return _heads_line(r)
 
@@ -419,8 +419,8 @@ def test_the_search_says_the_head_count_it_tries_and_the_best_losses_so_far():
 def test_a_flat_loss_curve_names_the_fewest_heads_within_the_relative_gap():
     """The curve of the 4 heads flattens at the teacher's 2: ``fewer_within`` names 2 with its relative gap,
     and ``--heads 2`` does reach it (its MSE on the explicit features against numpy lstsq's)."""
-    from scaleattn.heads import FEWER_HEADS_RTOL
-    from scaleattn.report import fit_summary
+    from scaleattn.display._text import fit_summary
+    from scaleattn.heads._algebra import FEWER_HEADS_RTOL
 
     st, coef, P, Y, mse_ref = _noisy_teacher()
     h = search_heads(st, coef, "minimal")
@@ -446,7 +446,7 @@ def test_a_flat_loss_curve_names_the_fewest_heads_within_the_relative_gap():
 
 def test_the_fit_card_names_the_fewest_heads_within_the_relative_gap():
     """The notebook card of a fit left out the summary's ``fewer heads: ...`` hint."""
-    from scaleattn.report_html import fit_html
+    from scaleattn.display._html import fit_html
 
     st, coef, P, Y, mse_ref = _noisy_teacher()
     h = search_heads(st, coef, "minimal")

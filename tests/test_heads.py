@@ -8,8 +8,8 @@ import pytest
 
 from scaleattn.errors import ParameterError
 from scaleattn.generate import make_mhla, mhla_forward
-from scaleattn.head_search import loss_vs_heads, search_heads
-from scaleattn.heads import coef_from_heads, compare_models, svd_heads
+from scaleattn.heads._algebra import coef_from_heads, compare_models, svd_heads
+from scaleattn.heads._search import loss_vs_heads, search_heads
 from scaleattn.model import MHLAModel
 from tests.helpers import solve_arrays
 

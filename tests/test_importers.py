@@ -50,7 +50,7 @@ def test_csv_standardisation_is_said_and_reversible(tmp_path, cli):
     import numpy as np
     import zarr
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
 
     rng = np.random.default_rng(0)
     x = np.column_stack([10 + 3 * rng.standard_normal(40), 1e-3 * rng.standard_normal(40)])

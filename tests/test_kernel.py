@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from scaleattn.features import compact_factors, token_features
-from scaleattn.kernel import gram_update
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
+from scaleattn.statistics._kernel import gram_update
 
 
 @pytest.mark.parametrize("panel_rows,panel_cols,threads", [(1, 1, 1), (5, 7, 2), (64, 13, 3), (4096, 4096, 1)])
@@ -27,7 +27,7 @@ def test_gram_kernel_matches_dense_product(panel_rows, panel_cols, threads):
 @pytest.fixture
 def threaded(monkeypatch):
     """Let the kernel use threads even on the tests' small inputs."""
-    import scaleattn.kernel as st
+    import scaleattn.statistics._kernel as st
 
     monkeypatch.setattr(st, "MIN_THREAD_MACS", 0)
 
@@ -88,7 +88,7 @@ def test_concurrent_callers_keep_the_blas_setting(noisy_causal_arrays, threaded)
     what it was before (the kernel's thread limit is taken and restored one call at a time)."""
     import threading
 
-    from scaleattn.kernel import _blas_threads
+    from scaleattn.statistics._kernel import _blas_threads
 
     D = noisy_causal_arrays
     before = _blas_threads()

@@ -1,14 +1,14 @@
-"""The two statistics kernels (numba and numpy, :mod:`scaleattn.kernel`): the same Tc, B and yy to 1e-14
+"""The two statistics kernels (numba and numpy, :mod:`scaleattn.statistics._kernel`): the same Tc, B and yy to 1e-14
 relative at d = 2, 3, 4, 8 (and on the BLAS side of ``BLAS_MIN_D``), causal or not, variable lengths, column
 tiles, d_out = 0, 1, 3; each deterministic and bit-identical for any thread count; the switch and its errors."""
 import numpy as np
 import pytest
 
-import scaleattn._kernel_compiled as kc
-import scaleattn.kernel as kernel
+import scaleattn.statistics._compiled as kc
+import scaleattn.statistics._kernel as kernel
 from scaleattn.errors import ParameterError
 from scaleattn.features import n_pairs
-from scaleattn.statistics import Statistics, accumulate
+from scaleattn.statistics._container import Statistics, accumulate
 
 
 def _data(d, causal, d_out, n=41, T=7, seed=0):
@@ -139,7 +139,8 @@ def test_compiled_features_match_numpy_features():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_pass_pieces_are_deterministic_and_agree(causal, monkeypatch):
-    """The fused pass (:func:`scaleattn.kernel.fused_update`) in several sample pieces: the same bits on 1, 2 and
+    """The fused pass (:func:`scaleattn.statistics._kernel.fused_update`) in several sample pieces: the same bits on
+    1, 2 and
     3 threads, and the numpy kernel's sums to 1e-14 (NaN in one sample stays in the entries it reaches)."""
     monkeypatch.setattr(kernel, "MIN_THREAD_MACS", 0)
     monkeypatch.setattr(kc, "PIECE_MACS", 1000)  # many pieces at this size
@@ -252,7 +253,7 @@ def test_expand_gram_into_a_given_array(min_psi, monkeypatch):
 _WIDTH_CHILD = r"""
 import json, sys
 import numpy as np
-import scaleattn._kernel_compiled as kc
+import scaleattn.statistics._compiled as kc
 from scaleattn._jit import wide_vectors
 kc.tc_panel(np.zeros((8, 10)), np.ones((10, 40)), np.ones((4, 40)), 0, 8)  # compiles the panel and micro-kernel
 asm = "".join(kc.compiled()[1].inspect_asm().values())
@@ -294,10 +295,10 @@ def test_compiled_kernels_use_the_hosts_full_vector_width(tmp_path):
 _BLOCK_CHILD = r"""
 import sys
 import numpy as np
-import scaleattn._kernel_compiled as kc
+import scaleattn.statistics._compiled as kc
 if sys.argv[1] != "host":
     kc.wide_vectors = lambda: int(sys.argv[1])  # the block width only: numba's vector width stays the host's
-from scaleattn.statistics import Statistics, accumulate
+from scaleattn.statistics._container import Statistics, accumulate
 rng = np.random.default_rng(3)
 out = {}
 for d, causal in ((4, True), (4, False), (6, True), (9, True)):
@@ -317,7 +318,7 @@ np.savez(sys.argv[2], block=kc._J_BLOCK, **out)
 @pytest.mark.slow
 def test_micro_kernel_blocks_of_either_width_agree(tmp_path):
     """The micro-kernel's register block is 4 x 4 where the host has 32 vector registers and 4 x 2 where it has
-    16 (:data:`scaleattn._kernel_compiled._J_BLOCK`): the block changes which sums share registers, so both agree
+    16 (:data:`scaleattn.statistics._compiled._J_BLOCK`): the block changes which sums share registers, so both agree
     with each other and with the numpy kernel to 1e-14. Not the same bits everywhere: LLVM's vectoriser may
     interleave the 4 x 2 block's reduction in two (it did on a Zen 4 core at 512 bits, not on Zen 3 or Emerald
     Rapids), which reorders the sums. Each width in a fresh process with a numba cache of its own (the width is a

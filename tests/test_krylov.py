@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scaleattn import solver
 from scaleattn._backend import have_cupy
-from scaleattn.certificate import certify
 from scaleattn.distributed.memory import check_fit_memory, fit_memory
 from scaleattn.distributed.partition import tile_bounds
 from scaleattn.errors import InsufficientMemoryError
 from scaleattn.features import n_features, phi, token_features
 from scaleattn.generate import generate_mhla, make_assoc, make_mhla
-from scaleattn.gram_operator import (
+from scaleattn.linalg import _solver as solver
+from scaleattn.linalg._certificate import certify
+from scaleattn.linalg._gram import (
     BlockJacobi,
     GramOperator,
     tile_diagonal,
@@ -22,9 +22,9 @@ from scaleattn.gram_operator import (
     tile_segments,
     tile_token_columns,
 )
-from scaleattn.krylov import lockstep
-from scaleattn.spectrum import default_rtol, solver_path
-from scaleattn.statistics import Statistics, statistics_from_arrays
+from scaleattn.linalg._krylov import lockstep
+from scaleattn.linalg._spectrum import default_rtol, solver_path
+from scaleattn.statistics._container import Statistics, statistics_from_arrays
 
 
 def rel(a, b):
@@ -338,8 +338,8 @@ def test_cli_fit_and_certify_with_krylov(tmp_path):
 
 
 def test_heads_and_witness_use_the_operator_at_large_psi(monkeypatch):
-    import scaleattn.certificate as C
-    from scaleattn.head_search import search_heads
+    import scaleattn.linalg._certificate as C
+    from scaleattn.heads._search import search_heads
 
     tok, y = _rank_deficient("plane")
     st = statistics_from_arrays(tok, y)
@@ -421,7 +421,7 @@ def test_ridge_never_takes_krylov_and_is_refused_with_it_before_the_build(monkey
     import scaleattn
     from scaleattn import pipeline
     from scaleattn.errors import ParameterError
-    from scaleattn.spectrum import solver_path
+    from scaleattn.linalg._spectrum import solver_path
 
     assert solver_path(43_560) == "krylov" and solver_path(43_560, dense=True) == "cholesky"
     assert fit_memory(20, 1, available=3e8, dense=True)["path"] == "cholesky"

@@ -20,7 +20,7 @@ EXPECT = {
     "scaling": ["d=8 N=  4000 psi= 288", "compact / dense Gram memory at d = 64: 0.25"],
     "baselines": ["notebook compute:"],
 }
-#: HTML each notebook must render: the cards of its results (scaleattn.report) and the live progress lines
+#: HTML each notebook must render: the cards of its results (scaleattn.display._text) and the live progress lines
 HTML = {
     "quickstart": ['class="scaleattn-fit"', 'data-verdict="identifiable"', 'class="scaleattn-spectrum"',
                    'class="scaleattn-progress" data-name="statistics"', "rows/s", "16/16 groups",

@@ -141,7 +141,7 @@ def test_combine_tasks_have_no_dask_retries(small, client, monkeypatch):
 
 
 def test_gram_is_expanded_once_per_fit(tmp_path, monkeypatch):
-    from scaleattn import statistics
+    from scaleattn.statistics import _container as statistics
 
     # not identifiable (fewer rows than features): the solve, the minimal-head search and the witness all need G
     ds = generate_mhla(str(tmp_path / "d.zarr"), d=3, heads=1, length=1, samples=10, seed=2)

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 import scaleattn
-from scaleattn.dataset_writer import write_dataset
+from scaleattn.data._writer import write_dataset
 from scaleattn.distributed.evaluate import evaluate
 from scaleattn.generate import generate_mhla, make_assoc, make_mhla
-from scaleattn.heads import coef_from_heads
+from scaleattn.heads._algebra import coef_from_heads
 from scaleattn.model import MHLAModel
 from scaleattn.pipeline import fit
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
 
 
 @pytest.mark.parametrize("d,N", [(2, 512), pytest.param(4, 2048, marks=pytest.mark.slow)])
@@ -117,7 +117,7 @@ def test_an_interrupted_fit_in_python_shows_what_it_kept_in_its_traceback(causal
     import contextlib
     import traceback
 
-    from scaleattn.progress import Reporter
+    from scaleattn.display._progress import Reporter
 
     class StopAfterOneGroup(Reporter):
         @contextlib.contextmanager

@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import scaleattn as sa
 from scaleattn import generate, plot
-from scaleattn.heads import coef_to_W
+from scaleattn.heads._algebra import coef_to_W
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +162,8 @@ def _one_error(r) -> str:
 @pytest.mark.slow
 def test_cli_plot_refuses_parts_that_do_not_belong_together(run, tmp_path, cli):
     """A spectrum.zarr from elsewhere, or report.json edited since the fit (d, psi), was drawn silently."""
-    from scaleattn._storage import resolve
     from scaleattn.run import save_spectrum
+    from scaleattn.store._location import resolve
 
     ds, res, out = run
     mixed, edited = str(tmp_path / "mixed"), str(tmp_path / "edited")
@@ -254,7 +254,7 @@ def test_qr_cutoff_is_labelled_as_the_cli_states_it(causal_ds, tmp_path):
     `1.0e-12 x sigma_max of R`: the label gives both, and the axis says it shows sigma^2 of R."""
     import math
 
-    from scaleattn.report import _cutoff
+    from scaleattn.display._text import _cutoff
 
     out = str(tmp_path / "qr")
     res = sa.fit(causal_ds, out, certificate="qr", plots=False)
@@ -274,11 +274,11 @@ def test_qr_cutoff_is_labelled_as_the_cli_states_it(causal_ds, tmp_path):
 def test_spectrum_of_a_run_past_the_eigh_path(causal_ds, tmp_path, monkeypatch, cli):
     """psi > 2,000 (here: the switch moved below psi = 6): the fit keeps no spectrum.zarr and `plot` wrote no
     spectrum.png, silently. Now plot recomputes it (eigh) when affordable, and says why not otherwise."""
+    import scaleattn.linalg._spectrum
     import scaleattn.run
-    import scaleattn.spectrum
     from scaleattn.errors import Note
 
-    monkeypatch.setattr(scaleattn.spectrum, "LARGE_PSI", 3)
+    monkeypatch.setattr(scaleattn.linalg._spectrum, "LARGE_PSI", 3)
     out = str(tmp_path / "run")
     with pytest.warns(Note, match=r"no spectrum\.png: .*Cholesky .*`scaleattn plot RUN_DIR` recomputes"):
         res = sa.fit(causal_ds, out)

@@ -7,8 +7,8 @@ import pytest
 from distributed import Client, LocalCluster, default_client
 
 import scaleattn.distributed.cluster as cluster
+from scaleattn.display._progress import ConsoleReporter
 from scaleattn.distributed.build import compute_statistics
-from scaleattn.progress import ConsoleReporter
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
 
     from rich.console import Console
 
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.3)
     rep = ConsoleReporter(file=io.StringIO())
@@ -115,7 +115,7 @@ def test_a_log_says_once_what_it_waits_for(monkeypatch):
     prints one line, once, and no bar."""
     import io
 
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
     buf = io.StringIO()
@@ -137,7 +137,7 @@ def test_the_live_bar_stays_within_the_terminal_width(monkeypatch):
 
     from rich.console import Console
 
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
     for width in (120, 100):
@@ -157,7 +157,7 @@ def test_the_live_bar_stays_within_the_terminal_width(monkeypatch):
 def test_the_rate_counts_from_the_first_finished_group(monkeypatch):
     """The wait before the first group (a first compile) is not in the rate: 255 rows/s shown at first, 3,789 at
     the end of a run whose groups ran at more."""
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     now = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
@@ -183,7 +183,7 @@ def test_a_phase_says_what_it_does_now_and_then(monkeypatch):
 
     from rich.console import Console
 
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "NOTE_EVERY_S", 0.05)
     buf = io.StringIO()
@@ -214,7 +214,7 @@ def test_a_phase_says_what_it_does_now_and_then(monkeypatch):
 
 def _notebook_lines(monkeypatch):
     """The plain-text twin of every state a NotebookReporter shows (first display and updates), in order."""
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     shown = []
     monkeypatch.setattr(progress.NotebookReporter, "_show",
@@ -225,7 +225,7 @@ def _notebook_lines(monkeypatch):
 def test_a_notebook_bar_moves_and_says_what_it_waits_for(monkeypatch):
     """A notebook's bar was redrawn only when a group finished: through a 90 s first compile the cell showed
     ``0/5,120 rows  0/16 groups  0:00:00 elapsed`` and nothing else."""
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
     monkeypatch.setattr(progress, "TICK_S", 0.01)
@@ -241,7 +241,7 @@ def test_a_notebook_bar_moves_and_says_what_it_waits_for(monkeypatch):
 def test_an_interrupted_notebook_cell_does_not_look_like_it_still_runs(monkeypatch):
     """Ctrl-C (the kernel's stop button) in a fit left ``evaluate 512/4,096 samples ... 0:00:01 left`` and
     ``solve ...`` in the saved cell, as if the work went on."""
-    import scaleattn.progress as progress
+    import scaleattn.display._progress as progress
 
     shown = _notebook_lines(monkeypatch)
     rep = progress.NotebookReporter(interval=0.0)

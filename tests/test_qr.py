@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import scaleattn
-from scaleattn.certificate import SETTLE_FACTOR, WITNESS_MIN_GAP, Certificate, ambiguity_witness
+from scaleattn.display._text import certificate_summary, fit_summary, verdict
 from scaleattn.distributed.tsqr import compute_r
 from scaleattn.errors import ParameterError
 from scaleattn.features import phi, row_targets, token_features
-from scaleattn.heads import coef_from_heads
-from scaleattn.qr import (
+from scaleattn.heads._algebra import coef_from_heads
+from scaleattn.linalg._certificate import SETTLE_FACTOR, WITNESS_MIN_GAP, Certificate, ambiguity_witness
+from scaleattn.linalg._qr import (
     QR_MAX_PSI,
     certificate_from_r,
     factor_from_arrays,
@@ -24,7 +25,6 @@ from scaleattn.qr import (
     residual_floor,
     solve_from_r,
 )
-from scaleattn.report import certificate_summary, fit_summary, verdict
 
 EPS = np.finfo(np.float64).eps
 
@@ -237,7 +237,7 @@ def test_an_inconclusive_witness_does_not_contradict_a_not_identifiable_verdict(
     change it along that direction', which read as if the data determined the direction the verdict calls
     undetermined. It now says what was measured (a loss change weaker than the cutoff) and that the verdict stands;
     a settled margin within CLOSE_FACTOR of the settle factor is flagged as close to the cutoff."""
-    from scaleattn.report import CLOSE_FACTOR
+    from scaleattn.display._text import CLOSE_FACTOR
 
     w = {"loss_a": 0.1, "loss_b": 0.1, "prediction_difference": 10.3, "prediction_relative_difference": 7.6e-6,
          "tokens": [[0.0] * 6] * 7, "conclusive": False, "certificate_verdict": "not identifiable"}

@@ -1,5 +1,5 @@
 """Rich HTML reprs in Jupyter: FitResult, Certificate, Statistics and MHLAModel render cards through
-scaleattn.report (pure functions of dicts and arrays) that show the verdict with lambda_min, rank and margin,
+scaleattn.display._text (pure functions of dicts and arrays) that show the verdict with lambda_min, rank and margin,
 the spectrum thumbnail, the heads and the files written; a _repr_html_ never raises; the heads plot marks the
 fewest heads known to suffice."""
 import html
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import scaleattn as sa
-from scaleattn import report, report_html
+from scaleattn.display import _html as report_html
+from scaleattn.display import _text as report
 from scaleattn.generate import generate_mhla, make_assoc
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from scaleattn import solver
-from scaleattn.certificate import certify
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.solver import solve
-from scaleattn.spectrum import default_rtol
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.linalg import _solver as solver
+from scaleattn.linalg._certificate import certify
+from scaleattn.linalg._solver import solve
+from scaleattn.linalg._spectrum import default_rtol
+from scaleattn.statistics._container import statistics_from_arrays
 
 
 def dense_phi(tokens, causal=False):
@@ -236,10 +236,10 @@ def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
     ``shared_gram`` past DENSE_GRAM_MAX_PSI) and takes the products after the factor (refinement, SSE, heads)
     from ``Tc``: the same certificate bits and coefficients to round-off as on a caller's dense ``G``, which
     is left unmodified."""
-    import scaleattn.certificate
-    from scaleattn.gram_operator import GramOperator
+    import scaleattn.linalg._certificate
+    from scaleattn.linalg._gram import GramOperator
+    from scaleattn.linalg._spectrum import cholesky_factor
     from scaleattn.model import model_from_statistics
-    from scaleattn.spectrum import cholesky_factor
 
     D = make_mhla(d=4, heads=2, length=20, samples=60, causal=True, noise=0.1, seed=4)
     st = statistics_from_arrays(D["tokens"], D["targets"])  # psi = 40
@@ -248,7 +248,7 @@ def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
     a = solve(st, solver="cholesky", ridge=ridge, gram=G)
     assert np.array_equal(G, G0)  # the caller's G: the factor is a copy
     ref = solve(st, solver="eigh", ridge=ridge)
-    monkeypatch.setattr(scaleattn.certificate, "DENSE_GRAM_MAX_PSI", 10)  # shared_gram: the operator from here
+    monkeypatch.setattr(scaleattn.linalg._certificate, "DENSE_GRAM_MAX_PSI", 10)  # shared_gram: the operator from here
     op = solver.shared_gram(st, "cholesky")
     assert isinstance(op, GramOperator) and isinstance(solver.shared_gram(st, "eigh"), np.ndarray)
     for b in (solve(st, solver="cholesky", ridge=ridge), solve(st, solver="cholesky", ridge=ridge, gram=op)):
@@ -270,8 +270,8 @@ _CLIENT_SOLVE = r"""
 import sys
 import numpy as np
 from scaleattn.generate import make_mhla
-from scaleattn.solver import solve
-from scaleattn.statistics import Statistics, accumulate
+from scaleattn.linalg._solver import solve
+from scaleattn.statistics._container import Statistics, accumulate
 from scaleattn.model import model_from_statistics
 
 D = make_mhla(d=2, heads=1, length=10, samples=64, seed=0)  # built without numba, as a fit's client gets them
@@ -311,7 +311,7 @@ def test_one_outlying_token_gives_a_least_squares_fit_not_garbage(magnitude, pat
     original coordinates, and removing it for min-norm moved the SSE from 7.6e3 to 1.4e40 (worse than predicting
     zero, reported as a normal fit). The fit's SSE is now at most the zero model's and equals the column-scaled
     SVD reference's at the rank the solve chose, measured on the dense features (not from the statistics)."""
-    from scaleattn.qr import factor_from_arrays, solve_from_r
+    from scaleattn.linalg._qr import factor_from_arrays, solve_from_r
 
     X, Y = _outlier_data(magnitude)
     P, y = dense_phi(X, causal=True), Y.reshape(-1, 2)
@@ -383,7 +383,7 @@ def test_ill_conditioned_fits_are_the_truncated_least_squares_fit(case, path):
     """Every path's fit, measured on the dense features, is the column-scaled SVD's at the rank it reports (up to
     round-off of that rank's fit): the min-norm step had made them 2.4e4 / 8.3e8 (sum y^2 53), 284 (zero model
     267) and 9.7 % worse than the reference, with reported SSEs down to -1.8e10."""
-    from scaleattn.qr import factor_from_arrays, solve_from_r
+    from scaleattn.linalg._qr import factor_from_arrays, solve_from_r
 
     t, y, causal = _ill_conditioned(case)
     P, Y = dense_phi(t, causal), y.reshape(-1, y.shape[-1])
@@ -465,7 +465,7 @@ def test_a_fit_without_its_data_pass_still_measures_where_the_statistics_cannot_
     mean y^2, the report said train MSE 0 for a model worse than predicting zero (1.02 on the data). The pass now
     runs where the statistics cannot tell, and the refusal names the head search."""
     import scaleattn
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._writer import write_dataset
     from scaleattn.errors import DatasetError
 
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import pytest
 
 from scaleattn.features import phi, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.statistics import Statistics, statistics_from_arrays
+from scaleattn.statistics._container import Statistics, statistics_from_arrays
 
 
 def dense_rows(tokens, lengths, causal):
@@ -26,9 +26,9 @@ def dense_rows(tokens, lengths, causal):
 @pytest.mark.parametrize("kernel", ["numpy", "numba"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_compact_gram_equals_dense_with_variable_lengths(causal, kernel, monkeypatch):
-    import scaleattn.kernel
+    import scaleattn.statistics._kernel
 
-    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
+    monkeypatch.setattr(scaleattn.statistics._kernel, "KERNEL", kernel)
     D = make_mhla(d=3, heads=2, length=9, samples=37, causal=causal, variable_lengths=True, seed=3)
     st = statistics_from_arrays(D["tokens"], D["targets"], D["lengths"], block_rows=50)
     P = dense_rows(D["tokens"], D["lengths"], causal)
@@ -64,7 +64,7 @@ def test_statistics_do_not_depend_on_block_or_panel_sizes(noisy_causal_arrays):
 def test_block_size_ignores_targets_and_counts_tokens():
     """Tc's bits do not depend on d_out (block boundaries come from d and T only), and a non-causal block is
     sized by its tokens, not only its feature rows."""
-    from scaleattn.statistics import BLOCK_BYTES, block_bytes_per_sample, block_samples
+    from scaleattn.statistics._container import BLOCK_BYTES, block_bytes_per_sample, block_samples
 
     assert block_samples(4, 256, False) * block_bytes_per_sample(4, 256, False) <= BLOCK_BYTES
     assert block_samples(4, 256, False) < block_samples(4, 1, False)
@@ -122,8 +122,8 @@ def test_solver_node_refuses_non_finite_statistics(where, value, named):
 def test_tokens_whose_gram_underflows_are_refused_not_certified():
     """|tokens| ~ 1e-60: the degree-6 Gram underflowed to 0 and a realizable dataset read "not identifiable",
     rank 0, margin nan. Refused, naming the sample and the factor; 1e-30 still certifies; all-zero samples pass."""
-    from scaleattn.certificate import certify
     from scaleattn.errors import DatasetError
+    from scaleattn.linalg._certificate import certify
 
     rng = np.random.default_rng(0)
     z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))
@@ -154,7 +154,7 @@ def test_targets_whose_squares_underflow_are_refused_not_fitted():
 def test_dataset_reads_refuse_tokens_whose_gram_underflows(tmp_path):
     import zarr
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import DatasetError
 
     g = zarr.open_group(str(tmp_path / "t.zarr"), mode="w")  # another tool's store: read unchecked before
@@ -174,14 +174,14 @@ def _small(seed=0, n=3, T=4, d=2):
 def test_lengths_outside_one_to_T_are_refused_naming_the_sample(lengths, sample, kernel, monkeypatch):
     """A length past T made the numpy kernel read the next sample's tokens, the numba one clamp; 0 counted an
     empty sample as a row (n_rows, yy): every kernel refuses them, naming the sample."""
-    import scaleattn.kernel
+    import scaleattn.statistics._kernel
     from scaleattn.errors import DatasetError
 
-    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
+    monkeypatch.setattr(scaleattn.statistics._kernel, "KERNEL", kernel)
     tok, y = _small()
     with pytest.raises(DatasetError, match=rf"lengths: sample {sample} has length {lengths[sample]}"):
         statistics_from_arrays(tok, y, np.array(lengths))
-    from scaleattn.statistics import accumulate
+    from scaleattn.statistics._container import accumulate
 
     with pytest.raises(DatasetError, match=rf"sample {sample}"):  # (accumulate checks the same on its own)
         accumulate(Statistics.zeros(2, 1), tok, y, np.array(lengths))
@@ -192,9 +192,9 @@ def test_lengths_outside_one_to_T_are_refused_naming_the_sample(lengths, sample,
 def test_nan_in_padding_is_ignored_on_every_kernel(causal, kernel, monkeypatch):
     """Padding is ignored: a NaN there (a 0/1 mask multiplied it into NaN on the numpy path) leaves the statistics
     equal to those of the same data with zero padding, and equal to the dense rows."""
-    import scaleattn.kernel
+    import scaleattn.statistics._kernel
 
-    monkeypatch.setattr(scaleattn.kernel, "KERNEL", kernel)
+    monkeypatch.setattr(scaleattn.statistics._kernel, "KERNEL", kernel)
     tok, _ = _small(1)
     lens = np.array([4, 2, 3])
     y = np.random.default_rng(2).standard_normal((3, 4, 1) if causal else (3, 1))
@@ -215,7 +215,7 @@ def test_adding_statistics_refuses_tiles_and_mixed_namespaces():
     """A column tile (accumulate(cols=)) broadcast into every row of a whole Tc when added; statistics of two
     array libraries were converted silently one way and failed with a bare TypeError the other."""
     from scaleattn.errors import DeviceMismatchError, ParameterError
-    from scaleattn.statistics import accumulate
+    from scaleattn.statistics._container import accumulate
 
     tok, y = _small()
     full = statistics_from_arrays(tok, y)
@@ -235,7 +235,7 @@ def test_adding_statistics_refuses_tiles_and_mixed_namespaces():
 @pytest.mark.parametrize("case", ["causal-2d", "last-3d", "wrong-dout", "wrong-d"])
 def test_accumulate_refuses_blocks_that_do_not_fit_the_statistics(case):
     from scaleattn.errors import DatasetError, ParameterError
-    from scaleattn.statistics import accumulate
+    from scaleattn.statistics._container import accumulate
 
     tok, y = _small()
     stats, causal, targets, err = Statistics.zeros(2, 1), False, y, DatasetError

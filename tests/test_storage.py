@@ -8,12 +8,12 @@ import urllib.request
 import numpy as np
 import pytest
 
-from scaleattn.certificate import certify
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.evaluate import evaluate
+from scaleattn.linalg._certificate import certify
 from scaleattn.model import MHLAModel
 from scaleattn.pipeline import fit
-from scaleattn.statistics import Statistics
+from scaleattn.statistics._container import Statistics
 from tests.helpers import assert_same_stats, free_port, moto_s3, run_cli_process, s3_env
 
 BUCKET = "scaleattn-test"
@@ -145,8 +145,8 @@ def test_bad_endpoint_bucket_and_credentials_exit_2_with_a_clear_message(s3):
 def test_a_storage_option_its_file_system_does_not_take_is_a_parameter_error(cli):
     """s3fs takes any keyword and passes it on to botocore's session at its first use: a misspelled option was a
     TypeError there, an internal error of the CLI. Nothing is reached: the session is made before any request."""
-    from scaleattn._storage import exists
     from scaleattn.errors import ParameterError
+    from scaleattn.store._location import exists
 
     with pytest.raises(ParameterError, match=r"s3://bucket/d\.zarr: the storage option 'connect_timeot' is not one"
                                              r" its file system takes \(TypeError: .*connect_timeot"):
@@ -157,8 +157,8 @@ def test_a_storage_option_its_file_system_does_not_take_is_a_parameter_error(cli
 
 def test_store_hiccups_are_retried_bad_data_fails_once():
     """Tasks retry transient store errors themselves (Dask retries are off), so bad data fails at once."""
-    from scaleattn._storage import StorageError, transient, with_retries
-    from scaleattn.dataset import DatasetError
+    from scaleattn.data._dataset import DatasetError
+    from scaleattn.store._location import StorageError, transient, with_retries
 
     calls = []
 

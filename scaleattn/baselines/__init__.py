@@ -2,7 +2,8 @@
 
 - :class:`MHLA`: multi-head linear attention with ``m`` heads and ``n`` layers in PyTorch. One layer computes
   exactly DESIGN §1 / [Y25] Def. 2.1, ``y_hat = sum_h V_h (Z^T Z) Q_h x`` (no 1/n; causal prefixes
-  ``S_t = sum_{s<=t} z_s z_s^T``), so :meth:`MHLA.coef` is ``c(Theta)`` of :func:`scaleattn.heads.coef_from_heads`.
+  ``S_t = sum_{s<=t} z_s z_s^T``), so :meth:`MHLA.coef` is ``c(Theta)`` of
+  :func:`scaleattn.heads._algebra.coef_from_heads`.
   Deeper models stack residual layers ``z_t <- z_t + sum_h V_h S Q_h z_t``; the last layer maps to ``d_out``.
 - :class:`SoftmaxTransformer` (``"full"``): pre-LayerNorm softmax attention + MLP blocks.
 - :func:`train_adamw`: AdamW with the paper's settings as defaults ([Y25] §4.1; DESIGN §9: 500 epochs, lr 1e-2

@@ -15,7 +15,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError.for_extra("scaleattn.baselines", "torch", "PyTorch") from e
 
 from ..errors import ParameterError
-from ..heads import coef_from_heads
+from ..heads._algebra import coef_from_heads
 
 __all__ = ["MHLA", "SoftmaxTransformer", "make_model"]
 

@@ -16,11 +16,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
     raise MissingDependencyError.for_extra("scaleattn.baselines", "torch", "PyTorch") from e
 
-from ..dataset import Dataset, open_dataset
+from ..data._dataset import Dataset, open_dataset
 from ..errors import DatasetError, ParameterError
 from ..features import predict_rows, row_targets, token_features
 from ..model import model_from_statistics
-from ..statistics import statistics_from_arrays
+from ..statistics._container import statistics_from_arrays
 from .models import _valid, make_model
 
 __all__ = ["load_arrays", "coef_mse", "TrainResult", "model_mse", "train_adamw", "fit_closed_form", "PAPER"]
@@ -30,7 +30,7 @@ PAPER = dict(epochs=500, lr=1e-2, lrs=(1e-2, 1e-3), batch_size=32, schedule="cos
 
 
 def load_arrays(data, storage_options=None) -> dict:
-    """``dict(tokens, targets, lengths)`` of in-memory arrays, a :class:`~scaleattn.dataset.Dataset`, or a
+    """``dict(tokens, targets, lengths)`` of in-memory arrays, a :class:`~scaleattn.data._dataset.Dataset`, or a
     dataset path/URL opened with ``storage_options`` (read whole with ``open_dataset(url).read(0, N)``).
     Raises :class:`~scaleattn.errors.DatasetError` without targets."""
     if isinstance(data, dict):

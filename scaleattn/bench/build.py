@@ -10,8 +10,8 @@
   (unless given): on a shared machine the rate drifts by 10-30 % within a run (55.7-74.8 GFLOP/s measured on
   one VM), so a rate taken minutes away would move every ratio with the machine, not with the code; the larger
   one keeps the floor strict. ``vs_best`` is the ratio against the fastest rates measured anywhere in the run;
-- ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics.statistics_from_arrays` (features,
-  ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.kernel.KERNELS`), best of ``repeats`` rounds with
+- ``floor_s = max`` of the two; ``build_s``: :func:`scaleattn.statistics._container.statistics_from_arrays` (features,
+  ``Tc``, ``B``, ``yy``) with each kernel (:data:`scaleattn.statistics._kernel.KERNELS`), best of ``repeats`` rounds with
   the kernels alternating, more rounds of a kernel (up to :data:`MAX_ROUNDS`) while its own builds took under
   ``min_time`` (1 s) in all: builds of 30 ms sample the machine's speed of one instant;
 - ``loop_s``: the loop a user would write (``phi`` per chunk of rows, ``G += phi^T phi``, ``B += phi^T y``);
@@ -20,7 +20,7 @@
 - ``syrk_s``: ``phi^T phi`` by numpy on a ready ``phi`` (when it fits in ``max_phi_bytes``);
 - the loop and SYRK run in a fresh process per size (:func:`run_child`), on the same data: OpenBLAS's threaded
   SYRK with its AVX-512 (SkylakeX) kernels dies with SIGSEGV at psi = 16,896 (d = 32, 4,000 rows; the same
-  failure as its ``dpotrf``, :mod:`scaleattn.dense`), and a peer's crash is then a result of the table
+  failure as its ``dpotrf``, :mod:`scaleattn.linalg._dense`), and a peer's crash is then a result of the table
   (``syrk_failed``), not the end of the run.
 
 Example: ``python -m scaleattn.bench.build --quick`` prints the table (markdown).
@@ -200,7 +200,7 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
         GEMM rate (FLOP/s) and memory bandwidth (bytes/s) for every size; when not given, measured
         (:func:`gemm_rate`, :func:`copy_bandwidth`) before and after each size's builds, the larger used.
     kernels : sequence of str, optional
-        Default :data:`scaleattn.kernel.KERNELS`.
+        Default :data:`scaleattn.statistics._kernel.KERNELS`.
     repeats : int
         Best of at least this many builds of each kernel; more (at most :data:`MAX_ROUNDS`) while that kernel's
         builds of the size have taken under ``min_time`` seconds in all (``rounds`` in each row).
@@ -222,8 +222,8 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     from threadpoolctl import threadpool_info
 
     from scaleattn.features import n_features, n_pairs
-    from scaleattn.kernel import KERNELS
-    from scaleattn.statistics import Statistics, accumulate
+    from scaleattn.statistics._container import Statistics, accumulate
+    from scaleattn.statistics._kernel import KERNELS
 
     fixed_rate, fixed_bandwidth = rate, bandwidth
 

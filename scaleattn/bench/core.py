@@ -3,7 +3,7 @@
 ``run(out_dir, quick=False)`` writes ``bench.json`` and ``bench.md`` into ``out_dir`` and returns the dict:
 
 - the machine's float64 GEMM rate (square product, all BLAS threads) and the floor of the statistics build,
-  ``2 x (compact Gram multiply-adds) / rate``; our build (:func:`scaleattn.statistics.statistics_from_arrays`,
+  ``2 x (compact Gram multiply-adds) / rate``; our build (:func:`scaleattn.statistics._container.statistics_from_arrays`,
   features included) against it and against a bare GEMM ``u^T v`` of the same shape on precomputed factors;
 - the naive normal equations: ``phi`` materialised and ``phi^T phi`` by numpy (SYRK);
 - ``numpy.linalg.lstsq`` and ``dask.array.linalg.lstsq`` (TSQR) on ``phi``: time and the accuracy of each answer
@@ -71,7 +71,7 @@ def _mhla(d, samples, length, causal, seed=0):
 
 
 def _teacher_coef(D):
-    from scaleattn.heads import coef_from_heads
+    from scaleattn.heads._algebra import coef_from_heads
 
     return coef_from_heads(D["V"], D["Q"])
 
@@ -90,9 +90,9 @@ def _bare_gemm_s(s, x) -> float:
 
 def core_comparison(d, samples, length, rate, baselines=True) -> dict:
     """Our build + solve against the floor, a bare GEMM, numpy SYRK, numpy lstsq and dask TSQR (same data)."""
-    from scaleattn.solver import solve
-    from scaleattn.spectrum import solver_path
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.linalg._solver import solve
+    from scaleattn.linalg._spectrum import solver_path
+    from scaleattn.statistics._container import statistics_from_arrays
 
     D = _mhla(d, samples, length, causal=True)
     tok, y3 = D["tokens"], D["targets"]
@@ -193,8 +193,8 @@ def rows_scaling(tmp, d, samples, length) -> list[dict]:
 def d_scaling(sizes, rate) -> list[dict]:
     """Build and solve time per d (``sizes``: (d, samples, length, causal)), each the best of 2 warm calls."""
     from scaleattn.distributed.memory import fit_memory
-    from scaleattn.solver import solve
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.linalg._solver import solve
+    from scaleattn.statistics._container import statistics_from_arrays
 
     out = []
     for d, samples, length, causal in sizes:

@@ -68,7 +68,7 @@ def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False
     variable-length causal samples): time, both floors, CPU agreement on the first ``check_rows`` rows."""
     import cupy
 
-    from scaleattn.statistics import block_samples, statistics_from_arrays
+    from scaleattn.statistics._container import block_samples, statistics_from_arrays
 
     length = 16
     rng = np.random.default_rng(d)
@@ -100,11 +100,11 @@ def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False
 
 def matmuls_seconds(d: int, n_rows: int, blocks: int) -> float:
     """The build's ``u^T v`` matmuls alone, on random panels of the shapes the device path uses (``blocks`` blocks
-    of ``n_rows / blocks`` rows, panels of ``scaleattn.kernel._device_panel_cols``): the ceiling of the build's
+    of ``n_rows / blocks`` rows, panels of ``scaleattn.statistics._kernel._device_panel_cols``): the ceiling of the build's
     formulation at this device's GEMM efficiency on those shapes (H200, d = 32: 0.73 of the square GEMM's rate)."""
     import cupy
 
-    from scaleattn.kernel import _device_panel_cols
+    from scaleattn.statistics._kernel import _device_panel_cols
 
     rows, mm, dd = -(-n_rows // blocks), n_pairs(n_pairs(d)), n_pairs(d)
     width = min(mm, _device_panel_cols(rows))

@@ -51,7 +51,7 @@ TARGETS = {"krylov_vs_cholesky_time": 1.0}
 _SOLVE_CHILD = """
 import json, os, sys, time
 import numpy as np
-from scaleattn.statistics import Statistics
+from scaleattn.statistics._container import Statistics
 from scaleattn import solver
 path, how, out = sys.argv[1], sys.argv[2], sys.argv[3]
 def rss(key):
@@ -74,9 +74,9 @@ _HEADS_CHILD = """
 import json, sys, time
 import numpy as np
 from scaleattn.generate import make_mhla
-from scaleattn.head_search import search_heads
-from scaleattn.heads import coef_from_heads, svd_heads
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.heads._search import search_heads
+from scaleattn.heads._algebra import coef_from_heads, svd_heads
+from scaleattn.statistics._container import statistics_from_arrays
 d, samples = int(sys.argv[1]), int(sys.argv[2])
 def rss(key):
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
@@ -108,8 +108,8 @@ def solver_comparison(tmp, d: int, samples: int, length: int = 100,
     """Statistics once, then the Cholesky and krylov paths each in a fresh process (module docstring)."""
     from scaleattn.features import predict_rows, row_targets, token_features
     from scaleattn.generate import make_mhla
-    from scaleattn.heads import coef_from_heads
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.heads._algebra import coef_from_heads
+    from scaleattn.statistics._container import statistics_from_arrays
 
     D = make_mhla(d=d, heads=2, length=length, samples=samples, causal=True, d_out=1, seed=0)
     t = time.perf_counter()
@@ -160,7 +160,7 @@ def cluster_products(tmp, d: int, samples: int, k: int = 3, repeats: int = 5) ->
 
     from scaleattn.distributed.operator import remote_statistics
     from scaleattn.generate import generate_mhla
-    from scaleattn.gram_operator import GramOperator
+    from scaleattn.linalg._gram import GramOperator
 
     _say(f"cluster operator at d = {d} ...")
     ds = generate_mhla(os.path.join(tmp, f"op{d}.zarr"), d=d, heads=2, length=100, samples=samples, causal=True,
@@ -192,12 +192,12 @@ def whole_fit(tmp, d: int, samples: int, length: int = 100) -> dict:
     ``Tc + one data block``, and the relative distance of the coefficients to the realizable teacher's."""
     import resource
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.features import n_features
     from scaleattn.generate import generate_mhla
-    from scaleattn.heads import coef_from_heads
+    from scaleattn.heads._algebra import coef_from_heads
     from scaleattn.model import MHLAModel
-    from scaleattn.statistics import BLOCK_BYTES
+    from scaleattn.statistics._container import BLOCK_BYTES
 
     psi = n_features(d)
     _say(f"whole fit at d = {d} (psi = {psi:,}): writing {samples * length:,} causal rows ...")
@@ -229,13 +229,13 @@ def whole_fit(tmp, d: int, samples: int, length: int = 100) -> dict:
 
 
 def operator_products(d: int, ks=(1, 7, 16), repeats: int = 3) -> dict:
-    """One product ``G X`` of :class:`~scaleattn.gram_operator.GramOperator` (default threads) on a random
+    """One product ``G X`` of :class:`~scaleattn.linalg._gram.GramOperator` (default threads) on a random
     ``Tc`` (the time does not depend on the values), the numpy path against the compiled kernel
-    (:data:`scaleattn.kernel.KERNEL`): best and median wall seconds of ``repeats``, CPU seconds, and
+    (:data:`scaleattn.statistics._kernel.KERNEL`): best and median wall seconds of ``repeats``, CPU seconds, and
     G-multiply-adds per second ``psi^2 k / best``."""
-    import scaleattn.kernel as kernel
+    import scaleattn.statistics._kernel as kernel
     from scaleattn.features import n_features, n_pairs
-    from scaleattn.gram_operator import GramOperator
+    from scaleattn.linalg._gram import GramOperator
 
     m, psi = n_pairs(d), n_features(d)
     Tc = np.empty((m * (m + 1) // 2, m))

@@ -6,7 +6,7 @@
   (expansion of ``Tc`` to ``G``, blocked factor, block Krylov extreme eigenvalues, solve with refinement, SSE)
   against ``psi^3 / 3`` flops at the DGEMM rate measured in the same process, with its breakdown;
 - :func:`factorisation_check` at d = 32 (psi = 16,896): numpy's and scipy's plain ``cholesky`` and ours
-  (:func:`scaleattn.dense.blocked_cholesky`), each in a fresh process whose environment lacks
+  (:func:`scaleattn.linalg._dense.blocked_cholesky`), each in a fresh process whose environment lacks
   ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (so OpenBLAS picks its kernels for the CPU, AVX-512
   SkylakeX ones on most servers, where its threaded ``dpotrf`` dies with SIGSEGV at this size): the kernel
   architecture picked (threadpoolctl), whether the process died of a signal, the time and the rate.
@@ -36,14 +36,14 @@ CLEARED_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 def dgemm_rate(n: int = 4000, repeats: int = 3) -> float:
     """Best of ``repeats`` float64 GEMMs of order ``n`` through scipy's BLAS (the dense path's): flop/s."""
     from scaleattn.bench.build import gemm_rate
-    from scaleattn.dense import gemm
+    from scaleattn.linalg._dense import gemm
 
     return gemm_rate(n, repeats, product=gemm)
 
 
 def _stats(d: int, rows: int):
     from scaleattn.generate import make_mhla
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.statistics._container import statistics_from_arrays
 
     length = 100 if rows >= 10_000 else 50
     D = make_mhla(d=d, heads=2, length=length, samples=max(rows // length, 1), causal=True, d_out=1, seed=0)
@@ -73,10 +73,10 @@ def solve_floor(d: int, rows: int | None = None, stats=None) -> dict:
     """
     import numpy as np
 
-    import scaleattn.spectrum as spectrum
-    import scaleattn.statistics as statistics
-    from scaleattn.gram_operator import GramOperator
-    from scaleattn.solver import shared_gram, solve
+    import scaleattn.linalg._spectrum as spectrum
+    import scaleattn.statistics._container as statistics
+    from scaleattn.linalg._gram import GramOperator
+    from scaleattn.linalg._solver import shared_gram, solve
 
     st = _stats(d, rows or ROWS.get(d, int(1.2 * d * d * (d + 1) / 2))) if stats is None else stats.to_numpy()
     psi = st.psi
@@ -137,7 +137,7 @@ import scipy.linalg
 from threadpoolctl import threadpool_info
 how, n = sys.argv[1], int(sys.argv[2])
 from scaleattn.bench.solve import dgemm_rate
-from scaleattn.dense import blocked_cholesky
+from scaleattn.linalg._dense import blocked_cholesky
 rate = dgemm_rate()
 rng = np.random.default_rng(0)
 a = rng.random((n, n))

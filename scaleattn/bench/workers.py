@@ -42,20 +42,20 @@ TARGETS = {"worker_vs_in_process": 1.05, "speedup_2_workers": 1.8}
 
 _CHILD = r"""
 import collections, json, os, sys, time
-from scaleattn.datacheck import expected_rows
-from scaleattn.dataset import open_dataset
+from scaleattn.data._checks import expected_rows
+from scaleattn.data._dataset import open_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.partition import row_groups
 
 def _warm():  # imports, the BLAS scan and the compiled kernel's cache load: once per worker, outside the timing
     import numpy as np
-    import scaleattn.distributed.build, scaleattn.kernel  # noqa: F401
-    from scaleattn.statistics import statistics_from_arrays
-    scaleattn.kernel._blas_controller()
+    import scaleattn.distributed.build, scaleattn.statistics._kernel  # noqa: F401
+    from scaleattn.statistics._container import statistics_from_arrays
+    scaleattn.statistics._kernel._blas_controller()
     statistics_from_arrays(np.ones((2, 3, 2)), np.ones((2, 3, 1)))
 
 def _env():  # what decides a build's speed in this process: glibc and BLAS variables, the threads it runs on
-    import scaleattn.kernel as k
+    import scaleattn.statistics._kernel as k
     out = {v: os.environ.get(v) for v in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "OPENBLAS_NUM_THREADS")}
     blas = [int(c.num_threads) for c in k._blas_controller().lib_controllers]
     return {**out, "kernel_threads": k._blas_threads(), "blas_threads": blas}
@@ -79,7 +79,7 @@ def _one_clock():  # every process of a LocalCluster reads the same clock, but D
     Worker.scheduler_delay = property(lambda self: 0.0, lambda self, value: None)
 
 def _kept():  # look-ups of this process's cut chunks (hits: reads saved)
-    from scaleattn.dataset import CUT_CHUNKS
+    from scaleattn.data._dataset import CUT_CHUNKS
     return CUT_CHUNKS.hits, CUT_CHUNKS.misses
 
 def _stream(ts, t0, t1, rows):

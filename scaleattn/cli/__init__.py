@@ -21,10 +21,10 @@ import sys
 import time
 
 from .. import _testing
-from .._names import one_line
 from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
+from ..store._names import one_line
 from .commands import COMMANDS, StdoutClosed
 from .parser import build_parser, option_of, parse, positional_of
 

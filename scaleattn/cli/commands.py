@@ -7,15 +7,15 @@ import time
 import warnings
 
 from .._params import parse_storage_options
-from .._storage import check_kind, check_storage_options, options_for
 from ..errors import Note, ParameterError, StorageError
+from ..store._location import check_kind, check_storage_options, options_for
 
 __all__ = ["COMMANDS"]
 
 
 def _storage_options(pairs, *paths) -> dict | None:
     """``--storage-option KEY=VALUE`` pairs -> fsspec options (:func:`scaleattn._params.parse_storage_options`),
-    refused when none of the command's ``paths`` is a URL (:func:`scaleattn._storage.check_storage_options`)."""
+    refused when none of the command's ``paths`` is a URL (:func:`scaleattn.store._location.check_storage_options`)."""
     check_storage_options(pairs, *paths)
     return parse_storage_options(pairs)
 
@@ -58,7 +58,7 @@ def _check_cluster_args(args) -> None:
 
 def _reporter(args):
     """Progress on stderr unless ``--quiet`` or ``--json``."""
-    from ..progress import as_reporter
+    from ..display._progress import as_reporter
 
     return as_reporter(not (args.quiet or getattr(args, "json", False)))
 
@@ -81,7 +81,7 @@ def _out(text: str) -> None:
 
 def _emit(args, payload: dict, text: str) -> None:
     """The result on stdout: JSON with ``--json``, else the summary text (``--quiet`` silences stderr only)."""
-    from .._formats import dumps
+    from ..store._formats import dumps
 
     _out(dumps(payload) if args.json else text)
 
@@ -149,11 +149,11 @@ def _cmd_import(args) -> int:
 def _cmd_fit(args) -> int:
     from .._backend import check_device
     from .._params import heads_spec
-    from ..certificate import check_cutoff
+    from ..display._text import fit_summary
+    from ..linalg._certificate import check_cutoff
+    from ..linalg._solver import check_ridge
     from ..pipeline import fit
     from ..preflight import holding, preflight, run_locations
-    from ..report import fit_summary
-    from ..solver import check_ridge
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option, args.dataset, args.out, args.checkpoint)
@@ -190,10 +190,10 @@ def _cmd_fit(args) -> int:
 
 
 def _cmd_certify(args) -> int:
-    from ..certificate import check_cutoff
+    from ..display._text import certificate_summary
+    from ..linalg._certificate import check_cutoff
     from ..pipeline import certify_dataset
     from ..preflight import open_input
-    from ..report import certificate_summary
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option, args.dataset)
@@ -208,10 +208,10 @@ def _cmd_certify(args) -> int:
 
 
 def _cmd_evaluate(args) -> int:
+    from ..display._text import evaluation_summary
     from ..distributed.evaluate import evaluate
     from ..model import MHLAModel
     from ..preflight import open_input
-    from ..report import evaluation_summary
 
     reporter = _reporter(args)
     opts = _storage_options(args.storage_option, args.model, args.dataset)
@@ -250,8 +250,8 @@ def _cmd_bench(args) -> int:
 
     run = importlib.import_module(VERSUS[args.vs][0] if args.vs else SUITES[args.suite][0]).run
 
-    from .._outputs import check_output_location
-    from .._storage import resolve
+    from ..store._location import resolve
+    from ..store._outputs import check_output_location
 
     if args.only is not None and (args.suite != "krylov" or args.vs):
         raise ParameterError("--only chooses a part of the krylov suite: use it with `scaleattn bench krylov`")
@@ -273,9 +273,9 @@ def _cmd_bench(args) -> int:
 
 def _cmd_compare(args) -> int:
     from .._params import real
-    from ..heads import compare_models
+    from ..display._text import comparison_summary
+    from ..heads._algebra import compare_models
     from ..model import MHLAModel
-    from ..report import comparison_summary
 
     opts = _storage_options(args.storage_option, args.model_a, args.model_b)
     real("rtol", args.rtol, 0.0, low_open=True)  # compare_models' check, before the models are read

@@ -5,11 +5,11 @@ import argparse
 import re
 
 from .._backend import DEVICES
-from .._names import one_line
 from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
-from ..qr import CERTIFICATE_METHODS, QR_MAX_PSI
-from ..spectrum import SOLVERS
+from ..linalg._qr import CERTIFICATE_METHODS, QR_MAX_PSI
+from ..linalg._spectrum import SOLVERS
+from ..store._names import one_line
 
 __all__ = ["build_parser"]
 

@@ -13,14 +13,14 @@ import numpy as np
 
 from .. import _testing
 from .._backend import array_module, check_device, is_numpy
-from .._storage import Location, resolve, with_retries
-from ..datacheck import expected_rows, fingerprint, row_bindings
-from ..dataset import CUT_CHUNKS
+from ..data._checks import expected_rows, fingerprint, row_bindings
+from ..data._dataset import CUT_CHUNKS
+from ..display._progress import as_reporter
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
-from ..kernel import kernel_name
-from ..progress import as_reporter
-from ..statistics import Statistics, accumulate
+from ..statistics._container import Statistics, accumulate
+from ..statistics._kernel import kernel_name
+from ..store._location import Location, resolve, with_retries
 from .checkpoint import Checkpoint
 from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
@@ -34,15 +34,16 @@ log = logging.getLogger("scaleattn")
 def group_statistics(dataset, start: int, stop: int, targets: bool = True, device: str = "auto",
                      cols: tuple[int, int] | None = None, kernel: str | None = None, reuse=None) -> Statistics:
     """Statistics of samples ``[start, stop)`` of a dataset, streamed chunk by chunk (one Dask task;
-    :meth:`~scaleattn.dataset.Dataset.read_chunks`: a chunk cut by the range is read whole and checked).
+    :meth:`~scaleattn.data._dataset.Dataset.read_chunks`: a chunk cut by the range is read whole and checked).
 
     ``device``: ``"cpu"``, ``"gpu"`` (CuPy) or ``"auto"`` (GPU when this worker has one). Returned on the host.
     ``cols = (c0, c1)`` builds one tile: ``gram_compact`` is then rows ``[c0, c1)`` of ``Tc`` only
     ((c1 - c0, d(d+1)/2); memory bounded by the tile and one block of rows, DESIGN §6); ``B``, ``yy`` and
     ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile). ``kernel``: the
-    statistics kernel (:func:`scaleattn.kernel.kernel_name`; the client's, so that every worker uses it).
+    statistics kernel (:func:`scaleattn.statistics._kernel.kernel_name`; the client's, so that every worker uses it).
     ``reuse``: the build's token for the chunks its bounds cut (read and checked once per process, not once per
-    group: :meth:`~scaleattn.dataset.Dataset.read_chunks`). Raises :class:`~scaleattn.dataset.DatasetError` on
+    group: :meth:`~scaleattn.data._dataset.Dataset.read_chunks`). Raises
+    :class:`~scaleattn.data._dataset.DatasetError` on
     bad values (naming the array and the sample).
     """
     xp = array_module(device)
@@ -79,11 +80,11 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
              kernel: str | None = None, reuse=None):
     """One task: the partial of row group ``gi``, tile ``ti``. With a checkpoint, a partial already marked done
     is read back when it is bound to the input rows as they are now (``source``, from
-    :func:`~scaleattn.datacheck.row_bindings`) and passes its checksum and row count (a retry after a lost worker
+    :func:`~scaleattn.data._checks.row_bindings`) and passes its checksum and row count (a retry after a lost worker
     or a resume recomputes nothing); anything else is recomputed, written there, then marked done, by this
     worker, with this process's glibc thresholds set (:func:`~.memory.release_large_buffers`: a Dask nanny's
     64 KiB trim threshold made a worker's build slower than the in-process one). Store hiccups are retried here
-    (:func:`~scaleattn._storage.with_retries`); bad data fails the task once. ``kernel``: the client's
+    (:func:`~scaleattn.store._location.with_retries`); bad data fails the task once. ``kernel``: the client's
     statistics kernel (the checkpoint's, when there is one); ``reuse``: the build's token for its cut chunks
     (:func:`group_statistics`)."""
     dataset.group()  # the store this worker sees is the one the client checked (else one line naming the worker)
@@ -288,8 +289,8 @@ def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, ad
 def check_unchanged(dataset, groups, targets: bool, sources: list[int],
                     during: str = "its statistics were built") -> None:
     """Refuse results of a dataset that changed since the build began: its metadata (shapes, chunking, attributes:
-    :func:`~scaleattn.datacheck.fingerprint` of the store opened anew) or the chunks' signatures of any row group
-    (:func:`~scaleattn.datacheck.row_bindings` against ``sources``, taken at the start). Called at the end of the
+    :func:`~scaleattn.data._checks.fingerprint` of the store opened anew) or the chunks' signatures of any row group
+    (:func:`~scaleattn.data._checks.row_bindings` against ``sources``, taken at the start). Called at the end of the
     build, and by a fit after each later pass over the rows (the evaluation, the QR), which would otherwise mix
     two versions of the data (``during`` names the pass). A kept checkpoint recomputes the changed groups."""
     try:

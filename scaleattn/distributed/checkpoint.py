@@ -19,8 +19,9 @@ read, and their manifest checksums: :func:`scaleattn.distributed.build.row_bindi
 the row-group and tile boundaries, the scaleattn version and the format version; a store that disagrees on any
 of them (or a v1 checkpoint, whose partials cannot be verified) is refused with a
 :class:`~scaleattn.errors.CheckpointError`, never mixed in. The attribute ``kernel`` names the statistics kernel
-that built the partials (:func:`scaleattn.kernel.kernel_name`; a checkpoint without it was built by
-``"numpy"``, the only kernel then), ``kernel_revision`` its arithmetic (:data:`scaleattn.kernel.KERNEL_REVISIONS`;
+that built the partials (:func:`scaleattn.statistics._kernel.kernel_name`; a checkpoint without it was built by
+``"numpy"``, the only kernel then), ``kernel_revision`` its arithmetic
+(:data:`scaleattn.statistics._kernel.KERNEL_REVISIONS`;
 none: revision 1): a resume with the other kernel, or another revision of it, is refused too, since its partials
 would differ from a fresh build's in the last bits. Workers write their own partials (the client never
 holds them all), after checking that the store they opened is the one the client created (its ``uid``);
@@ -33,14 +34,14 @@ import uuid
 
 import numpy as np
 
-from .. import _formats, _integrity
-from .._storage import Location
 from .._version import __version__
-from ..datacheck import here
+from ..data._checks import here
 from ..errors import CheckpointError
 from ..features import n_features, n_pairs
-from ..kernel import KERNEL_REVISIONS, kernel_name
-from ..statistics import Statistics
+from ..statistics._container import Statistics
+from ..statistics._kernel import KERNEL_REVISIONS, kernel_name
+from ..store import _formats, _integrity
+from ..store._location import Location
 
 __all__ = ["Checkpoint", "partial_checksum"]
 
@@ -71,10 +72,10 @@ def partial_checksum(part, source: int, with_moments: bool) -> int:
 class Checkpoint:
     """Handle on a checkpoint store (cheap to pickle to Dask workers).
 
-    Attributes: ``store`` (:class:`~scaleattn._storage.Location`), ``groups`` (sample ranges), ``tiles`` (row
+    Attributes: ``store`` (:class:`~scaleattn.store._location.Location`), ``groups`` (sample ranges), ``tiles`` (row
     ranges of ``Tc``), ``d``, ``d_out`` (0 for a Gram-only build), ``uid`` (of the store, checked by workers),
     ``run`` (token of the build using the handle, recorded with each partial it writes), ``kernel`` (the
-    statistics kernel of the partials, :func:`scaleattn.kernel.kernel_name`; the workers build with it).
+    statistics kernel of the partials, :func:`scaleattn.statistics._kernel.kernel_name`; the workers build with it).
     """
 
     store: Location
@@ -97,7 +98,8 @@ class Checkpoint:
 
         ``groups`` from :func:`scaleattn.distributed.build.row_groups`, ``tiles`` from
         :func:`scaleattn.distributed.build.tile_bounds` (equal widths except the last, so each partial is one
-        chunk). ``kernel``: the statistics kernel of this build (default :func:`scaleattn.kernel.kernel_name`),
+        chunk). ``kernel``: the statistics kernel of this build (default
+        :func:`scaleattn.statistics._kernel.kernel_name`),
         recorded in a new store and checked against an existing one.
 
         Raises
@@ -199,7 +201,8 @@ class Checkpoint:
         return bool(self._group()["done"][gi, ti])
 
     def write(self, gi: int, ti: int, part, source: int = 0) -> None:
-        """Store the partial :class:`~scaleattn.statistics.Statistics` of group ``gi``, tile ``ti`` (host arrays),
+        """Store the partial :class:`~scaleattn.statistics._container.Statistics` of group ``gi``, tile ``ti`` (host
+        arrays),
         bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
         covers exactly one chunk."""
         g = self._group("r+")

@@ -15,9 +15,9 @@ import os
 import time
 
 from .._params import seconds
-from .._storage import check_kind
+from ..display._progress import Reporter, as_reporter
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
-from ..progress import Reporter, as_reporter
+from ..store._location import check_kind
 from .memory import available_memory, worker_config
 from .reach import first_line, reach_scheduler
 
@@ -171,7 +171,8 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         Do not print the cluster lines (``starting a local Dask cluster (N workers) ...`` before it starts, then
         the workers, the start-up time and the dashboard link, which lives as long as this cluster).
     progress : Reporter, optional
-        Where the cluster lines go (default :func:`~scaleattn.progress.as_reporter` of ``not quiet``: stderr, or
+        Where the cluster lines go (default :func:`~scaleattn.display._progress.as_reporter` of ``not quiet``: stderr,
+        or
         the cell in a notebook); a transient spinner shows while the embedded cluster stops.
     scheduler_timeout : float, optional
         Seconds to keep trying to reach ``scheduler``, also while the connection is refused or its host name does

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._outputs import reading
-from .._storage import with_retries
+from ..display._progress import as_reporter
 from ..model import residual_sums
-from ..progress import as_reporter
+from ..store._location import with_retries
+from ..store._outputs import reading
 from .partition import row_groups
 from .reduction import check_reachable, run_trees, tree_reduce
 
@@ -51,7 +51,7 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     UnsupportedError
         The dataset lives in this process's memory and the workers of ``client`` in other processes.
     OutputInUseError
-        Another run is replacing the dataset (:func:`scaleattn._outputs.reading`).
+        Another run is replacing the dataset (:func:`scaleattn.store._outputs.reading`).
     DatasetError
         Bad values in the dataset.
 

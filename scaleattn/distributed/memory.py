@@ -6,7 +6,7 @@ paths, expands them to the psi x psi Gram ``G``; the eigh path then needs about 
 at its peak (``G``, the Jacobi-scaled copy, LAPACK's copy that becomes the eigenvectors, ``syevd``'s 2 n^2
 workspace), the Cholesky path one past ``DENSE_GRAM_MAX_PSI`` features (``G``, factored in place; the products
 after the factor use ``Tc``) and two up to it (the dense ``G`` the fit shares and the factor's copy). The krylov path
-(:mod:`scaleattn.krylov`) none: beyond ``Tc`` it holds the token-diagonal columns of ``Tc`` (m(m+1)/2 x d),
+(:mod:`scaleattn.linalg._krylov`) none: beyond ``Tc`` it holds the token-diagonal columns of ``Tc`` (m(m+1)/2 x d),
 the block-Jacobi inverses (d x m x m), one segment expansion per operator thread and a few hundred psi-vectors
 (Lanczos bases, LOBPCG and CG blocks), :func:`krylov_bytes`. Each worker holds one partial ``Tc`` tile per task,
 and up to ``split_every + 2`` of them while it combines partials (:func:`scaleattn.distributed.reduction.tree_reduce`).
@@ -19,14 +19,14 @@ from __future__ import annotations
 import functools
 import os
 
-from ..certificate import DENSE_GRAM_MAX_PSI
-from ..dataset import CUT_CHUNKS
+from ..data._dataset import CUT_CHUNKS
 from ..errors import InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
-from ..kernel import PANEL_COLS, PANEL_ROWS
-from ..krylov import BLOCK, LANCZOS_MAX
-from ..spectrum import solver_path
-from ..statistics import BLOCK_BYTES, block_bytes_per_sample
+from ..linalg._certificate import DENSE_GRAM_MAX_PSI
+from ..linalg._krylov import BLOCK, LANCZOS_MAX
+from ..linalg._spectrum import solver_path
+from ..statistics._container import BLOCK_BYTES, block_bytes_per_sample
+from ..statistics._kernel import PANEL_COLS, PANEL_ROWS
 from .partition import MAX_TILE_BYTES, tile_bounds
 
 __all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
@@ -169,7 +169,7 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
     certificate, no moments) on the given ``solver`` path.
 
-    Returns a dict: ``psi``, ``path`` ("eigh", "cholesky" or "krylov", :func:`scaleattn.spectrum.solver_path`;
+    Returns a dict: ``psi``, ``path`` ("eigh", "cholesky" or "krylov", :func:`scaleattn.linalg._spectrum.solver_path`;
     with ``available`` bytes, ``solver="auto"`` takes krylov when the dense path it would pick does not fit),
     ``gram_bytes`` (one psi x psi float64 array), ``gram_arrays`` (how many the dense path holds at its peak,
     :data:`SOLVER_ARRAYS`), ``compact_bytes`` (``Tc``), ``solver_bytes`` (the solver
@@ -178,7 +178,7 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     peak: ``split_every + 2`` tiles while combining, plus one block of features and the kernel's panels).
     Independent of the number of rows (the build streams them). ``remote``: a cluster fit, whose krylov path
     leaves ``Tc`` on the workers (:mod:`scaleattn.distributed.operator`): its solver node holds no ``Tc``.
-    ``dense``: only the dense paths (a ridge needs them; :func:`~scaleattn.spectrum.solver_path`). ``heads``
+    ``dense``: only the dense paths (a ridge needs them; :func:`~scaleattn.linalg._spectrum.solver_path`). ``heads``
     other than ``"svd"`` expand ``G`` and two psi x psi loss factors on the krylov path too; up to
     ``DENSE_GRAM_MAX_PSI`` that path shares one dense ``G`` (with the small-eigenvalue solve's copies).
     """
@@ -206,7 +206,7 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
 def chunk_bytes(dataset, targets: bool = True) -> float:
     """Peak bytes a task holds for one chunk of ``dataset``'s rows as read (tokens, lengths, targets as stored,
     and their float64 copies), besides the features of :func:`fit_memory`, plus the cut chunks its process keeps
-    for the next row group (:data:`scaleattn.dataset.CUT_CHUNKS`, as stored)."""
+    for the next row group (:data:`scaleattn.data._dataset.CUT_CHUNKS`, as stored)."""
     T, d = dataset.length, dataset.d
     per = 8.0 * T * d + 8.0 * dataset.has_lengths
     if targets and dataset.has_targets:

@@ -4,8 +4,8 @@ workers that built them, and no node holds ``Tc`` or ``G``.
 :func:`remote_statistics` runs the statistics build (:func:`scaleattn.distributed.build.compute_statistics`)
 but leaves the root of every column tile of ``Tc`` on the worker that computed it (persisted futures); the
 client receives only ``B`` (psi x d_out), ``yy`` and the row count. :class:`DistributedGramOperator` is the
-operator the krylov solver (:mod:`scaleattn.krylov`) runs on: each product ``G X`` sends ``X`` (psi x k) once to
-every worker that holds tiles, each of those workers applies its tiles (:func:`scaleattn.gram_operator.tile_matmat`,
+operator the krylov solver (:mod:`scaleattn.linalg._krylov`) runs on: each product ``G X`` sends ``X`` (psi x k) once to
+every worker that holds tiles, each of those workers applies its tiles (:func:`scaleattn.linalg._gram.tile_matmat`,
 one psi x k partial per worker, whatever its number of tiles), and the partials are added by the fixed-order
 tree of :mod:`.reduction`; the sum comes back to the client. Traffic per product is therefore
 ``2 x 8 psi k`` bytes per worker (``X`` out, one partial back into the tree), never a tile; the operator counts
@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import ParameterError
 from ..features import n_features, n_pairs
-from ..gram_operator import GramOperator, tile_diagonal, tile_matmat, tile_token_columns
-from ..statistics import Statistics
+from ..linalg._gram import GramOperator, tile_diagonal, tile_matmat, tile_token_columns
+from ..statistics._container import Statistics
 from .build import compute_statistics
 from .reduction import SPLIT_EVERY, submit_tree
 
@@ -79,7 +79,7 @@ class DistributedGramOperator(GramOperator):
     Attributes
     ----------
     passes, products : int
-        As :class:`~scaleattn.gram_operator.GramOperator`.
+        As :class:`~scaleattn.linalg._gram.GramOperator`.
     traffic : list of dict
         Per product: ``workers``, ``bytes_out`` (``X`` sent to the workers), ``bytes_back`` (the partials into
         the tree and the sum to the client).
@@ -162,7 +162,7 @@ class DistributedGramOperator(GramOperator):
 
 
 class RemoteStatistics(Statistics):
-    """:class:`~scaleattn.statistics.Statistics` whose compact Gram stays on the workers: ``moments``, ``yy``
+    """:class:`~scaleattn.statistics._container.Statistics` whose compact Gram stays on the workers: ``moments``, ``yy``
     and ``n_rows`` are here, ``Tc`` only through :attr:`operator` (products, diagonal, token columns).
 
     Attributes

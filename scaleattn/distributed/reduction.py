@@ -69,7 +69,7 @@ def submit_tree(client, futures: list, func, split_every: int = SPLIT_EVERY):
     """:func:`tree_reduce` of ``futures`` on a cluster with ``func``.
 
     Combine tasks get no Dask retries: a failing sum is a bug, not a flaky store (the leaves retry their own
-    store reads, :func:`~scaleattn._storage.with_retries`). Returns ``(root, combines)``: every reduction
+    store reads, :func:`~scaleattn.store._location.with_retries`). Returns ``(root, combines)``: every reduction
     future, for the caller to keep referenced until the end (so a cancel finds each of them still wanted) and
     to cancel with the inputs when something fails.
     """
@@ -146,7 +146,7 @@ def leaf_places(client, n: int) -> list[dict]:
 
 def check_reachable(client, inputs) -> None:
     """Refuse, before any task, inputs the workers of ``client`` cannot read: a store in the memory of this
-    process (``memory://``, :attr:`~scaleattn._storage.Location.in_memory`) when a worker runs in another
+    process (``memory://``, :attr:`~scaleattn.store._location.Location.in_memory`) when a worker runs in another
     process (an address other than ``inproc://``: every worker of an external scheduler or of a LocalCluster of
     processes). In this process (``client=None``, or a LocalCluster of threads) such a store is read as any
     other.

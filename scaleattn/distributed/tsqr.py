@@ -1,19 +1,19 @@
 """Tall-skinny QR of the features over the row groups, in process or on a Dask cluster (layer L3; DESIGN §4, §6).
 
-The second data pass a certificate takes when the Gram cannot settle it (:func:`scaleattn.qr.needs_qr`): one
+The second data pass a certificate takes when the Gram cannot settle it (:func:`scaleattn.linalg._qr.needs_qr`): one
 task per row group (the same groups as the statistics build, :func:`~.partition.row_groups`) folds its rows
-``[phi | y]`` into an R factor (:func:`scaleattn.qr.accumulate_r`), and R factors are combined by the
-fixed-order tree of :mod:`.reduction` (stack two R's and re-factor, :func:`scaleattn.qr.merge_factors`), so
+``[phi | y]`` into an R factor (:func:`scaleattn.linalg._qr.accumulate_r`), and R factors are combined by the
+fixed-order tree of :mod:`.reduction` (stack two R's and re-factor, :func:`scaleattn.linalg._qr.merge_factors`), so
 the result is the same for any worker count, completion order or retry. Tasks run on the CPU (LAPACK's
 Householder QR); memory per task: one block of rows (``QR_BLOCK_BYTES``) and ``split_every + 1`` R's.
 """
 from __future__ import annotations
 
-from .._storage import with_retries
+from ..display._progress import as_reporter
 from ..errors import InsufficientMemoryError
 from ..features import n_features
-from ..progress import as_reporter
-from ..qr import QR_BLOCK_BYTES, QRFactor, accumulate_r, merge_factors
+from ..linalg._qr import QR_BLOCK_BYTES, QRFactor, accumulate_r, merge_factors
+from ..store._location import with_retries
 from .memory import GIB, available_memory, small_workers
 from .partition import TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, run_trees
@@ -118,7 +118,7 @@ def compute_r(dataset, client=None, *, targets: bool = True, group_samples: int 
 
     See Also
     --------
-    scaleattn.qr.solve_from_r, scaleattn.qr.certificate_from_r : what the factor is for.
+    scaleattn.linalg._qr.solve_from_r, scaleattn.linalg._qr.certificate_from_r : what the factor is for.
 
     Examples
     --------

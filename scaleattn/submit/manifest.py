@@ -11,11 +11,11 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from .._outputs import relation
 from .._params import MAX_SECONDS, storage_option_pairs
-from .._storage import Location
 from .._version import __version__
 from ..errors import ParameterError
+from ..store._location import Location
+from ..store._outputs import relation
 
 __all__ = ["default_image", "registry_of", "render_daskjob", "to_yaml", "API_VERSION", "DEFAULT_NAME",
            "DEFAULT_SECRET", "DEFAULT_NAMESPACE", "IMAGE_NAME", "REGISTRY_ENV", "EXAMPLE_REGISTRY", "RUN_AS_USER",

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from scaleattn import baselines as B  # noqa: E402
 from scaleattn.generate import make_mhla, mhla_forward  # noqa: E402
-from scaleattn.heads import coef_from_heads  # noqa: E402
+from scaleattn.heads._algebra import coef_from_heads  # noqa: E402
 
 
 def _set_heads(model, V, Q):

@@ -24,8 +24,8 @@ def first_calls_compile(monkeypatch):
     of the solve), which takes 1000 "seconds", as a first compile does: a timed figure >= 1000 timed one."""
     import types
 
-    import scaleattn.solver as solver
-    import scaleattn.statistics as statistics
+    import scaleattn.linalg._solver as solver
+    import scaleattn.statistics._container as statistics
 
     clock, seen = [0.0], set()
 
@@ -105,7 +105,7 @@ def test_krylov_whole_fit_tiny(tmp_path):
 
 
 def test_krylov_operator_products_tiny():
-    import scaleattn.kernel as kernel
+    import scaleattn.statistics._kernel as kernel
 
     saved = kernel.KERNEL
     r = krylov.operator_products(4, ks=(1, 3), repeats=1)

@@ -185,7 +185,7 @@ def _nan_on_cluster(d):
 
 
 def _evaluate_d_out(d):
-    from scaleattn.heads import coef_from_heads
+    from scaleattn.heads._algebra import coef_from_heads
     from scaleattn.model import MHLAModel
 
     rng = _rng()
@@ -205,7 +205,7 @@ def _plot_d_out(d):
 
 
 def _model_as_dataset(d):
-    from scaleattn.heads import coef_from_heads
+    from scaleattn.heads._algebra import coef_from_heads
     from scaleattn.model import MHLAModel
 
     rng = _rng()

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from scaleattn.dataset import open_dataset
+from scaleattn.data._dataset import open_dataset
 from scaleattn.features import phi, token_features
+from scaleattn.linalg._spectrum import EIG_TOP_RTOL
 from scaleattn.model import MHLAModel
-from scaleattn.spectrum import EIG_TOP_RTOL
 
 
 @pytest.mark.slow
@@ -116,8 +116,8 @@ def test_compare_answers_as_diff_does_and_a_bug_says_so(cli, tmp_path, monkeypat
     """``compare`` exits 0 (same function), 1 (different), 2 (cannot compare). A bug exits 1 in every command (the
     exit codes are fixed by ARCHITECTURE), so its stderr line is what tells it from "different"; ``--debug`` keeps
     the error's code (it raised: Python's 1 for bad input too)."""
-    from scaleattn import heads
-    from scaleattn.heads import coef_from_heads
+    from scaleattn.heads import _algebra as heads
+    from scaleattn.heads._algebra import coef_from_heads
 
     V, Q = np.ones((1, 1, 2)), np.eye(2)[None]
     a, b, c = (tmp_path / n for n in ("a.zarr", "b.zarr", "c.zarr"))

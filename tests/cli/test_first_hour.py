@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scaleattn.progress import ConsoleReporter, NotebookReporter, as_reporter
+from scaleattn.display._progress import ConsoleReporter, NotebookReporter, as_reporter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ def test_install_hints_follow_the_installation(monkeypatch):
         raise ImportError("Install s3fs to access S3")
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", no_s3fs)
-    from scaleattn._storage import fs_for
+    from scaleattn.store._location import fs_for
 
     with pytest.raises(errors.MissingDependencyError, match=r"s3://b/x.zarr needs s3fs: pip install -e '/src/"):
         fs_for("s3://b/x.zarr")

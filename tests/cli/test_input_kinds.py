@@ -78,7 +78,7 @@ def test_the_library_says_it_too(place):
     from scaleattn.model import MHLAModel
     from scaleattn.pipeline import certify_dataset
     from scaleattn.run import read_run
-    from scaleattn.statistics import Statistics
+    from scaleattn.statistics._container import Statistics
 
     for call, pattern in ((lambda: import_arrays("o.zarr", "dir"), r"dir: is a directory, expected a \.npz"),
                           (lambda: import_csv("o.zarr", "dir", length=2), r"dir: is a directory, expected a CSV"),

@@ -3,12 +3,12 @@ numpy whatever the tiling; bit-identical statistics whichever workers (and how m
 import numpy as np
 import pytest
 
-from scaleattn.dataset_writer import write_dataset
+from scaleattn.data._writer import write_dataset
 from scaleattn.distributed.build import compute_statistics, group_statistics
 from scaleattn.distributed.partition import MAX_TILE_BYTES, row_groups, tile_bounds
 from scaleattn.features import n_pairs, phi, row_targets, token_features
 from scaleattn.generate import make_mhla
-from scaleattn.statistics import statistics_from_arrays
+from scaleattn.statistics._container import statistics_from_arrays
 
 
 @pytest.fixture(scope="module")

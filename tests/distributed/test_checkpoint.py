@@ -10,14 +10,14 @@ import pytest
 import zarr
 
 from scaleattn import __version__
-from scaleattn._storage import resolve
-from scaleattn.dataset_writer import write_dataset
+from scaleattn.data._writer import write_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.distributed.partition import row_groups, tile_bounds
 from scaleattn.generate import make_mhla
 from scaleattn.pipeline import fit
-from scaleattn.statistics import Statistics
+from scaleattn.statistics._container import Statistics
+from scaleattn.store._location import resolve
 from tests.helpers import assert_same_stats
 
 
@@ -111,7 +111,7 @@ def test_resume_with_another_revision_of_the_kernel_is_refused(data, tmp_path, m
     """A checkpoint records its kernel's revision (one without it: revision 1, the numba kernel before its 4 x 4
     micro-kernel); a resume by another revision is refused in one line, never mixed in."""
     from scaleattn.errors import CheckpointError
-    from scaleattn.kernel import KERNEL_REVISIONS
+    from scaleattn.statistics._kernel import KERNEL_REVISIONS
 
     ck = str(tmp_path / "ck.zarr")
     monkeypatch.setenv("SCALEATTN_KERNEL", "numba")

@@ -39,7 +39,7 @@ def test_worker_config_keeps_a_block_of_heap():
     """The embedded cluster's workers keep the heap of a block of features (the nanny's 64 KiB trim threshold
     gave every block's 5 MB arrays back to the OS, page-faulted again on the next block) and mmap the partials."""
     from scaleattn.distributed.memory import MMAP_THRESHOLD, TRIM_THRESHOLD, release_large_buffers, worker_config
-    from scaleattn.statistics import BLOCK_BYTES
+    from scaleattn.statistics._container import BLOCK_BYTES
 
     cfg = worker_config()
     env = {k.rsplit(".", 1)[1]: int(v) for k, v in cfg.items() if ".pre-spawn-environ." in k}

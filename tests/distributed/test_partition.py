@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn.dataset import open_dataset
-from scaleattn.dataset_writer import write_dataset
+from scaleattn.data._dataset import open_dataset
+from scaleattn.data._writer import write_dataset
 from scaleattn.distributed.build import compute_statistics, group_statistics
 from scaleattn.distributed.partition import GROUP_BYTES, MIN_GROUPS, SNAP_CHUNKS, row_groups
 from scaleattn.errors import CheckpointError, IntegrityError, ParameterError
@@ -131,7 +131,7 @@ def test_cut_groups_on_a_cluster_are_bit_identical_to_in_process(tmp_path, clien
 
 
 def test_a_cut_chunk_is_read_and_checked_once_per_build(tmp_path, monkeypatch):
-    from scaleattn.dataset import CUT_CHUNKS, Dataset
+    from scaleattn.data._dataset import CUT_CHUNKS, Dataset
 
     ds, _ = _write(tmp_path / "o.zarr", samples=70, chunk=9, seed=3)
     groups = row_groups(ds)

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
+from scaleattn.display._progress import Reporter
 from scaleattn.distributed.reduction import leaf_places, run_trees, tree_reduce
-from scaleattn.progress import Reporter
 
 
 @pytest.mark.parametrize("split_every", [2, 3, 8])

@@ -16,7 +16,7 @@ import zarr
 
 from scaleattn.cli import main
 from scaleattn.generate import generate_mhla
-from scaleattn.statistics import Statistics
+from scaleattn.statistics._container import Statistics
 
 ROOT = Path(__file__).resolve().parents[2]
 

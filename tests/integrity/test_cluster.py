@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from scaleattn.dataset import open_dataset
+from scaleattn.data._dataset import open_dataset
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.errors import IntegrityError
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn import _storage, _testing
+from scaleattn import _testing
+from scaleattn.store import _location as _storage
 
 from .conftest import (
     FIT,
@@ -285,8 +286,8 @@ def test_an_interrupted_removal_leaves_a_smaller_store_never_a_foreign_one(tmp_p
     the next --overwrite replaces."""
     import shutil
 
-    from scaleattn._outputs import owner_of
-    from scaleattn._storage import Location
+    from scaleattn.store._location import Location
+    from scaleattn.store._outputs import owner_of
 
     dataset(tmp_path / "d.zarr")
     rc, err = run_main(["fit", "d.zarr", "--out", "run", "--keep-checkpoint", *FIT], capsys, cwd=tmp_path)
@@ -397,8 +398,8 @@ def test_writes_in_flight_when_an_output_fails_land_before_its_removal(tmp_path)
 
     from zarr.core.sync import _get_loop
 
-    from scaleattn._outputs import atomic_output
-    from scaleattn._storage import Location
+    from scaleattn.store._location import Location
+    from scaleattn.store._outputs import atomic_output
 
     async def late_put(path):  # a chunk's put still running when the caller gives up
         await asyncio.sleep(0.5)
@@ -420,9 +421,9 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path):
     input that cannot be read, a missing path inside the output: a bug) is raised as it is."""
     import errno
 
-    from scaleattn._outputs import atomic_output
-    from scaleattn._storage import Location
     from scaleattn.errors import StorageError
+    from scaleattn.store._location import Location
+    from scaleattn.store._outputs import atomic_output
 
     out = Location(str(tmp_path / "o.zarr"))
     with pytest.raises(StorageError, match=r"cannot write output .*o\.zarr: No space left on device"):

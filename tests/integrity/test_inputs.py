@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from scaleattn._outputs import relation
-from scaleattn._storage import Location
+from scaleattn.store._location import Location
+from scaleattn.store._outputs import relation
 
 from .conftest import FIT, Inputs, dataset, error_line, expect, foreign, rows, run_main, tree_hash
 
@@ -208,7 +208,7 @@ def test_file_uris_name_the_local_path_in_any_spelling(spelling, tmp_path, capsy
     """Schemes are case-insensitive (RFC 3986) and ``file:/x``, ``file://localhost/x`` are local paths (RFC 8089):
     each spelling of an input's own path is refused as an output that is the input (fsspec read them as
     ``./FILE:/...``, ``./localhost/...`` or an unknown protocol), and ``S3://`` is ``s3://``."""
-    from scaleattn._storage import resolve
+    from scaleattn.store._location import resolve
 
     src = tmp_path / "in.zarr"
     dataset(src)

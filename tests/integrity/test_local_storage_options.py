@@ -35,7 +35,7 @@ def test_the_cli_refuses_storage_options_of_local_paths(tmp_path, capsys):
 
 def test_the_api_refuses_storage_options_of_local_paths(tmp_path):
     from scaleattn import certify_dataset, fit
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._writer import write_dataset
     from scaleattn.generate import generate_mhla
     from scaleattn.importers import import_arrays
 
@@ -55,7 +55,7 @@ def test_the_api_refuses_storage_options_of_local_paths(tmp_path):
 
 
 def test_options_of_a_url_among_local_paths_are_taken(tmp_path):
-    from scaleattn._storage import check_storage_options
+    from scaleattn.store._location import check_storage_options
 
     check_storage_options({"anon": True}, "d.zarr", "s3://bucket/run")
     check_storage_options(["anon=true"], "d.zarr", "S3://bucket/run")
@@ -80,7 +80,7 @@ def test_the_readers_and_writers_of_stores_refuse_them_too(tmp_path, monkeypatch
     from scaleattn.model import MHLAModel
     from scaleattn.plot import run_figures, sample_predictions, save_run_plots
     from scaleattn.run import read_run
-    from scaleattn.statistics import Statistics
+    from scaleattn.statistics._container import Statistics
 
     dataset(tmp_path / "d.zarr")
     d, run = str(tmp_path / "d.zarr"), str(tmp_path / "run")

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from scaleattn._outputs import hold, lock_location
-from scaleattn._storage import Location
 from scaleattn.errors import OutputInUseError
+from scaleattn.store._location import Location
+from scaleattn.store._outputs import hold, lock_location
 
 from .conftest import (
     FIT,
@@ -30,7 +30,7 @@ from .conftest import (
     tree_hash,
 )
 
-HOLDER = ("import sys, time; from scaleattn._outputs import hold; from scaleattn._storage import resolve\n"
+HOLDER = ("import sys, time; from scaleattn.store._outputs import hold; from scaleattn.store._location import resolve\n"
           "with hold(resolve(sys.argv[1]), '--out'):\n    print('held', flush=True); time.sleep(60)\n")
 
 

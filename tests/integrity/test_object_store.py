@@ -57,7 +57,7 @@ def test_an_absent_chunk_object_is_refused_and_a_run_holds_its_s3_lock(s3):
     r = run_cli(["fit", f"s3://{BUCKET}/d.zarr", "--out", f"s3://{BUCKET}/run", *FIT], env=s3["env"])
     assert r.returncode == 0, r.stderr
     assert not fs.exists(f"{BUCKET}/.run.lock")
-    from scaleattn.statistics import Statistics
+    from scaleattn.statistics._container import Statistics
 
     local = s3["tmp"] / "local"
     assert run_cli(["fit", str(s3["tmp"] / "d.zarr"), "--out", local, *FIT]).returncode == 0
@@ -70,7 +70,7 @@ def test_a_chunk_object_rewritten_after_opening_is_refused_with_the_listing_cach
     client (same size, new ETag) is one error naming the samples, in process and in a fresh handle's reads."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import IntegrityError
 
     from .conftest import foreign, rows

@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from scaleattn._names import ADDED, COMPANIONS, check_output_name, name_max, one_line
-from scaleattn._storage import resolve
 from scaleattn.errors import UnsafeOutputError
+from scaleattn.store._location import resolve
+from scaleattn.store._names import ADDED, COMPANIONS, check_output_name, name_max, one_line
 
 from .conftest import FIT, Inputs, dataset, error_line, expect, run_main
 from .test_output_places import _argvs
@@ -99,7 +99,7 @@ def test_one_line_and_the_check():
 def test_object_stores_limit_the_whole_key_not_the_name(prefix):
     """S3, GCS and Azure keys have no folders: a name may be longer than a file system's 255 bytes, as long as the
     whole key (its prefix, the name with the companions' ``ADDED`` bytes, the keys inside) stays within 1,024."""
-    from scaleattn._names import INNER, KEY_MAX
+    from scaleattn.store._names import INNER, KEY_MAX
 
     parent = prefix.split("::")[-1].split("://", 1)[1].partition("/")[2].rstrip("/")
     longest = KEY_MAX - INNER - len(parent) - bool(parent) - ADDED  # (bytes; ASCII names)

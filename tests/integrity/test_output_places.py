@@ -12,9 +12,9 @@ import fsspec
 import numpy as np
 import pytest
 
-from scaleattn._outputs import check_output_location
-from scaleattn._storage import Location, resolve
 from scaleattn.errors import UnsafeOutputError, UnsupportedError
+from scaleattn.store._location import Location, resolve
+from scaleattn.store._outputs import check_output_location
 
 from .conftest import FIT, Inputs, dataset, error_line, expect, run_main
 
@@ -93,7 +93,7 @@ def test_an_output_needs_a_place_beside_it(url):
 @pytest.mark.parametrize("url", ["/tmp/somewhere/run", "file:///tmp/somewhere/run", "s3://bucket/run",
                                  "gs://bucket/a/run", "az://container/run", "sftp://host/home/run"])
 def test_persistent_places_are_accepted(url, monkeypatch):
-    from scaleattn import _outputs
+    from scaleattn.store import _outputs
 
     monkeypatch.setattr(_outputs, "check_outside_stores", lambda *a, **k: None)  # (no network here)
     check_output_location(resolve(url), "--out")
@@ -109,9 +109,9 @@ def test_bench_writes_local_files_only(tmp_path, capsys):
 
 
 def test_library_writers_refuse_memory_outputs(tmp_path, clean_memory):
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._writer import write_dataset
     from scaleattn.model import MHLAModel
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.statistics._container import statistics_from_arrays
 
     tok = np.random.default_rng(1).standard_normal((4, 3, 2))
     stats = statistics_from_arrays(tok, tok[:, -1])
@@ -144,7 +144,7 @@ class _Client:
 
 def test_memory_inputs_are_read_in_process_never_by_other_processes(tmp_path, clean_memory):
     from scaleattn import certify_dataset
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.distributed.evaluate import evaluate
     from scaleattn.model import MHLAModel
 
@@ -169,7 +169,7 @@ def test_memory_inputs_on_real_clusters(tmp_path, clean_memory):
     from distributed import Client, LocalCluster
 
     from scaleattn import certify_dataset
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
 
     ds = open_dataset(_memory_dataset(tmp_path, "mem2/d.zarr"))
     ref = certify_dataset(ds)
@@ -185,7 +185,7 @@ def test_files_are_never_added_into_a_store_and_outputs_are_not_links(tmp_path, 
     the run's own model) is refused, as a path inside one is. An output that is a symbolic link is refused (an
     --overwrite replaced the link and left 'Cannot call rmtree on a symbolic link' for every later run), and a
     link left aside by such a run is removed as a link, its target untouched."""
-    from scaleattn._storage import remove
+    from scaleattn.store._location import remove
 
     dataset(tmp_path / "d.zarr")
     dataset(tmp_path / "e.zarr", seed=2)  # a store no command here reads
@@ -255,7 +255,7 @@ def test_overwrite_never_deletes_another_kind_of_store_under_a_run_s_store_name(
 def test_overwrite_of_a_directory_with_any_zarr_json_is_refused_in_one_line(tmp_path, meta):
     """A zarr.json is any program's file: one that is JSON but not an object, or nested too deep, was an internal
     error (AttributeError, RecursionError) of --overwrite instead of "not written by scaleattn"."""
-    from scaleattn._outputs import check_replaceable
+    from scaleattn.store._outputs import check_replaceable
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "zarr.json").write_bytes(meta.encode("latin-1"))

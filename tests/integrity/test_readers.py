@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn._outputs import check_unread, reading
-from scaleattn._storage import Location
 from scaleattn.errors import OutputInUseError
+from scaleattn.store._location import Location
+from scaleattn.store._outputs import check_unread, reading
 
 from .conftest import (
     FIT,
@@ -40,9 +40,9 @@ from .conftest import (
     tree_hash,
 )
 
-READER = ("import sys, time; from scaleattn._outputs import reading; from scaleattn._storage import resolve\n"
+READER = ("import sys, time; from scaleattn.store import reading, resolve\n"
           "with reading(resolve(sys.argv[1]), 'dataset'):\n    print('reading', flush=True); time.sleep(60)\n")
-HOLDER = ("import sys, time; from scaleattn._outputs import hold; from scaleattn._storage import resolve\n"
+HOLDER = ("import sys, time; from scaleattn.store import hold, resolve\n"
           "with hold(resolve(sys.argv[1]), 'output'):\n    print('held', flush=True); time.sleep(60)\n")
 HOST = re.escape(socket.gethostname())
 
@@ -122,7 +122,7 @@ def test_overwrite_is_refused_while_another_run_reads_the_store(tmp_path, capsys
 def test_save_and_fit_checkpoint_overwrite_are_refused_too(tmp_path, capsys, start):
     """The library writers (``MHLAModel.save``, ``Statistics.save``) and a fit's ``--checkpoint --overwrite``."""
     from scaleattn.model import MHLAModel
-    from scaleattn.statistics import Statistics
+    from scaleattn.statistics._container import Statistics
 
     dataset(tmp_path / "d.zarr")
     _fit(tmp_path, capsys)
@@ -226,7 +226,7 @@ def test_a_half_made_marker_of_a_killed_reader_is_removed(tmp_path, capsys, argv
     locked is a live reader's."""
     import fcntl
 
-    from scaleattn._locks import PARTIAL_S
+    from scaleattn.store._locks import PARTIAL_S
 
     dataset(tmp_path / "d.zarr")
     old, young, held = (tmp_path / f".d.zarr.read-{t}.partial-lock" for t in ("0" * 12, "1" * 12, "2" * 12))
@@ -347,8 +347,8 @@ def test_every_name_of_the_store_is_protected(tmp_path, capsys, start, spelling)
 
 def test_a_store_directly_under_the_root_has_a_place_for_its_markers():
     """``/data.zarr`` (common in containers) has ``/`` next to it; only ``/`` itself has no parent."""
-    from scaleattn._locks import _parent
-    from scaleattn._storage import Location
+    from scaleattn.store._location import Location
+    from scaleattn.store._locks import _parent
 
     assert _parent(Location("/data.zarr")) == Location("/")
     assert _parent(Location("/")) is None
@@ -364,8 +364,8 @@ def test_a_dataset_inside_another_store_is_read_without_writing_into_that_store(
     outer.attrs["what"] = "another tool's store"
     shutil.copytree(tmp_path / "d.zarr", tmp_path / "outer.zarr" / "ds")
     before = tree_hash(tmp_path / "outer.zarr")
-    from scaleattn._locks import reading
-    from scaleattn._storage import resolve
+    from scaleattn.store._location import resolve
+    from scaleattn.store._locks import reading
 
     with reading(resolve(tmp_path / "outer.zarr" / "ds"), "dataset"):
         assert tree_hash(tmp_path / "outer.zarr") == before

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 
-from scaleattn.dataset import open_dataset
+from scaleattn.data._dataset import open_dataset
 from scaleattn.distributed.build import compute_statistics
 
 from .conftest import (

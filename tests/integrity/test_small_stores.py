@@ -11,10 +11,10 @@ import pytest
 import zarr
 
 from scaleattn.errors import FormatError, IntegrityError, ParameterError
-from scaleattn.heads import coef_from_heads
+from scaleattn.heads._algebra import coef_from_heads
 from scaleattn.model import MHLAModel
 from scaleattn.run import load_spectrum
-from scaleattn.statistics import Statistics
+from scaleattn.statistics._container import Statistics
 
 from .conftest import error_line, expect, run_main
 
@@ -153,12 +153,12 @@ def test_cli_refuses_a_model_without_manifest_and_an_absent_chunk(stores, capsys
 
 
 def test_spectrum_store_is_checked(tmp_path):
-    from scaleattn._storage import resolve
-    from scaleattn.certificate import certify
+    from scaleattn.linalg._certificate import certify
     from scaleattn.run import save_spectrum
+    from scaleattn.store._location import resolve
 
     rng = np.random.default_rng(0)
-    from scaleattn.statistics import statistics_from_arrays
+    from scaleattn.statistics._container import statistics_from_arrays
 
     cert = certify(statistics_from_arrays(rng.standard_normal((40, 3, 2)), rng.standard_normal((40, 2))))
     save_spectrum(cert, resolve(tmp_path / "sp.zarr"))

@@ -35,7 +35,7 @@ def base(tmp_path_factory):
     tok, y = rows()
     foreign(b / "foreign.zarr", tok, y)
     dataset(b / "sharded.zarr")  # replaced below by a sharded copy
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._writer import write_dataset
 
     shutil.rmtree(b / "sharded.zarr")
     write_dataset(b / "sharded.zarr", tok, y, chunk_samples=4, shard_samples=8)
@@ -153,8 +153,8 @@ def _attr(path, key, value):
 def _unfinished(path):
     """A dataset whose writer (create_dataset + write_block) stopped before finish_dataset, as a killed
     in-place write to an object store leaves it."""
-    from scaleattn._storage import resolve
-    from scaleattn.dataset_writer import create_dataset, write_block
+    from scaleattn.data._writer import create_dataset, write_block
+    from scaleattn.store._location import resolve
 
     shutil.rmtree(path)
     g = create_dataset(resolve(path), 32, 6, 2, 2, causal=True, chunk_samples=8)
@@ -216,8 +216,8 @@ def test_stores_we_write_use_crc32c_and_keep_every_chunk(base):
 
 
 def test_all_zero_chunks_of_our_datasets_are_stored(tmp_path):
-    from scaleattn.dataset import open_dataset
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._dataset import open_dataset
+    from scaleattn.data._writer import write_dataset
 
     tok, y = rows()
     tok[:8], y[:8] = 0.0, 0.0
@@ -233,7 +233,7 @@ def test_crc32c_streams_and_equals_the_checksum_of_the_whole_bytes():
     import google_crc32c
     import numpy as np
 
-    from scaleattn._integrity import crc32c
+    from scaleattn.store._integrity import crc32c
 
     rng = np.random.default_rng(0)
     for a in (rng.standard_normal((3000, 1000)), np.zeros((0, 5)), rng.standard_normal(7).astype(">f8"),
@@ -292,7 +292,7 @@ def test_a_store_without_manifest_is_read_only_as_the_objects_checked_when_opene
     the array and the samples, never other numbers; the untouched chunks still read."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import IntegrityError
 
     tok, y = rows(n=32)
@@ -319,7 +319,7 @@ def test_a_store_without_manifest_read_as_fill_binds_its_absent_chunks_too(tmp_p
     values where the fill value was read before) is refused as a rewritten one."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import IntegrityError
 
     tok, y = rows(n=32)
@@ -340,7 +340,7 @@ def test_a_read_that_cuts_a_chunk_still_checks_it_against_the_manifest(tmp_path,
     return its values unchecked. Reads that miss the chunk still work."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import IntegrityError
 
     ds = dataset(tmp_path / "d.zarr", seed=1)
@@ -362,7 +362,7 @@ def test_metadata_edited_after_opening_is_refused_by_the_next_read(tmp_path, whe
     read as other values. The next read is one error naming the array, never the permuted values."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
+    from scaleattn.data._dataset import open_dataset
     from scaleattn.errors import IntegrityError
 
     rng = np.random.default_rng(0)
@@ -404,8 +404,8 @@ def test_a_replaced_store_is_refused_after_its_cached_group_was_evicted(tmp_path
     pushed its group out of the cache (the group was reopened with the new manifest, its check still cached)."""
     import numpy as np
 
-    from scaleattn.dataset import open_dataset
-    from scaleattn.dataset_writer import write_dataset
+    from scaleattn.data._dataset import open_dataset
+    from scaleattn.data._writer import write_dataset
     from scaleattn.errors import IntegrityError
 
     X, Y = np.random.default_rng(0).standard_normal((32, 4, 2)), np.ones((32, 2))
