@@ -1,0 +1,219 @@
+"""The streaming and dual paths (scaleattn.linalg._stream) against lstsq on explicit features and the Gram route."""
+import numpy as np
+import pytest
+
+import scaleattn
+from scaleattn.errors import ParameterError
+from scaleattn.features import phi, row_targets, token_features
+from scaleattn.linalg._stream import (
+    KFAC,
+    StreamOperator,
+    dual_solve,
+    kw_lower_bound,
+    rows_from_arrays,
+    rows_from_dataset,
+    stream_solve,
+)
+
+
+def _explicit(tok, y, lengths=None, causal=False):
+    s, x = token_features(tok, lengths, causal)
+    return phi(s, x), row_targets(y, lengths, causal)
+
+
+def _agrees(coef, F, Y, rtol=1e-8):
+    """The test's checker: ``coef`` is the min-norm least-squares solution on the explicit features."""
+    ref = np.linalg.lstsq(F, Y, rcond=None)[0]
+    return float(np.abs(coef - ref).max()) <= rtol * float(np.abs(ref).max())
+
+
+def _cases():
+    rng = np.random.default_rng(7)
+    d = 4
+    yield "causal d_out 2", rng.standard_normal((90, 6, d)), rng.standard_normal((90, 6, 2)), None, True
+    lengths = rng.integers(1, 7, 160)
+    yield "last-token, lengths", rng.standard_normal((160, 6, d)), rng.standard_normal((160, 1)), lengths, False
+    lengths = rng.integers(1, 6, 80)
+    yield "causal, lengths, d_out 3", rng.standard_normal((80, 5, 3)), rng.standard_normal((80, 5, 3)), lengths, True
+    tok = rng.standard_normal((150, 6, d))
+    tok[..., 2] *= 100.0  # one coordinate 100x the others: feature scales span 1e8
+    yield "badly scaled", tok, rng.standard_normal((150, 6, 1)), None, True
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :3]  # tokens in a 3-dim subspace: G singular
+    yield "rank-deficient", rng.standard_normal((150, 6, 3)) @ Q.T, rng.standard_normal((150, 6, 2)), None, True
+    tok = rng.standard_normal((150, 6, d))
+    tok[..., 3] = 0.0  # a coordinate always zero: all-zero features
+    yield "zero coordinate", tok, rng.standard_normal((150, 2)), None, False
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_stream_matches_lstsq_on_explicit_features(case):
+    _, tok, y, lengths, causal = case
+    F, Y = _explicit(tok, y, lengths, causal)
+    sol = stream_solve(rows_from_arrays(tok, y, lengths, causal, block_rows=64))
+    assert _agrees(sol.coef, F, Y)
+    assert sol.converged.all()
+    rank = np.linalg.matrix_rank(F)
+    assert sol.rank == rank
+    assert sol.certificate.verdict == ("identifiable" if rank == F.shape[1] else "not identifiable")
+    r = Y - F @ sol.coef
+    assert sol.sse == pytest.approx(float(np.sum(r * r)), rel=1e-9)
+    lam = np.linalg.eigvalsh(F.T @ F / F.shape[0])
+    est = sol.certificate.estimates
+    assert est["solver"] == "stream" and est["preconditioner"] == "kfac"
+    lo, hi = est["lambda_max"]["lower"], est["lambda_max"]["upper"]
+    assert lo * (1 - 1e-12) <= lam[-1] <= hi * (1 + 1e-12)
+    if rank == F.shape[1]:  # the interval of lambda_min holds the truth; the probabilistic bound is below it
+        assert est["lambda_min"]["lower"] * (1 - 1e-9) <= lam[0] <= est["lambda_min"]["upper"] * (1 + 1e-9)
+        kw = est["lambda_min_lower_probabilistic"]
+        assert 0 < kw["lower"] <= lam[0] and not kw["rigorous"] and kw["failure_probability"] == 1e-3
+    else:
+        assert sol.null_basis.shape[1] == F.shape[1] - rank
+        assert np.abs(F @ sol.null_basis).max() <= 1e-6 * np.abs(F).max()
+
+
+def test_stream_null_space_is_min_norm():
+    """On singular data the answer has no component in the null space (lstsq's min-norm), found by deflation."""
+    rng = np.random.default_rng(3)
+    Q = np.linalg.qr(rng.standard_normal((3, 3)))[0][:, :2]
+    tok = rng.standard_normal((120, 5, 2)) @ Q.T
+    y = rng.standard_normal((120, 5, 1))
+    sol = stream_solve(rows_from_arrays(tok, y, causal=True))
+    assert np.abs(sol.null_basis.T @ sol.coef).max() <= 1e-9 * np.abs(sol.coef).max()
+    assert _agrees(sol.coef, *_explicit(tok, y, causal=True))
+
+
+def test_the_checker_catches_a_wrong_pass():
+    """A pass that drops one block's rows gives a solve the checker refuses: the checker can fail."""
+    rng = np.random.default_rng(5)
+    tok, y = rng.standard_normal((100, 5, 3)), rng.standard_normal((100, 5, 2))
+    src = rows_from_arrays(tok, y, causal=True, block_rows=100)
+
+    class Dropping(StreamOperator):
+        def matmat(self, W):  # the last block's rows missing from every pass
+            blocks = list(self.source.blocks())
+            full = super().matmat(W)
+            s, x, _ = blocks[-1]
+            F = phi(s, x)
+            return full - F.T @ (F @ W)
+
+    sol = stream_solve(src, op=Dropping(src), lower_bound=False)
+    assert not _agrees(sol.coef, *_explicit(tok, y, causal=True))
+
+
+def test_a_wrong_preconditioner_is_reported_not_returned_silently():
+    """An indefinite 'preconditioner' (negated K-FAC) breaks CG: the columns are reported as not converged; a
+    correct one with too small a budget too; a merely poor one (Jacobi) still reaches the answer."""
+    rng = np.random.default_rng(6)
+    tok, y = rng.standard_normal((200, 5, 3)), rng.standard_normal((200, 5, 2))
+    src = rows_from_arrays(tok, y, causal=True)
+    op = StreamOperator(src)
+    good = KFAC(op.A, op.B, op.diagonal(), op.n_rows)
+
+    class Negated(KFAC):
+        def apply(self, R):
+            return -super().apply(R)
+
+    bad = Negated(op.A, op.B, op.diagonal(), op.n_rows)
+    sol = stream_solve(src, preconditioner=bad, maxiter=60, lower_bound=False)
+    assert not sol.converged.all()
+    assert not sol.certificate.estimates["solve_converged"]
+    short = stream_solve(src, preconditioner=good, maxiter=3, lower_bound=False)
+    assert not short.converged.any() and any("did not reach" in n for n in short.certificate.estimates["notes"])
+    F, Y = _explicit(tok, y, causal=True)
+    jac = stream_solve(src, preconditioner="jacobi", lower_bound=False)
+    kf = stream_solve(src, lower_bound=False)
+    assert _agrees(jac.coef, F, Y) and _agrees(kf.coef, F, Y)
+    assert kf.certificate.estimates["cg_iterations"] < jac.certificate.estimates["cg_iterations"]
+
+
+def test_kfac_is_the_kronecker_inverse():
+    rng = np.random.default_rng(2)
+    s, x = token_features(rng.standard_normal((80, 4, 3)), causal=True)
+    F = phi(s, x)
+    M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), s.shape[0])
+    dense = np.kron(s.T @ s, x.T @ x) / s.shape[0]
+    assert np.allclose(M.apply(np.eye(F.shape[1])) @ dense, np.eye(F.shape[1]), atol=1e-8)
+    L_inv_T = M.half_inverse(np.eye(F.shape[1]), transpose=True)
+    L_inv = M.half_inverse(np.eye(F.shape[1]))
+    assert np.allclose(L_inv.T, L_inv_T)
+    C = L_inv @ (F.T @ F) @ L_inv_T
+    ev = np.sort(np.linalg.eigvals(M.apply(F.T @ F)).real)
+    assert np.allclose(np.linalg.eigvalsh(C), ev, rtol=1e-8)
+    assert M.min_eigenvalues()[1] <= np.linalg.eigvalsh(dense)[0] * (1 + 1e-8)
+
+
+def test_kw_bound_below_the_truth_over_seeds():
+    rng = np.random.default_rng(8)
+    tok = rng.standard_normal((150, 6, 3))
+    F, _ = _explicit(tok, tok[:, :, :1], causal=True)
+    truth = np.linalg.eigvalsh(F.T @ F)[0]
+    op = StreamOperator(rows_from_arrays(tok, None, causal=True))
+    M = KFAC(op.A, op.B, op.diagonal(), op.n_rows)
+    for seed in range(5):
+        kw = kw_lower_bound(op, M, seed=seed)
+        assert 0 < kw["lower"] <= truth
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dual_matches_min_norm_lstsq(causal):
+    rng = np.random.default_rng(11)
+    d = 6  # psi = 126
+    n = 12 if causal else 70
+    tok = rng.standard_normal((n, 5, d))
+    y = rng.standard_normal((n, 5, 2) if causal else (n, 3))
+    F, Y = _explicit(tok, y, None, causal)
+    assert F.shape[0] < F.shape[1]
+    sol = dual_solve(rows_from_arrays(tok, y, None, causal))
+    assert _agrees(sol.coef, F, Y)
+    assert sol.rank == np.linalg.matrix_rank(F)
+    assert sol.certificate.verdict == "not identifiable" and not sol.certificate.identifiable
+    assert sol.certificate.estimates["solver"] == "dual"
+    v = sol.null_basis[:, 0]
+    assert np.linalg.norm(F @ v) <= 1e-9 * np.linalg.norm(F) and np.linalg.norm(v) == pytest.approx(1.0)
+    assert sol.sse == pytest.approx(float(np.sum((Y - F @ sol.coef) ** 2)), abs=1e-9 * float(np.sum(Y * Y)))
+
+
+def test_dual_rank_deficient_rows():
+    """Repeated rows: K is singular, rank(K) < N; still the min-norm answer."""
+    rng = np.random.default_rng(12)
+    tok = rng.standard_normal((20, 4, 5))
+    tok = np.concatenate([tok, tok[:8]])
+    y = rng.standard_normal((28, 1))
+    y[20:] = y[:8]
+    F, Y = _explicit(tok, y)
+    sol = dual_solve(rows_from_arrays(tok, y))
+    assert sol.rank == 20 == np.linalg.matrix_rank(F)
+    assert _agrees(sol.coef, F, Y)
+
+
+def test_dual_refuses_enough_rows_and_stream_needs_targets():
+    rng = np.random.default_rng(0)
+    tok = rng.standard_normal((50, 4, 2))
+    with pytest.raises(ParameterError, match="fewer rows than features"):
+        dual_solve(rows_from_arrays(tok, rng.standard_normal((50, 1))))
+    with pytest.raises(ParameterError, match="no targets"):
+        stream_solve(rows_from_arrays(tok))
+    cert = stream_solve(rows_from_arrays(tok), certify_only=True)
+    assert cert.verdict == "identifiable" and cert.estimates["solver"] == "stream"
+
+
+def test_stream_reads_a_dataset_in_chunks(tmp_path):
+    rng = np.random.default_rng(4)
+    tok, y = rng.standard_normal((60, 5, 3)), rng.standard_normal((60, 5, 2))
+    lengths = rng.integers(1, 6, 60)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y, lengths=lengths, chunk_samples=16)
+    sol = stream_solve(rows_from_dataset(ds, block_rows=30, cache_bytes=0))
+    assert _agrees(sol.coef, *_explicit(tok, y, lengths, True))
+
+
+@pytest.mark.slow
+def test_stream_matches_the_gram_route_at_d16():
+    from scaleattn.generate import make_mhla
+
+    data = make_mhla(d=16, heads=2, length=8, samples=800, causal=True, seed=3)  # 6,400 rows, psi 2,176
+    tok, y = data["tokens"], data["targets"]
+    ref = scaleattn.solve(scaleattn.statistics_from_arrays(tok, y, causal=True))
+    sol = stream_solve(rows_from_arrays(tok, y, causal=True), lower_bound=False)
+    assert ref.certificate.verdict == sol.certificate.verdict == "identifiable"
+    assert np.abs(sol.coef - ref.coef).max() <= 1e-8 * np.abs(ref.coef).max()
+    assert sol.certificate.lambda_max == pytest.approx(ref.certificate.lambda_max, rel=1e-6)
