@@ -14,8 +14,8 @@ from .errors import DatasetError, NotFittedError
 from .linalg._certificate import check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
-from .linalg._spectrum import SOLVERS
-from .model import heads_are_exact, model_from_statistics, residual_sums
+from .linalg._stream import FIT_SOLVERS, count_rows, dual_solve, fit_path, rows_from_arrays, stream_solve
+from .model import heads_are_exact, model_from_heads, model_from_statistics, recover_heads, residual_sums
 from .statistics._container import block_samples, statistics_from_arrays
 
 __all__ = ["MHLARegressor"]
@@ -68,9 +68,12 @@ class MHLARegressor:
         Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
     ridge : float
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
-    solver : "auto", "eigh", "cholesky" or "krylov"
+    solver : "auto", "eigh", "cholesky", "krylov" or "stream"
         Solver path (:func:`scaleattn.linalg._spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
-        compact Gram, ``G`` never formed).
+        compact Gram, ``G`` never formed; ``"stream"``: CG and the certificate from passes over the tokens, no
+        statistics and no psi^2 object, or the dual for fewer rows than features, :mod:`scaleattn.linalg._stream`,
+        svd heads only). ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        (:func:`scaleattn.linalg._stream.fit_path`); ``path_`` says which path ran and why.
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
         (:mod:`scaleattn.linalg._qr`) only when the Gram does not certify identifiability and psi is small.
@@ -134,7 +137,7 @@ class MHLARegressor:
             warnings.warn("rtol= is deprecated; use cutoff_rtol=", DeprecationWarning, stacklevel=3)
             cutoff = self.rtol
         return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(cutoff),
-                "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, SOLVERS),
+                "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, FIT_SOLVERS),
                 "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
     def fit(self, tokens, targets, lengths=None):
@@ -150,6 +153,13 @@ class MHLARegressor:
         T = check_arrays(tokens, targets, lengths)[1]
         if lengths is not None:
             check_lengths(lengths, 0, T)
+        causal = targets.ndim == 3
+        rows = count_rows(tokens.shape[0], T, causal, lengths)
+        path, why = fit_path(params["solver"], rows, tokens.shape[2], targets.shape[-1], heads=params["heads"],
+                             ridge=params["ridge"])
+        if path is not None:
+            return self._fit_streaming(path, why, params, tokens, targets, lengths, causal)
+        self.path_ = {"path": "gram", "reason": why}
         stats = statistics_from_arrays(tokens, targets, lengths)  # on the arrays' device; solved on the host
         G = shared_gram(stats, params["solver"])
         sol = solve(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
@@ -163,6 +173,21 @@ class MHLARegressor:
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads
         self._check_training_error(stats.to_numpy(), G, tokens, targets, lengths)
+        return self
+
+    def _fit_streaming(self, path, why, params, tokens, targets, lengths, causal):
+        """The streaming or dual fit (:mod:`scaleattn.linalg._stream`): no statistics, svd heads; the training SSE
+        is the path's own pass over the rows."""
+        src = rows_from_arrays(tokens, targets, lengths, causal)
+        solve_ = dual_solve if path == "dual" else stream_solve
+        sol = solve_(src, cutoff_rtol=params["cutoff_rtol"])
+        h = recover_heads(sol.coef, tokens.shape[2], "svd")
+        check_no_worse_than_zero(sol.sse, sol.yy, 1e-9 * sol.yy)
+        self.model_, self.solution_, self.heads_result_ = model_from_heads(sol, h, tokens.shape[2], causal), sol, h
+        self.certificate_ = sol.certificate
+        self.coef_ = self.model_.coef
+        self.n_heads_ = self.model_.n_heads
+        self.path_ = {"path": path, "reason": why}
         return self
 
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:

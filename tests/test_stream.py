@@ -217,3 +217,41 @@ def test_stream_matches_the_gram_route_at_d16():
     assert ref.certificate.verdict == sol.certificate.verdict == "identifiable"
     assert np.abs(sol.coef - ref.coef).max() <= 1e-8 * np.abs(ref.coef).max()
     assert sol.certificate.lambda_max == pytest.approx(ref.certificate.lambda_max, rel=1e-6)
+
+
+def test_estimator_stream_and_dual_paths():
+    rng = np.random.default_rng(13)
+    tok, y = rng.standard_normal((120, 5, 3)), rng.standard_normal((120, 5, 2))
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok, y)
+    assert est.path_["path"] == "stream"
+    assert _agrees(est.coef_, *_explicit(tok, y, causal=True))
+    assert est.certificate_.estimates["solver"] == "stream"
+    y1 = rng.standard_normal((20, 2))
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok[:20], y1)  # 20 rows, psi 18: primal
+    assert est.path_["path"] == "stream"
+    tok4 = rng.standard_normal((25, 5, 4))  # 25 rows < psi 40: the dual
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok4, rng.standard_normal((25, 1)))
+    assert est.path_["path"] == "dual" and est.certificate_.verdict == "not identifiable"
+    with pytest.raises(ParameterError, match="svd heads only"):
+        scaleattn.MHLARegressor(solver="stream", heads="minimal").fit(tok, y)
+
+
+def test_auto_takes_the_dual_on_underdetermined_data_at_d24():
+    """Fewer rows than features at d = 24 (psi 7,200): the cost follows the rows (the Gram route would hold
+    psi x psi = 415 MB and factor a singular Gram); bounded time and traced memory."""
+    import time
+    import tracemalloc
+
+    rng = np.random.default_rng(14)
+    tok, y = rng.standard_normal((400, 6, 24)), rng.standard_normal((400, 2))
+    tracemalloc.start()
+    t = time.perf_counter()
+    est = scaleattn.MHLARegressor().fit(tok, y)
+    wall = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert est.path_["path"] == "dual" and "fewer rows" in est.path_["reason"]
+    assert est.certificate_.rank == 400 and est.certificate_.verdict == "not identifiable"
+    assert wall < 30 and peak < 100e6, (wall, peak)
+    s, x = token_features(tok)
+    assert np.abs(phi(s, x) @ est.coef_ - y).max() < 1e-8 * np.abs(y).max()  # interpolates: N < psi, rank N

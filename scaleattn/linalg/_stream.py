@@ -58,7 +58,7 @@ from ._spectrum import default_rtol
 
 __all__ = ["RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
            "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
-           "BLOCK_ROWS", "CACHE_BYTES", "KW_FAILURE"]
+           "fit_path", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES", "KW_FAILURE"]
 
 #: rows per block of a pass (each block holds rows x (m + d k) floats: 2 MB x k at d = 64)
 BLOCK_ROWS = 2048
@@ -702,3 +702,47 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
                        converged=True, estimates=est)
     return StreamSolution(to_numpy(coef), cert, to_numpy(v), sse, be, np.ones(be.shape[0], bool), 1, "dual",
                           op.n_rows, op.yy, 0.0, float(rank))
+
+
+#: the solver choices of a fit from the data (the statistics' SOLVERS plus the streaming path)
+FIT_SOLVERS = ("auto", "eigh", "cholesky", "krylov", "stream")
+
+
+def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
+    """Rows of a data set: ``n`` (last token), ``n T`` or ``sum(lengths)`` (causal)."""
+    if not causal:
+        return int(n_samples)
+    return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
+
+
+def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0,
+             available: float | None = None, large_psi: int = 2_000) -> tuple[str | None, str]:
+    """Which path a fit from the data takes, and why: ``("stream" | "dual", reason)``, or ``(None, reason)`` for
+    the Gram route (statistics, then :func:`scaleattn.solve`). DESIGN §4b.
+
+    ``"stream"`` asked: the dual when ``n_rows < psi`` (the primal CG would only find the min-norm answer
+    through psi - N deflated directions), else the streaming CG. ``"auto"``: the dual when ``n_rows < psi``, psi is
+    past ``large_psi`` (where the Gram route factors or iterates on a singular psi x psi Gram) and ``K`` fits in
+    ``available`` bytes; else the Gram route. The streaming paths give the least-squares coefficients and svd
+    heads only.
+
+    Raises
+    ------
+    ParameterError
+        ``"stream"`` with ``heads`` other than ``"svd"`` or ``ridge > 0`` (both need the Gram).
+    """
+    psi = n_features(d)
+    under = n_rows < psi
+    if solver == "stream":
+        if heads != "svd" or ridge > 0:
+            raise ParameterError("`solver='stream'` fits the least-squares coefficients with svd heads only"
+                                 f" (heads={heads!r}, ridge={ridge} need the Gram): use heads='svd', ridge=0")
+        if under:
+            return "dual", f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual (N x N kernel)"
+        return "stream", "asked for (solver='stream')"
+    if solver == "auto" and under and psi > large_psi and heads == "svd" and ridge == 0:
+        need = dual_bytes(n_rows, d, d_out)
+        if available is None or need <= available:
+            return "dual", (f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual's N x N kernel"
+                            f" ({need / 2**30:.2f} GiB) instead of a singular psi x psi Gram")
+    return None, "the Gram route"
