@@ -17,6 +17,8 @@ SUITES = {
     "solve": ("scaleattn.bench.solve", "the dense solve against psi^3/3 at the DGEMM rate (d = 24, 32) and the"
                                        " d = 32 factorisation with OpenBLAS's own kernel choice (numpy's, scipy's"
                                        " and ours, each in a fresh process)"),
+    "stream": ("scaleattn.bench.stream", "the streaming path (passes over the tokens, K-FAC CG) against the Gram route"
+                                         " at d = 16, 24, 32 and the time of a pass at d = 64"),
 }
 #: ``scaleattn bench --vs PEER``: name -> (module, what it measures)
 VERSUS = {"adamw": ("scaleattn.bench.adamw", "time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the"
@@ -29,7 +31,7 @@ def summary() -> str:
     Examples
     --------
     >>> summary()
-    'benchmarks: core (default), tensor, gpu, krylov, solve; or --vs adamw'
+    'benchmarks: core (default), tensor, gpu, krylov, solve, stream; or --vs adamw'
     """
     names = list(SUITES)
     return (f"benchmarks: {names[0]} (default), {', '.join(names[1:])}; or "
