@@ -26,19 +26,19 @@ from .display import _text as _text
 from .display._progress import as_reporter
 from .distributed.build import check_unchanged, compute_statistics
 from .distributed.evaluate import evaluate
-from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
+from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_statistics
 from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import ParameterError, ScaleattnError, with_hint
+from .errors import InsufficientMemoryError, ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
 from .heads._algebra import Heads, coef_from_heads
 from .heads._search import DEFAULT_BUDGET
 from .linalg._certificate import Certificate, ambiguity_witness, certify, check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
 from .linalg._solver import Solution, check_no_worse_than_zero, check_ridge, shared_gram, solve
-from .linalg._spectrum import SOLVERS
-from .model import MHLAModel, heads_are_exact, model_from_statistics
+from .linalg._stream import FIT_SOLVERS, count_rows, dual_bytes, dual_solve, fit_path, rows_from_dataset, stream_solve
+from .model import MHLAModel, heads_are_exact, model_from_heads, model_from_statistics, recover_heads
 from .plot import figure_pngs, run_figures
 from .preflight import (
     after_failed_build,
@@ -170,11 +170,15 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         one is refused unless ``resume`` or ``overwrite`` (start over).
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
-    solver : "auto" | "eigh" | "cholesky" | "krylov"
+    solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
         Solver path (:func:`scaleattn.linalg._spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI`` and to the matrix-free krylov path past ``KRYLOV_PSI`` or when the dense path does not fit
-        in memory (:func:`scaleattn.distributed.memory.check_fit_memory`).
+        in memory (:func:`scaleattn.distributed.memory.check_fit_memory`). ``"stream"``: no statistics; CG and the
+        certificate from passes over the tokens in this process (:mod:`scaleattn.linalg._stream`, K-FAC
+        preconditioned), or the dual for fewer rows than features; svd heads only, no ``stats.zarr``, no plots.
+        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        (:func:`scaleattn.linalg._stream.fit_path`). The report's ``solver_path`` says which path ran and why.
     certificate : "auto" | "gram" | "qr"
         What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.linalg._qr`): ``"gram"`` the float64 Gram
         only; ``"qr"`` a tall-skinny QR of the features ``[Phi | Y]`` (a second pass over the data, any psi):
@@ -236,7 +240,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = check_ridge(ridge)
     heads_budget = seconds("heads_budget", heads_budget)
-    choice("solver", solver, SOLVERS)
+    choice("solver", solver, FIT_SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
@@ -244,6 +248,10 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                    fill_absent_chunks=fill_absent_chunks)
     check_reachable(client, [("dataset", ds.store)])
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
+    path, why = _stream_path(ds, solver, heads, ridge, certificate)
+    if path is not None:
+        return _fit_streaming(ds, run_locations(ds, out, None, storage_options)[0], out_label, path, why,
+                              cutoff_rtol, overwrite, reporter, t0)
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
@@ -316,6 +324,65 @@ class _SolveOptions:
     solver: str
     certificate: str
     heads_budget: float | None
+
+
+def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tuple[str | None, str]:
+    """:func:`scaleattn.linalg._stream.fit_path` for a dataset (its rows counted from its lengths), refused with
+    ``certificate="qr"`` (the streaming paths certify from passes or by dimension count)."""
+    if solver not in ("auto", "stream"):
+        return None, f"asked for (solver={solver!r})"
+    n_rows = count_rows(ds.n_samples, ds.length, ds.causal,
+                        ds.read_lengths(0, ds.n_samples) if ds.causal and ds.has_lengths else None)
+    path, why = fit_path(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, available=available_memory())
+    if path is not None and certificate == "qr":
+        if solver == "stream":
+            raise ParameterError("`certificate='qr'` needs the statistics build; `solver='stream'` certifies from"
+                                 " passes over the tokens (use certificate='auto' or 'gram')")
+        return None, "certificate='qr' asked for"
+    if path == "dual" and dual_bytes(n_rows, ds.d, ds.d_out) > available_memory():
+        raise InsufficientMemoryError(f"the dual path for {n_rows:,} rows needs"
+                                      f" {dual_bytes(n_rows, ds.d, ds.d_out) / 2**30:.2f} GiB (an N x N kernel);"
+                                      f" this machine has {available_memory() / 2**30:.2f} GiB available")
+    return path, why
+
+
+def _fit_streaming(ds, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0) -> FitResult:
+    """A fit by :mod:`scaleattn.linalg._stream` in this process (DESIGN §4b): the dataset read chunk by chunk in
+    every pass, no statistics (no ``stats.zarr``), svd heads, the training MSE from the path's own pass."""
+    with holding(ds, out, None):
+        preflight(ds, out, overwrite)
+        times = {}
+        t = time.perf_counter()
+        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
+            src = rows_from_dataset(ds)
+            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol)
+        times["solve"] = time.perf_counter() - t
+        h = recover_heads(sol.coef, ds.d, "svd")
+        model = model_from_heads(sol, h, ds.d, ds.causal)
+        n_out = max(sol.n_rows * ds.d_out, 1)
+        ms = sol.yy / n_out
+        check_no_worse_than_zero(sol.sse / n_out, ms, 1e-9 * ms)
+        cert = sol.certificate
+        report = {"n_rows": sol.n_rows, "n_samples": ds.n_samples, "length": ds.length, "d": ds.d,
+                  "d_out": ds.d_out, "causal": ds.causal, "psi": n_features(ds.d), **cert.summary(),
+                  "train_mse": sol.sse / n_out, "relative_train_mse": sol.sse / sol.yy if sol.yy > 0 else float("nan"),
+                  "target_mean_square": ms, "n_heads": model.n_heads, "heads_method": h.method,
+                  "heads_residual": h.residual, "head_singular_values": h.spectrum.tolist(), "loss_vs_heads": [],
+                  "ridge": 0.0, "effective_dof": sol.effective_dof,
+                  "solver_path": {"path": path, "reason": why, "statistics_written": False}}
+        teacher = ds.teacher()
+        if teacher is not None:
+            report["teacher_heads"] = int(teacher[0].shape[0])
+            report["teacher_coef_distance"] = coef_distance(model.coef, coef_from_heads(*teacher))
+        model.attrs.update({"dataset": ds.url, "scaleattn_version": __version__, "heads_method": h.method})
+        report.update(timings=times, scaleattn_version=__version__, dataset=ds.url,
+                      dataset_fingerprint=ds.fingerprint, checkpoint=None, seconds=time.perf_counter() - t0)
+        result = FitResult(model, None, sol, h, report)
+        if out is not None:
+            with reporter.phase("write", out_label):
+                result.files = write_run(result, out, overwrite=overwrite)
+                result.out = out_label
+    return result
 
 
 def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_mse, kept_ckpt) -> FitResult:
@@ -436,9 +503,11 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         Relative eigenvalue cutoff in (0, 1).
     progress : bool or Reporter
     storage_options : dict or list of "KEY=VALUE", optional
-    solver : "auto" | "eigh" | "cholesky" | "krylov"
+    solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
         As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` and ``"krylov"`` the
-        extreme eigenvalues only (krylov with their intervals, ``G`` never formed); ``"auto"`` as :func:`fit`.
+        extreme eigenvalues only (krylov with their intervals, ``G`` never formed); ``"stream"`` the same from
+        passes over the tokens (no statistics; for fewer rows than features the dual's kernel rank);
+        ``"auto"`` as :func:`fit`.
     device : "auto" | "cpu" | "gpu"
     certificate : "auto" | "gram" | "qr"
         As :func:`fit`: ``"auto"`` takes a second pass (a QR of the features, no targets) only when the Gram
@@ -472,13 +541,18 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     no_other_kwargs(deprecated, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)
-    choice("solver", solver, SOLVERS)
+    choice("solver", solver, FIT_SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     check_storage_options(storage_options, dataset)  # (fsspec's options of a local path: ignored, so refused)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     check_reachable(client, [("dataset", ds.store)])
+    path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
+    if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
+        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
+            src = rows_from_dataset(ds, targets=False)
+            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False))["path"]
     if certificate == "qr":

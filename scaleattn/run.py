@@ -97,7 +97,8 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
     when ``out`` exists and not ``overwrite``.
     """
     out = resolve(out)
-    on_workers = getattr(result.statistics, "operator", None) is not None  # krylov on a cluster: Tc never gathered
+    # krylov on a cluster: Tc never gathered; the streaming paths make no statistics (DESIGN §4b)
+    on_workers = result.statistics is None or getattr(result.statistics, "operator", None) is not None
     names = [REPORT, MODEL] + ([] if on_workers else [STATS])
     text = _formats.dumps(result.report).encode()
     bind = {RUN_ATTR: report_digest(text)}  # each store names the report it belongs to (checked by read_run)

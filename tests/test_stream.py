@@ -255,3 +255,44 @@ def test_auto_takes_the_dual_on_underdetermined_data_at_d24():
     assert wall < 30 and peak < 100e6, (wall, peak)
     s, x = token_features(tok)
     assert np.abs(phi(s, x) @ est.coef_ - y).max() < 1e-8 * np.abs(y).max()  # interpolates: N < psi, rank N
+
+
+@pytest.mark.slow
+def test_fit_stream_writes_no_statistics_and_matches_the_gram_fit(tmp_path, cli):
+    import json
+
+    rng = np.random.default_rng(15)
+    tok, y = rng.standard_normal((60, 6, 3)), rng.standard_normal((60, 6, 2))
+    lengths = rng.integers(2, 7, 60)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y, lengths=lengths, chunk_samples=16)
+    res = scaleattn.fit(ds, str(tmp_path / "run"), solver="stream")
+    ref = scaleattn.fit(ds, client=None)
+    assert res.report["solver_path"] == {"path": "stream", "reason": "asked for (solver='stream')",
+                                         "statistics_written": False}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model.zarr", "report.json"]
+    assert res.statistics is None and res.report["verdict"] == ref.report["verdict"] == "identifiable"
+    assert np.abs(res.model.coef - ref.model.coef).max() <= 1e-8 * np.abs(ref.model.coef).max()
+    assert res.report["train_mse"] == pytest.approx(ref.report["train_mse"], rel=1e-9)
+    assert _agrees(res.model.coef, *_explicit(tok, y, lengths, True))
+    cert = scaleattn.certify_dataset(ds, solver="stream")
+    assert cert.estimates["solver"] == "stream" and cert.rank == 18
+    out = cli("fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run2"), "--solver", "stream", "--json")
+    assert json.loads(out.stdout)["solver_path"]["path"] == "stream"
+    bad = cli("fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run3"), "--solver", "stream", "--heads", "2",
+              rc=2)
+    assert "svd heads only" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run3").exists()
+
+
+@pytest.mark.slow
+def test_fit_auto_takes_the_dual_for_fewer_rows_than_features(tmp_path):
+    rng = np.random.default_rng(16)
+    tok, y = rng.standard_normal((150, 4, 16)), rng.standard_normal((150, 2))  # 150 rows < psi 2,176
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
+    res = scaleattn.fit(ds, str(tmp_path / "run"))
+    assert res.report["solver_path"]["path"] == "dual" and res.report["rank"] == 150
+    assert res.report["verdict"] == "not identifiable"
+    assert not (tmp_path / "run" / "stats.zarr").exists()
+    assert _agrees(res.model.coef, *_explicit(tok, y))
+    cert = scaleattn.certify_dataset(ds)
+    assert cert.estimates["solver"] == "dual" and cert.rank == 150 and cert.verdict == "not identifiable"

@@ -26,6 +26,10 @@ def _cluster(args, reporter=None):
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
+    if getattr(args, "solver", None) == "stream":  # passes over the tokens in this process: no cluster to start
+        if getattr(args, "scheduler", None):
+            warnings.warn("--solver stream runs in this process: --scheduler is not used", Note, stacklevel=1)
+        return contextlib.nullcontext(None)
     from ..distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)

@@ -8,7 +8,7 @@ from .._backend import DEVICES
 from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
 from ..linalg._qr import CERTIFICATE_METHODS, QR_MAX_PSI
-from ..linalg._spectrum import SOLVERS
+from ..linalg._stream import FIT_SOLVERS
 from ..store._names import one_line
 
 __all__ = ["build_parser"]
@@ -62,11 +62,13 @@ def _add_solver_args(p):
     """The cutoff, the solver path and the certificate method (fit and certify)."""
     p.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
-    p.add_argument("--solver", choices=list(SOLVERS), default="auto",
+    p.add_argument("--solver", choices=list(FIT_SOLVERS), default="auto",
                    help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
-                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                        " then krylov past psi = 20,000 or when the dense path does not fit in memory, and the dual"
+                        " (an N x N kernel) for fewer rows than features past psi = 2,000; eigh: the whole"
                         " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
-                        " compact Gram, G never formed")
+                        " compact Gram, G never formed; stream: no statistics, CG and the certificate from passes"
+                        " over the tokens in this process (svd heads, no stats.zarr)")
     _add_certificate_arg(p)
 
 

@@ -54,7 +54,10 @@ def krylov_line(r: dict) -> str:
     """How settled the krylov path's numbers are (``estimates`` of a summary or report; "" on other paths): the
     interval each extreme eigenvalue of ``Lambda_D`` is known to lie in, and the CG solve's backward error."""
     e = r.get("estimates")
-    if not e or e.get("solver") != "krylov":
+    if e and e.get("solver") == "dual":
+        return (f"dual: {e['kernel_rows']:,} x {e['kernel_rows']:,} kernel K = Phi Phi^T, rank {e['kernel_rank']:,}"
+                " (no statistics written)" + "".join(f"\n  note: {n}" for n in e.get("notes", [])))
+    if not e or e.get("solver") not in ("krylov", "stream"):
         return ""
 
     def iv(key):
@@ -62,7 +65,14 @@ def krylov_line(r: dict) -> str:
         return "n/a" if x is None else (f"in [{x['lower']:.4g}, {x['upper']:.4g}]"
                                         + ("" if x["converged"] else " (wider than requested)"))
 
-    line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+    if e["solver"] == "stream":
+        kw = e.get("lambda_min_lower_probabilistic")
+        line = (f"stream: {e['data_passes']} passes over the tokens ({e['preconditioner']} preconditioner, no"
+                f" statistics written); lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+                + ("" if kw is None else f"; lambda_min >= {kw['lower']:.4g} with probability"
+                   f" {1 - kw['failure_probability']:g} (not a proof)"))
+    else:
+        line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
     if "backward_error" in e:
         line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
                  + ("" if e["solve_converged"] else " (target NOT reached)"))

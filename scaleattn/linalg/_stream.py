@@ -138,14 +138,18 @@ def rows_from_arrays(tokens, targets=None, lengths=None, causal: bool = False, *
     return RowSource(chunks, tokens.shape[2], d_out, causal, block_rows=block_rows, cache_bytes=cache_bytes)
 
 
-def rows_from_dataset(ds, *, block_rows: int = BLOCK_ROWS, cache_bytes: float = CACHE_BYTES) -> RowSource:
+def rows_from_dataset(ds, *, targets: bool = True, block_rows: int = BLOCK_ROWS,
+                      cache_bytes: float = CACHE_BYTES) -> RowSource:
     """A :class:`RowSource` reading a :class:`scaleattn.data.Dataset` chunk by chunk, in order (every read checked
-    against its manifest as the statistics build's reads are); the dataset is never modified."""
+    against its manifest as the statistics build's reads are); the dataset is never modified. ``targets=False``:
+    the tokens only (a certificate)."""
+    with_y = bool(targets) and ds.d_out > 0
 
     def chunks():
-        yield from ds.read_chunks(0, ds.n_samples, targets=ds.d_out > 0)
+        yield from ds.read_chunks(0, ds.n_samples, targets=with_y)
 
-    return RowSource(chunks, ds.d, ds.d_out, ds.causal, block_rows=block_rows, cache_bytes=cache_bytes)
+    return RowSource(chunks, ds.d, ds.d_out if with_y else 0, ds.causal, block_rows=block_rows,
+                     cache_bytes=cache_bytes)
 
 
 def _phi_w(s, x, W3, k: int):
@@ -606,7 +610,7 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
 
 
 def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,
-               op: StreamOperator | None = None) -> StreamSolution:
+               op: StreamOperator | None = None, certify_only: bool = False) -> StreamSolution | Certificate:
     """Min-norm least squares for fewer rows than features by the dual ([Y25] Algorithm 1; DESIGN §4b, "the dual").
 
     ``c = Phi^T alpha`` with ``alpha = K^+ Y`` on the eigenvectors of ``K = Phi Phi^T = (S S^T) * (X X^T)``
@@ -626,10 +630,12 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         Seed of the witness direction.
     op : StreamOperator, optional
         The operator of ``source`` if already made.
+    certify_only : bool
+        Return the :class:`Certificate` alone (no targets needed).
 
     Returns
     -------
-    StreamSolution
+    StreamSolution or Certificate
         ``path = "dual"``; ``null_basis`` (psi, 1) one unit null direction.
 
     Raises
@@ -649,7 +655,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     >>> bool(np.abs(sol.coef - ref).max() < 1e-9 * np.abs(ref).max()), sol.rank, sol.certificate.verdict
     (True, 30, 'not identifiable')
     """
-    if source.d_out == 0:
+    if source.d_out == 0 and not certify_only:
         raise ParameterError("the data have no targets; cannot solve")
     op = StreamOperator(source) if op is None else op
     xp, psi, m, d = op.xp, op.psi, op.m, op.d
@@ -665,6 +671,19 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     top = max(float(w[-1]), 0.0)
     keep = w > rtol * top
     rank = int(xp.sum(keep))
+    wk = to_numpy(w)
+    n = max(op.n_rows, 1)
+    kept = wk[to_numpy(keep)]
+    cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
+    est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
+           "kernel_eigenvalues_relative": [float(wk[0] / top) if top else 0.0, 1.0],
+           "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
+           "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
+                     " identifiable by dimension count; solved by the dual (K = Phi Phi^T)"]}
+    cert = Certificate(op.n_rows, psi, rank, rtol, 0.0, top / n, 0.0, cond, np.array([0.0, top / n]), None,
+                       converged=True, estimates=est)
+    if certify_only:
+        return cert
     Ur, wr = U[:, keep], w[keep]
     del U
 
@@ -688,18 +707,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         g = phi_t(pred - Y)
         be = to_numpy(xp.linalg.norm(g, axis=0)) / np.maximum(
             to_numpy(top * xp.linalg.norm(coef, axis=0) + xp.linalg.norm(op.moments, axis=0)), 1e-300)
-    n = max(op.n_rows, 1)
-    wk = to_numpy(w)
-    kept = wk[to_numpy(keep)]
-    cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
-    est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
-           "kernel_eigenvalues_relative": [float(wk[0] / top) if top else 0.0, 1.0],
-           "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
-           "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
-                     " identifiable by dimension count; solved by the dual (K = Phi Phi^T)"],
-           "backward_error": be.tolist(), "solve_converged": True}
-    cert = Certificate(op.n_rows, psi, rank, rtol, 0.0, top / n, 0.0, cond, np.array([0.0, top / n]), None,
-                       converged=True, estimates=est)
+    est.update(backward_error=be.tolist(), solve_converged=True)
     return StreamSolution(to_numpy(coef), cert, to_numpy(v), sse, be, np.ones(be.shape[0], bool), 1, "dual",
                           op.n_rows, op.yy, 0.0, float(rank))
 
