@@ -255,7 +255,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
-                              dense=ridge > 0, heads=heads)["path"]
+                              dense=ridge > 0, heads=heads, n_rows=_rows_of(ds))["path"]
     if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
         raise ParameterError(f"`heads={heads!r}` needs the dense Gram (loss-weighted head fits); a krylov fit on a"
                              " cluster keeps Tc on the workers: use `heads='svd'` (or `solver='cholesky'` where G"
@@ -326,13 +326,18 @@ class _SolveOptions:
     heads_budget: float | None
 
 
+def _rows_of(ds) -> int:
+    """The dataset's rows (its lengths read for causal data with lengths)."""
+    return count_rows(ds.n_samples, ds.length, ds.causal,
+                      ds.read_lengths(0, ds.n_samples) if ds.causal and ds.has_lengths else None)
+
+
 def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tuple[str | None, str]:
     """:func:`scaleattn.linalg._stream.fit_path` for a dataset (its rows counted from its lengths), refused with
     ``certificate="qr"`` (the streaming paths certify from passes or by dimension count)."""
     if solver not in ("auto", "stream"):
         return None, f"asked for (solver={solver!r})"
-    n_rows = count_rows(ds.n_samples, ds.length, ds.causal,
-                        ds.read_lengths(0, ds.n_samples) if ds.causal and ds.has_lengths else None)
+    n_rows = _rows_of(ds)
     path, why = fit_path(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, available=available_memory())
     if path is not None and certificate == "qr":
         if solver == "stream":
@@ -554,7 +559,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
             src = rows_from_dataset(ds, targets=False)
             return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
-                              chunk_bytes=chunk_bytes(ds, False))["path"]
+                              chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
     with reading(ds.store, "dataset"):  # no other run replaces the dataset while it is read

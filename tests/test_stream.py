@@ -296,3 +296,24 @@ def test_fit_auto_takes_the_dual_for_fewer_rows_than_features(tmp_path):
     assert _agrees(res.model.coef, *_explicit(tok, y))
     cert = scaleattn.certify_dataset(ds)
     assert cert.estimates["solver"] == "dual" and cert.rank == 150 and cert.verdict == "not identifiable"
+
+
+def test_krylov_memory_counts_the_null_space_blocks_and_refuses_beforehand(tmp_path, monkeypatch):
+    """Under-determined data on the krylov path: the estimate holds the LOBPCG blocks of the null space (d = 32
+    with 2,500 rows: more than the dense Gram's 2.3 GB), and a fit that cannot hold them is refused before work."""
+    from scaleattn.distributed.memory import check_fit_memory, fit_memory
+    from scaleattn.errors import InsufficientMemoryError
+
+    full = fit_memory(32, 1, solver="krylov")["solver_bytes"]
+    under = fit_memory(32, 1, solver="krylov", n_rows=2_500)["solver_bytes"]
+    assert under > full + 2.3e9 and under > 7e9
+    assert fit_memory(32, 1, solver="krylov", n_rows=40_000)["solver_bytes"] == full
+    with pytest.raises(InsufficientMemoryError, match="null space of at least 14,396 directions.*solver='stream'"):
+        check_fit_memory(32, 1, solver="krylov", n_rows=2_500, memory_limit="6GB")
+    rng = np.random.default_rng(17)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), rng.standard_normal((300, 3, 24)),
+                                 rng.standard_normal((300, 1)))
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", "1GB")
+    with pytest.raises(InsufficientMemoryError, match="fewer than the features"):
+        scaleattn.fit(ds, str(tmp_path / "run"), solver="krylov")
+    assert not (tmp_path / "run").exists()
