@@ -293,6 +293,16 @@ def test_readme_commands_print_what_the_readme_shows(tmp_path):
     assert not problems, "\n\n".join(problems)
 
 
+def test_docs_name_files_that_exist():
+    """Every test file and package module path the README and docs/ name exists (tests move with the package)."""
+    missing = []
+    for page in [README, *(ROOT / "docs").glob("*.md")]:
+        for m in re.finditer(r"\b(?:tests|scaleattn)/[\w/]+\.py\b", page.read_text()):
+            if not (ROOT / m.group()).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {m.group()}")
+    assert not missing, "pages name files that do not exist:\n" + "\n".join(missing)
+
+
 def _notebook_seconds(path: Path) -> float:
     """Wall time of a committed executed notebook, from the timing nbclient records in each cell's metadata."""
     from datetime import datetime
