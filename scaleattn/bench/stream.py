@@ -7,7 +7,8 @@
   path ``auto``) and once by :func:`scaleattn.linalg._stream.stream_solve`, each in a fresh process (its peak RSS
   is its own: ``ru_maxrss``, data generation included): wall, passes over the data, peak RSS, the verdicts and the
   coefficients' largest relative difference;
-- :func:`pass_timing` at d = 64, d_out = 1, 3 rows per feature (about 400,000 causal rows): the first sweep and
+- :func:`pass_timing` at d = 64, d_out = 1, 3 rows per feature (about 400,000 causal rows of random tokens: the
+  cost of a pass does not depend on the values): the first sweep and
   the time of passes with 1 and 7 columns (a CG step with the eigenvalue runs beside it carries about 7), the
   token features recomputed in each pass (they do not fit the cache), and the peak RSS.
 
@@ -78,8 +79,11 @@ def _route(args):
 
 
 def _fresh(fn, args):
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, (args,))
+    """``fn(args)`` in a fresh process (a worker killed for memory raises BrokenProcessPool, never hangs)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, args).result()
 
 
 def compare(d: int, d_out: int | None = None, rows_per_feature: float = ROWS_PER_FEATURE) -> dict:
@@ -99,9 +103,16 @@ def _timing(args):
     d, d_out, rpf, passes = args
     import numpy as np
 
+    from scaleattn.features import n_features
     from scaleattn.linalg._stream import StreamOperator, rows_from_arrays
 
-    tok, y = _data(d, d_out, rpf)
+    # random tokens and targets: a pass costs the same, and the teacher's forward pass would hold every prefix's
+    # d x d Gram (13 GB at d = 64)
+    rng = np.random.default_rng(0)
+    length = 50
+    samples = max(int(rpf * n_features(d)) // length, 1)
+    tok = rng.standard_normal((samples, length, d)) / np.sqrt(length)
+    y = rng.standard_normal((samples, length, d_out))
     out = {"d": d, "rows": int(tok.shape[0] * tok.shape[1]), "load_before": os.getloadavg()[0]}
     t = time.perf_counter()
     op = StreamOperator(rows_from_arrays(tok, y, causal=True))
