@@ -29,6 +29,9 @@ def verdict(r: dict) -> str:
     data), with a pointer to the QR certificate.
     """
     v = r.get("verdict") or ("identifiable" if r["identifiable"] else "not identifiable")
+    if (r.get("estimates") or {}).get("solver") == "dual":  # fewer rows than features: no precision involved
+        return (f"NOT identifiable: {r['ambiguous_dim']:,} feature direction(s) are not determined by the data"
+                f" [dimension count: {r['n_rows']:,} rows, {r['psi']:,} features; rank(G) = rank(K) = {r['rank']:,}]")
     method = r.get("certificate_method", "gram")
     at = "" if method == "qr" else " at the precision of the float64 Gram"
     margin, near = r.get("margin"), r.get("settle_factor")
@@ -87,6 +90,8 @@ def _cutoff(r: dict) -> str:
     """The rank's cutoff: on eigenvalues of the scaled Gram, or (QR) on singular values of the scaled R."""
     if r.get("certificate_method") == "qr":
         return f"(cutoff {math.sqrt(r['cutoff_rtol']):.1e} x sigma_max of R, Jacobi-scaled)"
+    if (r.get("estimates") or {}).get("solver") == "dual":
+        return f"(cutoff {r['cutoff_rtol']:.1e} x lambda_max of K = Phi Phi^T)"
     return f"(cutoff {r['cutoff_rtol']:.1e} x lambda_max, Jacobi-scaled)"
 
 
