@@ -27,7 +27,7 @@ ORDER = [
     ("features", []),
     ("data", ["_checks", "_dataset", "_writer"]),
     ("statistics", ["_compiled", "_kernel", "_container"]),
-    ("linalg", ["_gram_compiled", "_gram", "_lanczos", "_dense", "_spectrum", "_krylov", "_certificate", "_solver",
+    ("linalg", ["_gram_compiled", "_gram", "_lanczos", "_dense", "_spectrum", "_certificate", "_krylov", "_solver",
                 "_qr"]),
     ("heads", ["_algebra", "_fit", "_bounds", "_search"]),
     ("model", []),

@@ -26,7 +26,7 @@ from .memory import release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, leaf_places, run_trees
 
-__all__ = ["compute_statistics", "group_statistics", "check_unchanged"]
+__all__ = ["compute_statistics", "build_statistics", "Build", "group_statistics", "check_unchanged"]
 
 log = logging.getLogger("scaleattn")
 
@@ -115,10 +115,27 @@ def _assemble(tiles: list, d: int) -> Statistics:
     return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), d)
 
 
+@dataclasses.dataclass
+class Build:
+    """What a statistics build returns (:func:`build_statistics`): the statistics and what a fit reports of the
+    build. ``groups_resumed`` counts the groups whose every tile was read from the checkpoint; ``bindings`` is
+    ``(groups, targets, sources)``, what a later pass over the rows is checked against (:func:`check_unchanged`)."""
+
+    statistics: object  # Statistics; with ``persist``, ``(tiles, roots)``
+    groups: int
+    tiles: int
+    groups_computed: int
+    groups_resumed: int
+    tasks_computed: int
+    tasks_resumed: int
+    checkpoint: str | None
+    bindings: tuple
+
+
 def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
                        split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
                        tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
-                       checkpoint=None, storage_options=None, info: dict | None = None, persist: bool = False):
+                       checkpoint=None, storage_options=None, persist: bool = False):
     """Build the statistics of a dataset on a Dask cluster by tree reduction (DESIGN §6).
 
     Each task streams one row group (:func:`~scaleattn.distributed.partition.row_groups`) for one column tile of
@@ -157,9 +174,6 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         With a client: leave each tile's root on the worker that computed it and return ``(tiles, roots)`` (the
         row ranges of ``Tc`` and the futures of their :class:`Statistics`) instead of gathering them: the
         client never holds ``Tc`` (:func:`scaleattn.distributed.operator.remote_statistics`).
-    info : dict, optional
-        Filled with ``groups``, ``tiles``, ``groups_computed``, ``groups_resumed`` (groups whose every tile was
-        read from the checkpoint), ``tasks_computed``, ``tasks_resumed``, ``checkpoint``.
 
     Returns
     -------
@@ -168,6 +182,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     Raises
     ------
+    ParameterError
+        An unknown ``device``, or a dataset the cluster's workers cannot reach.
     CheckpointError
         ``checkpoint`` exists but belongs to another dataset, chunking, grouping, tiling or version.
     DatasetError
@@ -175,6 +191,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     See Also
     --------
+    build_statistics : the same with the build's counts (a :class:`Build`), for callers that validated.
     scaleattn.statistics_from_arrays : the same for in-memory arrays.
     scaleattn.fit : statistics, solve, certificate and heads in one call.
 
@@ -187,12 +204,23 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     >>> st.n_rows, st.d_out
     (640, 2)
     """
-    reporter = as_reporter(progress)
     check_device(device)
     check_reachable(client, [("dataset", dataset.store)])
-    kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     if checkpoint is not None and not isinstance(checkpoint, Location):
         checkpoint = resolve(checkpoint, dataset.storage_options if storage_options is None else storage_options)
+    return build_statistics(dataset, client, targets=targets, group_samples=group_samples, split_every=split_every,
+                            device=device, progress=progress, tile_rows=tile_rows, max_tile_bytes=max_tile_bytes,
+                            checkpoint=checkpoint, persist=persist).statistics
+
+
+def build_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
+                     split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
+                     tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
+                     checkpoint: Location | None = None, persist: bool = False) -> Build:
+    """:func:`compute_statistics` for a caller that validated ``device`` and the cluster's reach and resolved
+    ``checkpoint`` (:func:`scaleattn.fit`): the statistics with the build's counts, a :class:`Build`."""
+    reporter = as_reporter(progress)
+    kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
     groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if len(tiles) > 1 else None)
     ckpt = None
@@ -207,11 +235,6 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             a, b = groups[stale[0]]
             reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
                           f" checkpointed (first: samples [{a}, {b}))")
-    if info is not None:  # (bindings: what a later pass over the rows is checked against, check_unchanged)
-        info.update({"bindings": (groups, targets, sources), "groups": len(groups), "tiles": len(tiles),
-                     "groups_resumed": int(done.all(axis=1).sum()),
-                     "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
-                     "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
     stop_after = _testing.stop_after_groups()
     todo = [gi for gi in range(len(groups)) if not done[gi].all()]
     rows_per_sample, unit = _row_unit(dataset)
@@ -251,11 +274,11 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                               gather=not persist)
             result = (tiles, roots) if persist else _assemble(roots, dataset.d)
     check_unchanged(dataset, groups, targets, sources)
-    if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
-        fresh = ckpt.written_by(ckpt.run)
-        info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
-                     "tasks_computed": int(fresh.sum()), "tasks_resumed": int((~fresh).sum())})
-    return result
+    # what was computed: with a checkpoint, what this run wrote (stale or damaged partials too)
+    fresh = ~done if ckpt is None else ckpt.written_by(ckpt.run)
+    return Build(result, len(groups), len(tiles), int(fresh.any(axis=1).sum()), int((~fresh).all(axis=1).sum()),
+                 int(fresh.sum()), int((~fresh).sum()), None if ckpt is None else ckpt.url,
+                 (groups, targets, sources))
 
 
 def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after, partial):

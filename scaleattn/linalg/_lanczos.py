@@ -13,7 +13,7 @@ values). Here they come from products ``G X`` only (:class:`scaleattn.linalg._gr
   Lanczos a full Krylov solve per step; the preconditioned block method needs a few hundred products.
 
 :func:`spectrum_from_runs` turns the runs into the rank decision, the null vectors and the
-:class:`KrylovSpectrum` that :func:`scaleattn.linalg._certificate.certify` reports.
+:class:`KrylovSpectrum` that :func:`scaleattn.linalg._solver.certify` reports.
 
 Every routine is a generator (:func:`scaleattn.linalg._krylov.lockstep`): it yields a block ``X`` (psi, k) in
 original coordinates and receives ``G X``, so that several of them share one pass over the compact Gram per

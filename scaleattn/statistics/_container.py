@@ -135,10 +135,6 @@ class Statistics:
         array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
         return expand_gram(self.gram_compact, self.d, out=out)
 
-    def second_moment(self):
-        """``Lambda_D = G / N`` (psi, psi): the uncentred second moment of the features ([Y25] Lemma 2.3)."""
-        return self.gram() / max(self.n_rows, 1)
-
     def sse(self, coef, gram=None) -> float:
         """Sum of squared residuals of ``coef`` (psi, d_out): ``yy - 2 tr(c^T B) + tr(c^T G c)``, no data pass.
 
