@@ -12,7 +12,7 @@ Layers (ARCHITECTURE.md; tests/test_architecture.py enforces them): L0 ``_versio
 ``pipeline`` -> ``estimator``, ``importers``, ``generate``; L5 ``cli``, ``submit``, ``bench/``, ``baselines/``;
 ``tensor/`` uses L0 only.
 """
-from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
+from . import _startup  # noqa: F401  (first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__
 from .data import Dataset, open_dataset, write_dataset
 from .distributed.build import compute_statistics
@@ -33,5 +33,3 @@ __all__ = [
     "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
     "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]
-
-_testing.pause("import")  # (the test suite's: Ctrl-C once the package is imported)

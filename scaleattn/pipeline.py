@@ -16,7 +16,6 @@ import dataclasses
 import time
 import warnings
 
-from . import _testing
 from ._backend import check_device
 from ._params import choice, heads_spec, seconds
 from ._version import __version__
@@ -327,7 +326,6 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     t = time.perf_counter()
     stats = stats.to_numpy()
     with reporter.phase("solve", f"psi {stats.psi:,}"):
-        _testing.before_solve()
         G = shared_gram(stats, solver)  # expanded once (the krylov path: the operator): solve, heads, witness
         sol = solve_validated(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
     times["solve"] = time.perf_counter() - t

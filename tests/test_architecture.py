@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "scaleattn"
 ORDER = [
     # base: no scaleattn imports but these
     ("_version", []), ("errors", []), ("_params", []), ("_backend", []),
-    ("_testing", []),  # the test suite's pause points (Ctrl-C at a chosen moment)
+    ("_testing", []),  # the two fault injections an injected callback cannot reach (Dask workers, the store read)
     ("_startup", []),  # imported first by the package root: the scaleattn command's Ctrl-C while the package imports
     ("_jit", []),  # numba's options and the host's full vector width, for the compiled kernels
     # tensor attention: base only

@@ -20,7 +20,6 @@ import re
 import sys
 import time
 
-from .. import _testing
 from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
@@ -239,7 +238,6 @@ def main(argv=None) -> int:
         if argv is None and is_the_command():
             leave_on_interrupt(f"{'scaleattn' if args is None else _prog(args)}: interrupted while exiting (the"
                                " command had ended)")
-            _testing.pause("exit")
 
 
 def _command(args, started: float, argv) -> int:

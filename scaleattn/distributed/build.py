@@ -216,9 +216,11 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 def build_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
                      split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
                      tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
-                     checkpoint: Location | None = None, persist: bool = False) -> Build:
+                     checkpoint: Location | None = None, persist: bool = False, on_group=None) -> Build:
     """:func:`compute_statistics` for a caller that validated ``device`` and the cluster's reach and resolved
-    ``checkpoint`` (:func:`scaleattn.fit`): the statistics with the build's counts, a :class:`Build`."""
+    ``checkpoint`` (:func:`scaleattn.fit`): the statistics with the build's counts, a :class:`Build`.
+    ``on_group(k)``, if given, is called as the k-th row group this run computes has every tile finished (and
+    checkpointed): the moment a test stops a build at (the whole build is one call otherwise)."""
     reporter = as_reporter(progress)
     kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
@@ -235,7 +237,6 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
             a, b = groups[stale[0]]
             reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
                           f" checkpointed (first: samples [{a}, {b}))")
-    stop_after = _testing.stop_after_groups()
     todo = [gi for gi in range(len(groups)) if not done[gi].all()]
     rows_per_sample, unit = _row_unit(dataset)
     rows = [(b - a) * rows_per_sample for a, b in groups]
@@ -252,7 +253,7 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
                       steps_done=steps_done) as advance:
         if client is None:
             try:
-                result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
+                result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, on_group,
                                             lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
                                                                                 device, ckpt, sources[gi], kernel,
                                                                                 reuse))
@@ -270,7 +271,7 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
                        for gi in range(len(groups)) for ti in range(len(tiles))}
             roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
                               advance=lambda w: advance(w, steps=1 if w else 0), weights=weights,
-                              on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after),
+                              on_leaf=None if on_group is None else _groups_finished(futs, todo, on_group),
                               gather=not persist)
             result = (tiles, roots) if persist else _assemble(roots, dataset.d)
     check_unchanged(dataset, groups, targets, sources)
@@ -281,7 +282,7 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
                  (groups, targets, sources))
 
 
-def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after, partial):
+def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, on_group, partial):
     """The in-process build: one tile at a time (every row group through that tile's tree, then the next tile),
     each finished tile copied into one preallocated ``Tc``. Peak memory is ``Tc`` plus about ``log2(groups)``
     partials of one tile (group by group over all tiles would hold that many partials of the whole ``Tc``, and
@@ -294,8 +295,8 @@ def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, ad
             red.add(partial(gi, ti, a, b, cols))
             if gi in todo:  # a tile read back from the checkpoint is no new step (as on a cluster)
                 advance(rows[gi] / len(tiles) if last else rows[gi], steps=int(not (last and done[gi, ti])))
-                if ti == last and stop_after is not None and todo.index(gi) + 1 >= stop_after:
-                    _testing.crash()  # the test hook: k groups have every tile done
+                if ti == last and on_group is not None:
+                    on_group(todo.index(gi) + 1)  # this group has every tile done
         part = red.result()
         if not last:
             return _assemble([part], dataset.d)
@@ -350,9 +351,9 @@ def _url_token(url: str) -> str:
     return hashlib.sha1(str(url).encode()).hexdigest()[:10]
 
 
-def _crash_after(futs, todo: list[int], k: int):
-    """The ``SCALEATTN_TEST_STOP_AFTER_GROUPS`` hook (:mod:`scaleattn._testing`) for the Dask path: a leaf
-    callback that ends this process once ``k`` groups of ``todo`` have all their tiles finished."""
+def _groups_finished(futs, todo: list[int], on_group):
+    """The leaf callback of the Dask path that calls ``on_group(k)`` as the k-th group of ``todo`` has all its
+    tiles finished."""
     left = {gi: len(futs[gi]) for gi in todo}
     owner = {f.key: gi for gi in todo for f in futs[gi]}
     finished = [0]
@@ -364,7 +365,6 @@ def _crash_after(futs, todo: list[int], k: int):
         left[gi] -= 1
         if left[gi] == 0:
             finished[0] += 1
-            if finished[0] >= k:
-                _testing.crash()
+            on_group(finished[0])
 
     return on_leaf
