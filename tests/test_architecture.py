@@ -32,7 +32,7 @@ ORDER = [
     ("heads", ["_algebra", "_fit", "_bounds", "_search"]),
     ("model", []),
     ("distributed", ["reduction", "partition", "checkpoint", "memory", "build", "operator", "evaluate", "tsqr",
-                     "reach", "cluster"]),
+                     "cluster"]),
     ("run", []), ("preflight", []), ("plot", []), ("pipeline", []),
     ("estimator", []), ("importers", []), ("generate", []),
     ("submit", ["manifest", "follow", "command"]),
