@@ -159,9 +159,8 @@ class MHLARegressor:
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
         """The fitted model's training error is at most the zero model's, or
         :func:`scaleattn.linalg._solver.check_no_worse_than_zero` refuses the fit (no model is kept): from the
-        statistics
-        where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in blocks of
-        samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
+        statistics where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in
+        blocks of samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
         coef, yy = self.model_.coef, float(stats.yy)
         floor = stats.sse_floor(coef, gram)
         if floor <= 1e-6 * yy:

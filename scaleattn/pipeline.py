@@ -128,7 +128,8 @@ class FitResult:
 
 
 #: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
-#: its solve, where the finished build is kept and how to solve again from it (a smaller solve is over sooner)
+#: its solve, where the finished build is kept and how to solve again from it; a smaller solve is over before the
+#: line could help
 SAY_KEPT_PSI = 2_000
 
 

@@ -6,11 +6,10 @@
   2-head teacher with d_out = 1 are built once and saved; each solver path then runs in a fresh process
   (so that its peak RSS is its own): the Cholesky path (expand G, factor, Lanczos for the extreme
   eigenvalues) and the krylov path twice, by default (the eigenvalue runs share the solve's passes and stop
-  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall
-  time, peak RSS
-  (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
-  relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a
-  pass over the rows, the certificate values side by side;
+  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
+  RSS (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
+  relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a pass over
+  the rows, the certificate values side by side;
 - the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
 - the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
   product against the same product in process (d = 32; quick: d = 16);

@@ -42,9 +42,8 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
     ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile). ``kernel``: the
     statistics kernel (:func:`scaleattn.statistics._kernel.kernel_name`; the client's, so that every worker uses it).
     ``reuse``: the build's token for the chunks its bounds cut (read and checked once per process, not once per
-    group: :meth:`~scaleattn.data._dataset.Dataset.read_chunks`). Raises
-    :class:`~scaleattn.data._dataset.DatasetError` on
-    bad values (naming the array and the sample).
+    group: :meth:`~scaleattn.data._dataset.Dataset.read_chunks`). Raises :class:`~scaleattn.data._dataset.DatasetError`
+    on bad values (naming the array and the sample).
     """
     xp = array_module(device)
     if cols is None:

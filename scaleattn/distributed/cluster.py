@@ -177,8 +177,7 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         the workers, the start-up time and the dashboard link, which lives as long as this cluster).
     progress : Reporter, optional
         Where the cluster lines go (default :func:`~scaleattn.display._progress.as_reporter` of ``not quiet``: stderr,
-        or
-        the cell in a notebook); a transient spinner shows while the embedded cluster stops.
+        or the cell in a notebook); a transient spinner shows while the embedded cluster stops.
     scheduler_timeout : float, optional
         Seconds to keep trying to reach ``scheduler``, also while the connection is refused or its host name does
         not resolve: a scheduler that starts after this process (a Kubernetes job's pods start in any order) is

@@ -5,8 +5,7 @@ product, ``_dense`` (blocked Cholesky, extreme eigenvalues by block Krylov), ``_
 intervals), ``_spectrum`` (the Jacobi-scaled spectra and factors, the relative cutoff, the min-norm step),
 ``_certificate`` (the certificate record and its three-valued verdict, built by the paths), ``_krylov``
 (matrix-free CG with deflation), ``_solver`` (the eigh, Cholesky and krylov paths of solve and certify and the
-one router between them) and ``_qr`` (the QR certificate of the features).
-DESIGN §4.
+one router between them) and ``_qr`` (the QR certificate of the features). DESIGN §4.
 """
 from ._certificate import Certificate
 from ._krylov import KrylovSolution, krylov_solve

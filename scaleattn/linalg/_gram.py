@@ -341,8 +341,8 @@ class GramOperator:
 
         numpy: the segments run on ``threads`` threads, each summing into its own psi x k buffer (the compiled
         kernel of :mod:`scaleattn.linalg._gram_compiled` unless :func:`scaleattn.statistics._kernel.kernel_name` says
-        numpy, else
-        BLAS GEMMs on one thread each); the buffers are added in a fixed order: the bits do not depend on timing.
+        numpy, else BLAS GEMMs on one thread each); the buffers are added in a fixed order: the bits do not depend on
+        timing.
         """
         xp, fast = self.xp, kernel_name(self.xp) == "numba"
         if X.shape[0] != self.psi:

@@ -335,12 +335,11 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Also estimate ``lambda_min``/``lambda_max`` of ``G`` itself (for ``Lambda_D = G / N``).
     eig_budget : {"solve", "full"}
         ``"solve"``: the smallest-eigenvalue runs stop when the solve has converged (for a certificate alone:
-        when the preconditioned Lanczos has) and they have run :data:`MIN_EIG_PASSES` passes, once the rank
-        decision is settled; their intervals are then
-        reported as they are (``converged`` False where wider than ``eig_rtol``). ``"full"``: they run until
-        ``eig_rtol`` or ``maxiter``. The smallest eigenvalues of Grams with few rows per feature crowd together
-        and converge several times slower than the solve (d = 32, 1.2 rows per feature: 600-900 passes against
-        280), while the Ritz values, upper bounds, are accurate long before their intervals close.
+        when the preconditioned Lanczos has) and they have run :data:`MIN_EIG_PASSES` passes, once the rank decision is
+        settled; their intervals are then reported as they are (``converged`` False where wider than ``eig_rtol``).
+        ``"full"``: they run until ``eig_rtol`` or ``maxiter``. The smallest eigenvalues of Grams with few rows per
+        feature crowd together and converge several times slower than the solve (d = 32, 1.2 rows per feature: 600-900
+        passes against 280), while the Ritz values, upper bounds, are accurate long before their intervals close.
     dense_null_max : int
         Once a null direction shows up, a Gram with at most this many features has its smallest eigenpairs
         computed from the assembled scaled Gram (exact, and cheaper than growing LOBPCG blocks there); above

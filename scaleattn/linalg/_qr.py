@@ -274,8 +274,7 @@ def certificate_from_r(factor: QRFactor, cutoff_rtol: float | None = None, gram:
 @dataclasses.dataclass
 class QRSolution(Solution):
     """A :class:`~scaleattn.linalg._solver.Solution` ([Y25] Alg. 1) solved from the R factor (``factor``): ``sse`` is
-    the
-    residual ``||z - R11 c||^2 + ||R22||_F^2`` (round-off :func:`residual_floor`, ``eps^2``-sized, not the Gram
+    the residual ``||z - R11 c||^2 + ||R22||_F^2`` (round-off :func:`residual_floor`, ``eps^2``-sized, not the Gram
     formula's ``eps``).
 
     Examples

@@ -32,10 +32,9 @@ SYEVD_MAX = 30_000
 CUSOLVER_SYEVD_MAX = 26_000
 #: above this psi, ``solver="auto"`` solves by Cholesky + Lanczos (``psi^3 / 3`` flops, 1 psi x psi array: the
 #: factor takes ``G``'s memory) instead of a full eigh (~9 psi^3 flops, ~5 arrays, and memory-bound): at d = 16
-#: (psi = 2,176) about 1 s
-#: instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The certificate then has
-#: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
-#: numerically positive definite falls back to eigh (which finds the null space).
+#: (psi = 2,176) about 1 s instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The
+#: certificate then has the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is
+#: not numerically positive definite falls back to eigh (which finds the null space).
 LARGE_PSI = 2_000
 #: above this psi, ``solver="auto"`` falls back to the krylov path (ridge 0) instead of a full eigh when the
 #: Gram is not positive definite: eigh costs ~9 psi^3 flops at memory speed (minutes at d = 24, hours at d = 32)
@@ -296,9 +295,8 @@ class CholeskyFactor:
     lam_min: float = 0.0
     lam_max: float = 0.0
     #: the :class:`scaleattn.linalg._lanczos.EigenEstimate` of ``lambda_max(Gs)``, ``lambda_max(Gs^-1)``,
-    # ``lambda_max(G)``
-    #: and ``lambda_max(G^-1)`` (keys ``lambda_max_scaled``, ``lambda_min_scaled_inverse``, ``lambda_max``,
-    #: ``lambda_min_inverse``)
+    #: ``lambda_max(G)`` and ``lambda_max(G^-1)`` (keys ``lambda_max_scaled``, ``lambda_min_scaled_inverse``,
+    #: ``lambda_max``, ``lambda_min_inverse``)
     estimates: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -9,15 +9,13 @@ N = 10). A better numpy kernel cannot remove those passes over memory; a compile
 or AVX-512 at its full width: :func:`scaleattn._jit.wide_vectors`), releases the GIL (``nogil``) so the
 kernel's own thread pool runs them, and caches the machine code (``cache``) so Dask workers do not recompile.
 ``parallel=True`` is not used: numba's threading layers are not safe under Dask's worker threads; the threads
-are :mod:`scaleattn.statistics._kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2
-cores and on
-2 AVX-512 (Emerald Rapids) cores.
+are :mod:`scaleattn.statistics._kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2 cores
+and on 2 AVX-512 (Emerald Rapids) cores.
 
 Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
 ``B``, ``yy``: the ``accumulate`` path below ``BLAS_MIN_D``, run on the kernel's threads by
-:func:`scaleattn.statistics._kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel`
-work on
-ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
+:func:`scaleattn.statistics._kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel` work
+on ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
 
 The functions are plain Python until :func:`compiled` compiles them (numba is imported lazily: it costs
 0.5 s at start-up, as much as the rest of the package). Every reduction runs in an order fixed by the code and

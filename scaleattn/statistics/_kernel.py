@@ -68,7 +68,8 @@ def kernel_name(xp=np, kernel: str | None = None) -> str:
 #: measured fastest on 2 cores (the GEMM's K = 1024 amortises the packing of v)
 PANEL_ROWS = 1024
 PANEL_COLS = 256
-#: bytes of one ``u`` panel on a device (CuPy, torch): on an H200 (d = 8 to 32) 0.25-4 GB within 15 %, 1 GB best
+#: bytes of one ``u`` panel on a device (CuPy, torch): measured on an H200 at d = 8 to 32, 0.25 GB to 4 GB
+#: panels were within 15 % of each other and 1 GB the best or near it
 DEVICE_PANEL_BYTES = 1e9
 #: below this many multiply-adds per call the kernel runs on one thread (handing work to a thread would dominate)
 MIN_THREAD_MACS = 50_000_000
