@@ -400,13 +400,12 @@ class KrylovSpectrum:
     """What the krylov certificate knows about the spectrum (DESIGN §4; [Y25] Lemma 2.3).
 
     ``lam_max_scaled``/``lam_min_scaled``: largest and smallest eigenvalue of ``Gs`` (the smallest is at
-    round-off level when ``Gs`` is singular); ``lam_max``/``lam_min``: of ``G`` itself (divide by N for
-    ``Lambda_D``; ``lam_min`` is 0 when the rank is not full);
-    ``rank`` and ``null_scaled`` (psi, j): the eigenvectors of ``Gs`` below the cutoff (scaled coordinates),
-    ``dead`` (psi,) bool: all-zero features (exactly null); ``lam_min_kept``: the smallest eigenvalue of
-    ``Gs`` above the cutoff (the condition number's denominator); ``rank_converged``: the null space is complete
-    and accurate (:mod:`scaleattn.linalg._krylov`, rank-deficient Gram); ``passes``: operator passes of the whole
-    computation; ``notes``: what was not settled, in words.
+    round-off level when ``Gs`` is singular); ``lam_max``/``lam_min``: of ``G`` itself (divide by N for ``Lambda_D``;
+    ``lam_min`` is 0 when the rank is not full); ``rank`` and ``null_scaled`` (psi, j): the eigenvectors of ``Gs`` below
+    the cutoff (scaled coordinates), ``dead`` (psi,) bool: all-zero features (exactly null); ``lam_min_kept``: the
+    smallest eigenvalue of ``Gs`` above the cutoff (the condition number's denominator); ``rank_converged``: the null
+    space is complete and accurate (:mod:`scaleattn.linalg._krylov`, rank-deficient Gram); ``passes``: operator passes
+    of the whole computation; ``notes``: what was not settled, in words.
     """
 
     psi: int

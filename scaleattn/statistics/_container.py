@@ -448,9 +448,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     ------
     DatasetError
         Shapes or dtypes that are not a dataset's (:func:`scaleattn.data._checks.check_arrays`), ``causal`` that
-        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the
-        sample; tokens so small
-        that the features underflow float64, targets so small that their squares do
+        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the sample;
+        tokens so small that the features underflow float64, targets so small that their squares do
         (:func:`scaleattn.data._checks.check_underflow`).
 
     See Also

@@ -338,13 +338,11 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     ``(sum y^2, rows)``.
 
     The samples are cut into pieces (:func:`scaleattn.statistics._compiled.sample_pieces`, whole samples, a function
-    of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum
-    restarts per sample) and sums ``Tc`` and ``B`` into its own partial
-    (:func:`scaleattn.statistics._compiled.piece_stats`), on this kernel's threads; the partials are added in piece
-    order, so the bits do not depend on ``threads``, nor (pieces of the whole ``Tc``) on ``cols`` or on whether
-    ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out) or causal (n, T, d_out), ``lengths`` (n,)
-    as in
-    :func:`scaleattn.statistics._container.accumulate` (numpy).
+    of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum restarts
+    per sample) and sums ``Tc`` and ``B`` into its own partial (:func:`scaleattn.statistics._compiled.piece_stats`), on
+    this kernel's threads; the partials are added in piece order, so the bits do not depend on ``threads``, nor (pieces
+    of the whole ``Tc``) on ``cols`` or on whether ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out)
+    or causal (n, T, d_out), ``lengths`` (n,) as in :func:`scaleattn.statistics._container.accumulate` (numpy).
     """
     kc = _kernel_compiled
     z = _float_input(tokens)
