@@ -5,10 +5,13 @@ least-squares problem [Yau et al., NeurIPS 2025, arXiv:2410.10101]. scaleattn st
 datasets through Dask workers into sufficient statistics, solves on one node, certifies identifiability
 and recovers the heads. ``scaleattn.tensor`` has tensor attention [Cao et al., arXiv:2405.16411].
 
-Layers, bottom up (tests/test_architecture.py enforces them): the base modules (``errors``, ``_params``,
-``_backend``, ...), ``store/``, ``display/``, ``features``, ``data/``, ``statistics/``, ``linalg/``, ``heads/``,
-``model``, ``distributed/``, ``run``, ``preflight``, ``plot``, ``pipeline``, then ``estimator``, ``importers``,
-``generate`` and ``submit/``, ``baselines/``, ``bench/``, ``cli/``; ``tensor/`` uses the base only.
+The package's folders are its layers, bottom up (tests/test_architecture.py enforces the order): the base
+modules (``errors``, ``_params``, ``_backend``), ``store/`` (locations, formats, integrity, locks, safe
+outputs), ``display/`` (report text, HTML cards, progress), ``features``, ``data/`` (datasets), ``statistics/``
+(the compact Gram and its kernels), ``linalg/`` (solver and certificate), ``heads/``, ``model``,
+``distributed/`` (Dask), then the jobs (``run``, ``preflight``, ``plot``, ``pipeline``, ``estimator``,
+``importers``, ``generate``) and the front doors (``cli/``, ``submit/``, ``bench/``, ``baselines/``);
+``tensor/`` uses the base only.
 """
 from . import _startup  # noqa: F401  (first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__

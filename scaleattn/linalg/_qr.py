@@ -298,7 +298,7 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     where that keeps the predictions (min-norm in the original coordinates, :func:`scaleattn.linalg._spectrum.min_norm`,
     as :func:`scaleattn.solve`). ``ridge = lambda > 0``: the scaled ridge of :func:`scaleattn.solve`,
     ``c_s = V diag(s / (s^2 + lambda)) U^T z``, effective dof ``sum s^2 / (s^2 + lambda)``. Numpy's ``lstsq`` on
-    ``phi`` gives the same rank, coefficients and residual on data it resolves (tests/test_qr_certificate.py).
+    ``phi`` gives the same rank, coefficients and residual on data it resolves (tests/linalg/test_qr.py).
 
     Raises
     ------

@@ -153,7 +153,7 @@ def test_cutoff_does_not_grow_with_n(rel_mse):
     y = P @ c_true
     sol = solve(statistics_from_arrays(tok, y))
     w = sol.certificate.spectrum_scaled
-    assert sol.certificate.rtol == default_rtol(6)  # the same cutoff at any N
+    assert sol.certificate.cutoff_rtol == default_rtol(6)  # the same cutoff at any N
     assert default_rtol(6) < w[0] / w[-1] < n * np.finfo(float).eps
     assert sol.rank == 6 and sol.certificate.identifiable
     mse, mse_dropped = rel_mse(P @ sol.coef, y), rel_mse(P @ col_scaled_lstsq(P, y, drop=1), y)
