@@ -269,12 +269,12 @@ PARTS = ("solvers", "heads", "cluster", "fit", "products")
 def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
     """Run the benchmark (``only``: one of :data:`PARTS`); write ``bench-krylov.json`` and ``bench-krylov.md``;
     return the results."""
-    from .core import _machine
+    from .core import machine
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    res = {"quick": quick, "targets": TARGETS, "machine": _machine()}
+    res = {"quick": quick, "targets": TARGETS, "machine": machine()}
     want = set(PARTS) if only is None else {only}
     with tempfile.TemporaryDirectory() as tmp:
         if "solvers" in want:

@@ -26,7 +26,8 @@ from ..features import expand_compact_gram, n_features, n_pairs, pair_products
 from . import _compiled as _kernel_compiled
 
 __all__ = ["gram_update", "fused_update", "expand_gram", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS",
-           "KERNEL_REVISIONS", "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "DEVICE_PANEL_BYTES", "EXPAND_PAIRS"]
+           "KERNEL_REVISIONS", "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "DEVICE_PANEL_BYTES", "EXPAND_PAIRS",
+           "device_panel_cols"]
 
 #: the statistics kernels (:func:`kernel_name`)
 KERNELS = ("numba", "numpy")
@@ -176,7 +177,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     panel_rows, panel_cols : int, optional
         ``u`` panel, built in a buffer, one GEMM each: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized);
-        on an accelerator all rows x :func:`_device_panel_cols` (:func:`_gram_update_xp`)
+        on an accelerator all rows x :func:`device_panel_cols` (:func:`_gram_update_xp`)
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
     kernel : {"numba", "numpy"}, optional
@@ -244,7 +245,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
 
 def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     """:func:`gram_update` in a non-numpy array API namespace: ``u`` panels built into one reused buffer, one
-    ``matmul`` each (DESIGN §3); on an accelerator of all rows x :func:`_device_panel_cols`, since a device pays per
+    ``matmul`` each (DESIGN §3); on an accelerator of all rows x :func:`device_panel_cols`, since a device pays per
     launch, not per cache miss (measured: docs/performance.md, "GPU"); else the host's cache-sized panels."""
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
@@ -252,7 +253,7 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     rows, big = s.shape[0], on_accelerator(s)
     panel_rows = max(1, min(int(panel_rows or (rows if big else PANEL_ROWS)), rows))
-    panel_cols = max(1, min(int(panel_cols or (_device_panel_cols(panel_rows) if big else PANEL_COLS)), c1 - c0))
+    panel_cols = max(1, min(int(panel_cols or (device_panel_cols(panel_rows) if big else PANEL_COLS)), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
     buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s))  # reused by every panel
     for r, r1 in ((r, min(r + panel_rows, rows)) for r in range(0, rows, panel_rows)):  # (in-bounds stops)
@@ -264,7 +265,7 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     return gram
 
 
-def _device_panel_cols(rows: int) -> int:
+def device_panel_cols(rows: int) -> int:
     """Columns of a ``u`` panel of ``rows`` rows on an accelerator: about :data:`DEVICE_PANEL_BYTES`."""
     return max(1, int(DEVICE_PANEL_BYTES // (8 * max(rows, 1))))
 
