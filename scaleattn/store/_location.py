@@ -19,6 +19,9 @@ import zarr
 
 from .._params import parse_storage_options, storage_option_pairs
 from ..errors import MissingDependencyError, ParameterError, StorageError
+from . import _bounds
+
+_bounds.install()  # every store opened in this process decodes its chunks within their declared sizes
 
 __all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
            "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "options_for", "RETRY_ATTEMPTS",
