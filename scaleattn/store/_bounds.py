@@ -152,20 +152,25 @@ _INSTALLED = []
 
 def install() -> None:
     """Make zarr decode ``zstd``, ``blosc`` and ``gzip`` chunks with the bounded codecs of this module (for
-    every array opened afterwards in this process; encoding is unchanged). Idempotent."""
-    if _INSTALLED:
-        return
+    every array opened afterwards in this process; encoding is unchanged). Idempotent and cheap: called before
+    every open (:func:`scaleattn.store._location.open_group`), so that a zarr configuration reset since is
+    undone."""
     import zarr
-    from zarr.registry import register_codec
 
-    classes = _zstd_classes()
-    for name, cls in zip(("zstd", "blosc", "gzip"), classes):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls  # (zarr's config names the class by its qualified name)
-        register_codec(name, cls)
-        zarr.config.set({f"codecs.{name}": f"{__name__}.{cls.__name__}"})
-    _INSTALLED.append(classes)
+    if not _INSTALLED:
+        from zarr.registry import register_codec
+
+        classes = _zstd_classes()
+        for name, cls in zip(("zstd", "blosc", "gzip"), classes):
+            cls.__module__ = __name__
+            cls.__qualname__ = cls.__name__
+            globals()[cls.__name__] = cls  # (zarr's config names the class by its qualified name)
+            register_codec(name, cls)
+        _INSTALLED.append(classes)
+    want = {f"codecs.{name}": f"{__name__}.{cls.__name__}"
+            for name, cls in zip(("zstd", "blosc", "gzip"), _INSTALLED[0])}
+    if any(zarr.config.get(k) != v for k, v in want.items()):
+        zarr.config.set(want)
 
 
 def _codec_names(codecs) -> list[tuple[str, object]]:

@@ -494,6 +494,7 @@ def open_group(url: str, mode: str = "r", storage_options: dict | None = None,
     ``use_consolidated=False`` reads each array's own metadata, not the group's consolidated copy (zarr's).
     Raises :class:`StorageError` when the store cannot be reached."""
     fmt = 3 if mode in ("w", "w-") else None
+    _bounds.install()  # (the arrays' codecs are resolved as the group is opened)
     if not is_url(url):
         if mode == "r":
             check_regular(local_path(url))

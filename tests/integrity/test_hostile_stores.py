@@ -76,6 +76,19 @@ def test_a_chunk_decompressing_past_its_declared_bytes_is_refused(tmp_path, code
         arr[...]
 
 
+def test_the_bounds_write_what_zarr_writes_and_survive_a_configuration_reset(tmp_path):
+    zarr.config.refresh()  # (another library resetting zarr's configuration: the next open installs them again)
+    p = tmp_path / "m.zarr"
+    _model().save(p)
+    assert [c["name"] for c in h.array_meta(p, "coef")["codecs"]] == ["bytes", "zstd", "crc32c"]
+    with zarr.config.set({"codecs.zstd": "zarr.codecs.zstd.ZstdCodec"}):  # plain zarr reads what was written
+        np.testing.assert_array_equal(zarr.open_group(str(p), mode="r")["coef"][...], MHLAModel.load(p).coef)
+    h.bomb(p, "coef", (6, 2), frame=h.zstd_zeros(MB64))
+    zarr.config.refresh()
+    with pytest.raises(FormatError, match="zstd chunk would decompress to 67,108,864 bytes"):
+        MHLAModel.load(p)
+
+
 # ---- small stores: model, statistics, spectrum -----------------------------------------------------------------
 
 def _crafted_model(tmp_path, variant: str, big: int):
