@@ -9,11 +9,20 @@ import numpy as np
 from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec
 from .data._checks import check_arrays, check_lengths, check_values, is_real
+from .distributed.memory import available_memory
 from .errors import DatasetError, NotFittedError
 from .linalg._certificate import check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve_validated
-from .linalg._stream import FIT_SOLVERS, count_rows, dual_solve, fit_path, rows_from_arrays, stream_solve
+from .linalg._stream import (
+    FIT_SOLVERS,
+    check_path_memory,
+    count_rows,
+    dual_solve,
+    fit_path,
+    rows_from_arrays,
+    stream_solve,
+)
 from .model import heads_are_exact, model_from_heads, model_from_statistics, recover_heads, residual_sums
 from .statistics._container import block_samples, statistics_from_arrays
 
@@ -146,9 +155,11 @@ class MHLARegressor:
             check_lengths(lengths, 0, T)
         causal = targets.ndim == 3
         rows = count_rows(tokens.shape[0], T, causal, lengths)
+        have = available_memory()
         path, why = fit_path(params["solver"], rows, tokens.shape[2], targets.shape[-1], heads=params["heads"],
-                             ridge=params["ridge"])
+                             ridge=params["ridge"], available=have)
         if path is not None:
+            check_path_memory(path, rows, tokens.shape[2], targets.shape[-1], have)
             return self._fit_streaming(path, why, params, tokens, targets, lengths, causal)
         self.path_ = {"path": "gram", "reason": why}
         stats = statistics_from_arrays(tokens, targets, lengths)  # on the arrays' device; solved on the host

@@ -29,7 +29,7 @@ from .distributed.memory import available_memory, check_fit_memory, chunk_bytes,
 from .distributed.operator import remote_build
 from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import InsufficientMemoryError, ParameterError, ScaleattnError, with_hint
+from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
 from .heads._algebra import Heads, coef_from_heads
 from .heads._search import DEFAULT_BUDGET
@@ -43,7 +43,15 @@ from .linalg._solver import (
     shared_gram,
     solve_validated,
 )
-from .linalg._stream import FIT_SOLVERS, count_rows, dual_bytes, dual_solve, fit_path, rows_from_dataset, stream_solve
+from .linalg._stream import (
+    FIT_SOLVERS,
+    check_path_memory,
+    count_rows,
+    dual_solve,
+    fit_path,
+    rows_from_dataset,
+    stream_solve,
+)
 from .model import MHLAModel, heads_are_exact, model_from_heads, model_from_statistics, recover_heads
 from .plot import figure_pngs, run_figures
 from .preflight import (
@@ -347,10 +355,8 @@ def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tupl
             raise ParameterError("`certificate='qr'` needs the statistics build; `solver='stream'` certifies from"
                                  " passes over the tokens (use certificate='auto' or 'gram')")
         return None, "certificate='qr' asked for"
-    if path == "dual" and dual_bytes(n_rows, ds.d, ds.d_out) > available_memory():
-        raise InsufficientMemoryError(f"the dual path for {n_rows:,} rows needs"
-                                      f" {dual_bytes(n_rows, ds.d, ds.d_out) / 2**30:.2f} GiB (an N x N kernel);"
-                                      f" this machine has {available_memory() / 2**30:.2f} GiB available")
+    if path is not None:
+        check_path_memory(path, n_rows, ds.d, ds.d_out, available_memory(), chunk_bytes(ds))
     return path, why
 
 

@@ -48,7 +48,7 @@ import math
 import numpy as np
 
 from .._backend import get_xp, to_numpy
-from ..errors import DatasetError, ParameterError
+from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs, row_targets, token_features
 from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
@@ -56,9 +56,10 @@ from ._krylov import MAXITER, krylov_solve, lockstep
 from ._lanczos import EPS
 from ._spectrum import default_rtol
 
-__all__ = ["RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
+__all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
            "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
-           "fit_path", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES", "KW_FAILURE"]
+           "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
+           "KW_FAILURE"]
 
 #: rows per block of a pass (each block holds rows x (m + d k) floats: 2 MB x k at d = 64)
 BLOCK_ROWS = 2048
@@ -487,20 +488,27 @@ class StreamSolution:
         return self.certificate.rank
 
 
+def heads_bytes(d: int, d_out: int) -> int:
+    """Bytes of the svd heads of coefficients (psi, d_out): ``W`` (d_out d, d^2) and its SVD factors."""
+    return 8 * 3 * d_out * d * d * d
+
+
 def stream_bytes(d: int, d_out: int, *, block_rows: int = BLOCK_ROWS, eig_columns: int = 8) -> int:
-    """Bytes the streaming path holds besides the tokens: the K-FAC factors and their inverses (``4 m^2``), the
-    krylov vectors (about ``(8 d_out + 6 eig_columns) psi`` incl. the Lanczos bases of at most 300 vectors) and one
-    block's products (``rows (m + 2 d k)``)."""
+    """Bytes the streaming path holds besides the tokens: the K-FAC factors and their inverses (``4 m^2``), ``diag G``
+    and the moments, the krylov vectors (about ``(8 d_out + 6 eig_columns) psi`` incl. the Lanczos bases of at most
+    300 vectors), one block's products (``rows (m + 3 d k)``) and the svd heads (:func:`heads_bytes`)."""
     m, psi = n_pairs(d), n_features(d)
     k = d_out + eig_columns
-    return 8 * (4 * m * m + psi * (8 * d_out + 6 * eig_columns) + 2 * 300 * psi + block_rows * (m + 3 * d * k))
+    return 8 * (4 * m * m + psi * (9 * d_out + 6 * eig_columns + 1) + 2 * 300 * psi + block_rows * (m + 3 * d * k)) \
+        + heads_bytes(d, d_out)
 
 
 def dual_bytes(n_rows: int, d: int, d_out: int) -> int:
-    """Bytes the dual path holds: the rows' features (``N (m + d + d_out)``) and ``K``, its eigenvectors and a
-    work copy (``3 N^2``), the coefficients (``psi d_out``)."""
-    m = n_pairs(d)
-    return 8 * (n_rows * (m + d + d_out) + 3 * n_rows * n_rows + n_features(d) * (d_out + 1))
+    """Bytes the dual path holds: the rows' features (``N (m + d + d_out)``), ``K``, its eigenvectors and a work copy
+    (``3 N^2``), ``diag G``, the moments, the coefficients and their products (``psi (3 d_out + 2)``) and the svd
+    heads (:func:`heads_bytes`)."""
+    m, psi = n_pairs(d), n_features(d)
+    return 8 * (n_rows * (m + d + d_out) + 3 * n_rows * n_rows + psi * (3 * d_out + 2)) + heads_bytes(d, d_out)
 
 
 def _preconditioner(op: StreamOperator, kind):
@@ -752,5 +760,28 @@ def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge
         need = dual_bytes(n_rows, d, d_out)
         if available is None or need <= available:
             return "dual", (f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual's N x N kernel"
-                            f" ({need / 2**30:.2f} GiB) instead of a singular psi x psi Gram")
+                            f" ({need / 2**30:.2f} GiB with the coefficients and heads) instead of a singular"
+                            " psi x psi Gram")
     return None, "the Gram route"
+
+
+def path_bytes(path: str, n_rows: int, d: int, d_out: int) -> int:
+    """Bytes :func:`stream_bytes` or :func:`dual_bytes` of ``path``."""
+    return dual_bytes(n_rows, d, d_out) if path == "dual" else stream_bytes(d, d_out)
+
+
+def check_path_memory(path: str, n_rows: int, d: int, d_out: int, available: float, extra: float = 0.0) -> None:
+    """Refuse, before any work, a streaming or dual fit whose :func:`path_bytes` (plus ``extra``) exceed
+    ``available`` bytes.
+
+    Raises
+    ------
+    InsufficientMemoryError
+        One line: the path, the size, what it holds, the memory there is.
+    """
+    need = path_bytes(path, n_rows, d, d_out) + extra
+    if need > available:
+        raise InsufficientMemoryError(f"a {path} fit with d = {d} ({n_rows:,} rows, psi = {n_features(d):,}) needs"
+                                      f" {need / 2**30:.2f} GiB ({'the N x N kernel' if path == 'dual' else 'K-FAC'}"
+                                      f" factors, coefficients, svd heads); this machine has {available / 2**30:.2f}"
+                                      " GiB available. Use a machine with more memory or a smaller d.")

@@ -317,3 +317,19 @@ def test_krylov_memory_counts_the_null_space_blocks_and_refuses_beforehand(tmp_p
     with pytest.raises(InsufficientMemoryError, match="fewer than the features"):
         scaleattn.fit(ds, str(tmp_path / "run"), solver="krylov")
     assert not (tmp_path / "run").exists()
+
+
+def test_streaming_paths_refuse_what_they_cannot_hold():
+    """The dual and stream estimates count the coefficients and the svd heads (d = 200: 38 GB of heads), so
+    'auto' leaves such data to the Gram route's refusal and an explicit path is refused before work."""
+    from scaleattn.errors import InsufficientMemoryError
+    from scaleattn.linalg._stream import check_path_memory, dual_bytes, fit_path, heads_bytes
+
+    assert heads_bytes(200, 200) > 3.8e10 and dual_bytes(4, 200, 200) > heads_bytes(200, 200)
+    assert fit_path("auto", 4, 200, 200, available=16e9)[0] is None
+    assert fit_path("auto", 400, 24, 2, available=16e9)[0] == "dual"
+    with pytest.raises(InsufficientMemoryError, match=r"a dual fit with d = 200 .* needs .* GiB"):
+        check_path_memory("dual", 4, 200, 200, 16e9)
+    with pytest.raises(InsufficientMemoryError, match=r"a stream fit with d = 64"):
+        check_path_memory("stream", 400_000, 64, 64, 1e9)
+    check_path_memory("stream", 400_000, 64, 1, 3e9)  # d = 64, d_out = 1 fits in 3 GB (tokens aside)
