@@ -242,11 +242,12 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
     (``PROBE_STARTS``, ``PROBE_ITERS``): non-generic coefficients (teachers with min(d, d_out) or more heads)
     whose greedy curve missed them. (4b) While the count found is above both bounds (above the every-c bound for
     coefficients that fit the data to round-off, ``NOISE_FREE``: a noise-free model need not be generic): one
-    head fewer from further starts (the found model less one of its weakest heads, the curve's model, ``RETRY_STARTS`` random ones not
-    tried before), again below on success; for ``heads=H`` with no exact model, the same at H. At a tight count
-    (``H (a + b - H) = psi d_out``, e.g. d_out = 2, H = d) generic coefficients have finitely many H-head models
-    over C: real ones exist for some data and not for others, and their basins are small. (5) For ``heads=H`` with no exact model: the best of the curve's H-head
-    model, the closest coefficient fit and further loss-space starts, polished. The losses form ``curve``:
+    head fewer from further starts (the found model less one of its weakest heads, the curve's model,
+    ``RETRY_STARTS`` random ones not tried before), again below on success; for ``heads=H`` with no exact model,
+    the same at H. At a tight count (``H (a + b - H) = psi d_out``, e.g. d_out = 2, H = d) generic coefficients
+    have finitely many H-head models over C: real ones exist for some data and not for others, and their basins
+    are small. (5) For ``heads=H`` with no exact model: the best of the curve's H-head model, the closest
+    coefficient fit and further loss-space starts, polished. The losses form ``curve``:
     ``[(r, sse), ...]`` for r = 1 .. the head count, non-increasing (a running minimum: fewer heads plus zero
     heads are more heads), ending at the returned model. Steps larger than ``VARPRO_MAX`` / ``WORK_MAX`` use
     alternating projections (:func:`scaleattn.heads._algebra.rank_r_heads`) for (2) and skip the curve. The budget is
