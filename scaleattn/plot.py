@@ -393,6 +393,8 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
             if not given and _is_training(ds, r, storage_options) is False:  # (the report's numbers are another's)
                 raise DatasetError(f"{ds.url} changed since the fit (another dataset is stored there now); pass"
                                    " `dataset` to draw the predictions on it as it is now")
+            if r.get("train_samples") and ds.n_samples > r["train_samples"] and _is_training(ds, r, storage_options):
+                ds = ds.first(int(r["train_samples"]))  # (a fit with validation: its training samples, as its MSE)
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
                                                      dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
                                                      samples=(samples_drawn(ds), int(ds.n_samples)),

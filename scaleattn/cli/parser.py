@@ -133,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--noise", type=float, default=0.0, help="std of Gaussian target noise (default 0)")
     m.add_argument("--causal", action="store_true", help="targets at every prefix (N, T, d_out)")
     m.add_argument("--variable-lengths", action="store_true", help="random lengths in [1, T], zero padded")
-    m.add_argument("--seed", type=seed, default=0, help="random seed of the teacher and the tokens (default 0)")
+    m.add_argument("--seed", type=seed, default=0,
+                   help="random seed of the tokens, and of the teacher unless --teacher-seed (default 0)")
+    m.add_argument("--teacher-seed", type=seed, default=None, metavar="SEED",
+                   help="random seed of the teacher alone (default: --seed): test data of the same teacher on new"
+                        " tokens is --teacher-seed S --seed S2 with the training data's S and any other S2")
     m.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(m)
     a = gsub.add_parser("assoc", help="associative memory task [Y25 Sec. 4.2]")
@@ -178,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data, at most 1e12"
                         " (default 0)")
+    f.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
+                   help="hold out the last FRACTION of the samples (whole samples, e.g. 0.2): left out of the fit,"
+                        " their MSE is reported as validation MSE next to the train MSE (default 0: fit them all)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor;"
                         " the pass still runs where that round-off passes 1e-6 of the mean y^2)")

@@ -265,6 +265,25 @@ class Dataset:
     def attrs(self) -> dict:
         return dict(self.group().attrs)
 
+    def first(self, n: int) -> "Dataset":
+        """The first ``n`` samples, as a dataset: the same store, fingerprint and checks, but ``n_samples = n``,
+        so that row groups, statistics and evaluations stop at sample ``n`` (a fit's training part when the last
+        samples are held out for validation, :func:`scaleattn.fit`'s ``validation``). A chunk that ``n`` cuts
+        is read whole and checked, as any chunk a range cuts (:meth:`read_chunks`).
+
+        Raises :class:`ValueError` unless ``1 <= n <= n_samples``.
+
+        Examples
+        --------
+        >>> import numpy as np, scaleattn
+        >>> ds = scaleattn.write_dataset("_doc_first.zarr", np.ones((5, 3, 2)), np.ones((5, 2)), overwrite=True)
+        >>> ds.first(3).n_samples, ds.first(3).read(0, 3)[0].shape
+        (3, (3, 3, 2))
+        """
+        if not 1 <= int(n) <= self.n_samples:
+            raise ValueError(f"first({n}): a dataset of {self.n_samples} samples")
+        return dataclasses.replace(self, n_samples=int(n))
+
 
 class ChunkCache:
     """The chunks that row-group bounds cut, as read and checked (:meth:`Dataset.read_chunks` with ``reuse``):

@@ -228,6 +228,10 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
             f'<span style="opacity:0.75;font-size:0.9em">{data}</span></div>')
     fit_rows = [("train MSE", _f(r.get("train_mse"))), ("relative", _f(r.get("relative_train_mse"), ".3g")),
                 ("mean y^2", _f(r.get("target_mean_square")))]
+    if "validation_mse" in r:  # the held-out samples (fit's validation): the generalisation the train MSE hides
+        fit_rows[2:2] = [("validation MSE", _f(r["validation_mse"])),
+                         ("relative", _f(r.get("relative_validation_mse"), ".3g")),
+                         ("held out", f"the last {r['validation_samples']:,} of {r['n_samples']:,} samples")]
     if "teacher_coef_distance" in r:
         fit_rows.append((teacher_distance_label(r), _f(r["teacher_coef_distance"], ".3g")))
     if r.get("ridge"):
@@ -245,7 +249,7 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
                                 f"{_f(w['prediction_difference'], '.3g')} on a {len(w['tokens'])}-token input"),
                            ])))
     t = r.get("timings", {})
-    steps = [f"{k} {_f(t[k], '.2f')} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "plots")
+    steps = [f"{k} {_f(t[k], '.2f')} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation", "plots")
              if k in t]
     run_rows = [("wall time", f"{_f(r.get('seconds'), '.2f')} s (" + ", ".join(steps) + ")"),
                 ("row groups", f"{r.get('groups', 'n/a')} ({r.get('groups_resumed', 0)} resumed)")]

@@ -11,7 +11,7 @@ import math
 
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
+__all__ = ["fit_summary", "heads_line", "validation_line", "krylov_line", "certificate_summary", "evaluation_summary",
            "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
 
 
@@ -121,6 +121,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         *([krylov_line(r)] if krylov_line(r) else []),
         f"train MSE {r['train_mse']:.4g}  (relative {_g(r['relative_train_mse'], '.3g')};"
         f" mean y^2 {r['target_mean_square']:.4g})",
+        *([validation_line(r)] if "validation_mse" in r else []),
         heads_line(r),
     ]
     if fewer_heads_suffice(r):  # only the teacher can tell this about svd heads (the head search finds the count)
@@ -164,7 +165,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
                          f" precision of {prec}, so the certificate counts it as undetermined; this pair does not"
                          " overturn the verdict)")
     t = r.get("timings", {})
-    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate") if k in t]
+    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation") if k in t]
     lines.append(f"wall time {r['seconds']:.2f} s" + (f" ({', '.join(steps)})" if steps else ""))
     if command is not None:
         parts = [f"{label} {command[k]:.2f} s" for k, label in (("cluster", "cluster start"), ("write", "write"))
@@ -172,6 +173,20 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"command {command['seconds']:.2f} s until this report"
                      + (f" ({', '.join(parts)})" if parts else ""))
     return "\n".join(lines)
+
+
+def validation_line(r: dict) -> str:
+    """The held-out samples' MSE of a fit with ``validation`` (``validation_mse``, docs/report.md).
+
+    Examples
+    --------
+    >>> validation_line({"validation_mse": 0.0127, "relative_validation_mse": 0.94, "validation_samples": 13,
+    ...                  "n_samples": 64})
+    'validation MSE 0.0127  (relative 0.94; the last 13 of 64 samples, held out of the fit)'
+    """
+    k = r["validation_samples"]
+    return (f"validation MSE {r['validation_mse']:.4g}  (relative {_g(r.get('relative_validation_mse'), '.3g')};"
+            f" the last {k:,} of {r['n_samples']:,} samples, held out of the fit)")
 
 
 def heads_line(r: dict) -> str:
