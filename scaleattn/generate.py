@@ -31,7 +31,7 @@ from .importers import (  # noqa: F401 (moved)
     windows,
 )
 from .store import _formats
-from .store._location import check_storage_options, resolve
+from .store._location import check_path, check_storage_options, resolve
 from .store._outputs import atomic_output
 
 __all__ = ["make_teacher", "mhla_forward", "make_mhla", "generate_mhla", "make_assoc", "generate_assoc",
@@ -153,6 +153,7 @@ def generate_mhla(
     per_sample = length * (2 * d + 2 * o + (d * d if causal else 0)) + d * d  # tokens, targets, S = sum z z^T
     _check_memory(f"the teacher (`heads={heads}`, `d={d}`, `d_out={o}`) and one chunk ({n:,} sample{'s' * (n > 1)}"
                   f" of `length={length}`{', causal' if causal else ''})", 8.0 * (heads * d * (d + o) + n * per_sample))
+    check_path(url, "generate_mhla", "as `url` the output store's path or URL")
     check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
     V, Q = make_teacher(d, heads, d_out, seed if teacher_seed is None else teacher_seed)

@@ -26,7 +26,7 @@ from .errors import (
     hint_of,
     with_hint,
 )
-from .store._location import check_kind, check_storage_options, did_you_mean, resolve
+from .store._location import check_kind, check_path, check_storage_options, did_you_mean, resolve
 from .store._names import check_output_name
 from .store._outputs import check_companions, check_disjoint
 
@@ -113,6 +113,8 @@ NPZ, CSV = "a .npz or .npy file", "a CSV file"
 def _check_source(path, expected: str, role: str = "") -> None:
     """The source file exists and is a file (:func:`scaleattn.store._location.check_kind`; ``role`` names the
     option)."""
+    check_path(path, "import", f"as `path` the input file's path ({expected})",
+               "; arrays in memory: scaleattn.write_dataset(url, tokens, targets)")
     check_kind(path, role, expected, directory=False)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file{did_you_mean(path)}")
@@ -121,6 +123,8 @@ def _check_source(path, expected: str, role: str = "") -> None:
 def _check_output(url, path, storage_options) -> None:
     """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be; its
     name holds them (:func:`scaleattn.store._names.check_output_name`, before the file is read)."""
+    check_path(url, "import", "as `url` the output store's path or URL")
+    check_path(path, "import", "as `path` the input file's path")
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
     check_output_name(pairs[0][0][1], "output")
     check_storage_options(storage_options, url)  # (before the file is read; write_dataset's check comes late)

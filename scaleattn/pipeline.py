@@ -21,7 +21,7 @@ from . import _testing
 from ._backend import check_device
 from ._params import choice, heads_spec, no_other_kwargs, real, renamed, seconds
 from ._version import __version__
-from .data._dataset import Dataset
+from .data._dataset import Dataset, check_dataset_argument
 from .display import _html as _html
 from .display import _text as _text
 from .display._progress import as_reporter
@@ -53,7 +53,7 @@ from .preflight import (
 from .run import write_run
 from .statistics._container import Statistics
 from .store import _formats
-from .store._location import Location, check_storage_options
+from .store._location import Location, check_path, check_storage_options
 from .store._outputs import reading
 
 __all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI", "validation_split"]
@@ -242,6 +242,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     True
     """
     t0 = time.perf_counter()
+    check_dataset_argument(dataset, "fit")
+    if out is not None:
+        check_path(out, "fit", "as `out` a run directory's path or URL")
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     no_other_kwargs(deprecated, "fit")
     heads = heads_spec(heads)
@@ -520,6 +523,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     >>> certify_dataset("data.zarr").identifiable  # doctest: +SKIP
     True
     """
+    check_dataset_argument(dataset, "certify_dataset")
     cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
     no_other_kwargs(deprecated, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)

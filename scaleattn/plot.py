@@ -31,7 +31,7 @@ from .errors import DatasetError, Note, ParameterError, ScaleattnError
 from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spectrum_not_kept, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 from .store import _formats
-from .store._location import Location, check_storage_options, is_url, options_for, resolve
+from .store._location import Location, check_path, check_storage_options, is_url, options_for, resolve
 from .store._outputs import check_disjoint, check_output_location, hold, reading, relation
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
@@ -448,6 +448,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     no path (the run, ``out``, the dataset) is a URL, and
     :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
+    if not hasattr(run, "certificate"):
+        check_path(run, "save_run_plots", "a run directory's path or URL, or a FitResult")
     if out is None:
         if hasattr(run, "certificate"):
             raise ParameterError("save_run_plots: give `out` when plotting a FitResult")

@@ -148,11 +148,10 @@ def _cmd_import(args) -> int:
 
 def _cmd_fit(args) -> int:
     from .._backend import check_device
-    from .._params import heads_spec
+    from .._params import heads_spec, real
     from ..display._text import fit_summary
     from ..linalg._certificate import check_cutoff
     from ..linalg._solver import check_ridge
-    from .._params import real
     from ..pipeline import fit, validation_split
     from ..preflight import holding, preflight, run_locations
 

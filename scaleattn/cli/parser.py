@@ -339,8 +339,8 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
             continue
         owners = _owners(level, option)
         if not owners:  # the closest option of this level or of a command below (``--hedas fit``: ``--heads``)
-            close = difflib.get_close_matches(option, sorted(set(known) | {o for q in _commands(level) for a in q._actions
-                                                                      for o in a.option_strings}), 1)
+            below = {o for q in _commands(level) for a in q._actions for o in a.option_strings}
+            close = difflib.get_close_matches(option, sorted(set(known) | below), 1)
             hint = "" if not close else f" (did you mean {close[0]}?)" if close[0] in known else (
                 f" (did you mean {close[0]}, an option of {_listed(_owners(level, close[0]))}? put it after the"
                 " command)")
@@ -422,7 +422,6 @@ def parse(argv=None) -> argparse.Namespace:
     closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before its
     command by the parser it was given to (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
     (``scaleattn generate mhla``)."""
-    import difflib
     import sys
 
     parser = build_parser()

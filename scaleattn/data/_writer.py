@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ParameterError
 from ..store import _formats, _integrity
-from ..store._location import Location, check_storage_options, resolve
+from ..store._location import Location, check_path, check_storage_options, resolve
 from ..store._outputs import atomic_output
 from ._checks import check_arrays, check_lengths, check_values
 from ._dataset import DIMS, FORMAT, FORMAT_VERSION, Dataset, open_dataset
@@ -196,6 +196,7 @@ def write_dataset(
     >>> ds.n_samples, ds.d_out
     (8, 2)
     """
+    check_path(url, "write_dataset", "as `url` the output store's path or URL (the arrays come after it)")
     check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)

@@ -249,8 +249,8 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
                                 f"{_f(w['prediction_difference'], '.3g')} on a {len(w['tokens'])}-token input"),
                            ])))
     t = r.get("timings", {})
-    steps = [f"{k} {_f(t[k], '.2f')} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation", "plots")
-             if k in t]
+    steps = [f"{k} {_f(t[k], '.2f')} s"
+             for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation", "plots") if k in t]
     run_rows = [("wall time", f"{_f(r.get('seconds'), '.2f')} s (" + ", ".join(steps) + ")"),
                 ("row groups", f"{r.get('groups', 'n/a')} ({r.get('groups_resumed', 0)} resumed)")]
     if out:

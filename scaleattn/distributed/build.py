@@ -14,7 +14,7 @@ import numpy as np
 from .. import _testing
 from .._backend import array_module, check_device, is_numpy
 from ..data._checks import expected_rows, fingerprint, row_bindings
-from ..data._dataset import CUT_CHUNKS
+from ..data._dataset import CUT_CHUNKS, Dataset, check_dataset_argument, open_dataset
 from ..display._progress import as_reporter
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
@@ -130,8 +130,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     Parameters
     ----------
-    dataset : Dataset
-        From :func:`scaleattn.open_dataset`.
+    dataset : Dataset, str or path-like
+        From :func:`scaleattn.open_dataset` (a path or URL is opened with ``storage_options``).
     client : distributed.Client, optional
         Without one the tasks run in this process (same tree, same bits).
     targets : bool
@@ -187,6 +187,9 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     >>> st.n_rows, st.d_out
     (640, 2)
     """
+    check_dataset_argument(dataset, "compute_statistics")
+    if not isinstance(dataset, Dataset):
+        dataset = open_dataset(dataset, storage_options)
     reporter = as_reporter(progress)
     check_device(device)
     check_reachable(client, [("dataset", dataset.store)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..data._dataset import Dataset, check_dataset_argument, open_dataset
 from ..display._progress import as_reporter
 from ..errors import ParameterError
 from ..model import residual_sums
@@ -45,8 +46,8 @@ def evaluate(model, dataset, client=None, progress=False, *, samples=None) -> di
     Parameters
     ----------
     model : MHLAModel
-    dataset : Dataset
-        With targets, and the model's ``d`` and ``d_out``.
+    dataset : Dataset, str or path-like
+        With targets, and the model's ``d`` and ``d_out`` (a path or URL is opened: :func:`scaleattn.open_dataset`).
     client : distributed.Client, optional
         Cluster to run on; None computes in this process.
     progress : bool or Reporter
@@ -62,7 +63,8 @@ def evaluate(model, dataset, client=None, progress=False, *, samples=None) -> di
     Raises
     ------
     ParameterError
-        The dataset has no targets or other dimensions than the model, or ``samples`` is not a non-empty range
+        ``dataset`` is no dataset (arrays: one line pointing to :class:`scaleattn.MHLARegressor`), the dataset has
+        no targets or other dimensions than the model, or ``samples`` is not a non-empty range
         of its samples.
     UnsupportedError
         The dataset lives in this process's memory and the workers of ``client`` in other processes.
@@ -84,6 +86,8 @@ def evaluate(model, dataset, client=None, progress=False, *, samples=None) -> di
     >>> bool(scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20)
     True
     """
+    check_dataset_argument(dataset, "evaluate")
+    dataset = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
     model.check_dataset(dataset)
     check_reachable(client, [("dataset", dataset.store)])
     groups = _groups(dataset, samples)
