@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ..store._formats import loss_curve
-from ._text import _METHOD, fewer_heads_suffice, minimal_heads, teacher_distance_label, verdict
+from ._text import _METHOD, fewer_heads_suffice, lambda_min_text, minimal_heads, teacher_distance_label, verdict
 
 __all__ = ["spectrum_svg", "certificate_html", "fit_html", "statistics_html", "model_html", "safe_html"]
 
@@ -145,7 +145,7 @@ def certificate_html(s: dict, spectrum_scaled=None, title: str = "Certificate") 
     color = _COLOR.get(v, _AMBER)
     head = {"identifiable": "&#10004; ", "not identifiable": "&#10008; "}.get(v, "? ") + _e(verdict(s))
     method = s.get("certificate_method", "gram")
-    rows = [("lambda_min", f"{_f(s['lambda_min'])}  <span style='opacity:0.7'>(of Lambda_D = G/N)</span>"),
+    rows = [("lambda_min", f"{_e(lambda_min_text(s))}  <span style='opacity:0.7'>(of Lambda_D = G/N)</span>"),
             ("lambda_max", _f(s["lambda_max"])),
             ("rank", f"{s['rank']:,} of psi = {s['psi']:,}"
                      + (f" ({s['ambiguous_dim']:,} ambiguous)" if s["rank"] < s["psi"] else "")),
