@@ -219,8 +219,9 @@ class MHLARegressor:
 
     def predict(self, tokens, lengths=None):
         """Predictions (n, d_out) or (n, T, d_out) of the fitted model ((n,) when fitted to targets (n,)), in the
-        tokens' namespace and on their device (numpy, CuPy, torch, ...). Raises :class:`~scaleattn.errors.DatasetError` for bad tokens or
-        lengths (naming the sample), :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        tokens' namespace and on their device (numpy, CuPy, torch, ...). Raises
+        :class:`~scaleattn.errors.DatasetError` for bad tokens or lengths (naming the sample),
+        :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
         self._check_fitted("predict")
         tokens, lengths = _as_float("tokens", tokens), _as_lengths(lengths)
         T = check_arrays(tokens, None, lengths)[1]
