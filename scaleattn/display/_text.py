@@ -14,7 +14,8 @@ import numpy as np
 from ..store._formats import loss_curve
 
 __all__ = ["fit_summary", "heads_line", "validation_line", "lambda_min_text", "lambda_resolution", "krylov_line",
-           "certificate_summary", "evaluation_summary", "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
+           "certificate_summary", "evaluation_summary", "comparison_summary", "verdict", "minimal_heads",
+           "fewer_heads_suffice", "teacher_distance_label"]
 
 
 _METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
