@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import textwrap
 import warnings
 
@@ -319,14 +320,27 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
         where = f"{dataset} ({where})" if where else dataset
     head = f"Predictions against targets on {where}" if where else "Predictions against targets"
     of = "of these rows, all outputs" if d_out > 1 else "of these rows"
-    text = title or (f"{head}\n{rows}, MSE {mse:.3g} ({of}); dashed: y = ŷ"
+    text = title or (f"{head}\n{rows}, MSE {mse:.3g} ({of}); dashed:\u00a0y\u00a0=\u00a0ŷ"  # (kept on one line)
                      + (f"\n{d_out} outputs pooled (colour and marker by output)" if pooled else ""))
     # wrapped to the figure's width (a long dataset name or the rows line ran off both edges): about 13
     # characters per inch at 10 pt, 11 at 12 pt
     per_inch = 13 if ncols > 1 else 11
-    text = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
+    text = "\n".join(_wrap(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
     fig.suptitle(text, fontsize="medium" if ncols > 1 else "large")
     return fig
+
+
+def _wrap(line: str, width: int) -> str:
+    """``line`` wrapped to ``width`` characters, never inside parentheses (``(of these rows, all outputs)``
+    and ``(the training data)`` broke in two across lines).
+
+    Examples
+    --------
+    >>> _wrap("Predictions against targets on x.zarr (the training data)", 50)
+    'Predictions against targets on x.zarr\n(the training data)'
+    """
+    kept = re.sub(r"\([^()]*\)", lambda m: m.group(0).replace(" ", "\u00a0"), line)  # (no break at a no-break space)
+    return textwrap.fill(kept, width, break_long_words=False).replace("\u00a0", " ")
 
 
 def _rows_drawn(n: int, total_rows: int | None, samples: tuple[int, int] | None) -> str:

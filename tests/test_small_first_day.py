@@ -85,3 +85,24 @@ def test_a_zarr_store_written_by_xarray_is_fitted_as_is(tmp_path):
     np.testing.assert_allclose(res.model.coef, np.linalg.lstsq(P, d["targets"], rcond=None)[0], rtol=1e-6,
                                atol=1e-9)
     assert res.certificate.identifiable and res.report["n_samples"] == 40
+
+
+@pytest.mark.parametrize("d_out, name", [(1, "x.zarr"), (2, "data.zarr"), (2, "fresh-tokens-of-the-teacher.zarr"),
+                                         (20, "d.zarr")])
+def test_prediction_titles_break_between_phrases(d_out, name):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from scaleattn.plot import predictions_figure
+
+    y = np.random.default_rng(0).standard_normal((1900, d_out))
+    fig = predictions_figure(y, y + 0.01, dataset=name, training=d_out != 2, total_rows=51_200, samples=(19, 512))
+    lines = fig.get_suptitle().split("\n")
+    for line in lines:  # parentheses open and close on one line; the legend of the dashed line is whole
+        assert line.count("(") == line.count(")"), lines
+    assert any(ln.endswith("dashed: y = ŷ") for ln in lines) and "\u00a0" not in fig.get_suptitle(), lines
+    if d_out == 2:
+        assert any(ln.startswith("first 19 of 512 samples (1,900 of 51,200 rows), MSE") for ln in lines), lines
+    fig.canvas = FigureCanvasAgg(fig)
+    fig.draw(fig.canvas.get_renderer())
+    box, inside = fig._suptitle.get_window_extent(fig.canvas.get_renderer()), fig.bbox
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and box.y1 <= inside.y1, (box, inside)

@@ -229,7 +229,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     # next group there slices the kept copy), never shared with another build (which checks them anew)
     reuse = secrets.token_hex(8)
     with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note, steps=steps, step_unit=step_unit,
-                      steps_done=steps_done) as advance:
+                      steps_done=steps_done, wait_reason=_wait_reason(kernel)) as advance:
         if client is None:
             try:
                 result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
@@ -310,6 +310,17 @@ def check_unchanged(dataset, groups, targets: bool, sources: list[int],
         raise IntegrityError(f"{dataset.url} changed while {during} ({len(changed)} row group(s), first samples"
                              f" [{changed[0][0]}, {changed[0][1]})): the result could mix old and new rows; run"
                              " again once nothing writes to it")
+
+
+def _wait_reason(kernel: str) -> str:
+    """What the statistics bar says while no row group is done yet: the kernels being compiled where numba's cache
+    of them is cold (:func:`scaleattn.statistics._compiled.kernels_cached`: the first run after an install), else
+    nothing (every later run printed that reason too)."""
+    if kernel != "numba":
+        return ""
+    from ..statistics._compiled import kernels_cached
+
+    return "" if kernels_cached() else "the first run after an install compiles the kernels, <= 40 s"
 
 
 def _row_unit(dataset) -> tuple[int, str]:
