@@ -119,13 +119,11 @@ def test_a_log_says_once_what_it_waits_for(monkeypatch):
     import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
-    buf = io.StringIO()
-    rep = ConsoleReporter(file=buf)
     for reason, said in (("kernels compile", " (kernels compile)"), ("", "")):  # the reason only when one is known
         buf = io.StringIO()
         rep = ConsoleReporter(file=buf)
         with rep.bar("statistics", 1000, steps=4, wait_reason=reason) as advance:
-            _until(lambda: "waiting" in buf.getvalue())
+            _until(lambda b=buf: "waiting" in b.getvalue())
             advance(1000, steps=4)
         lines = buf.getvalue().splitlines()
         assert lines[0] == f"statistics: waiting for the first group{said}"
