@@ -5,12 +5,13 @@ least-squares problem [Yau et al., NeurIPS 2025, arXiv:2410.10101]. scaleattn st
 datasets through Dask workers into sufficient statistics, solves on one node, certifies identifiability
 and recovers the heads. ``scaleattn.tensor`` has tensor attention [Cao et al., arXiv:2405.16411].
 
-Layers (ARCHITECTURE.md; tests/test_architecture.py enforces them): L0 ``_version``, ``errors``, ``_params``,
-``_backend``, ``_storage``, ``_formats``, ``report`` (all human text, from plain dicts), ``progress``,
-``_testing``, ``_startup``; L1 ``features``, ``dataset``; L2 ``kernel`` -> ``statistics`` -> ``spectrum`` ->
-``certificate`` -> ``solver`` -> ``heads`` -> ``model``; L3 ``distributed/``; L4 ``run`` -> ``plot`` ->
-``pipeline`` -> ``estimator``, ``importers``, ``generate``; L5 ``cli``, ``submit``, ``bench/``, ``baselines/``;
-``tensor/`` uses L0 only.
+The package's folders are its layers, bottom up (tests/test_architecture.py enforces the order): the base
+modules (``errors``, ``_params``, ``_backend``), ``store/`` (locations, formats, integrity, locks, safe
+outputs), ``display/`` (report text, HTML cards, progress), ``features``, ``data/`` (datasets), ``statistics/``
+(the compact Gram and its kernels), ``linalg/`` (solver and certificate), ``heads/``, ``model``,
+``distributed/`` (Dask), then the jobs (``run``, ``preflight``, ``plot``, ``pipeline``, ``estimator``,
+``importers``, ``generate``) and the front doors (``cli/``, ``submit/``, ``bench/``, ``baselines/``);
+``tensor/`` uses the base only.
 """
 from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__

@@ -220,7 +220,9 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
         ``<div class="scaleattn-fit">`` holding one card each for the certificate, the fit, the heads, the
         witness (when there is one) and the run.
     """
-    data = (f"{r['n_rows']:,} rows ({r['n_samples']:,} samples, T {r['length']},"
+    fitted = r.get("train_samples")
+    samples = f"{r['n_samples']:,}" if fitted is None else f"{fitted:,} of {r['n_samples']:,}"
+    data = (f"{r['n_rows']:,} rows ({samples} samples, T {r['length']},"
             f" {'causal prefixes' if r['causal'] else 'last token'}) &middot; d {r['d']}, d_out {r['d_out']},"
             f" psi {r['psi']:,}")
     head = (f'<div style="font-family:sans-serif;margin-bottom:0.2em"><b>scaleattn fit</b> of '

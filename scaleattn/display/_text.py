@@ -146,7 +146,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
     report, ``cluster`` seconds to start or join the cluster, ``write`` seconds to write the run and its plots)
     adds a last line with the wall time of the whole command next to the fit's own."""
     lines = [
-        f"rows {r['n_rows']:,}  (samples {r['n_samples']:,}, T {r['length']},"
+        f"rows {r['n_rows']:,}  (samples {_samples(r)}, T {r['length']},"
         f" {'causal prefixes' if r['causal'] else 'last token'})",
         f"d {r['d']}  d_out {r['d_out']}  psi {r['psi']:,}  rank {r['rank']:,}  " + _cutoff(r),
         f"lambda_min {lambda_min_text(r)}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
@@ -207,6 +207,12 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"command {command['seconds']:.2f} s until this report"
                      + (f" ({', '.join(parts)})" if parts else ""))
     return "\n".join(lines)
+
+
+def _samples(r: dict) -> str:
+    """The samples a fit's rows come from: ``512``, or with validation ``409 of 512``."""
+    fitted = r.get("train_samples")
+    return f"{r['n_samples']:,}" if fitted is None else f"{fitted:,} of {r['n_samples']:,}"
 
 
 def validation_line(r: dict) -> str:

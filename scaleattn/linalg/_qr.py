@@ -300,7 +300,7 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     as :func:`scaleattn.solve`). ``ridge = lambda > 0``: the scaled
     ridge of :func:`scaleattn.solve`, ``c_s = V diag(s / (s^2 + lambda)) U^T z``, effective dof
     ``sum s^2 / (s^2 + lambda)``. Numpy's ``lstsq`` on ``phi`` gives the same rank, coefficients and residual
-    on data it resolves (tests/test_qr_certificate.py).
+    on data it resolves (tests/linalg/test_qr.py).
 
     Raises
     ------

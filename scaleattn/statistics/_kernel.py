@@ -33,8 +33,8 @@ KERNELS = ("numba", "numpy")
 #: the arithmetic of each kernel: a checkpoint records it and a resume needs the same, since partials of another
 #: revision differ from this build's in the last bits. numba 2: the micro-kernel at the host's full vector width
 #: (:func:`scaleattn._jit.wide_vectors`), in 4 x 4 register blocks on 32-register hosts and 4 x 2 on 16-register
-#: ones (the same sums to 1e-14; the bits are the host's, as the vector width is: tests/test_kernel_compiled.py);
-#: 1: 4 x 2 blocks at 256 bits everywhere
+#: ones (the same sums to 1e-14; the bits are the host's, as the vector width is:
+#: tests/statistics/test_kernel_compiled.py); 1: 4 x 2 blocks at 256 bits everywhere
 KERNEL_REVISIONS = {"numba": 2, "numpy": 1}
 #: module switch: ``"numba"``, ``"numpy"``, or None (then ``$SCALEATTN_KERNEL``, default ``"numba"``)
 KERNEL: str | None = None

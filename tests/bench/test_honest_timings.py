@@ -1,6 +1,5 @@
 """Timings that do not mislead: a build faster than its floor (a lower bound) is said to come from a starved GEMM
 probe, in the table and in a warning, never printed as if the bound were beaten."""
-import pytest
 
 from scaleattn.bench import build, core
 
