@@ -96,3 +96,13 @@ def test_cli_validation_in_report_and_summary(tmp_path, cli):
     cli("generate", "mhla", fresh, "--samples", "20", "--length", "8", "--seed", "1", "--teacher-seed", "0")
     from scaleattn import open_dataset
     np.testing.assert_array_equal(open_dataset(fresh).teacher()[0], open_dataset(data).teacher()[0])
+
+
+@pytest.mark.slow
+def test_validation_on_a_cluster_matches_the_in_process_fit(tmp_path, client):
+    ds = generate_mhla(tmp_path / "c.zarr", d=2, heads=1, length=6, samples=45, noise=0.2, seed=4, chunk_samples=7)
+    here = scaleattn.fit(ds, validation=0.3).report
+    there = scaleattn.fit(ds, client=client, validation=0.3).report
+    assert there["validation_samples"] == here["validation_samples"] == 14
+    np.testing.assert_allclose(there["validation_mse"], here["validation_mse"], rtol=1e-10)
+    np.testing.assert_allclose(there["train_mse"], here["train_mse"], rtol=1e-10)

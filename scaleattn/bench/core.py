@@ -18,7 +18,7 @@ fits of the rows table run in a fresh process each, after an untimed fit of a ti
 
 Ratios are taken within the run (the machine may be shared). Full mode: d = 16 on 40,000 causal rows
 (400 sequences x 100 prefixes), about 10 minutes on 2 cores; ``quick``: d = 8 for the comparison and small
-sizes, about 2 minutes.
+sizes, a smoke test (:data:`scaleattn.bench.QUICK_HELP`: 11 minutes measured on 2 cores shared with other work).
 """
 from __future__ import annotations
 

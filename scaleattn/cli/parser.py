@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("suite", nargs="?", default=next(iter(bench.SUITES)), choices=list(bench.SUITES),
                    help=bench.suite_help())
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
-    b.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes for core on 2 cores)")
+    b.add_argument("--quick", action="store_true", help=bench.QUICK_HELP)
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit", "products"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
                         " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44;"

@@ -18,6 +18,7 @@ from ..data._dataset import CUT_CHUNKS, Dataset, check_dataset_argument, open_da
 from ..display._progress import as_reporter
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
+from ..statistics._compiled import kernels_cached
 from ..statistics._container import Statistics, accumulate
 from ..statistics._kernel import kernel_name
 from ..store._location import Location, resolve, with_retries
@@ -318,8 +319,6 @@ def _wait_reason(kernel: str) -> str:
     nothing (every later run printed that reason too)."""
     if kernel != "numba":
         return ""
-    from ..statistics._compiled import kernels_cached
-
     return "" if kernels_cached() else "the first run after an install compiles the kernels, <= 40 s"
 
 

@@ -24,3 +24,13 @@ def test_core_run_warns_when_any_ratio_is_below_one():
     res["build_table"][0]["build_vs_floor"] = 1.1
     assert core._starved(res) is None
 
+
+
+def test_quick_help_says_what_was_measured(cli):
+    import re
+
+    from scaleattn.bench import QUICK_HELP
+
+    text = re.sub(r"\s+", " ", cli("bench", "--help").stdout)
+    assert QUICK_HELP in text and "about 2 minutes" not in text
+    assert re.search(r"core: \d+ minutes measured on 2 cores", QUICK_HELP)
