@@ -13,7 +13,7 @@ outputs), ``display/`` (report text, HTML cards, progress), ``features``, ``data
 ``importers``, ``generate``) and the front doors (``cli/``, ``submit/``, ``bench/``, ``baselines/``);
 ``tensor/`` uses the base only.
 """
-from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
+from . import _startup  # noqa: F401  (first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__
 from .data import Dataset, open_dataset, write_dataset
 from .distributed.build import compute_statistics
@@ -34,5 +34,3 @@ __all__ = [
     "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
     "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]
-
-_testing.pause("import")  # (the test suite's: Ctrl-C once the package is imported)
