@@ -333,3 +333,14 @@ def test_streaming_paths_refuse_what_they_cannot_hold():
     with pytest.raises(InsufficientMemoryError, match=r"a stream fit with d = 64"):
         check_path_memory("stream", 400_000, 64, 64, 1e9)
     check_path_memory("stream", 400_000, 64, 1, 3e9)  # d = 64, d_out = 1 fits in 3 GB (tokens aside)
+
+
+def test_fit_stream_holds_out_validation_samples(tmp_path):
+    rng = np.random.default_rng(18)
+    tok, y = rng.standard_normal((50, 5, 3)), rng.standard_normal((50, 5, 1))
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
+    res = scaleattn.fit(ds, solver="stream", validation=0.2)
+    assert res.report["n_rows"] == 40 * 5 and res.report["validation_samples"] == 10
+    assert _agrees(res.model.coef, *_explicit(tok[:40], y[:40], causal=True))
+    F, Y = _explicit(tok[40:], y[40:], causal=True)
+    assert res.report["validation_mse"] == pytest.approx(float(np.mean((Y - F @ res.model.coef) ** 2)), rel=1e-9)
