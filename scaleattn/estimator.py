@@ -257,13 +257,22 @@ class MHLARegressor:
         return y[:, 0] if getattr(self, "_one_d_targets", False) else y
 
     def score(self, tokens, targets, lengths=None) -> float:
-        """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn), computed in
-        the arrays' namespace; :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        """Coefficient of determination R^2 of the predictions, as scikit-learn's ``r2_score`` with its defaults:
+        each output's ``1 - SS_res / SS_tot`` (totals about that output's mean over all rows), averaged uniformly
+        over the outputs; an output whose targets are constant scores 1.0 when predicted exactly, else 0.0 (never
+        ``-inf``). Computed in the arrays' namespace; :class:`~scaleattn.errors.NotFittedError` before
+        :meth:`fit`."""
         self._check_fitted("score")
         y = _as_float("targets", targets)
         xp = get_xp(y)
         r = y - self.predict(tokens, lengths)
-        return 1.0 - float(xp.sum(r * r) / xp.sum((y - xp.mean(y, axis=0)) ** 2))
+        k = y.shape[-1] if y.ndim > 1 else 1
+        y, r = xp.reshape(y, (-1, k)), xp.reshape(r, (-1, k))
+        ss_res = xp.sum(r * r, axis=0)
+        ss_tot = xp.sum((y - xp.mean(y, axis=0)) ** 2, axis=0)
+        scores = [1.0 - float(a) / float(b) if float(b) > 0 else (1.0 if float(a) == 0 else 0.0)
+                  for a, b in zip(to_numpy(ss_res).tolist(), to_numpy(ss_tot).tolist())]
+        return sum(scores) / len(scores)
 
     def __repr__(self):
         return f"MHLARegressor({', '.join(f'{k}={v!r}' for k, v in self.get_params().items())})"

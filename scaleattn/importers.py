@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+import shlex
 import warnings
 import zipfile
 import zlib
@@ -93,7 +94,6 @@ def _real(name: str, a, path):
 
 def _use_columns(names, which: str) -> str:
     """``"; import only NAMES: `columns=a b`"`` (the CLI says ``--columns a b``), ``""`` when there are none."""
-    import shlex
 
     return f"; import {which} only: `columns={' '.join(map(shlex.quote, names))}`" if names else ""
 
@@ -238,7 +238,10 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
                                f" {len(header)} columns")
     unknown = [c for c in (columns or []) if c not in header]
     if unknown:
-        raise DatasetError(f"{path}: no column {unknown[0]!r} in the header (columns: {', '.join(header)})")
+        parts = [p.strip() for p in unknown[0].split(",")]
+        apart = (f"; name each column apart: `columns={' '.join(map(shlex.quote, parts))}`"
+                 if len(parts) > 1 and all(p in header for p in parts) else "")
+        raise DatasetError(f"{path}: no column {unknown[0]!r} in the header (columns: {', '.join(header)}){apart}")
     cols = list(range(len(header))) if columns is None else [header.index(c) for c in columns]
     x = np.empty((len(body), len(cols)))
     for i, (k, r) in enumerate(rows[1:]):

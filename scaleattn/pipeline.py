@@ -28,7 +28,7 @@ from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
 from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_build
-from .distributed.reduction import check_reachable
+from .distributed.reduction import check_client, check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
@@ -260,6 +260,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     """
     t0 = time.perf_counter()
     check_dataset_argument(dataset, "fit")
+    check_client(client)
     if out is not None:
         check_path(out, "fit", "as `out` a run directory's path or URL")
     heads = heads_spec(heads)
@@ -609,6 +610,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     True
     """
     check_dataset_argument(dataset, "certify_dataset")
+    check_client(client)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     choice("solver", solver, FIT_SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)

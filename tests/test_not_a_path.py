@@ -60,3 +60,17 @@ def test_paths_still_work_for_evaluate_and_compute_statistics(tmp_path):
     assert by_path == scaleattn.evaluate(res.model, ds)
     np.testing.assert_array_equal(scaleattn.compute_statistics(tmp_path / "d.zarr").gram_compact,
                                   res.statistics.gram_compact)
+
+
+@pytest.mark.parametrize("client", ["tcp://127.0.0.1:8786", 8786, "connect"])
+def test_a_client_that_is_not_a_dask_client_is_one_line(tmp_path, client):
+    """``scaleattn.connect(...)`` is a context manager; passed as it is (or an address string), the public entries
+    refuse it in one line before any work, naming the ``with`` form, instead of a traceback in the build."""
+    if client == "connect":
+        client = scaleattn.connect(workers=1)  # not entered: no cluster starts
+    for call in (lambda: scaleattn.fit(tmp_path / "nothere.zarr", tmp_path / "out", client=client),
+                 lambda: scaleattn.certify_dataset(tmp_path / "nothere.zarr", client=client)):
+        with pytest.raises(ParameterError, match="client must be a dask.distributed.Client") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -407,7 +407,12 @@ def _listed(commands: list[str]) -> str:
 
 def _lenient(parser: argparse.ArgumentParser, argv):
     """``parser.parse_known_args(argv)`` with no option required: an unknown option (``--outt``) is then said with
-    its "did you mean --out?", not as "the following arguments are required: --out"."""
+    its "did you mean --out?", not as "the following arguments are required: --out". ``--help`` parses as it is:
+    its usage line shows the required options without brackets."""
+    import sys
+
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        return parser.parse_known_args(argv)
     actions = [a for q in _commands(parser) for a in q._actions if a.required and a.option_strings]
     groups = [g for q in _commands(parser) for g in q._mutually_exclusive_groups if g.required]
     for x in actions + groups:

@@ -342,7 +342,8 @@ def _wait_reason(kernel: str) -> str:
     nothing (every later run printed that reason too)."""
     if kernel != "numba":
         return ""
-    return "" if kernels_cached() else "the first run after an install compiles the kernels, <= 40 s"
+    return "" if kernels_cached() else ("the first run after an install compiles the kernels: about 30 s on 2 idle"
+                                        " cores, longer on busy ones")
 
 
 def _row_unit(dataset) -> tuple[int, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import UnsupportedError
+from ..errors import ParameterError, UnsupportedError
 
 __all__ = ["SPLIT_EVERY", "TreeReducer", "tree_reduce", "submit_tree", "run_trees", "wait_stopped", "leaf_places",
            "check_reachable"]
@@ -144,6 +144,16 @@ def leaf_places(client, n: int) -> list[dict]:
     return [{"workers": [slots[i * len(slots) // n]], "allow_other_workers": True} for i in range(n)]
 
 
+def check_client(client) -> None:
+    """Refuse, in one line, a ``client`` that is not a Dask client: :func:`scaleattn.connect` is a context manager
+    (``with scaleattn.connect(...) as client:``), so passing it as it is was a traceback deep in the build."""
+    if client is None or callable(getattr(client, "scheduler_info", None)):
+        return
+    hint = (" (scaleattn.connect(...) is a context manager: `with scaleattn.connect(...) as client:` then pass"
+            " `client`)" if hasattr(client, "__enter__") else "")
+    raise ParameterError(f"client must be a dask.distributed.Client or None, not {type(client).__name__}{hint}")
+
+
 def check_reachable(client, inputs) -> None:
     """Refuse, before any task, inputs the workers of ``client`` cannot read: a store in the memory of this
     process (``memory://``, :attr:`~scaleattn.store._location.Location.in_memory`) when a worker runs in another
@@ -161,7 +171,10 @@ def check_reachable(client, inputs) -> None:
     ------
     UnsupportedError
         Naming the role, the URL and a worker in another process.
+    ParameterError
+        ``client`` is not a Dask client (:func:`check_client`).
     """
+    check_client(client)
     if client is None:
         return
     held = [(role, loc) for role, loc in inputs if loc is not None and loc.in_memory]

@@ -67,6 +67,9 @@ def test_integer_tokens_are_converted_and_csv_errors_name_the_column(tmp_path, m
     r = cli("import", "s.zarr", "--csv", "s.csv", "--columns", "a", "z", rc=2)
     # (no "see --help" tail: the line itself lists the columns the file has)
     assert r.stderr.strip() == "scaleattn import: error: s.csv: no column 'z' in the header (columns: a, b, c)"
+    r = cli("import", "s.zarr", "--csv", "s.csv", "--columns", "a,c", rc=2)  # a comma list, as in other tools
+    assert "no column 'a,c' in the header" in r.stderr
+    assert r.stderr.strip().endswith("name each column apart: --columns a c")
     Path("t.csv").write_text("a,b\n1,2\n3,x\n")
     r = cli("import", "t.zarr", "--csv", "t.csv", "--length", "1", rc=2)
     assert "line 3, column 'b': 'x' is not a number" in r.stderr
