@@ -11,7 +11,7 @@ import math
 
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
+__all__ = ["fit_summary", "heads_line", "krylov_line", "interval_text", "lambda_min_text", "certificate_summary", "evaluation_summary",
            "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
 
 
@@ -48,6 +48,49 @@ def verdict(r: dict) -> str:
                 f" of {r['psi']} so far; the krylov line says why; --solver cholesky or eigh where G fits in memory)")
     return (f"NOT SETTLED{at}: rank {r['rank']} of {r['psi']}, but a value lies within"
             f" {_g(near, '.3g')}x of the cutoff, so round-off could change the rank" + how + hint)
+
+
+def _round_out(x: float, digits: int, up: bool) -> str:
+    """``x`` to ``digits`` significant digits, rounded away from the interval's inside (down for a lower end)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.{digits}g}"
+    e = math.floor(math.log10(abs(x))) - digits + 1
+    m = x / 10.0**e
+    m = math.ceil(m) if up else math.floor(m)
+    return f"{m * 10.0**e:.{digits}g}"
+
+
+def interval_text(value: float, interval) -> str:
+    """``value`` with only the significant digits its ``interval`` holds (at most 4): the digits every point of
+    ``[lower, upper]`` rounds to; ``"in [lower, upper]"`` (two digits each, rounded outwards) when not even the
+    first digit is held; ``value`` to 4 digits without an interval.
+
+    Examples
+    --------
+    >>> interval_text(1.23456e-5, (1.23451e-5, 1.23458e-5)), interval_text(1.23456e-5, (1.23449e-5, 1.23461e-5))
+    ('1.235e-05', '1.23e-05')
+    >>> interval_text(3.4e-5, (2.61e-12, 3.41e-5))
+    'in [2.6e-12, 3.5e-05]'
+    """
+    if interval is None or value is None:
+        return f"{value:.4g}"
+    lo, hi = float(interval[0]), float(interval[1])
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{value:.4g}" if not math.isfinite(hi) and not math.isfinite(lo) else (
+            f"in [{_round_out(lo, 2, False)}, {_round_out(hi, 2, True)}]")
+    for k in range(4, 0, -1):
+        a, b = f"{lo:.{k}g}", f"{hi:.{k}g}"
+        if a == b:
+            return a
+    return f"in [{_round_out(lo, 2, False)}, {_round_out(hi, 2, True)}]"
+
+
+def lambda_min_text(r: dict) -> str:
+    """``lambda_min`` of a summary or report with the digits its interval holds (:func:`interval_text`), and
+    "(proved)" where a factorisation proved the lower end."""
+    iv = r.get("lambda_min_interval")
+    text = interval_text(r["lambda_min"], iv)
+    return text + (" (lower end proved by a shifted Cholesky)" if r.get("certificate_proof") and iv else "")
 
 
 def krylov_line(r: dict) -> str:
@@ -115,7 +158,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         f"rows {r['n_rows']:,}  (samples {r['n_samples']:,}, T {r['length']},"
         f" {'causal prefixes' if r['causal'] else 'last token'})",
         f"d {r['d']}  d_out {r['d_out']}  psi {r['psi']:,}  rank {r['rank']:,}  " + _cutoff(r),
-        f"lambda_min {r['lambda_min']:.4g}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
+        f"lambda_min {lambda_min_text(r)}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
         f"certificate: {verdict(r)}",
         *([_settled_by(r)] if _settled_by(r) else []),
         *([krylov_line(r)] if krylov_line(r) else []),
@@ -214,7 +257,7 @@ def teacher_distance_label(r: dict) -> str:
 def certificate_summary(s: dict) -> str:
     """Two lines (three when a QR settled, confirmed or overruled the Gram's verdict) for ``Certificate.summary()``
     (``scaleattn certify``)."""
-    return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
+    return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {lambda_min_text(s)}"
             f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict(s)}"
             + (f"\n{_settled_by(s)}" if _settled_by(s) else "") + (f"\n{krylov_line(s)}" if krylov_line(s) else ""))
 
