@@ -11,8 +11,9 @@ import math
 
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "krylov_line", "interval_text", "lambda_min_text", "certificate_summary", "evaluation_summary",
-           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
+__all__ = ["fit_summary", "heads_line", "krylov_line", "interval_text", "lambda_min_text", "certificate_summary",
+           "evaluation_summary", "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice",
+           "teacher_distance_label"]
 
 
 _METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
