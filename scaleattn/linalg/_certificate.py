@@ -309,11 +309,14 @@ def certificate_from_krylov(spec, n_rows: int) -> Certificate:
            "notes": list(spec.notes)}
     lam_max = float("nan") if spec.lam_max is None else spec.lam_max.value / n
     lam_min = float("nan") if spec.lam_min is None else max(spec.lam_min.value, 0.0) / n
-    lam_iv = None if spec.lam_min is None else (spec.lam_min.lower / n, spec.lam_min.upper / n)
+    # the Ritz values' own rounding: a Rayleigh quotient is computed to psi eps lambda_max or so
+    slack_s = spec.psi * EPS * abs(float(lmax_s.upper))
+    slack = 0.0 if spec.lam_max is None else spec.psi * EPS * abs(float(spec.lam_max.upper)) / n
+    lam_iv = None if spec.lam_min is None else (spec.lam_min.lower / n - slack, spec.lam_min.upper / n + slack)
     return Certificate(n_rows, spec.psi, spec.rank, spec.rtol, lam_min, lam_max, float(lmin_s.value), cond,
                        np.array([lmin_s.value, lmax_s.value]), None, converged=spec.verdict_settled,
                        estimates=est, nearest=near, lambda_min_interval=lam_iv,
-                       lambda_min_scaled_interval=(float(lmin_s.lower), float(lmin_s.upper)))
+                       lambda_min_scaled_interval=(float(lmin_s.lower) - slack_s, float(lmin_s.upper) + slack_s))
 
 
 def check_cutoff(cutoff_rtol) -> float | None:

@@ -693,7 +693,9 @@ def _unshifted(G, diag, scale, w_max, g_max, cutoff_rtol, n_rows, eig_rtol, bloc
     n = max(n_rows, 1)
     f.lam_max = g_max.value / n
     f.lam_min = 1.0 / g_inv.value / n
-    # intervals as the Krylov runs give them (Ritz values of the inverses: upper bounds on lambda_min)
-    f.w_interval = (1.0 / w_inv.upper, 1.0 / w_inv.lower if w_inv.lower > 0 else float("inf"))
-    f.lam_interval = (1.0 / g_inv.upper / n, (1.0 / g_inv.lower if g_inv.lower > 0 else float("inf")) / n)
+    # intervals as the Krylov runs give them (Ritz values of the inverses: upper bounds on lambda_min), widened by
+    # the round-off of the solves (backward stable: psi eps lambda_max)
+    ss, sg = psi * EPS * w_max.upper, psi * EPS * g_max.upper
+    f.w_interval = (1.0 / w_inv.upper - ss, (1.0 / w_inv.lower if w_inv.lower > 0 else float("inf")) + ss)
+    f.lam_interval = ((1.0 / g_inv.upper - sg) / n, ((1.0 / g_inv.lower if g_inv.lower > 0 else float("inf")) + sg) / n)
     return f
