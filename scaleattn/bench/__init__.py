@@ -17,6 +17,9 @@ SUITES = {
     "solve": ("scaleattn.bench.solve", "the dense solve against psi^3/3 at the DGEMM rate (d = 24, 32) and the"
                                        " d = 32 factorisation with OpenBLAS's own kernel choice (numpy's, scipy's"
                                        " and ours, each in a fresh process)"),
+    "certified": ("scaleattn.bench.certified", "the certified dense solve (a shifted Cholesky proves the verdict)"
+                                               " against cho_factor + cho_solve, and the whole fit against numpy's"
+                                               " normal equations on a ready phi (d = 16, 24, 32)"),
 }
 #: ``scaleattn bench --vs PEER``: name -> (module, what it measures)
 VERSUS = {"adamw": ("scaleattn.bench.adamw", "time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the"
@@ -29,7 +32,7 @@ def summary() -> str:
     Examples
     --------
     >>> summary()
-    'benchmarks: core (default), tensor, gpu, krylov, solve; or --vs adamw'
+    'benchmarks: core (default), tensor, gpu, krylov, solve, certified; or --vs adamw'
     """
     names = list(SUITES)
     return (f"benchmarks: {names[0]} (default), {', '.join(names[1:])}; or "
