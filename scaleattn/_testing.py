@@ -1,26 +1,22 @@
-"""Fault injection for the test suite (layer L0), driven by environment variables so that it reaches Dask
-worker processes and CLI subprocesses. Library code calls these hooks at fixed points; unset, they do nothing.
+"""Fault injection the test suite drives through environment variables, for the two points that an injected
+callback cannot reach (layer L0); unset, they do nothing.
 
-- ``SCALEATTN_TEST_TASK_DELAY=SECONDS``: every statistics task sleeps that long first (to interrupt a build).
-- ``SCALEATTN_TEST_STOP_AFTER_GROUPS=K``: the client process exits with code 75, without cleanup, once K row
-  groups have been computed and checkpointed in this run, as a crash would.
-- ``SCALEATTN_TEST_READ_FAILURES=K``: the first K dataset reads of each process raise ``ConnectionError``
-  (a flaky store), to exercise the retry policy.
-- ``SCALEATTN_TEST_SOLVE_FAILURE=1``: the solve step of a fit raises ``RuntimeError`` as it starts (after the
-  build), as a solver failure would.
-- ``SCALEATTN_TEST_PAUSE=WHERE:FILE``: the process writes FILE and sleeps (up to a minute) at the point WHERE:
-  ``import`` (as the package imports), ``exit`` (as the ``scaleattn`` command leaves ``main``), so that a test
-  can send a signal there once FILE exists.
+- ``SCALEATTN_TEST_TASK_DELAY=SECONDS``: every statistics task sleeps that long first (to interrupt a build). It
+  reaches the Dask workers of any cluster, the worker pods of a Kubernetes cluster included (their image has
+  none of the test suite).
+- ``SCALEATTN_TEST_READ_FAILURES=K``: the first K dataset reads of each process raise ``ConnectionError`` (a
+  flaky store), raised inside the read where a store's own failure is told from bad data, to exercise the retry
+  policy.
+
+The test suite's other hooks (a solve that fails, a build stopped after K row groups, a pause at import or at
+the command's exit) are installed by the tests themselves (``tests/inject``), not called from here.
 """
 from __future__ import annotations
 
 import os
 import time
 
-__all__ = ["before_task", "before_read", "before_solve", "stop_after_groups", "crash", "pause"]
-
-#: exit code of a process stopped by :func:`crash`
-CRASH_EXIT = 75
+__all__ = ["before_task", "before_read"]
 
 
 def before_task() -> None:
@@ -39,29 +35,3 @@ def before_read(url: str) -> None:
     if k and _reads[0] < int(k):
         _reads[0] += 1
         raise ConnectionError(f"injected failure {_reads[0]} of {k} reading {url}")
-
-
-def before_solve() -> None:
-    """Called as the solve step of a fit starts (:func:`scaleattn.pipeline.fit`)."""
-    if os.environ.get("SCALEATTN_TEST_SOLVE_FAILURE"):
-        raise RuntimeError("injected solver failure (SCALEATTN_TEST_SOLVE_FAILURE)")
-
-
-def stop_after_groups() -> int | None:
-    """K of ``SCALEATTN_TEST_STOP_AFTER_GROUPS``, or None when unset."""
-    v = os.environ.get("SCALEATTN_TEST_STOP_AFTER_GROUPS")
-    return int(v) if v else None
-
-
-def pause(where: str) -> None:
-    """Called at the points ``SCALEATTN_TEST_PAUSE=WHERE:FILE`` names (``import``, ``exit``)."""
-    at, _, path = os.environ.get("SCALEATTN_TEST_PAUSE", "").partition(":")
-    if at == where and path:
-        with open(path, "w"):
-            pass
-        time.sleep(60)
-
-
-def crash() -> None:
-    """End this process at once (code 75): no cleanup handlers, no finally blocks."""
-    os._exit(CRASH_EXIT)

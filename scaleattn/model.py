@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
-from ._params import heads_spec
 from .data._checks import check_lengths, check_values
 from .display import _html as _html
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
@@ -270,10 +269,10 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
     With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
     loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.heads._search.search_heads`,
     ``budget`` seconds; with ``ridge``, the scaled ridge ``coef`` was fitted with, its losses are that fit's
-    objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available.
-    Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
+    objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available. ``heads``
+    as the public entries validated it (:func:`scaleattn._params.heads_spec`: fit, MHLARegressor, the CLI).
+    Raises :class:`~scaleattn.errors.ParameterError` for a search without ``stats``.
     """
-    heads = heads_spec(heads)
     if stats is None:
         if heads != "svd":
             raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .features import n_features
-from .linalg._certificate import certify
+from .linalg._solver import certify
 from .linalg._spectrum import LARGE_PSI
 from .model import MHLAModel
 from .statistics._container import Statistics

@@ -202,8 +202,7 @@ class Checkpoint:
 
     def write(self, gi: int, ti: int, part, source: int = 0) -> None:
         """Store the partial :class:`~scaleattn.statistics._container.Statistics` of group ``gi``, tile ``ti`` (host
-        arrays),
-        bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
+        arrays), bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
         covers exactly one chunk."""
         g = self._group("r+")
         c0, c1 = self.tiles[ti]

@@ -19,12 +19,12 @@ import numpy as np
 from .._params import choice
 from ..errors import ParameterError
 from ._dense import blocked_cholesky, gemm, largest_eigenvalues, symmetric_product
+from ._gram import operator_of
 
-__all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
-           "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "EIGH_FALLBACK_PSI", "SYEVD_MAX",
-           "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER", "EIG_TOP_RTOL",
-           "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK",
-           "MIN_NORM_RTOL"]
+__all__ = ["Spectrum", "scaled_spectrum", "eigvalsh", "CholeskyFactor", "cholesky_factor", "factor_gram",
+           "solver_path", "default_rtol", "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI",
+           "EIGH_FALLBACK_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER",
+           "EIG_TOP_RTOL", "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK", "MIN_NORM_RTOL"]
 
 #: numpy's eigh (LAPACK syevd) sizes its workspace with 32-bit integers: 1 + 6n + 2n^2 overflows near 32,767
 SYEVD_MAX = 30_000
@@ -32,10 +32,9 @@ SYEVD_MAX = 30_000
 CUSOLVER_SYEVD_MAX = 26_000
 #: above this psi, ``solver="auto"`` solves by Cholesky + Lanczos (``psi^3 / 3`` flops, 1 psi x psi array: the
 #: factor takes ``G``'s memory) instead of a full eigh (~9 psi^3 flops, ~5 arrays, and memory-bound): at d = 16
-#: (psi = 2,176) about 1 s
-#: instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The certificate then has
-#: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
-#: numerically positive definite falls back to eigh (which finds the null space).
+#: (psi = 2,176) about 1 s instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The
+#: certificate then has the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is
+#: not numerically positive definite falls back to eigh (which finds the null space).
 LARGE_PSI = 2_000
 #: above this psi, ``solver="auto"`` falls back to the krylov path (ridge 0) instead of a full eigh when the
 #: Gram is not positive definite: eigh costs ~9 psi^3 flops at memory speed (minutes at d = 24, hours at d = 32)
@@ -238,7 +237,8 @@ def _eigh(a: np.ndarray):
     return scipy.linalg.eigh(a, driver="evr", overwrite_a=True, check_finite=False)
 
 
-def _eigvalsh(a: np.ndarray):
+def eigvalsh(a: np.ndarray):
+    """Ascending eigenvalues of a symmetric matrix (the O(n)-workspace MRRR driver past :data:`SYEVD_MAX`)."""
     if a.shape[0] <= SYEVD_MAX:
         return np.linalg.eigvalsh(a)
     import scipy.linalg
@@ -706,3 +706,15 @@ def _unshifted(G, diag, scale, w_max, g_max, cutoff_rtol, n_rows, eig_rtol, bloc
     f.w_interval = (1.0 / w_inv.upper - ss, (1.0 / w_inv.lower if w_inv.lower > 0 else float("inf")) + ss)
     f.lam_interval = ((1.0 / g_inv.upper - sg) / n, ((1.0 / g_inv.lower if g_inv.lower > 0 else float("inf")) + sg) / n)
     return f
+
+
+def factor_gram(stats, gram, cutoff_rtol: float) -> CholeskyFactor | None:
+    """:func:`cholesky_factor` of host statistics' Gram: a caller's dense ``gram`` is kept (the factor is a
+    copy); else ``G`` is expanded and factored in place, later products on ``Tc`` (``gram`` or
+    :func:`~scaleattn.linalg._gram.operator_of`): one psi x psi array, not two (DESIGN §4)."""
+    if isinstance(gram, np.ndarray):
+        return cholesky_factor(gram, cutoff_rtol, stats.n_rows)
+    op = gram if gram is not None else operator_of(stats)
+    # regram: a failed shifted factorisation took G's memory; the fall-back path expands it again there
+    return cholesky_factor(stats.gram(), cutoff_rtol, stats.n_rows, overwrite_g=True, gram=op,
+                           regram=lambda out: stats.gram(out=out))

@@ -40,9 +40,8 @@ FORMAT, FORMAT_VERSION = _formats.STATISTICS
 #: kernel's per-call work, small ones bound memory (32 MB: about 7,000 causal rows at d = 16)
 BLOCK_BYTES = 32e6
 #: the same on a device (CuPy, torch): a device pays ~10 us per launch, and the kernel launches one multiply per
-#: pair row and one matmul per panel of each block (``scaleattn.statistics._kernel._gram_update_xp``): large blocks
-# let the
-#: matmuls dominate
+#: pair row and one matmul per panel of each block (``scaleattn.statistics._kernel._gram_update_xp``): large
+#: blocks let the matmuls dominate
 DEVICE_BLOCK_BYTES = 1e9
 
 
@@ -131,13 +130,8 @@ class Statistics:
     def gram(self, out=None):
         """The feature Gram ``G = sum phi phi^T`` (psi, psi), expanded from the compact form
         (:func:`scaleattn.statistics._kernel.expand_gram`: compiled on numpy, the array-API gather elsewhere), into a
-        new
-        array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
+        new array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
         return expand_gram(self.gram_compact, self.d, out=out)
-
-    def second_moment(self):
-        """``Lambda_D = G / N`` (psi, psi): the uncentred second moment of the features ([Y25] Lemma 2.3)."""
-        return self.gram() / max(self.n_rows, 1)
 
     def sse(self, coef, gram=None) -> float:
         """Sum of squared residuals of ``coef`` (psi, d_out): ``yy - 2 tr(c^T B) + tr(c^T G c)``, no data pass.
@@ -321,8 +315,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
     kernel : {"numba", "numpy"}, optional
         :func:`scaleattn.statistics._kernel.kernel_name` (default ``$SCALEATTN_KERNEL``, else numba; numpy for CuPy).
-        Both
-        give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
+        Both give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
     Raises
     ------
@@ -455,9 +448,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     ------
     DatasetError
         Shapes or dtypes that are not a dataset's (:func:`scaleattn.data._checks.check_arrays`), ``causal`` that
-        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the
-        sample; tokens so small
-        that the features underflow float64, targets so small that their squares do
+        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the sample;
+        tokens so small that the features underflow float64, targets so small that their squares do
         (:func:`scaleattn.data._checks.check_underflow`).
 
     See Also

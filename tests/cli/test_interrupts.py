@@ -64,7 +64,7 @@ STARTING = "scaleattn: interrupted while starting; nothing was done"
 
 def _interrupted_at(where: str, argv: list[str], tmp_path) -> tuple[int, str, str]:
     """Run ``argv`` (a real process: its own interpreter and signal handlers) with the hook
-    ``SCALEATTN_TEST_PAUSE`` (:mod:`scaleattn._testing`) pausing it at ``where``, send it Ctrl-C there:
+    ``SCALEATTN_TEST_PAUSE`` (tests/inject/scaleattn_hooks.py) pausing it at ``where``, send it Ctrl-C there:
     (exit code, stdout, stderr)."""
     marker = tmp_path / f"paused-{where}"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -8,8 +8,7 @@ import pytest
 
 import scaleattn.linalg._spectrum as spectrum
 from scaleattn.display._text import certificate_summary, interval_text
-from scaleattn.linalg._certificate import certify
-from scaleattn.linalg._solver import solve
+from scaleattn.linalg._solver import certify, solve
 from scaleattn.linalg._spectrum import PROOF_FACTOR, cholesky_factor, gershgorin_scaled
 from scaleattn.statistics._container import statistics_from_arrays
 
