@@ -122,11 +122,12 @@ def markdown(result: dict) -> str:
 
 def run(out_dir, quick: bool = False, ds=None) -> dict:
     """The comparisons at d = 16, 24, 32 (quick: 8, 12); writes ``bench-certified.json`` and ``.md``."""
-    from scaleattn.bench.core import _commit, _machine
+    from scaleattn.bench.core import machine
 
     os.makedirs(out_dir, exist_ok=True)
     ds = ds or ((8, 12) if quick else (16, 24, 32))
-    result = {"commit": _commit(), "machine": _machine(), "comparisons": []}
+    about = machine()
+    result = {"commit": about.get("commit"), "machine": about, "comparisons": []}
     for d in ds:
         result["comparisons"].append(comparison(d))
         with open(os.path.join(out_dir, "bench-certified.json"), "w") as fh:  # (after each d: a long run)
