@@ -22,7 +22,7 @@ ORDER = [
     ("_jit", []),  # numba's options and the host's full vector width, for the compiled kernels
     # tensor attention: base only
     ("tensor", ["_common", "exact", "bounds", "poly", "weights"]),
-    ("store", ["_formats", "_location", "_names", "_integrity", "_locks", "_outputs"]),
+    ("store", ["_formats", "_bounds", "_location", "_names", "_integrity", "_locks", "_outputs"]),
     ("display", ["_text", "_html", "_progress", "_figures"]),
     ("features", []),
     ("data", ["_checks", "_dataset", "_writer"]),

@@ -264,20 +264,32 @@ class Statistics:
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
         a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "statistics"), _formats.STATISTICS,
-                                          "statistics", ("gram_compact", "moments"))
-        _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, loc.url, optional=("d_out",))
+                                          "statistics", ("gram_compact", "moments"),
+                                          shapes=functools.partial(_shapes, where=loc.url))
         gram, moments = arrays["gram_compact"], arrays["moments"]
-        d, m = int(a["d"]), n_pairs(int(a["d"]))
-        want = {"gram_compact": (m * (m + 1) // 2, d * (d + 1) // 2),
-                "moments": (n_features(d), moments.shape[1] if moments.ndim == 2 else -1)}
-        for name, x in arrays.items():
-            if d < 1 or x.shape != want[name]:
-                raise IntegrityError(f"{name} in {loc.url}: shape {x.shape}, but d = {a['d']} in the attributes"
-                                     f" means {want[name]}: the store was edited")
-        if a.get("d_out", moments.shape[1]) != moments.shape[1]:
-            raise IntegrityError(f"{loc.url}: attribute 'd_out' is {a['d_out']} but the moments hold"
-                                 f" {moments.shape[1]}: the store was edited")
+        d = int(a["d"])
         return cls(gram, moments, float(a["yy"]), int(a["n_rows"]), d)
+
+
+def _shapes(a: dict, declared: dict, where: str) -> dict:
+    """The shapes of a statistics store's arrays its attributes imply (``d``; ``d_out``, or in stores without
+    it, the moments' declared width), checked before any chunk is read."""
+    _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, where, optional=("d_out",))
+    d = a["d"]
+    mom = declared["moments"]
+    d_out = a.get("d_out", mom[1] if len(mom) == 2 else -1)
+    if d < 1:
+        raise IntegrityError(f"{where}: attribute 'd' is {d}: the store was edited")
+    if len(mom) == 2 and d_out != mom[1]:
+        raise IntegrityError(f"{where}: attribute 'd_out' is {d_out} but the moments hold {mom[1]}: the store was"
+                             " edited")
+    m = n_pairs(d)
+    want = {"gram_compact": (m * (m + 1) // 2, d * (d + 1) // 2), "moments": (n_features(d), d_out)}
+    for name, shape in declared.items():
+        if shape != want[name]:
+            raise IntegrityError(f"{name} in {where}: shape {shape}, but d = {d} in the attributes means"
+                                 f" {want[name]}: the store was edited")
+    return want
 
 
 def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
