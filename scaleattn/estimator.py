@@ -129,14 +129,18 @@ class MHLARegressor:
                 "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
     def fit(self, tokens, targets, lengths=None):
-        """Fit to tokens (n, T, d) and targets (n, d_out) (last token) or (n, T, d_out) (every prefix).
+        """Fit to tokens (n, T, d) and targets (n, d_out) or (n,) (last token) or (n, T, d_out) (every prefix).
 
-        Integer tokens and targets are converted to float64. Raises
+        Targets (n,), one output as scikit-learn's ``y``, are fitted as (n, 1); :meth:`predict` then returns
+        (n,) as scikit-learn regressors do. Integer tokens and targets are converted to float64. Raises
         :class:`~scaleattn.errors.ParameterError` for a bad parameter and
         :class:`~scaleattn.errors.DatasetError` for bad arrays (shapes, dtypes, non-finite values).
         """
         params = self._checked()
         tokens, targets = _as_float("tokens", tokens), _as_float("targets", targets)
+        one_d = targets.ndim == 1
+        if one_d:  # one output per sample (scikit-learn's y)
+            targets = targets[:, None]
         lengths = _as_lengths(lengths)
         T = check_arrays(tokens, targets, lengths)[1]
         if lengths is not None:
@@ -154,6 +158,7 @@ class MHLARegressor:
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads
         self._check_training_error(stats.to_numpy(), G, tokens, targets, lengths)
+        self._one_d_targets = one_d
         return self
 
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
@@ -189,7 +194,7 @@ class MHLARegressor:
         from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
 
         return Tags(estimator_type="regressor", target_tags=TargetTags(required=True, multi_output=True,
-                                                                       single_output=False),
+                                                                       single_output=True),
                     regressor_tags=RegressorTags(), array_api_support=True,
                     input_tags=InputTags(two_d_array=False, three_d_array=True))
 
@@ -203,15 +208,17 @@ class MHLARegressor:
                                       f" {method}()")
 
     def predict(self, tokens, lengths=None):
-        """Predictions (n, d_out) or (n, T, d_out) of the fitted model, in the tokens' namespace and on their
-        device (numpy, CuPy, torch, ...). Raises :class:`~scaleattn.errors.DatasetError` for bad tokens or
-        lengths (naming the sample), :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        """Predictions (n, d_out) or (n, T, d_out) of the fitted model ((n,) when fitted to targets (n,)), in the
+        tokens' namespace and on their device (numpy, CuPy, torch, ...). Raises
+        :class:`~scaleattn.errors.DatasetError` for bad tokens or lengths (naming the sample),
+        :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
         self._check_fitted("predict")
         tokens, lengths = _as_float("tokens", tokens), _as_lengths(lengths)
         T = check_arrays(tokens, None, lengths)[1]
         if lengths is not None:
             check_lengths(lengths, 0, T)
-        return self.model_.predict(tokens, lengths)
+        y = self.model_.predict(tokens, lengths)
+        return y[:, 0] if getattr(self, "_one_d_targets", False) else y
 
     def score(self, tokens, targets, lengths=None) -> float:
         """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn), computed in

@@ -13,13 +13,14 @@ store once, check the memory, and only then start work.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 
 from ._backend import check_device
-from ._params import choice, heads_spec, seconds
+from ._params import choice, heads_spec, real, seconds
 from ._version import __version__
-from .data._dataset import Dataset
+from .data._dataset import Dataset, check_dataset_argument
 from .display import _html as _html
 from .display import _text as _text
 from .display._progress import as_reporter
@@ -58,10 +59,10 @@ from .preflight import (
 from .run import write_run
 from .statistics._container import Statistics
 from .store import _formats
-from .store._location import Location, check_storage_options
+from .store._location import Location, check_path, check_storage_options
 from .store._outputs import reading
 
-__all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI"]
+__all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI", "validation_split"]
 
 
 @dataclasses.dataclass
@@ -122,9 +123,11 @@ class FitResult:
     def __repr__(self) -> str:
         r = self.report
         verdict = _text.verdict(r) if "identifiable" in r and "ambiguous_dim" in r else "no certificate in the report"
-        mse = r.get("relative_train_mse")
+        mse, val = r.get("relative_train_mse"), r.get("relative_validation_mse")
         return (f"FitResult({r.get('dataset', '')!r}: {verdict}; {self.model.n_heads} heads; relative train MSE"
-                f" {'n/a' if mse is None else format(mse, '.3g')})")
+                f" {'n/a' if mse is None else format(mse, '.3g')}"
+                + ("" if "validation_mse" not in r else f", validation {'n/a' if val is None else format(val, '.3g')}")
+                + ")")
 
 
 #: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
@@ -137,7 +140,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
         keep_checkpoint: bool = False, solver: str = "auto", certificate: str = "auto",
-        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False) -> FitResult:
+        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False,
+        validation: float = 0.0) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -194,6 +198,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     fill_absent_chunks : bool
         For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
         naming the array and the samples).
+    validation : float
+        Fraction in ``[0, 1)`` of the samples held out for validation: the last ``ceil(validation * N)`` whole
+        samples (deterministic, as Keras' ``validation_split``; the order of a time series is kept: the model is
+        judged on what comes after its training data). They are left out of the statistics, the solve and
+        ``train_mse``; one more pass measures their MSE: the report's ``validation_mse``,
+        ``relative_validation_mse`` and ``validation_samples`` (:func:`validation_split`). 0 (default): every
+        sample is fitted.
 
     Returns
     -------
@@ -202,7 +213,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     Raises
     ------
     ParameterError
-        A parameter out of range or not one of its choices (before any work).
+        A parameter out of range or not one of its choices (before any work), or a ``validation`` that leaves
+        no sample to fit or none to validate on.
     DatasetError
         Malformed input (names the array and sample), or a dataset without targets.
     OutputExistsError
@@ -235,16 +247,22 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     True
     """
     t0 = time.perf_counter()
+    check_dataset_argument(dataset, "fit")
+    if out is not None:
+        check_path(out, "fit", "as `out` a run directory's path or URL")
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = check_ridge(ridge)
     heads_budget = seconds("heads_budget", heads_budget)
     choice("solver", solver, SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
+    validation = real("validation", validation, 0.0, 1.0, high_open=True)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
                    fill_absent_chunks=fill_absent_chunks)
+    n_train = ds.n_samples - validation_split(ds.n_samples, validation)
+    train = ds.first(n_train) if n_train < ds.n_samples else ds  # the statistics, solve and train MSE: these only
     check_reachable(client, [("dataset", ds.store)])
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
@@ -267,7 +285,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         try:
             # krylov on a cluster: the tiles of Tc stay on the workers (no node holds Tc or G)
             build_on = remote_build if client is not None and solver == "krylov" else build_statistics
-            build = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt)
+            build = build_on(train, client, progress=reporter, device=device, checkpoint=ckpt)
             stats = build.statistics
         except BaseException as e:
             after_failed_build(e, ckpt, new_ckpt)
@@ -282,13 +300,15 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                           " options) solves again from them")
         try:
             opts = _SolveOptions(heads, cutoff_rtol, ridge, solver, certificate, heads_budget)
-            result = _finish(ds, stats, client, reporter, times, build, opts, exact_mse,
+            result = _finish(train, stats, client, reporter, times, build, opts, exact_mse,
                              ckpt if keep_checkpoint else None)
+            if train is not ds:  # the held-out samples: one more pass, the model as it will be saved
+                _validate(result, ds, train.n_samples, client, reporter, times)
             result.report["seconds"] = time.perf_counter() - t0
             if out is not None:
                 with reporter.phase("write", out_label + (" with plots" if plots else "")):
                     t = time.perf_counter()
-                    files = _plots(result, ds) if plots else None
+                    files = _plots(result, train) if plots else None
                     if plots:
                         times["plots"] = time.perf_counter() - t
                     result.files = write_run(result, out, overwrite=overwrite, files=files)
@@ -307,6 +327,40 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                              " left behind (remove it)")
                 raise
     return result
+
+
+def validation_split(n_samples: int, fraction: float) -> int:
+    """The number of samples a fit holds out for validation: the last ``ceil(fraction * n_samples)`` (0 for a
+    fraction of 0), refused where that leaves no sample to fit or holds none out.
+
+    Raises
+    ------
+    ParameterError
+        ``fraction`` > 0 holds out every sample or none (named with the counts).
+
+    Examples
+    --------
+    >>> validation_split(100, 0.2), validation_split(64, 0.2), validation_split(10, 0.0)
+    (20, 13, 0)
+    """
+    if fraction <= 0:
+        return 0
+    held = math.ceil(round(fraction * n_samples, 9))  # (0.7 * 10 is 7.000000000000001: not 8 held out)
+    if held >= n_samples:
+        raise ParameterError(f"`validation={fraction:g}` of {n_samples} sample{'s' * (n_samples != 1)} holds out"
+                             " every one: nothing is left to fit (a smaller fraction, or more samples)")
+    return held
+
+
+def _validate(result: FitResult, ds: Dataset, n_train: int, client, reporter, times: dict) -> None:
+    """The validation MSE of a fit's model on the held-out samples ``[n_train, N)`` of ``ds`` (the report's
+    ``validation_*`` keys, docs/report.md)."""
+    t = time.perf_counter()
+    v = evaluate(result.model, ds, client, progress=reporter, samples=(n_train, ds.n_samples))
+    times["validation"] = time.perf_counter() - t
+    result.report.update({"n_samples": ds.n_samples, "train_samples": n_train,
+                          "validation_samples": ds.n_samples - n_train, "validation_mse": v["mse"],
+                          "relative_validation_mse": v["relative_mse"]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +524,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     >>> certify_dataset("data.zarr").identifiable  # doctest: +SKIP
     True
     """
+    check_dataset_argument(dataset, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)
     choice("solver", solver, SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
