@@ -37,7 +37,7 @@ ORDER = [
     ("estimator", []), ("importers", []), ("generate", []),
     ("submit", ["manifest", "follow", "command"]),
     ("baselines", ["models", "training", "paper"]),
-    ("bench", ["workers", "build", "solve", "core", "tensor", "krylov", "stream", "gpu", "adamw"]),
+    ("bench", ["workers", "build", "solve", "core", "certified", "tensor", "krylov", "stream", "gpu", "adamw"]),
     ("cli", ["parser", "commands", "__main__"]),  # (__main__ runs the face: after it)
     ("__main__", []),
 ]

@@ -19,6 +19,9 @@ SUITES = {
                                        " and ours, each in a fresh process)"),
     "stream": ("scaleattn.bench.stream", "the streaming path (passes over the tokens, K-FAC CG) against the Gram route"
                                          " at d = 16, 24, 32 and the time of a pass at d = 64"),
+    "certified": ("scaleattn.bench.certified", "the certified dense solve (a shifted Cholesky proves the verdict)"
+                                               " against cho_factor + cho_solve, and the whole fit against numpy's"
+                                               " normal equations on a ready phi (d = 16, 24, 32)"),
 }
 #: ``scaleattn bench --vs PEER``: name -> (module, what it measures)
 VERSUS = {"adamw": ("scaleattn.bench.adamw", "time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the"
@@ -39,6 +42,7 @@ def summary() -> str:
     --------
     >>> summary()
     'benchmarks: core (default), tensor, gpu, krylov, solve, stream; or --vs adamw'
+    'benchmarks: core (default), tensor, gpu, krylov, solve, certified; or --vs adamw'
     """
     names = list(SUITES)
     return (f"benchmarks: {names[0]} (default), {', '.join(names[1:])}; or "

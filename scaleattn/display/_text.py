@@ -13,9 +13,9 @@ import numpy as np
 
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "validation_line", "lambda_min_text", "lambda_resolution", "krylov_line",
-           "certificate_summary", "evaluation_summary", "comparison_summary", "verdict", "minimal_heads",
-           "fewer_heads_suffice", "teacher_distance_label", "METHOD_WORDS"]
+__all__ = ["fit_summary", "heads_line", "validation_line", "interval_text", "lambda_min_text", "lambda_resolution",
+           "krylov_line", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict",
+           "minimal_heads", "fewer_heads_suffice", "teacher_distance_label", "METHOD_WORDS"]
 
 #: what decided a certificate (its ``certificate_method``), in words
 METHOD_WORDS = {"gram": "the float64 Gram", "qr": "a QR of the features"}
@@ -54,6 +54,41 @@ def verdict(r: dict) -> str:
                 f" of {r['psi']} so far; the krylov line says why; --solver cholesky or eigh where G fits in memory)")
     return (f"NOT SETTLED{at}: rank {r['rank']} of {r['psi']}, but a value lies within"
             f" {_g(near, '.3g')}x of the cutoff, so round-off could change the rank" + how + hint)
+
+
+def _round_out(x: float, digits: int, up: bool) -> str:
+    """``x`` to ``digits`` significant digits, rounded away from the interval's inside (down for a lower end)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.{digits}g}"
+    e = math.floor(math.log10(abs(x))) - digits + 1
+    m = x / 10.0**e
+    m = math.ceil(m) if up else math.floor(m)
+    return f"{m * 10.0**e:.{digits}g}"
+
+
+def interval_text(value: float, interval) -> str:
+    """``value`` with only the significant digits its ``interval`` holds (at most 4): the digits every point of
+    ``[lower, upper]`` rounds to; ``"in [lower, upper]"`` (two digits each, rounded outwards) when not even the
+    first digit is held; ``value`` to 4 digits without an interval.
+
+    Examples
+    --------
+    >>> interval_text(1.23456e-5, (1.23451e-5, 1.23458e-5)), interval_text(1.23456e-5, (1.23449e-5, 1.23461e-5))
+    ('1.235e-05', '1.23e-05')
+    >>> interval_text(3.4e-5, (2.61e-12, 3.41e-5))
+    'in [2.6e-12, 3.5e-05]'
+    """
+    if interval is None or value is None:
+        return f"{value:.4g}"
+    lo, hi = float(interval[0]), float(interval[1])
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{value:.4g}" if not math.isfinite(hi) and not math.isfinite(lo) else (
+            f"in [{_round_out(lo, 2, False)}, {_round_out(hi, 2, True)}]")
+    for k in range(4, 0, -1):
+        a, b = f"{lo:.{k}g}", f"{hi:.{k}g}"
+        if a == b:
+            return a
+    return f"in [{_round_out(lo, 2, False)}, {_round_out(hi, 2, True)}]"
 
 
 def krylov_line(r: dict) -> str:
@@ -126,7 +161,8 @@ def lambda_resolution(r: dict) -> float | None:
 def lambda_min_text(r: dict) -> str:
     """``lambda_min`` as printed: its value, or, where the certificate found undetermined directions (rank below
     psi) and the value is below :func:`lambda_resolution`, ``0 within round-off (resolution X)``: a 1.5e-66 is
-    round-off, not a measured eigenvalue.
+    round-off, not a measured eigenvalue; else with only the digits its ``lambda_min_interval`` holds
+    (:func:`interval_text`), and "(lower end proved ...)" where a shifted factorisation proved it.
 
     Examples
     --------
@@ -134,13 +170,18 @@ def lambda_min_text(r: dict) -> str:
     '0 within round-off (resolution 1.3e-17)'
     >>> lambda_min_text({"lambda_min": 4.795e-05, "lambda_max": 0.0071, "psi": 6, "rank": 6})
     '4.795e-05'
+    >>> lambda_min_text({"lambda_min": 4.7951e-05, "lambda_max": 0.0071, "psi": 6, "rank": 6,
+    ...                  "lambda_min_interval": [4.7949e-05, 4.7952e-05]})
+    '4.795e-05'
     """
     lam, res = r.get("lambda_min"), lambda_resolution(r)
     if lam is None:
         return "n/a"
     if res is not None and r.get("rank", r.get("psi")) < r.get("psi", 0) and abs(lam) <= res:
         return f"0 within round-off (resolution {res:.2g})"
-    return format(lam, ".4g")
+    iv = r.get("lambda_min_interval")
+    return interval_text(lam, iv) + (" (lower end proved by a shifted Cholesky)" if r.get("certificate_proof") and iv
+                                     else "")
 
 
 def _times(x: float) -> str:

@@ -26,7 +26,8 @@ from ..display import _text as _report
 from ..features import coef_distance, predict_rows, token_features
 from ..features import phi as features_phi
 from ._gram import gram_for
-from ._spectrum import CholeskyFactor, Spectrum, eigvalsh, lambda_min_full_rank
+from ._lanczos import EPS
+from ._spectrum import PROOF_FACTOR, CholeskyFactor, Spectrum, eigvalsh, lambda_min_full_rank
 
 __all__ = ["Certificate", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
            "check_cutoff", "Witness", "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
@@ -36,7 +37,7 @@ __all__ = ["Certificate", "certificate_from_spectrum", "certificate_from_factor"
 #: Both are computed to an absolute error of a few ``psi * eps`` of the largest, below the cutoff ``16 psi eps``
 #: (relative): one decade either side of it covers that error and its constant. Exactly null directions land
 #: 140-3,300x below the cutoff on both paths (collinear or subspace tokens, orthogonal associative memory).
-SETTLE_FACTOR = 10.0
+SETTLE_FACTOR = PROOF_FACTOR  # (10: the Cholesky path's factorisation proves this margin, _spectrum.cholesky_factor)
 #: the three verdicts of :attr:`Certificate.verdict`
 VERDICTS = ("identifiable", "not identifiable", "not settled")
 #: a witness proves ambiguity only when its predictions differ by at least this fraction of the prediction scale:
@@ -86,6 +87,14 @@ class Certificate:
         ``(smallest kept, largest dropped)`` relative to the largest value, when the spectrum is not whole
         (krylov: the lower end of the kept eigenvalue's interval and the largest Ritz value below the cutoff,
         so that the margin is one the intervals guarantee).
+    lambda_min_interval, lambda_min_scaled_interval : tuple or None
+        ``(lower, upper)`` holding ``lambda_min(Lambda_D)`` and ``lambda_min(Gs)``: rigorous on the Cholesky
+        path's proof (a shifted factorisation below, Rayleigh quotients above), the Ritz intervals on the krylov
+        path, LAPACK's error bound ``2 psi eps lambda_max`` on the eigh path; None where a path has none.
+    proof : dict or None
+        The Cholesky path's proof (:func:`~scaleattn.linalg._spectrum.cholesky_factor`, DESIGN §4b): the
+        ``threshold`` ``lambda_min(Gs)`` is proved above, the ``shift`` factored, its ``rounding`` term, the
+        ``gershgorin`` bound on ``lambda_max(Gs)`` and the ``factorisations`` it took; None elsewhere.
 
     See Also
     --------
@@ -117,6 +126,9 @@ class Certificate:
     converged: bool = True
     estimates: dict | None = None
     nearest: tuple | None = None
+    lambda_min_interval: tuple | None = None
+    lambda_min_scaled_interval: tuple | None = None
+    proof: dict | None = None
 
     def _nearest(self) -> tuple[float, float | None]:
         """``(smallest kept, largest dropped in magnitude)`` relative to the largest value, in the method's own
@@ -198,7 +210,14 @@ class Certificate:
                 "smallest_kept_relative": kept, "largest_dropped_relative": dropped,
                 "settle_factor": SETTLE_FACTOR, "gram_verdict": g.verdict, "gram_rank": g.rank,
                 "gram_margin": g.margin, "certificate_converged": bool(self.converged),
+                "lambda_min_interval": _pair(self.lambda_min_interval),
+                "lambda_min_scaled_interval": _pair(self.lambda_min_scaled_interval),
+                **({"certificate_proof": {k: float(v) for k, v in self.proof.items()}} if self.proof else {}),
                 **({"estimates": self.estimates} if self.estimates is not None else {})}
+
+
+def _pair(iv) -> list | None:
+    return None if iv is None else [float(iv[0]), float(iv[1])]
 
 
 def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
@@ -209,15 +228,27 @@ def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
     cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
     # full rank: lambda_min from the scaled decomposition (eigvalsh(G) only sees it above eps * lambda_max)
     lam_min = lambda_min_full_rank(spec) / max(n_rows, 1) if spec.rank == G.shape[0] else max(lam[0], 0.0)
+    # LAPACK's eigh is backward stable: each eigenvalue within p(psi) eps ||A||_2 of the computed one (p = 2 psi
+    # taken; a bound of that form, not a proof)
+    err = 2.0 * G.shape[0] * EPS
+    ws = err * max(abs(float(spec.w[-1])), abs(float(spec.w[0])))
+    wl = err * max(abs(float(lam[-1])), abs(float(lam[0])))
+    lo = min(float(lam[0]) - wl, float(lam_min))
     return Certificate(n_rows, G.shape[0], spec.rank, spec.cutoff_rtol, float(lam_min), float(lam[-1]),
-                       float(spec.w[0]), cond, spec.w.copy(), np.asarray(lam))
+                       float(spec.w[0]), cond, spec.w.copy(), np.asarray(lam),
+                       lambda_min_interval=(lo, max(float(lam[0]) + wl, float(lam_min))),
+                       lambda_min_scaled_interval=(float(spec.w[0]) - ws, float(spec.w[0]) + ws))
 
 
 def certificate_from_factor(f: CholeskyFactor, cutoff_rtol: float, n_rows: int) -> Certificate:
-    """The certificate of the Cholesky path (full rank; the extreme eigenvalues only)."""
+    """The certificate of the Cholesky path (full rank; the extreme eigenvalues only): with ``f.proof`` a settled
+    "identifiable" proved by the shifted factorisation (DESIGN §4b) and rigorous ``lambda_min`` intervals; else the
+    Krylov estimates decide (three-valued)."""
     psi = f.L.shape[0]
     return Certificate(n_rows, psi, psi, cutoff_rtol, f.lam_min, f.lam_max, f.w_min, f.w_max / f.w_min,
-                       np.array([f.w_min, f.w_max]), None, converged=f.settled(SETTLE_FACTOR * cutoff_rtol))
+                       np.array([f.w_min, f.w_max]), None, converged=f.settled(SETTLE_FACTOR * cutoff_rtol),
+                       lambda_min_interval=f.lam_interval, lambda_min_scaled_interval=f.w_interval,
+                       proof=None if f.proof is None else dict(f.proof))
 
 
 def certificate_from_krylov(spec, n_rows: int) -> Certificate:
@@ -239,9 +270,14 @@ def certificate_from_krylov(spec, n_rows: int) -> Certificate:
            "notes": list(spec.notes)}
     lam_max = float("nan") if spec.lam_max is None else spec.lam_max.value / n
     lam_min = float("nan") if spec.lam_min is None else max(spec.lam_min.value, 0.0) / n
+    # the Ritz values' own rounding: a Rayleigh quotient is computed to psi eps lambda_max or so
+    slack_s = spec.psi * EPS * abs(float(lmax_s.upper))
+    slack = 0.0 if spec.lam_max is None else spec.psi * EPS * abs(float(spec.lam_max.upper)) / n
+    lam_iv = None if spec.lam_min is None else (spec.lam_min.lower / n - slack, spec.lam_min.upper / n + slack)
     return Certificate(n_rows, spec.psi, spec.rank, spec.rtol, lam_min, lam_max, float(lmin_s.value), cond,
                        np.array([lmin_s.value, lmax_s.value]), None, converged=spec.verdict_settled,
-                       estimates=est, nearest=near)
+                       estimates=est, nearest=near, lambda_min_interval=lam_iv,
+                       lambda_min_scaled_interval=(float(lmin_s.lower) - slack_s, float(lmin_s.upper) + slack_s))
 
 
 def check_cutoff(cutoff_rtol) -> float | None:

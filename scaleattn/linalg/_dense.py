@@ -224,7 +224,7 @@ def symmetric_product(a: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float = 1e-10, maxiter: int = 40,
-                        seed: int = 0) -> list[EigenEstimate]:
+                        seed: int = 0, vectors: list | None = None, ritz: int = 0) -> list[EigenEstimate]:
     """Largest eigenvalue of each ``A_i = diag(s_i) M diag(s_i)`` (``M`` symmetric PSD) by block Krylov with
     Rayleigh-Ritz, all of them sharing one product with ``M`` per step.
 
@@ -249,6 +249,11 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         Steps (products) at most; a run that did not meet ``rtol`` by then says ``converged=False``.
     seed : int
         Seed of the random start blocks (reruns give the same numbers).
+    vectors : list, optional
+        Receives per operator its ``ritz`` top Ritz vectors (n, ritz), in that operator's coordinates (for a
+        Rayleigh-Ritz step of the caller's, :func:`scaleattn.linalg._spectrum.cholesky_factor`).
+    ritz : int
+        How many (default 0: none).
 
     Returns
     -------
@@ -283,6 +288,8 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
                 w = r.V.shape[1]
                 r.receive(Y[:, c: c + w], rtols[runs.index(r)], steps)
                 c += w
+    if vectors is not None:
+        vectors.extend(r.ritz_vectors(ritz) for r in runs)
     return [r.estimate() for r in runs]
 
 
@@ -363,6 +370,16 @@ class _Run:
             Q, AQ = self._Q[: self.m], self._AQ[: self.m]
             self.res = _norm(gemm(AQ, self.y, trans=True) - self.theta * gemm(Q, self.y, trans=True))
         return self.res
+
+    def ritz_vectors(self, k: int) -> np.ndarray:
+        """The top ``k`` Ritz vectors (n, k) of the basis (a full eigh of the small projection)."""
+        import scipy.linalg
+
+        m = self.m
+        if not m or k <= 0:
+            return np.zeros((self._Q.shape[1], 0))
+        w, U = scipy.linalg.eigh(self.H, check_finite=False)
+        return gemm(self._Q[:m], np.ascontiguousarray(U[:, -min(k, m):]), trans=True)
 
     def estimate(self) -> EigenEstimate:
         res = self.residual()

@@ -493,7 +493,8 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
                           to_numpy(~M.live), bool(settled), 0, notes, kept, dropped)
     if small_g is not None:
         spec.lam_min = _unscaled_min(small_g, kept, lmax_g, diag, M, rtol, rank == psi, notes, eig_rtol,
-                                     None if bounds is None else bounds[1])
+                                     None if bounds is None else bounds[1], first=first, vector=X[:, :1],
+                                     dead=nlive < psi)
     if rank == psi and not kept.lower > c:
         spec.rank_converged = False
         notes.append(f"identifiability not settled: lambda_min of the scaled Gram is only known to be in"
@@ -501,12 +502,29 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
     return spec
 
 
-def _unscaled_min(small_g, kept, lmax_g, diag, M, rtol, full_rank, notes, eig_rtol, lower=None) -> EigenEstimate:
+def _unscaled_min(small_g, kept, lmax_g, diag, M, rtol, full_rank, notes, eig_rtol, lower=None, *, first=None,
+                  vector=None, dead: bool = False) -> EigenEstimate:
     """``lambda_min(G)`` from its LOBPCG run; where products with ``G`` cannot resolve it (badly scaled
-    features) the interval from ``Gs``: ``lambda_min(Gs) min(diag) <= lambda_min(G) <= lambda_min(Gs) max(diag)``."""
+    features) the interval from ``Gs``: ``lambda_min(Gs) min(diag) <= lambda_min(G) <= lambda_min(Gs) max(diag)``.
+
+    A rank below psi is not a singular ``G``: only all-zero features (``dead``) make ``lambda_min(G) = 0``
+    exactly. Else the interval comes from the scaled Gram's smallest Ritz pair ``first`` (``vector``, unit, in
+    scaled coordinates): below, ``first.lower`` times ``min(diag)`` (``max(diag)`` when negative); above, the
+    Rayleigh quotient of ``G`` at ``D^-1/2 vector`` (``first.value / ||D^-1/2 vector||^2``) or the LOBPCG run's
+    Ritz value on ``G``, whichever is smaller."""
     t, r, it = float(small_g["theta"][0]), float(small_g["residuals"][0]), int(small_g["iterations"])
-    if not full_rank:  # G is singular (null vectors of Gs, or all-zero features): lambda_min(G) = 0 up to round-off
+    if not full_rank and (dead or first is None):  # all-zero features: G is exactly singular
         return EigenEstimate(0.0, 0.0, 0.0, 0.0, True, it)
+    if not full_rank:  # null directions of Gs below the cutoff, but G itself may well be nonsingular
+        live = to_numpy(M.live)
+        dl = to_numpy(diag)[live]
+        v = to_numpy(vector)[:, 0]
+        q = float(np.sum(v[live] ** 2 / dl))  # ||D^-1/2 v||^2 on the live coordinates (the others are 0)
+        up = first.value / q if q > 0 else float("inf")
+        up = min(up, t)  # (a Ritz value of G: a Rayleigh quotient, whatever the run's status)
+        lo = first.lower * (float(dl.min()) if first.lower >= 0 else float(dl.max()))
+        up = max(up, lo)
+        return EigenEstimate(up, float(first.residual), lo, up, bool(up - lo <= eig_rtol * abs(up)), it)
     if small_g["status"] in ("done", "solve-budget", "budget") and t > rtol * lmax_g.value:
         lo = max(t - r, 0.0, min(lower or 0.0, t))
         return EigenEstimate(t, r, lo, t, bool(t - lo <= eig_rtol * t), it)

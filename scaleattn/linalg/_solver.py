@@ -205,6 +205,7 @@ def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) ->
             stats.gram(out=f.L)
         f.L[np.diag_indices(psi)] += ridge * f.diag
         f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.linalg._dense)
+        f.shift = 0.0  # (the proved factor was of G - shift D)
     cs = f.solve(rhs)
     if refine:
         cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)

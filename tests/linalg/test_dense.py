@@ -9,7 +9,14 @@ import scipy.linalg
 from scaleattn.generate import make_mhla
 from scaleattn.linalg._dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
 from scaleattn.linalg._solver import certify
-from scaleattn.linalg._spectrum import EIG_MAXITER, EIG_RTOL, cholesky_factor, default_rtol
+from scaleattn.linalg._spectrum import (
+    EIG_MAXITER,
+    EIG_RTOL,
+    cholesky_factor,
+    default_rtol,
+    lambda_min_full_rank,
+    scaled_spectrum,
+)
 from scaleattn.statistics._container import statistics_from_arrays
 
 
@@ -120,12 +127,15 @@ def test_largest_eigenvalues_match_a_plain_numpy_run(rtol):
 
 
 def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
-    """The factor kept is that of G itself (no pass scaling it); solve() is Gs^-1 and gram_solve() G^-1 (dense
-    references), so the Jacobi scaling lives in O(psi) vector scalings only."""
+    """The factor kept is that of G itself minus the proof's shift times diag G (no pass scaling it); solve() is
+    Gs^-1 and gram_solve() G^-1 (dense references), so the Jacobi scaling lives in O(psi) vector scalings only."""
     d = np.geomspace(1e-3, 1e3, 150)  # feature scales over six decades: Jacobi scaling matters
     G = d[:, None] * _spd(150, seed=5, cond=1e4) * d[None, :]
     f = cholesky_factor(G, default_rtol(150), 100)
-    assert np.abs(f.L @ f.L.T - G).max() <= 1e-13 * np.abs(G).max()
+    assert f.proof is not None and f.shift == f.proof["shift"] > 0
+    shifted = G - f.shift * np.diag(np.diag(G))
+    sc = 1.0 / np.sqrt(np.diag(G))
+    assert np.abs(sc[:, None] * (f.L @ f.L.T - shifted) * sc[None, :]).max() <= 1e-13
     sc = 1.0 / np.sqrt(np.diag(G))
     Gs = G * sc[:, None] * sc[None, :]
     rhs = np.random.default_rng(6).standard_normal((150, 3))
@@ -133,7 +143,8 @@ def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
                      (f.gram_solve(rhs), np.linalg.solve(G, rhs))):
         assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
     w = np.linalg.eigvalsh(Gs)
-    assert f.w_min == pytest.approx(w[0], rel=EIG_RTOL) and f.w_max == pytest.approx(w[-1], rel=EIG_RTOL)
+    assert f.w_interval[0] <= w[0] <= f.w_interval[1] and f.w_min == pytest.approx(w[0], rel=1e-3)
+    assert f.w_max == pytest.approx(w[-1], rel=EIG_RTOL)
 
 
 def test_largest_eigenvalues_against_eigvalsh():
@@ -156,17 +167,23 @@ def test_cholesky_certificate_against_dense_eigvalsh(d):
     w = np.linalg.eigvalsh(G * sc[:, None] * sc[None, :])
     c = certify(st, solver="cholesky")
     assert c.rank == st.psi and c.converged and c.eigenvalues is None
+    assert c.proof is not None and c.verdict == "identifiable"  # proved by the shifted factorisation
     tol = 100 * EIG_RTOL  # the estimated error is ~100x the measured one: this bounds it with room
     assert c.lambda_max == pytest.approx(lam[-1], rel=tol)
-    assert c.lambda_min == pytest.approx(lam[0], rel=1e3 * tol)  # eigvalsh(G) resolves it to eps * lambda_max
-    assert c.lambda_min_scaled == pytest.approx(w[0], rel=tol)
+    # lambda_min: a few inverse-iteration steps (an upper bound, 3 digits or so), rigorous intervals around it
+    assert c.lambda_min == pytest.approx(lam[0], rel=1e-3)  # eigvalsh(G) resolves it to eps * lambda_max
+    assert c.lambda_min_scaled == pytest.approx(w[0], rel=1e-3) and c.lambda_min_scaled >= w[0] * (1 - 1e-12)
+    lo, hi = c.lambda_min_scaled_interval
+    assert c.proof["threshold"] <= lo <= w[0] <= hi and lo > 0
+    ref = lambda_min_full_rank(scaled_spectrum(G)) / n  # relative accuracy (eigvalsh(G) only absolute)
+    lo, hi = c.lambda_min_interval
+    assert 0 < lo <= ref * (1 + 1e-10) and ref * (1 - 1e-10) <= hi <= ref * (1 + 1e-3)
     assert c.spectrum_scaled[-1] == pytest.approx(w[-1], rel=tol)
-    assert c.condition_number == pytest.approx(w[-1] / w[0], rel=2 * tol)
+    assert c.condition_number == pytest.approx(w[-1] / w[0], rel=1e-3)
     f = cholesky_factor(G, default_rtol(st.psi), n)
     e = f.estimates
     assert e["lambda_max_scaled"].lower * (1 - 1e-12) <= w[-1] <= e["lambda_max_scaled"].upper * (1 + 1e-12)
-    assert e["lambda_min_scaled_inverse"].lower * (1 - 1e-12) <= 1 / w[0]
-    assert 1 / w[0] <= e["lambda_min_scaled_inverse"].upper * (1 + 1e-12)
+    assert e["lambda_min_scaled_inverse"].lower * (1 - 1e-12) <= 1 / (w[0] - f.shift)  # a Ritz value of the inverse
 
 
 def test_auto_falls_back_to_krylov_not_eigh_past_the_fallback_size(monkeypatch):
