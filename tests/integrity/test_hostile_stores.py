@@ -175,7 +175,7 @@ def test_crafted_statistics_stores_are_refused_before_decompressing(tmp_path, va
 
 @pytest.mark.parametrize("variant", ["psi", "unequal", "frame"])
 def test_crafted_spectrum_stores_are_refused_before_decompressing(tmp_path, variant):
-    from scaleattn.linalg._certificate import certify
+    from scaleattn.linalg import certify
 
     cert = certify(_stats(), solver="eigh")
     from scaleattn.run import save_spectrum
