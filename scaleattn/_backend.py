@@ -1,4 +1,4 @@
-"""Array backend (layer L0): one code path for numpy, CuPy and any Python array API library.
+"""Array backend: one code path for numpy, CuPy and any Python array API library.
 
 The namespace is taken from the inputs (:func:`get_xp`), so the same function runs on the host or on a GPU
 worker without branches. Plain numpy input gets numpy itself (its threaded BLAS paths and exact bits stay as they

@@ -1,4 +1,4 @@
-"""How the compiled kernels are compiled (layer L2, below :mod:`scaleattn.statistics._compiled` and
+"""How the compiled kernels are compiled (below :mod:`scaleattn.statistics._compiled` and
 :mod:`scaleattn.linalg._gram_compiled`): numba's options and the host's full vector width, in one place.
 
 numba is imported lazily, by :func:`njit_module` (it costs 0.5 s at start-up, as much as the rest of the

@@ -1,4 +1,4 @@
-"""Parameter checks for the public entry points (layer L0), in the spirit of scikit-learn's
+"""Parameter checks for the public entry points, in the spirit of scikit-learn's
 ``_parameter_constraints``: each public function validates its arguments once, before any cluster starts or
 any file is written, and raises :class:`~scaleattn.errors.ParameterError` naming the parameter.
 """

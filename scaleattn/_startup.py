@@ -1,4 +1,4 @@
-"""Ctrl-C before and after the ``scaleattn`` command runs (layer L0; the package root imports it first).
+"""Ctrl-C before and after the ``scaleattn`` command runs (the package root imports it first).
 
 Importing scaleattn (numpy, zarr, dask: a second or more on a busy machine) comes before
 :func:`scaleattn.cli.main` can catch anything: a Ctrl-C there printed a traceback through the import machinery,

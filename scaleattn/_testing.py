@@ -1,5 +1,5 @@
 """Fault injection the test suite drives through environment variables, for the two points that an injected
-callback cannot reach (layer L0); unset, they do nothing.
+callback cannot reach; unset, they do nothing.
 
 - ``SCALEATTN_TEST_TASK_DELAY=SECONDS``: every statistics task sleeps that long first (to interrupt a build). It
   reaches the Dask workers of any cluster, the worker pods of a Kubernetes cluster included (their image has

@@ -1,4 +1,4 @@
-"""The package version (layer L0): the one place it is written; modules import it from here, never from the
+"""The package version: the one place it is written; modules import it from here, never from the
 package root. Also when this process began importing scaleattn (the package root imports this module before any
 other but :mod:`._startup`), where the ``scaleattn`` command's clock starts."""
 import time

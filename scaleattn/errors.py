@@ -1,4 +1,4 @@
-"""Every error scaleattn raises on purpose, under one base class (layer L0).
+"""Every error scaleattn raises on purpose, under one base class.
 
 :class:`ScaleattnError` is the base: a ``ValueError``, so code that caught ``ValueError`` before keeps working.
 Each subclass also derives from the builtin it refines where that helps callers (``FileExistsError``,

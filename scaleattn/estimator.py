@@ -1,4 +1,4 @@
-"""scikit-learn style estimator for in-memory arrays (layer L4): :class:`MHLARegressor`."""
+"""scikit-learn style estimator for in-memory arrays: :class:`MHLARegressor`."""
 from __future__ import annotations
 
 import functools

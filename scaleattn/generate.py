@@ -1,4 +1,4 @@
-"""Synthetic datasets (layer L4): the paper's tasks, in memory (``make_*``) or written as datasets
+"""Synthetic datasets: the paper's tasks, in memory (``make_*``) or written as datasets
 (``generate_*``), as scikit-learn keeps ``make_*`` apart from ``load_*`` (real data: :mod:`scaleattn.importers`).
 
 - :func:`make_mhla` / :func:`generate_mhla`: realizable data from an H-head MHLA teacher ([Y25] §4.1;

@@ -1,4 +1,4 @@
-"""Real data into datasets (layer L4): ``.npz`` / ``.npy`` arrays, time-series CSV cut into windows, and a
+"""Real data into datasets: ``.npz`` / ``.npy`` arrays, time-series CSV cut into windows, and a
 built-in real dataset (scikit-learn's digits). Synthetic tasks are :mod:`scaleattn.generate`.
 
 Every argument is checked before anything is written; a bad file or argument raises one clear

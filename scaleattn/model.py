@@ -1,4 +1,4 @@
-"""A fitted MHLA model (layer L2): coefficients and heads, prediction, storage, and the fit from statistics
+"""A fitted MHLA model: coefficients and heads, prediction, storage, and the fit from statistics
 (solve, certificate, heads) that produces it."""
 from __future__ import annotations
 

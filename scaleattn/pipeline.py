@@ -1,4 +1,4 @@
-"""The main job (layer L4): dataset -> statistics (Dask) -> solve + certificate -> heads -> model and report.
+"""The main job: dataset -> statistics (Dask) -> solve + certificate -> heads -> model and report.
 
 Data flow one way (DESIGN §6)::
 

@@ -1,4 +1,4 @@
-"""The checks a fit makes before and around its work (layer L4, before :mod:`scaleattn.pipeline`): the input is
+"""The checks a fit makes before and around its work (before :mod:`scaleattn.pipeline`): the input is
 complete and has targets; outputs and checkpoint neither are, contain, nor lie inside an input (or each other);
 ``--overwrite`` replaces only what scaleattn wrote; one run per output (locks); and what a failed or
 interrupted build leaves behind (a checkpoint worth resuming, with its hint, or nothing).

@@ -1,4 +1,4 @@
-"""The run directory of a fit (layer L4): its one writer (:func:`write_run`, :func:`write_files`) and its one
+"""The run directory of a fit: its one writer (:func:`write_run`, :func:`write_files`) and its one
 reader (:func:`read_run`). See docs/report.md.
 
 Layout::

@@ -1,4 +1,4 @@
-"""The benchmarks of ``scaleattn bench`` (layer L5), one module per suite, each with ``run(out_dir, quick=False)``.
+"""The benchmarks of ``scaleattn bench``, one module per suite, each with ``run(out_dir, quick=False)``.
 
 :data:`SUITES` is the one list of the suites: the CLI's choices, its help and the dispatch are made from it (and
 the docs' lists are checked against it by the tests).

@@ -1,4 +1,4 @@
-"""The statistics build against its floors, the chunked numpy loop and numpy SYRK, per kernel (layer L5).
+"""The statistics build against its floors, the chunked numpy loop and numpy SYRK, per kernel.
 
 :func:`build_table` measures, in one run (the machine may be shared: every ratio is taken within the run):
 
@@ -39,14 +39,14 @@ import numpy as np
 __all__ = ["build_table", "gemm_rate", "starved_probe", "copy_bandwidth", "markdown", "target_vs_floor", "run_child", "SIZES",
            "QUICK_SIZES", "TARGET_VS_LOOP", "MAX_ROUNDS"]
 
-#: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
+#: the build's target speed-up over the chunked numpy loop, at every d from 4 to 32
 TARGET_VS_LOOP = 3.0
 #: rounds of builds per size and kernel at most (:func:`build_table`'s ``min_time``): 30 builds of d = 4's 20-30 ms
 MAX_ROUNDS = 30
 
 
 def target_vs_floor(d: int) -> float | None:
-    """The build-vs-floor target of issue 19 at ``d``: <= 3x at d = 4, <= 2x at d = 8, <= 1.3x at d >= 16
+    """The build-vs-floor target at ``d``: <= 3x at d = 4, <= 2x at d = 8, <= 1.3x at d >= 16
     (None in between)."""
     return 3.0 if d <= 4 else 2.0 if d <= 8 else 1.3 if d >= 16 else None
 
@@ -322,7 +322,7 @@ def _floors(r: dict, rate: float, bandwidth: float) -> dict:
     f = {"floor_macs_s": 2.0 * r["macs"] / rate, "floor_bytes_s": r["token_bytes"] / bandwidth}
     f["floor_s"] = max(f.values())
     f["build_vs_floor"] = r["build_s"] / f["floor_s"]
-    # the speed-up over the loop that a build AT the floor would show: below 3, issue 19's ">= 3x faster than
+    # the speed-up over the loop that a build AT the floor would show: below 3, the target ">= 3x faster than
     # the loop" cannot be met in this run by any build (the loop's SYRK does 2x our multiply-adds)
     f["loop_vs_floor"] = None if r["loop_s"] is None else r["loop_s"] / f["floor_s"]
     return f

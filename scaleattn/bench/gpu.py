@@ -5,7 +5,7 @@ Measures on CuPy, in ONE run:
 - the device's float64 GEMM rate (square product) and copy bandwidth, and the floor of the statistics build: the
   larger of ``2 x (compact Gram multiply-adds) / rate`` (DESIGN §3) and the tokens' bytes over the bandwidth
   (docs/performance.md, "Definitions"); our build (features, checks and moments included, tokens already on the
-  device) against it, and as a fraction of the GEMM rate (issue 19: >= 0.8 where the multiply-adds dominate); the
+  device) against it, and as a fraction of the GEMM rate (target: >= 0.8 where the multiply-adds dominate); the
   same for the build's matmuls alone (its ceiling at the device's GEMM efficiency on those shapes);
 - agreement of the GPU statistics with the CPU (numpy) statistics on the same rows (must be <= 1e-12 relative:
   float64 accumulation, never TF32/FP16);

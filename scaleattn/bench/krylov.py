@@ -1,4 +1,4 @@
-"""Benchmark of the matrix-free krylov solver against the Cholesky path (issue 15; DESIGN §4), in ONE run.
+"""Benchmark of the matrix-free krylov solver against the Cholesky path (DESIGN §4), in ONE run.
 
 ``run(out_dir, quick=False)`` writes ``bench-krylov.json`` and ``bench-krylov.md`` into ``out_dir``:
 
@@ -44,7 +44,7 @@ import numpy as np
 
 __all__ = ["run", "markdown", "TARGETS"]
 
-#: issue 15's target: the krylov solve no slower than Cholesky at d = 32
+#: the target: the krylov solve no slower than Cholesky at d = 32
 TARGETS = {"krylov_vs_cholesky_time": 1.0}
 
 _SOLVE_CHILD = """
@@ -289,7 +289,7 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
         if "products" in want:  # one product of the operator, numpy path vs compiled kernel
             res["products"] = [operator_products(16, repeats=2)] if quick else [operator_products(32),
                                                                                 operator_products(44)]
-        if "fit" in want:  # issue 15's d = 44: about 60,000 causal rows of a realizable teacher, d_out = 1
+        if "fit" in want:  # the d = 44 fit: about 60,000 causal rows of a realizable teacher, d_out = 1
             res["fit"] = whole_fit(tmp, 12, 40) if quick else whole_fit(tmp, 44, 600)
     res["load_avg_end"] = os.getloadavg()
     res["seconds"] = time.perf_counter() - t0

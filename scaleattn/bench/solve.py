@@ -1,4 +1,4 @@
-"""Benchmark of the dense solve against its floor and of the large factorisation's crash immunity (issue 19 part 3).
+"""Benchmark of the dense solve against its floor and of the large factorisation's crash immunity (the dense solve's targets).
 
 ``run(out_dir, quick=False)`` (``scaleattn bench solve``) writes ``bench-solve.json`` and ``bench-solve.md``:
 

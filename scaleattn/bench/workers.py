@@ -1,4 +1,4 @@
-"""Benchmark (layer L5): the statistics build on a local Dask cluster against the in-process build, and where
+"""Benchmark: the statistics build on a local Dask cluster against the in-process build, and where
 the cluster's time goes.
 
 Each configuration runs in a fresh process on the same Zarr dataset and row groups (the default split of

@@ -1,4 +1,4 @@
-"""Command line (layer L5): ``scaleattn generate | import | fit | certify | compare | evaluate | plot | bench |
+"""Command line: ``scaleattn generate | import | fit | certify | compare | evaluate | plot | bench |
 submit``.
 
 Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an unreachable store) ends with one

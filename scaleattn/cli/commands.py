@@ -1,4 +1,4 @@
-"""The ``scaleattn`` commands: each validates its options, opens its inputs, runs, and prints its result (layer L5).
+"""The ``scaleattn`` commands: each validates its options, opens its inputs, runs, and prints its result.
 Errors propagate to :func:`scaleattn.cli.main`, which turns them into one line and an exit code."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``scaleattn`` argument parser: every command's options, with units and defaults (layer L5)."""
+"""The ``scaleattn`` argument parser: every command's options, with units and defaults."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""Checks of a dataset (layer L1): shapes and dtypes of its arrays, their values (NaN/Inf, magnitudes whose
+"""Checks of a dataset: shapes and dtypes of its arrays, their values (NaN/Inf, magnitudes whose
 features or squares overflow or underflow float64, lengths), its attributes, and that the chunks it stores are
 the ones that were written (absent chunks, manifests, the identity of the store a worker opened). Every error is one
 :class:`~scaleattn.errors.DatasetError` (or :class:`~scaleattn.errors.IntegrityError`) naming the array and

@@ -1,4 +1,4 @@
-"""Writing MHLA datasets (layer L1, after :mod:`scaleattn.data._dataset`): create a group with the layout of DESIGN §7,
+"""Writing MHLA datasets (after :mod:`scaleattn.data._dataset`): create a group with the layout of DESIGN §7,
 write it in blocks aligned to its chunks and shards with the crc32c codec and a manifest of what it holds, or
 write whole arrays atomically (:func:`write_dataset`)."""
 from __future__ import annotations

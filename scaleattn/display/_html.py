@@ -1,4 +1,4 @@
-"""The notebook cards (layer L0, beside :mod:`scaleattn.display._text`): the ``_repr_html_`` of ``FitResult``,
+"""The notebook cards (beside :mod:`scaleattn.display._text`): the ``_repr_html_`` of ``FitResult``,
 ``Certificate``, ``Statistics`` and ``MHLAModel``, the same facts as the text summaries, as HTML, with an inline
 SVG spectrum drawn with numpy alone. Each function takes the JSON-ready dict of a result, as the text ones do.
 """

@@ -1,4 +1,4 @@
-"""Progress of long work, for the person waiting (layer L0): named phases, bars counted in rows, lines.
+"""Progress of long work, for the person waiting: named phases, bars counted in rows, lines.
 
 Computation never imports UI: the pipeline hands a :class:`Reporter` down, and the build, the solver step
 and the evaluation call ``phase``/``bar``/``line`` on it. :class:`Reporter` itself is silent;

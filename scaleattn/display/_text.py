@@ -1,4 +1,4 @@
-"""Every human-readable summary scaleattn prints (layer L0), so the CLI and a notebook show the same words.
+"""Every human-readable summary scaleattn prints, so the CLI and a notebook show the same words.
 
 Each function takes the JSON-ready dict of a result (a fit's ``report``, ``Certificate.summary()``, the
 dict of :func:`~scaleattn.evaluate`, of :func:`~scaleattn.compare_models`) and returns text; the notebook cards

@@ -1,4 +1,4 @@
-"""The distributed statistics build (layer L3; DESIGN §6): row groups x column tiles as Dask tasks, each
+"""The distributed statistics build (DESIGN §6): row groups x column tiles as Dask tasks, each
 streaming its rows chunk by chunk into a partial, combined by the fixed-order tree of :mod:`.reduction`, with every
 finished partial checkpointed (:mod:`.checkpoint`). Without a client the same tasks and tree run in process.
 """

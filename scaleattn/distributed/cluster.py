@@ -1,4 +1,4 @@
-"""Dask clusters for scaleattn jobs (layer L3): an embedded LocalCluster, a remote scheduler, or GPU workers.
+"""Dask clusters for scaleattn jobs: an embedded LocalCluster, a remote scheduler, or GPU workers.
 
 The embedded cluster binds to localhost only and, by default, speaks TLS with ephemeral credentials made for
 this job (``distributed.Security.temporary()``: a fresh key and certificate held only in the memory of this

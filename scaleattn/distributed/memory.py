@@ -1,5 +1,5 @@
 """Memory a fit or certificate needs, estimated before it starts, and a clear refusal when it cannot fit
-(layer L3; DESIGN §3, §4, §6).
+(DESIGN §3, §4, §6).
 
 The solver node holds the statistics (compact Gram ``Tc``: m(m+1)/2 x d(d+1)/2 floats) and, on the dense
 paths, expands them to the psi x psi Gram ``G``; the eigh path then needs about five psi x psi float64 arrays

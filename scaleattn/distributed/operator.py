@@ -1,4 +1,4 @@
-"""The matrix-free Gram operator on a cluster (layer L3; DESIGN §3, §4, §6): the compact-Gram tiles stay on the
+"""The matrix-free Gram operator on a cluster (DESIGN §3, §4, §6): the compact-Gram tiles stay on the
 workers that built them, and no node holds ``Tc`` or ``G``.
 
 :func:`remote_statistics` runs the statistics build (:func:`scaleattn.distributed.build.compute_statistics`)

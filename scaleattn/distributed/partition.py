@@ -1,4 +1,4 @@
-"""How a build is cut into tasks (layer L3; DESIGN §6): row groups of equal work (feature rows), and column tiles
+"""How a build is cut into tasks (DESIGN §6): row groups of equal work (feature rows), and column tiles
 of the compact Gram. Both depend only on the dataset and the tile size, never on the workers, so the reduction
 tree and the statistics' bits are the same for any cluster, retry or resume.
 """

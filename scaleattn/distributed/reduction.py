@@ -1,4 +1,4 @@
-"""Fixed-order tree reduction, in process and on a Dask cluster (layer L3; DESIGN §6).
+"""Fixed-order tree reduction, in process and on a Dask cluster (DESIGN §6).
 
 Partials are combined ``split_every`` neighbours at a time, level by level, always in the same order, so
 floating-point results do not depend on which worker finished first, on the worker count, retries or resumes.

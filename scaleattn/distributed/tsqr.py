@@ -1,4 +1,4 @@
-"""Tall-skinny QR of the features over the row groups, in process or on a Dask cluster (layer L3; DESIGN §4, §6).
+"""Tall-skinny QR of the features over the row groups, in process or on a Dask cluster (DESIGN §4, §6).
 
 The second data pass a certificate takes when the Gram cannot settle it (:func:`scaleattn.linalg._qr.needs_qr`): one
 task per row group (the same groups as the statistics build, :func:`~.partition.row_groups`) folds its rows

@@ -7,7 +7,7 @@ symmetrised coefficients ``c = p(W)`` (DESIGN §2). Heads are rank-one terms of 
 - :func:`svd_heads`: the paper's Algorithm 1 heads: split off-diagonal coefficients in half, SVD.
 - :func:`rank_r_heads`: alternating projections onto ``{W : p(W) = c}`` at rank r (DESIGN §5).
 - The search for the fewest heads, the loss-versus-heads curve and the lower bounds on the head count are in
-  :mod:`scaleattn.heads._search` (layer L2, after this module).
+  :mod:`scaleattn.heads._search` (after this module).
 - :func:`compare_models`: distance ``||c(Theta) - c(Theta')||_F`` (eq. 15) and a function-equivalence verdict.
 Layer L2.
 """

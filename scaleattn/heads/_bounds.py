@@ -1,4 +1,4 @@
-"""Lower bounds on the number of heads that reproduce given coefficients (layer L2; DESIGN §5).
+"""Lower bounds on the number of heads that reproduce given coefficients (DESIGN §5).
 
 :func:`flattening_bound` holds for every ``c`` (ranks of contractions of ``c``); :func:`generic_heads_bound` is
 a dimension count, made exact by :func:`image_dimension` (the rank of the Jacobian of ``(V, Q) -> c``), that

@@ -1,4 +1,4 @@
-"""The best H-head model for given coefficients, by variable projection (layer L2; DESIGN §2, §5).
+"""The best H-head model for given coefficients, by variable projection (DESIGN §2, §5).
 
 For fixed ``Q`` the ``V`` solve a linear least-squares problem, and Levenberg-Marquardt steps on the reduced
 problem in ``Q`` use Kaufman's Jacobian (Golub & Pereyra 1973, Kaufman 1975); :func:`fit_heads` runs several

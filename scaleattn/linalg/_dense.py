@@ -1,4 +1,4 @@
-"""Dense symmetric positive definite algebra at the GEMM rate (layer L2; DESIGN §4): a blocked Cholesky whose
+"""Dense symmetric positive definite algebra at the GEMM rate (DESIGN §4): a blocked Cholesky whose
 LAPACK calls stay on small diagonal blocks, and the extreme eigenvalues of operators built from a dense Gram or
 its factor by block Krylov (Rayleigh-Ritz), so that every pass over the psi x psi array serves a block of
 vectors.

@@ -1,4 +1,4 @@
-"""The feature Gram as a matrix-free operator on its compact form (layer L2; DESIGN §3, §4, §6).
+"""The feature Gram as a matrix-free operator on its compact form (DESIGN §3, §4, §6).
 
 ``G[(P,l),(P',l')] = Tc[pair(P,P'), pair(l,l')]`` (DESIGN §3): every product ``G X`` can be formed from the
 compact Gram ``Tc`` (m(m+1)/2, d(d+1)/2) without ever holding the psi x psi ``G`` (2.3 GB at d = 32, 15 GB at

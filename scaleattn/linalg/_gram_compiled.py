@@ -1,4 +1,4 @@
-"""The compiled (numba) product of the matrix-free Gram operator (layer L2, below :mod:`scaleattn.linalg._gram`,
+"""The compiled (numba) product of the matrix-free Gram operator (below :mod:`scaleattn.linalg._gram`,
 which runs it on its thread pool).
 
 Row ``r = pair(p, q)`` of the compact Gram ``Tc`` is the vech of the symmetric d x d block ``S = M_pq``

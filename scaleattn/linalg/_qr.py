@@ -1,4 +1,4 @@
-"""Rank, certificate and least squares from a QR of the features (layer L2; DESIGN §4, [Y25] Lemma 2.3, Alg. 1).
+"""Rank, certificate and least squares from a QR of the features (DESIGN §4, [Y25] Lemma 2.3, Alg. 1).
 
 The Gram ``G = Phi^T Phi`` squares the condition number of the features: on ill-conditioned data (tokens whose
 coordinates are nearly collinear, Läuchli-type designs, ``cond(Phi) ~ 1e8-1e10``) a direction the float64

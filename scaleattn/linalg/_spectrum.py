@@ -1,4 +1,4 @@
-"""Spectra and factorisations of the feature Gram matrix ``G`` (layer L2; DESIGN §4).
+"""Spectra and factorisations of the feature Gram matrix ``G`` (DESIGN §4).
 
 The machinery the certificate and the solver share: the relative eigenvalue cutoff, the Jacobi-scaled
 eigendecomposition (:class:`Spectrum`), and for large psi a Cholesky factor of ``G`` (that of the scaled Gram

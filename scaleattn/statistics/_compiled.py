@@ -1,5 +1,5 @@
 """The compiled (numba) statistics kernel: token features, compact-Gram panels and moments without numpy
-temporaries (layer L2, below :mod:`scaleattn.statistics._kernel`, which runs these functions on its threads).
+temporaries (below :mod:`scaleattn.statistics._kernel`, which runs these functions on its threads).
 
 Why numba. The build's per-row work at small ``d`` (d = 4: 55 x 10 multiply-adds of ``Tc``, 10 of ``s``) is
 smaller than what a numpy call costs per row: the numpy kernel spends 48x the multiply-add floor at d = 4,

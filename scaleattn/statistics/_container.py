@@ -4,7 +4,7 @@
 ``N`` determine every least-squares quantity ([Y25] Alg. 1 needs only these). They form a commutative
 monoid: add across chunks, files and machines; save, load and merge them. ``G`` does not depend on the
 targets, so one ``Tc`` serves any number of target sets (and the certificate needs nothing else).
-Layer L2: the container, the block loop over samples (:func:`accumulate`) and save/load; the Gram kernel
+The container, the block loop over samples (:func:`accumulate`) and save/load; the Gram kernel
 itself is :mod:`scaleattn.statistics._kernel`, the distributed build :mod:`scaleattn.distributed.build`.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The compact-Gram kernel ``Tc += u^T v`` (DESIGN §3) and its thread and BLAS machinery (layer L2).
+"""The compact-Gram kernel ``Tc += u^T v`` (DESIGN §3) and its thread and BLAS machinery.
 
 On numpy, each (panel_rows, panel_cols) panel of ``u = vech(s s^T)`` is built in a cache-sized buffer and
 accumulated with one GEMM into its slice of ``Tc``; groups of panels (disjoint rows of ``Tc``) run on a thread

@@ -1,4 +1,4 @@
-"""What a reader will decompress, bounded before it reads (layer L0).
+"""What a reader will decompress, bounded before it reads.
 
 A store is small on disk and may say anything in its metadata: a chunk of zeros compresses about 10,000 times
 with zstd, so a store of a few hundred KB can make a reader allocate gigabytes before any check on what it read.

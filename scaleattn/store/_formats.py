@@ -1,4 +1,4 @@
-"""Names and versions of every store scaleattn writes, and strict JSON (layer L0).
+"""Names and versions of every store scaleattn writes, and strict JSON.
 
 Each store records ``format`` and ``format_version`` in its attributes; readers refuse anything else with a
 :class:`~scaleattn.errors.FormatError`. Changing a layout means bumping its version here.

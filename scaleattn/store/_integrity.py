@@ -1,4 +1,4 @@
-"""What is stored is what was written (layer L0): the checksumming codec of every array scaleattn writes,
+"""What is stored is what was written: the checksumming codec of every array scaleattn writes,
 value checksums and the manifests built from them, and listings of the chunks a store really holds.
 
 Zarr returns the fill value for a chunk it cannot find, so a deleted chunk or an array shape enlarged in

@@ -1,4 +1,4 @@
-"""Where stores live (layer L0): a :class:`Location` handle for a local path or fsspec URL (``s3://...``),
+"""Where stores live: a :class:`Location` handle for a local path or fsspec URL (``s3://...``),
 resolved once at the public entry; zarr groups, existence, removal, atomic outputs and retries on it.
 
 URLs go through fsspec (s3fs for ``s3://``) with the location's ``storage_options``; what they leave out comes

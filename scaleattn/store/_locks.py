@@ -1,4 +1,4 @@
-"""Locks next to stores (layer L0): one writer per output, and no store replaced while another run reads it.
+"""Locks next to stores: one writer per output, and no store replaced while another run reads it.
 
 - :func:`hold`: an exclusive lock next to an output (``.NAME.lock``: owner host, pid and start time). Local
   locks are ``flock`` locks, released by the kernel when the process dies, so a stale lock of a killed run is

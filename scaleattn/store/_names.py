@@ -1,4 +1,4 @@
-"""Names of paths (layer L0): what an output's name may be, checked before anything is written
+"""Names of paths: what an output's name may be, checked before anything is written
 (:func:`check_output_name`), and paths shown in one line whatever characters they hold (:func:`one_line`).
 
 - Control characters (a newline, a tab, an escape) are refused in an output path: every later line naming it

@@ -1,4 +1,4 @@
-"""Writing outputs safely (layer L0): never into an input, never over a foreign directory, never two runs at
+"""Writing outputs safely: never into an input, never over a foreign directory, never two runs at
 once, never over what another run reads, never where it would not last, all or nothing.
 
 - :func:`check_output_location`: the one check of where any output may go, before anything is written: a
