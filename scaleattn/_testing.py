@@ -9,11 +9,14 @@ worker processes and CLI subprocesses. Library code calls these hooks at fixed p
 - ``SCALEATTN_TEST_SOLVE_FAILURE=1``: the solve step of a fit raises ``RuntimeError`` as it starts (after the
   build), as a solver failure would.
 - ``SCALEATTN_TEST_PAUSE=WHERE:FILE``: the process writes FILE and sleeps (up to a minute) at the point WHERE:
-  ``import`` (as the package imports), ``exit`` (as the ``scaleattn`` command leaves ``main``), so that a test
-  can send a signal there once FILE exists.
+  ``import`` (as the package imports), ``report`` (a fit's report is printed, its cluster still up),
+  ``teardown`` (as a command's embedded cluster stops), ``exit`` (as the ``scaleattn`` command leaves
+  ``main``), ``atexit`` (in the interpreter's exit handlers), ``finalize`` (in Python's finalisation, as this
+  module's globals are cleared), so that a test can send a signal there once FILE exists.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
@@ -65,3 +68,23 @@ def pause(where: str) -> None:
 def crash() -> None:
     """End this process at once (code 75): no cleanup handlers, no finally blocks."""
     os._exit(CRASH_EXIT)
+
+
+class _PauseWhenDeleted:
+    """Pauses at ``finalize``: deleted as Python's finalisation clears this module's globals (builtins and modules
+    may be gone by then: it holds what it calls)."""
+
+    def __init__(self):
+        self.path = os.environ["SCALEATTN_TEST_PAUSE"].partition(":")[2]
+        self.calls = (os.open, os.close, os.O_WRONLY | os.O_CREAT, time.sleep)
+
+    def __del__(self):
+        open_, close, flags, sleep = self.calls
+        close(open_(self.path, flags))
+        sleep(60)
+
+
+if os.environ.get("SCALEATTN_TEST_PAUSE", "").startswith(("atexit:", "finalize:")):
+    atexit.register(pause, "atexit")  # (registered after scaleattn._startup's: runs before it)
+    if os.environ["SCALEATTN_TEST_PAUSE"].startswith("finalize:"):
+        _deleted_last = _PauseWhenDeleted()

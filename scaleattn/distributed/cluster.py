@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from .. import _testing
 from .._params import seconds
 from ..display._progress import Reporter, as_reporter
 from ..errors import ClusterError, InputNotFoundError, MissingDependencyError, ParameterError
@@ -282,4 +283,5 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         finally:
             if not scheduler:  # stopping the worker processes takes a few seconds: say so in a terminal
                 with reporter.status("stopping the local Dask cluster"):
+                    _testing.pause("teardown")
                     stack.close()
