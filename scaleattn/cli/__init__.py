@@ -24,6 +24,7 @@ from .. import _testing
 from .._startup import EXIT_INTERRUPTED, STARTING, exit_with, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
+from ..store._locks import file_system_refusal
 from ..store._names import one_line
 from .commands import COMMANDS, StdoutClosed
 from .parser import build_parser, option_of, parse, positional_of
@@ -319,6 +320,11 @@ def _run(args) -> int:
         if isinstance(e, StdoutClosed):  # `| head`: the reader left, not a bug
             _quiet_stdout()
             return EXIT_STDOUT_CLOSED
+        refused = file_system_refusal(e)  # a full disk, a quota, a read-only place no layer named: not a bug
+        if refused is not None:
+            if not _traceback_shown(args):
+                print(_error_line(args, f"cannot write: {refused}{_left(args, e)}", usage=False), file=sys.stderr)
+            return EXIT_BAD_INPUT
         if _traceback_shown(args):
             return EXIT_BUG
         command = _prog(args).removeprefix("scaleattn ")
@@ -326,6 +332,16 @@ def _run(args) -> int:
                        f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
               file=sys.stderr)
         return EXIT_BUG
+
+
+def _left(args, e: BaseException) -> str:
+    """What a command that failed left: the hint on ``e`` (a kept checkpoint), its output if it was complete, or
+    that nothing was written (a writer's outputs are all or nothing)."""
+    if _hint(e, args):
+        return _hint(e, args)
+    if getattr(args, "written", None):
+        return f"; {args.written} was written in full"
+    return "; nothing was written (outputs are written all or nothing)" if args.command in WRITERS else ""
 
 
 def _quiet_stdout() -> None:
