@@ -2,6 +2,10 @@
 worker processes and CLI subprocesses. Library code calls these hooks at fixed points; unset, they do nothing.
 
 - ``SCALEATTN_TEST_TASK_DELAY=SECONDS``: every statistics task sleeps that long first (to interrupt a build).
+- ``SCALEATTN_TEST_TASK_KILL=SIGNAL[@G]``: every statistics task in a worker process (of row group G and later)
+  ends it with that signal first (``KILL``, as the kernel's OOM killer does), as a worker past its memory would.
+- ``SCALEATTN_TEST_TASK_MEMORY=BYTES``: every statistics task in a worker process allocates (and touches) that
+  many bytes first, to push its worker past its Dask memory limit.
 - ``SCALEATTN_TEST_STOP_AFTER_GROUPS=K``: the client process exits with code 75, without cleanup, once K row
   groups have been computed and checkpointed in this run, as a crash would.
 - ``SCALEATTN_TEST_READ_FAILURES=K``: the first K dataset reads of each process raise ``ConnectionError``
@@ -26,11 +30,27 @@ __all__ = ["before_task", "before_read", "before_solve", "stop_after_groups", "c
 CRASH_EXIT = 75
 
 
-def before_task() -> None:
-    """Called at the start of every statistics task."""
+def before_task(group: int = 0) -> None:
+    """Called at the start of every statistics task (of row group ``group``)."""
+    import multiprocessing
+
+    on_worker = multiprocessing.parent_process() is not None  # (a worker process; never a test's own process)
     delay = float(os.environ.get("SCALEATTN_TEST_TASK_DELAY", 0) or 0)
     if delay:
         time.sleep(delay)
+    kill, _, first = os.environ.get("SCALEATTN_TEST_TASK_KILL", "").partition("@")
+    if kill and on_worker and group >= int(first or 0):
+        import signal
+
+        os.kill(os.getpid(), getattr(signal, f"SIG{kill}"))
+        time.sleep(10)  # (the signal ends the process meanwhile)
+    size = int(float(os.environ.get("SCALEATTN_TEST_TASK_MEMORY", 0) or 0))
+    if size and on_worker:
+        _held.append(bytearray(b"\1") * size)  # (touched: resident, as a group's arrays are)
+        time.sleep(5)  # the nanny's memory monitor sees it
+
+
+_held = []
 
 
 _reads = [0]
