@@ -319,8 +319,9 @@ class _Watch:
         died = (f"the Dask workers running {what} died under it" + (f" {deaths} times" if deaths > 1 else "")
                 + f" (as a worker past its memory limit{limit} is ended, or by the kernel's OOM killer)")
         if isinstance(e, (_NoWorker, NoWorkerError)):
-            head = (f"the Dask cluster has had no live worker for {self.timeout:g} s (`distributed.scheduler."
-                    "no-workers-timeout` in the dask config sets how long to wait)" + (f"; {died}" if deaths else ""))
+            head = (f"the Dask cluster has had no live worker for {self.timeout:g} s (`worker_timeout`, or"
+                    " `distributed.scheduler.no-workers-timeout` in the dask config, sets how long to wait)"
+                    + (f"; {died}" if deaths else ""))
         else:
             head = died
         return ClusterError(f"{head}{need_text}: give each worker more memory (fewer `workers` on this machine,"

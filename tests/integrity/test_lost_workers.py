@@ -83,10 +83,12 @@ def test_a_worker_past_its_dask_memory_limit_is_named_with_the_limit(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_remote_cluster_whose_workers_all_leave_ends_the_fit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bound", ["config", "option"])
+def test_a_remote_cluster_whose_workers_all_leave_ends_the_fit(tmp_path, monkeypatch, bound):
     """A scheduler of the user's (no ``no-workers-timeout`` of its own): once its last worker leaves, the fit
-    waits ``distributed.scheduler.no-workers-timeout`` (here 3 s, from the environment), then says so; the groups
-    finished are kept and ``--resume`` on a cluster with workers again completes the fit, bit for bit."""
+    waits ``distributed.scheduler.no-workers-timeout`` (3 s, from the environment) or ``--worker-timeout`` (4 s),
+    then says so; the groups finished are kept and ``--resume`` on a cluster with workers again completes the
+    fit, bit for bit."""
     import dask
     from distributed import LocalCluster
 
@@ -96,8 +98,10 @@ def test_a_remote_cluster_whose_workers_all_leave_ends_the_fit(tmp_path, monkeyp
             LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None,
                          protocol="tcp") as cluster:
         p = subprocess.Popen([sys.executable, "-m", "scaleattn", "fit", "d.zarr", "--out", "run", "--no-plots",
-                              "--no-exact-mse", "--scheduler", cluster.scheduler_address], cwd=tmp_path,
-                             env=_env(DASK_DISTRIBUTED__SCHEDULER__NO_WORKERS_TIMEOUT="3s"), text=True,
+                              "--no-exact-mse", "--scheduler", cluster.scheduler_address,
+                              *(["--worker-timeout", "4"] if bound == "option" else [])], cwd=tmp_path,
+                             env=_env(**({"DASK_DISTRIBUTED__SCHEDULER__NO_WORKERS_TIMEOUT": "3s"}
+                                         if bound == "config" else {})), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 120
@@ -113,10 +117,12 @@ def test_a_remote_cluster_whose_workers_all_leave_ends_the_fit(tmp_path, monkeyp
             if p.poll() is None:
                 p.kill()
         assert p.returncode == 2, err
-        assert 3 <= waited < 60, waited
+        bounded = 3 if bound == "config" else 4
+        assert bounded <= waited < 60, waited
         line = error_line(err)
-        expect(line, r"scaleattn fit: error: the Dask cluster has had no live worker for 3 s"
-                     r" \(`distributed.scheduler.no-workers-timeout` in the dask config sets how long to wait\)")
+        expect(line, rf"scaleattn fit: error: the Dask cluster has had no live worker for {bounded} s"
+                     r" \(--worker-timeout, or `distributed.scheduler.no-workers-timeout` in the dask config, sets"
+                     r" how long to wait\)")
         kept = int(re.search(r"keeps (\d+) of 16 row groups: repeat the fit with --resume", line).group(1))
         assert kept >= 3
         cluster.scale(1)
@@ -160,8 +166,8 @@ def test_the_wait_without_workers_is_bounded_by_dask_s_own_setting():
         assert 1.2 + 1.5 <= time.monotonic() - t0 < 6
         e = watch.lost(info.value, "a statistics task", 0.5 * GIB)
     assert isinstance(e, ClusterError)
-    assert str(e).startswith("the Dask cluster has had no live worker for 1.5 s (`distributed.scheduler."
-                             "no-workers-timeout` in the dask config sets how long to wait); a statistics task holds"
-                             " about 0.50 GiB: give each worker more memory")
+    assert str(e).startswith("the Dask cluster has had no live worker for 1.5 s (`worker_timeout`, or `distributed."
+                             "scheduler.no-workers-timeout` in the dask config, sets how long to wait); a statistics"
+                             " task holds about 0.50 GiB: give each worker more memory")
     assert watch.lost(RuntimeError("a bug"), "a task", None) is None
 
