@@ -5,14 +5,15 @@ least-squares problem [Yau et al., NeurIPS 2025, arXiv:2410.10101]. scaleattn st
 datasets through Dask workers into sufficient statistics, solves on one node, certifies identifiability
 and recovers the heads. ``scaleattn.tensor`` has tensor attention [Cao et al., arXiv:2405.16411].
 
-Layers (ARCHITECTURE.md; tests/test_architecture.py enforces them): L0 ``_version``, ``errors``, ``_params``,
-``_backend``, ``_storage``, ``_formats``, ``report`` (all human text, from plain dicts), ``progress``,
-``_testing``, ``_startup``; L1 ``features``, ``dataset``; L2 ``kernel`` -> ``statistics`` -> ``spectrum`` ->
-``certificate`` -> ``solver`` -> ``heads`` -> ``model``; L3 ``distributed/``; L4 ``run`` -> ``plot`` ->
-``pipeline`` -> ``estimator``, ``importers``, ``generate``; L5 ``cli``, ``submit``, ``bench/``, ``baselines/``;
-``tensor/`` uses L0 only.
+The package's folders are its layers, bottom up (tests/test_architecture.py enforces the order): the base
+modules (``errors``, ``_params``, ``_backend``), ``store/`` (locations, formats, integrity, locks, safe
+outputs), ``display/`` (report text, HTML cards, progress), ``features``, ``data/`` (datasets), ``statistics/``
+(the compact Gram and its kernels), ``linalg/`` (solver and certificate), ``heads/``, ``model``,
+``distributed/`` (Dask), then the jobs (``run``, ``preflight``, ``plot``, ``pipeline``, ``estimator``,
+``importers``, ``generate``) and the front doors (``cli/``, ``submit/``, ``bench/``, ``baselines/``);
+``tensor/`` uses the base only.
 """
-from . import _startup, _testing  # noqa: F401  (_startup first: the scaleattn command's Ctrl-C while the rest imports)
+from . import _startup  # noqa: F401  (first: the scaleattn command's Ctrl-C while the rest imports)
 from ._version import __version__
 from .data import Dataset, open_dataset, write_dataset
 from .distributed.build import compute_statistics
@@ -33,5 +34,3 @@ __all__ = [
     "coef_distance", "coef_from_heads", "compare_models", "search_heads", "svd_heads", "MHLAModel",
     "MHLARegressor", "evaluate", "FitResult", "certify_dataset", "fit", "__version__",
 ]
-
-_testing.pause("import")  # (the test suite's: Ctrl-C once the package is imported)

@@ -1,8 +1,6 @@
 """Parameter checks for the public entry points (layer L0), in the spirit of scikit-learn's
 ``_parameter_constraints``: each public function validates its arguments once, before any cluster starts or
 any file is written, and raises :class:`~scaleattn.errors.ParameterError` naming the parameter.
-
-Deprecated keyword names are mapped by :func:`renamed`.
 """
 from __future__ import annotations
 
@@ -10,11 +8,10 @@ import argparse
 import json
 import math
 import numbers
-import warnings
 
 from .errors import ParameterError
 
-__all__ = ["choice", "integer", "real", "heads_spec", "renamed", "no_other_kwargs", "positive_seconds",
+__all__ = ["choice", "integer", "real", "heads_spec", "positive_seconds",
            "int_at_least", "seed", "seconds", "MAX_SECONDS", "parse_storage_options", "storage_option_pairs"]
 
 #: the longest duration any option or parameter takes (a timeout, a time budget): 30 days. Longer is no
@@ -80,24 +77,6 @@ def heads_spec(heads):
     if h < 1:
         raise ParameterError(f"heads must be >= 1, got {h}")
     return h
-
-
-def renamed(kwargs: dict, old: str, new: str, value, default=None, stacklevel: int = 3):
-    """The value of parameter ``new``, taking the deprecated name ``old`` from ``kwargs`` (with a
-    ``DeprecationWarning``) when given; both at once is a :class:`ParameterError`."""
-    if old not in kwargs:
-        return value
-    legacy = kwargs.pop(old)
-    if value is not default and value != default:
-        raise ParameterError(f"give {new}= only ({old}= is its deprecated name)")
-    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=stacklevel)
-    return legacy
-
-
-def no_other_kwargs(kwargs: dict, func: str) -> None:
-    """``TypeError`` for keyword arguments left over after :func:`renamed` took the deprecated ones."""
-    if kwargs:
-        raise TypeError(f"{func}() got an unexpected keyword argument {next(iter(kwargs))!r}")
 
 
 def seconds(name: str, value, none_ok: bool = True):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 
 import numpy as np
 
@@ -13,14 +12,13 @@ from .data._checks import check_arrays, check_lengths, check_values, is_real
 from .errors import DatasetError, NotFittedError
 from .linalg._certificate import check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
-from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve
+from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve_validated
 from .linalg._spectrum import SOLVERS
 from .model import heads_are_exact, model_from_statistics, residual_sums
 from .statistics._container import block_samples, statistics_from_arrays
 
 __all__ = ["MHLARegressor"]
 
-_DEPRECATED = "deprecated"
 
 
 def _as_float(name: str, a):
@@ -74,8 +72,6 @@ class MHLARegressor:
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
         (:mod:`scaleattn.linalg._qr`) only when the Gram does not certify identifiability and psi is small.
-    rtol
-        Deprecated name of ``cutoff_rtol``.
 
     Attributes
     ----------
@@ -107,12 +103,11 @@ class MHLARegressor:
     """
 
     def __init__(self, heads="svd", cutoff_rtol=None, ridge: float = 0.0, solver: str = "auto",
-                 rtol=_DEPRECATED, certificate: str = "auto"):
+                 certificate: str = "auto"):
         self.heads = heads
         self.cutoff_rtol = cutoff_rtol
         self.ridge = ridge
         self.solver = solver
-        self.rtol = rtol
         self.certificate = certificate
 
     def get_params(self, deep=True) -> dict:
@@ -129,11 +124,7 @@ class MHLARegressor:
         return self
 
     def _checked(self) -> dict:
-        cutoff = self.cutoff_rtol
-        if self.rtol is not _DEPRECATED and self.rtol != _DEPRECATED:
-            warnings.warn("rtol= is deprecated; use cutoff_rtol=", DeprecationWarning, stacklevel=3)
-            cutoff = self.rtol
-        return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(cutoff),
+        return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(self.cutoff_rtol),
                 "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, SOLVERS),
                 "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
@@ -152,7 +143,7 @@ class MHLARegressor:
             check_lengths(lengths, 0, T)
         stats = statistics_from_arrays(tokens, targets, lengths)  # on the arrays' device; solved on the host
         G = shared_gram(stats, params["solver"])
-        sol = solve(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
+        sol = solve_validated(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
         if needs_qr(params["certificate"], sol.certificate, stats.psi):  # the arrays are here: no second pass
             host = [None if a is None else to_numpy(a) for a in (tokens, targets, lengths)]  # the QR runs on numpy
             sol = solve_from_r(factor_from_arrays(*host), params["cutoff_rtol"], params["ridge"], gram=sol.certificate)
@@ -168,9 +159,8 @@ class MHLARegressor:
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
         """The fitted model's training error is at most the zero model's, or
         :func:`scaleattn.linalg._solver.check_no_worse_than_zero` refuses the fit (no model is kept): from the
-        statistics
-        where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in blocks of
-        samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
+        statistics where their SSE formula is precise (round-off below ``1e-6 yy``), else measured on the arrays in
+        blocks of samples (that formula loses its digits on ill-conditioned data; a pass costs about a prediction)."""
         coef, yy = self.model_.coef, float(stats.yy)
         floor = stats.sse_floor(coef, gram)
         if floor <= 1e-6 * yy:
@@ -233,5 +223,4 @@ class MHLARegressor:
         return 1.0 - float(xp.sum(r * r) / xp.sum((y - xp.mean(y, axis=0)) ** 2))
 
     def __repr__(self):
-        shown = {k: v for k, v in self.get_params().items() if not (k == "rtol" and v == _DEPRECATED)}
-        return f"MHLARegressor({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+        return f"MHLARegressor({', '.join(f'{k}={v!r}' for k, v in self.get_params().items())})"

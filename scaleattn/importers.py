@@ -37,9 +37,8 @@ def windows(series, length: int, horizon: int = 1, step: int = 1, causal: bool =
     """Cut a multivariate time series (time, d) into windows of ``length`` tokens.
 
     Last-token targets: the value ``horizon`` steps after each window, (N, d). Causal targets: every
-    prefix predicts its next value, (N, T, d) (``horizon`` = 1). Raises
-    :class:`~scaleattn.errors.ParameterError` for ``length``, ``horizon`` or ``step`` below 1, or another
-    ``horizon`` with ``causal``, and
+    prefix predicts its next value, (N, T, d) (``horizon`` = 1). Raises :class:`~scaleattn.errors.ParameterError` for
+    ``length``, ``horizon`` or ``step`` below 1, or another ``horizon`` with ``causal``, and
     :class:`~scaleattn.errors.DatasetError` for a series too short for one window.
     """
     length, horizon, step = integer("length", length, 1), integer("horizon", horizon, 1), integer("step", step, 1)

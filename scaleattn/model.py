@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from ._backend import as_float64, device_of, from_host, get_xp, on_device
-from ._params import heads_spec
 from .data._checks import check_lengths, check_values
 from .display import _html as _html
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError
@@ -203,20 +203,10 @@ class MHLAModel:
                 raise FormatError(f"{loc.url}: a run directory, not a model store: pass"
                                   f" {loc.join('model.zarr').url}") from None
             raise
-        a, arrays = _integrity.read_store(loc, g, _formats.MODEL, "model", ("coef", "V", "Q"))
-        _formats.check_types(a, {"d": int, "causal": bool, "d_out": int, "n_heads": int}, loc.url,
-                             optional=("causal", "d_out", "n_heads"))
+        a, arrays = _integrity.read_store(loc, g, _formats.MODEL, "model", ("coef", "V", "Q"),
+                                          shapes=functools.partial(_shapes, where=loc.url))
         coef, V, Q = arrays["coef"], arrays["V"], arrays["Q"]
-        d, d_out, H = int(a["d"]), coef.shape[1] if coef.ndim == 2 else -1, V.shape[0] if V.ndim == 3 else -1
-        want = {"coef": (n_features(d), d_out), "V": (H, d_out, d), "Q": (H, d, d)}
-        for name, x in arrays.items():
-            if d < 1 or x.shape != want[name]:
-                raise IntegrityError(f"{name} in {loc.url}: shape {x.shape}, but d = {a['d']} in the attributes"
-                                     f" means {want[name]}: the store was edited")
-        for k, n in (("d_out", d_out), ("n_heads", H)):
-            if k in a and a[k] != n:
-                raise IntegrityError(f"{loc.url}: attribute {k!r} is {a[k]} but the arrays hold {n}: the store was"
-                                     " edited")
+        d = int(a["d"])
         try:
             check_heads(coef, V, Q, d, loc.url)
         except ParameterError as e:
@@ -224,6 +214,28 @@ class MHLAModel:
         keep = {k: v for k, v in a.items() if k not in ("format", "format_version", "d", "d_out", "n_heads", "causal",
                                                         "run", _integrity.MANIFEST)}
         return cls(coef, V, Q, d, bool(a.get("causal", False)), keep)
+
+
+def _shapes(a: dict, declared: dict, where: str) -> dict:
+    """The shapes of a model store's arrays its attributes imply (``d``, ``d_out``, ``n_heads``; in stores
+    without the last two, the coefficients' and heads' declared sizes), checked before any chunk is read."""
+    _formats.check_types(a, {"d": int, "causal": bool, "d_out": int, "n_heads": int}, where,
+                         optional=("causal", "d_out", "n_heads"))
+    d = a["d"]
+    if d < 1:
+        raise IntegrityError(f"{where}: attribute 'd' is {d}: the store was edited")
+    coef, V = declared["coef"], declared["V"]
+    d_out = a.get("d_out", coef[1] if len(coef) == 2 else -1)
+    H = a.get("n_heads", V[0] if len(V) == 3 else -1)
+    for k, n in (("d_out", coef[1] if len(coef) == 2 else None), ("n_heads", V[0] if len(V) == 3 else None)):
+        if k in a and n is not None and a[k] != n:
+            raise IntegrityError(f"{where}: attribute {k!r} is {a[k]} but the arrays hold {n}: the store was edited")
+    want = {"coef": (n_features(d), d_out), "V": (H, d_out, d), "Q": (H, d, d)}
+    for name, shape in declared.items():
+        if shape != want[name]:
+            raise IntegrityError(f"{name} in {where}: shape {shape}, but d = {d} in the attributes means"
+                                 f" {want[name]}: the store was edited")
+    return want
 
 
 #: a model's heads and coefficients compute the same function to this relative distance (``compare``'s default
@@ -270,10 +282,10 @@ def recover_heads(coef, d: int, heads="svd", stats=None, gram=None, budget: floa
     With ``stats`` (and optionally their expanded ``gram``) the heads carry their training loss, the
     loss-versus-heads curve and a lower bound on the head count (:func:`scaleattn.heads._search.search_heads`,
     ``budget`` seconds; with ``ridge``, the scaled ridge ``coef`` was fitted with, its losses are that fit's
-    objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available.
-    Raises :class:`~scaleattn.errors.ParameterError` for another ``heads``, or a search without ``stats``.
+    objective; ``progress(text)`` hears how the search goes); without, only ``"svd"`` is available. ``heads``
+    as the public entries validated it (:func:`scaleattn._params.heads_spec`: fit, MHLARegressor, the CLI).
+    Raises :class:`~scaleattn.errors.ParameterError` for a search without ``stats``.
     """
-    heads = heads_spec(heads)
     if stats is None:
         if heads != "svd":
             raise ParameterError(f"heads={heads!r} needs the statistics (the training loss decides)")

@@ -16,27 +16,33 @@ import dataclasses
 import time
 import warnings
 
-from . import _testing
 from ._backend import check_device
-from ._params import choice, heads_spec, no_other_kwargs, renamed, seconds
+from ._params import choice, heads_spec, seconds
 from ._version import __version__
 from .data._dataset import Dataset
 from .display import _html as _html
 from .display import _text as _text
 from .display._progress import as_reporter
-from .distributed.build import check_unchanged, compute_statistics
+from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
 from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
-from .distributed.operator import remote_statistics
+from .distributed.operator import remote_build
 from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
 from .heads._algebra import Heads, coef_from_heads
 from .heads._search import DEFAULT_BUDGET
-from .linalg._certificate import Certificate, ambiguity_witness, certify, check_cutoff
+from .linalg._certificate import Certificate, ambiguity_witness, check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, certificate_from_r, needs_qr, residual_floor, solve_from_r
-from .linalg._solver import Solution, check_no_worse_than_zero, check_ridge, shared_gram, solve
+from .linalg._solver import (
+    Solution,
+    certify_validated,
+    check_no_worse_than_zero,
+    check_ridge,
+    shared_gram,
+    solve_validated,
+)
 from .linalg._spectrum import SOLVERS
 from .model import MHLAModel, heads_are_exact, model_from_statistics
 from .plot import figure_pngs, run_figures
@@ -122,7 +128,8 @@ class FitResult:
 
 
 #: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
-#: its solve, where the finished build is kept and how to solve again from it (a smaller solve is over sooner)
+#: its solve, where the finished build is kept and how to solve again from it; a smaller solve is over before the
+#: line could help
 SAY_KEPT_PSI = 2_000
 
 
@@ -130,7 +137,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
         keep_checkpoint: bool = False, solver: str = "auto", certificate: str = "auto",
-        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False, **deprecated) -> FitResult:
+        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -187,8 +194,6 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     fill_absent_chunks : bool
         For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
         naming the array and the samples).
-    rtol
-        Deprecated name of ``cutoff_rtol``.
 
     Returns
     -------
@@ -230,8 +235,6 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     True
     """
     t0 = time.perf_counter()
-    cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
-    no_other_kwargs(deprecated, "fit")
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = check_ridge(ridge)
@@ -259,13 +262,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         preflight(ds, out, overwrite, checkpoint=ckpt, resume=resume)  # again, now that no other run can interfere
         if ckpt is not None and not resume and ckpt.exists():
             ckpt.remove()  # --overwrite: start over (preflight checked that it is a scaleattn checkpoint)
-        build = {}
         new_ckpt = ckpt is not None and not ckpt.exists()
         t = time.perf_counter()
         try:
             # krylov on a cluster: the tiles of Tc stay on the workers (no node holds Tc or G)
-            build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
-            stats = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt, info=build)
+            build_on = remote_build if client is not None and solver == "krylov" else build_statistics
+            build = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt)
+            stats = build.statistics
         except BaseException as e:
             after_failed_build(e, ckpt, new_ckpt)
             raise
@@ -273,7 +276,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         trim_heap()  # the build's freed buffers, before the solve's peak
         rerun = None if ckpt is None else rerun_command(ds.url, out_label, ckpt, checkpoint is not None)
         if ckpt is not None and n_features(ds.d) >= SAY_KEPT_PSI:  # before the solve: all a native crash there leaves
-            groups = build.get("groups", 0)
+            groups = build.groups
             reporter.line(f"statistics of all {groups} row group{'s' if groups != 1 else ''} are kept in {ckpt.url}"
                           f" until the fit is written; should the solve fail, `{rerun}` (with this run's other"
                           " options) solves again from them")
@@ -324,15 +327,14 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     t = time.perf_counter()
     stats = stats.to_numpy()
     with reporter.phase("solve", f"psi {stats.psi:,}"):
-        _testing.before_solve()
         G = shared_gram(stats, solver)  # expanded once (the krylov path: the operator): solve, heads, witness
-        sol = solve(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
+        sol = solve_validated(stats, cutoff_rtol, ridge=ridge, solver=solver, gram=G)
     times["solve"] = time.perf_counter() - t
     if needs_qr(o.certificate, sol.certificate, stats.psi):  # the Gram cannot settle it: a QR, a second pass
         t = time.perf_counter()
         check_qr_memory(ds.d, ds.d_out, client)
         factor = compute_r(ds, client, progress=reporter)
-        check_unchanged(ds, *build["bindings"], during="the QR pass read it")
+        check_unchanged(ds, *build.bindings, during="the QR pass read it")
         times["qr"] = time.perf_counter() - t
         t = time.perf_counter()
         with reporter.phase("solve from R", f"psi {stats.psi:,}"):
@@ -351,13 +353,14 @@ def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_m
     if exact_mse or not report["train_mse_stats_floor"] <= 1e-6 * ms:  # (the statistics cannot tell: measure)
         t = time.perf_counter()
         report["train_mse"] = evaluate(model, ds, client, progress=reporter)["mse"]
-        check_unchanged(ds, *build["bindings"], during="the evaluation pass read it")
+        check_unchanged(ds, *build.bindings, during="the evaluation pass read it")
         check_no_worse_than_zero(report["train_mse"], ms, 1e-9 * ms, None if heads_are_exact(h) else model.n_heads)
         times["evaluate"] = time.perf_counter() - t
     else:
         report["train_mse"] = report["train_mse_stats"]
     report["relative_train_mse"] = report["train_mse"] / ms if ms > 0 else float("nan")
-    report.update({k: build[k] for k in ("groups", "tiles", "groups_computed", "groups_resumed")})
+    report.update(groups=build.groups, tiles=build.tiles, groups_computed=build.groups_computed,
+                  groups_resumed=build.groups_resumed)
     report["checkpoint"] = None if kept_ckpt is None else kept_ckpt.url
     report["timings"] = times
     report["scaleattn_version"] = __version__
@@ -424,7 +427,7 @@ def _plots(result: FitResult, ds: Dataset) -> dict:
 
 def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, storage_options=None,
                     solver: str = "auto", device: str = "auto", certificate: str = "auto",
-                    fill_absent_chunks: bool = False, **deprecated) -> Certificate:
+                    fill_absent_chunks: bool = False) -> Certificate:
     """Identifiability certificate of a dataset ([Y25] Lemma 2.3): only the Gram is built, targets are not read.
 
     Parameters
@@ -445,8 +448,6 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         does not certify identifiability and psi <= ``QR_MAX_PSI``; ``"qr"`` always, ``"gram"`` never.
     fill_absent_chunks : bool
         As :func:`fit`.
-    rtol
-        Deprecated name of ``cutoff_rtol``.
 
     Returns
     -------
@@ -469,8 +470,6 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     >>> certify_dataset("data.zarr").identifiable  # doctest: +SKIP
     True
     """
-    cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
-    no_other_kwargs(deprecated, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)
     choice("solver", solver, SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
@@ -484,18 +483,18 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
     with reading(ds.store, "dataset"):  # no other run replaces the dataset while it is read
-        build_on = remote_statistics if client is not None and solver == "krylov" else compute_statistics
-        build = {}
-        stats = build_on(ds, client, targets=False, progress=reporter, device=device, info=build)
+        build_on = remote_build if client is not None and solver == "krylov" else build_statistics
+        build = build_on(ds, client, targets=False, progress=reporter, device=device)
+        stats = build.statistics
         try:
             with reporter.phase(f"certificate (psi {stats.psi:,})"):
-                cert = certify(stats, cutoff_rtol, solver=solver)
+                cert = certify_validated(stats, cutoff_rtol, solver=solver)
         finally:  # Tc held on the workers is freed once the certificate is made (or failed)
             stats.release()
         if not needs_qr(certificate, cert, stats.psi):
             return cert
         check_qr_memory(ds.d, 0, client)
         factor = compute_r(ds, client, targets=False, progress=reporter)
-        check_unchanged(ds, *build["bindings"], during="the QR pass read it")
+        check_unchanged(ds, *build.bindings, during="the QR pass read it")
         with reporter.phase(f"certificate from R (psi {stats.psi:,})"):
             return certificate_from_r(factor, cutoff_rtol, gram=cert)

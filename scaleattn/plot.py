@@ -441,9 +441,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     ``predictions.png``) into ``out`` (default: the run directory itself) and return their paths.
 
     ``run`` is a run directory or a :class:`~scaleattn.pipeline.FitResult` (then ``out`` is required);
-    ``full_spectrum``: see :func:`run_figures`.
-    Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without ``out`` or ``storage_options`` where
-    no path (the run, ``out``, the dataset) is a URL, and
+    ``full_spectrum``: see :func:`run_figures`. Raises :class:`~scaleattn.errors.ParameterError` for a FitResult without
+    ``out`` or ``storage_options`` where no path (the run, ``out``, the dataset) is a URL, and
     :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
     if out is None:

@@ -11,7 +11,7 @@ import shlex
 
 from .data._dataset import Dataset, open_dataset
 from .errors import CheckpointError, DatasetError, IntegrityError, OutputExistsError, UnsafeOutputError, with_hint
-from .store import _formats
+from .store import _bounds, _formats
 from .store._location import Location, check_kind, check_storage_options, options_for, resolve
 from .store._names import ADDED, name_size, takes
 from .store._outputs import (
@@ -117,11 +117,20 @@ def holding(dataset, out=None, checkpoint=None, storage_options=None):
         yield
 
 
+#: the most (row group, tile) cells the resume hint reads from a checkpoint's done mask
+MAX_DONE_CELLS = 1 << 22
+
+
 def _done_groups(ckpt: Location) -> tuple[int, int] | None:
     """(finished row groups, row groups) of the checkpoint at ``ckpt``, None when there is none readable."""
     try:
-        done = ckpt.open_group("r")["done"][...]
-    except Exception:  # absent, or never got its arrays
+        arr = ckpt.open_group("r")["done"]
+        # (a hint only: a done mask that is not one a checkpoint writes, or is too large to be one, says nothing)
+        if arr.ndim != 2 or arr.size > MAX_DONE_CELLS:
+            return None
+        _bounds.check_array(arr, "done", ckpt.url, dtype=bool)
+        done = arr[...]
+    except Exception:  # absent, never got its arrays, or refused by the checks above
         return None
     return int(done.all(axis=1).sum()), int(done.shape[0])
 

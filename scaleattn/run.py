@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import FormatError, InputNotFoundError, IntegrityError, ParameterError, StorageError, UnsafeOutputError
 from .features import n_features
-from .linalg._certificate import certify
+from .linalg._solver import certify
 from .linalg._spectrum import LARGE_PSI
 from .model import MHLAModel
 from .statistics._container import Statistics
@@ -78,13 +78,16 @@ def load_spectrum(loc: Location) -> tuple[np.ndarray, np.ndarray]:
 def _read_spectrum(loc: Location):
     """``(attributes, eigenvalues, eigenvalues_scaled)`` of a spectrum store, checked
     (:func:`scaleattn.store._integrity.read_store`; both arrays (psi,))."""
+    def shapes(a, declared):  # (before any chunk is read)
+        ev, ws = declared["eigenvalues"], declared["eigenvalues_scaled"]
+        if len(ev) != 1 or ev != ws or ("psi" in a and a["psi"] != ev[0]):
+            raise IntegrityError(f"{loc.url}: eigenvalues {ev} and eigenvalues_scaled {ws} are not two spectra of"
+                                 f" psi = {a.get('psi', '?')} values: the store was edited")
+        return declared
+
     a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "spectrum"), _formats.SPECTRUM, "spectrum",
-                                      ("eigenvalues", "eigenvalues_scaled"))
-    ev, ws = arrays["eigenvalues"], arrays["eigenvalues_scaled"]
-    if ev.ndim != 1 or ev.shape != ws.shape or ("psi" in a and a["psi"] != ev.shape[0]):
-        raise IntegrityError(f"{loc.url}: eigenvalues {ev.shape} and eigenvalues_scaled {ws.shape} are not two"
-                             f" spectra of psi = {a.get('psi', '?')} values: the store was edited")
-    return a, ev, ws
+                                      ("eigenvalues", "eigenvalues_scaled"), shapes=shapes)
+    return a, arrays["eigenvalues"], arrays["eigenvalues_scaled"]
 
 
 def write_run(result, out, overwrite: bool = False, files: dict | None = None) -> list[str]:

@@ -10,9 +10,23 @@
 - ``last_token_ds``, ``causal_ds``, ``causal_groups_ds``, ``causal_varlen_ds``: small realizable datasets
   (``helpers.DATASETS``), written once per session; read them, never write into them.
 """
+import os
+import pathlib
+import sys
+
 import pytest
 
-from tests import helpers
+#: the test hooks (tests/inject/scaleattn_hooks.py), installed from outside the package: here, and through its
+#: sitecustomize in every Python process the tests start (CLI runs, Dask workers), configured by environment
+#: variables (SCALEATTN_TEST_STOP_AFTER_GROUPS, SCALEATTN_TEST_PAUSE)
+INJECT = str(pathlib.Path(__file__).resolve().parent / "inject")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (INJECT, os.environ.get("PYTHONPATH")) if p)
+sys.path.insert(0, INJECT)
+import scaleattn_hooks  # noqa: E402
+
+scaleattn_hooks.install()
+
+from tests import helpers  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -154,9 +154,29 @@ def image_config(dockerfile: Path) -> dict:
 
 
 def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, the rest stays."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+    """Kubernetes ``$(VAR)`` expansion (``third_party/forked/golang/expansion`` of the kubelet), left to right:
+    ``$$`` becomes ``$``; ``$(NAME)`` (NAME: anything up to the first ``)``) becomes the variable's value when it
+    is defined and stays as written when not; any other ``$`` (an unclosed ``$(`` too) stays. The replacement is
+    not expanded again. The kubelet's variables are the container's ``envFrom`` and earlier ``env`` entries (for
+    ``env``), all of them (for ``command``/``args``); here ``env`` also holds the image's ENV (a superset: what
+    the kubelet expands is expanded here too)."""
+    return re.sub(r"\$\$|\$\(([^)]*)\)",
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def pod_views(job: dict, secrets: dict[str, dict[str, str]],
+              dockerfile: Path = ROOT / "deploy" / "docker" / "Dockerfile.cpu") -> dict[str, tuple[list[str], dict]]:
+    """What the containers of a DaskJob's pods see once the operator built them and the kubelet expanded them:
+    ``{"runner": (argv, env), "scheduler": ..., "worker": ...}`` (:func:`operator_pods`, :func:`container_env`,
+    :func:`container_argv`; the first worker)."""
+    image = image_config(dockerfile)
+    pods = operator_pods(job)
+    out = {}
+    for role, pod in (("runner", pods["runner"]), ("scheduler", pods["scheduler"]), ("worker", pods["workers"][0])):
+        c = pod["spec"]["containers"][0]
+        env = container_env(c, image, secrets, f"{role}-0")
+        out[role] = (container_argv(c, image, env), env)
+    return out
 
 
 def container_env(container: dict, image: dict, secrets: dict[str, dict[str, str]], hostname: str) -> dict:

@@ -1,10 +1,12 @@
-"""Documentation that cannot drift: the README's command blocks run as written and print what the README shows;
+"""Documentation that cannot drift: the command blocks of the README and docs/reference.md run as written and
+print what the page shows; the README stays a short door; no user-facing page names internal work items;
 docs/notebooks.md's table matches the committed notebooks; docs/performance.md names the commit of its figures.
 
 Runnable blocks. A line ``<!-- docs-test: run -->`` right before a ```console, ```bash or ```python fence marks
 the block.
-All marked blocks run in README order in one fresh temporary directory (later blocks use the files of earlier
-ones), each command with ``bash -c``, ``scaleattn`` being this checkout (a shim on PATH), ``COLUMNS=100``.
+All marked blocks run in page order (:data:`RUN_PAGES`: the README, then docs/reference.md), in one fresh
+temporary directory (later blocks use the files of earlier ones), each command with ``bash -c``, ``scaleattn``
+being this checkout (a shim on PATH), ``COLUMNS=100``.
 
 - ```console: each ``$ COMMAND`` line runs; the lines after it, up to the next ``$``, are what it prints
   (stdout and stderr together, in the order a terminal shows them). Every command must exit 0.
@@ -12,13 +14,13 @@ ones), each command with ``bash -c``, ``scaleattn`` being this checkout (a shim 
 - ```python: the block is written to a file and run as a script with this interpreter; it must exit 0 (its
   ``assert`` lines check its values).
 
-Comparison of a printed line with the README's (:func:`line_matches`), after normalising both:
+Comparison of a printed line with the page's (:func:`line_matches`), after normalising both:
 
 - runs of spaces are one space, a run of rich's bar glyphs is one glyph;
 - values that differ between any two runs are not compared: durations (``0.78 s``), clock times (``0:00:01``),
   rates (``46,466 rows/s``), the dashboard's port and the number of workers (one per core by default);
 - every other number is compared: integers exactly; other numbers within 1 % relative, except round-off
-  values: when the README's number and the printed one are both below 1e-10 in magnitude (a relative MSE of
+  values: when the page's number and the printed one are both below 1e-10 in magnitude (a relative MSE of
   8e-30, a distance to the teacher of 4e-15: float64 round-off, which moves with the BLAS build and the thread
   count), they must lie within 3 decades of each other (``8.2e-30`` accepts ``9.2e-28``, not ``1e-20``); values
   below 1e-40 on both sides are zero in all but name (a ``lambda_min`` of ``2.45e-98`` from a QR of exactly
@@ -30,7 +32,7 @@ event loop slowed by a loaded machine) are left out of the printed output before
 ``NAME: waiting for the first group (...)`` line, printed only when the first group takes longer than
 :data:`scaleattn.display._progress.PENDING_S` (a first compile, a loaded machine).
 
-``python tests/test_docs.py`` prints what the README's blocks print now, for updating the README.
+``python tests/test_docs.py`` prints what the pages' blocks print now, for updating them.
 """
 from __future__ import annotations
 
@@ -48,6 +50,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the pages whose marked blocks run, in this order, in one directory (docs/reference.md uses the README's files)
+RUN_PAGES = [README, ROOT / "docs" / "reference.md"]
+#: the README is a door, not a manual: the manual lives in docs/
+README_MAX_LINES = 160
+#: what user-facing pages must not name: the project's internal work items and notes (product text only)
+INTERNAL = re.compile(r"\bissues? #?\d|\bshared/|(?-i:\bDESIGN\.md\b)|\bwork items?\b", re.I)
 MARK = "<!-- docs-test: run -->"
 #: (pattern, replacement): values that legitimately differ between two runs of the same command
 FREE = [
@@ -68,7 +76,7 @@ MARGIN_DECADES = 1.0
 RTOL = 0.01
 
 
-# ---- the README's blocks ------------------------------------------------------------------------------------
+# ---- the pages' blocks --------------------------------------------------------------------------------------
 def runnable_blocks(text: str) -> list[tuple[str, list[str], int]]:
     """``(kind, lines, line number)`` of every block marked runnable, in order (kind ``console``, ``bash`` or
     ``python``)."""
@@ -79,7 +87,7 @@ def runnable_blocks(text: str) -> list[tuple[str, list[str], int]]:
             continue
         fence = lines[i + 1].strip()
         m = re.fullmatch(r"```(console|bash|python)", fence)
-        assert m, f"README line {i + 2}: {MARK} must be followed by a ```console, ```bash or ```python fence, not" \
+        assert m, f"line {i + 2}: {MARK} must be followed by a ```console, ```bash or ```python fence, not" \
                   f" {fence!r}"
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
         blocks.append((m.group(1), lines[i + 2 : end], i + 3))
@@ -168,19 +176,25 @@ def _diff(want: list[str], got: list[str]) -> str:
     for i in range(max(len(want), len(got))):
         a = want[i] if i < len(want) else "(nothing)"
         b = got[i] if i < len(got) else "(nothing)"
-        out.append(f"  {'ok' if line_matches(a, b) else '!!'} README:  {a}\n     printed: {b}")
+        out.append(f"  {'ok' if line_matches(a, b) else '!!'} page:    {a}\n     printed: {b}")
     return "\n".join(out)
 
 
+def _page_blocks():
+    """``(page, kind, lines, line number)`` of every marked block of :data:`RUN_PAGES`, in running order."""
+    return [(page, *b) for page in RUN_PAGES for b in runnable_blocks(page.read_text())]
+
+
 def run_readme(work: Path, on_step=None) -> list[str]:
-    """Run every marked block of the README in ``work``; returns the mismatches (empty when all match)."""
+    """Run every marked block of :data:`RUN_PAGES` in ``work``; returns the mismatches (empty when all match)."""
     bindir = work / ".bin"
     _shim(bindir)
     env = _env(bindir)
     problems = []
-    for kind, lines, lineno in runnable_blocks(README.read_text()):
+    for page, kind, lines, lineno in _page_blocks():
+        where = f"{page.relative_to(ROOT)} block at line {lineno}"
         if kind == "python":
-            script = work / f"readme_line_{lineno}.py"
+            script = work / f"{page.stem.lower()}_line_{lineno}.py"
             script.write_text("\n".join(lines) + "\n")
             steps = [(f'"{sys.executable}" {script.name}', None)]
         elif kind == "bash":
@@ -192,12 +206,12 @@ def run_readme(work: Path, on_step=None) -> list[str]:
             if on_step is not None:
                 on_step(cmd, rc, got)
             if rc != 0:
-                problems.append(f"README block at line {lineno}: `{cmd}` exited {rc}:\n" + "\n".join(got))
+                problems.append(f"{where}: `{cmd}` exited {rc}:\n" + "\n".join(got))
                 continue
             if want is None:
                 continue
             if len(want) != len(got) or not all(line_matches(a, b) for a, b in zip(want, got)):
-                problems.append(f"README block at line {lineno}: `{cmd}` printed other lines:\n{_diff(want, got)}")
+                problems.append(f"{where}: `{cmd}` printed other lines:\n{_diff(want, got)}")
     return problems
 
 
@@ -222,21 +236,71 @@ def test_line_matching_bands():
     assert not line_matches("wrote data.zarr: N=512", "wrote /tmp/x/data.zarr: N=512")
 
 
+def _commands(page: Path) -> list[str]:
+    return [c for kind, lines, _ in runnable_blocks(page.read_text()) if kind == "console"
+            for c, _ in console_steps(lines)]
+
+
+def _python(page: Path) -> str:
+    return "\n\n".join("\n".join(lines) for kind, lines, _ in runnable_blocks(page.read_text()) if kind == "python")
+
+
 def test_readme_marks_the_main_job_runnable():
-    blocks = runnable_blocks(README.read_text())
-    commands = [c for kind, lines, _ in blocks if kind == "console" for c, _ in console_steps(lines)]
+    commands = _commands(README)
     assert any(c.startswith("scaleattn generate mhla data.zarr") for c in commands)
     assert any(c.startswith("scaleattn fit data.zarr --out run1") for c in commands)
-    assert any(c.startswith("scaleattn import digits.zarr") for c in commands)
-    python = [lines for kind, lines, _ in blocks if kind == "python"]
-    assert any("scaleattn.fit(" in "\n".join(b) for b in python), "the Python API example must be runnable"
-    assert any("tensor.attention_grad(" in "\n".join(b) for b in python), "the tensor example must be runnable"
+    for cmd in ("certify", "evaluate", "compare", "plot"):  # the next steps a user takes, as they print
+        assert any(c.startswith(f"scaleattn {cmd} ") for c in commands), cmd
+    assert "MHLARegressor(" in _python(README), "the README's estimator example must be runnable"
+    reference = ROOT / "docs" / "reference.md"
+    assert any(c.startswith("scaleattn import digits.zarr") for c in _commands(reference))
+    assert "scaleattn.fit(" in _python(reference), "the Python API example must be runnable"
+    assert "tensor.attention_grad(" in _python(reference), "the tensor example must be runnable"
+
+
+def test_readme_is_a_door():
+    """The README is the pitch, the two commands, the main job and the next steps; the manual lives in docs/."""
+    n = len(README.read_text().splitlines())
+    assert n < README_MAX_LINES, f"README.md has {n} lines: move the detail to docs/ (at most {README_MAX_LINES})"
+    text = README.read_text()
+    for page in ("docs/reference.md", "docs/report.md", "docs/design.md", "docs/performance.md"):
+        assert f"]({page})" in text, f"the README must link {page}"
+
+
+def _user_pages() -> list[Path]:
+    pages = [README, *(ROOT / "docs").rglob("*.md"), *(ROOT / "notebooks").glob("*.ipynb")]
+    return pages + [p for p in (ROOT / "deploy").rglob("*") if p.is_file()]
+
+
+def test_user_docs_name_no_internal_work_items():
+    """User-facing pages speak of the product: no issue numbers, team notes or work items."""
+    for bad in ("as in issue 19", "see Issue #9", "shared/DESIGN.md", "DESIGN.md section 4", "one work item"):
+        assert INTERNAL.search(bad), bad  # the pattern catches the kinds of names it is meant to
+    for fine in ("docs/design.md", "an issue with the data", "design.md §4", "issues a warning"):
+        assert not INTERNAL.search(fine), fine
+    found = []
+    for page in _user_pages():
+        for i, line in enumerate(page.read_text(errors="replace").splitlines(), 1):
+            m = INTERNAL.search(line)
+            if m:
+                found.append(f"{page.relative_to(ROOT)}:{i}: {m.group()!r}")
+    assert not found, "user-facing pages name internal work items:\n" + "\n".join(found)
 
 
 @pytest.mark.slow
 def test_readme_commands_print_what_the_readme_shows(tmp_path):
     problems = run_readme(tmp_path)
     assert not problems, "\n\n".join(problems)
+
+
+def test_docs_name_files_that_exist():
+    """Every test file and package module path the README and docs/ name exists (tests move with the package)."""
+    missing = []
+    for page in [README, *(ROOT / "docs").glob("*.md")]:
+        for m in re.finditer(r"\b(?:tests|scaleattn)/[\w/]+\.py\b", page.read_text()):
+            if not (ROOT / m.group()).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {m.group()}")
+    assert not missing, "pages name files that do not exist:\n" + "\n".join(missing)
 
 
 def _notebook_seconds(path: Path) -> float:
@@ -339,11 +403,11 @@ def test_quickstart_html_export_shows_the_verdict_card_in_a_browser(tmp_path):
     assert card["dots"] >= 40, card  # psi = 40 eigenvalues in the thumbnail
 
 
-if __name__ == "__main__":  # print what the README's blocks print now
+if __name__ == "__main__":  # print what the pages' blocks print now
     with tempfile.TemporaryDirectory(prefix="scaleattn-readme-") as d:
         def show(cmd, rc, got):
             print(f"$ {cmd}" + ("" if rc == 0 else f"    # exit {rc}"))
             print("\n".join(got))
 
         bad = run_readme(Path(d), on_step=show)
-        print(f"\n{len(bad)} block(s) differ from the README", file=sys.stderr)
+        print(f"\n{len(bad)} block(s) differ from their page", file=sys.stderr)

@@ -318,3 +318,39 @@ def test_sigterm_to_every_pod_keeps_the_checkpoint_and_a_rerun_resumes(sandbox):
     rep = _assert_complete(sandbox, out, res2)
     assert rep["groups"] == 16 and rep["groups_resumed"] == got["checkpoint_done"], rep
     assert rep["groups_computed"] == 16 - got["checkpoint_done"], rep
+
+
+@pytest.mark.parametrize("dollar", ["$(AWS_SECRET_ACCESS_KEY)", "$$(AWS_SECRET_ACCESS_KEY)", "$(DATASET)", "$(OUT)",
+                                    "$(DASK_SCHEDULER_ADDRESS)", "$(UNDEFINED)", "$(", "$", "x$$y", "$()"])
+def test_the_pods_see_each_user_value_as_submit_validated(dollar, monkeypatch):
+    """Every user value of ``scaleattn submit`` that reaches the pods (dataset URL, --out, --storage-option,
+    --fit-args), holding a ``$``: the operator's pods (its builders), expanded by the kubelet's rule
+    (``k8s_pods.expand``) from an environment holding the Secret, see exactly the value submit validated, and the
+    Secret's values appear in no argument and no value the fit reads. Needs no sandbox: this is what the
+    sandbox's pods are started with."""
+    from scaleattn import submit
+
+    try:
+        k8s_pods.operator_builders()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv(submit.REGISTRY_ENV, submit.EXAMPLE_REGISTRY)
+    dataset, out = f"s3://{BUCKET}/data/{dollar}.zarr", f"s3://{BUCKET}/runs/{dollar}/r1"
+    options = {"endpoint_url": f"http://minio.example:9000/{dollar}", "anon": "false"}
+    fit_args = ["--heads", "minimal", "--checkpoint", f"s3://{BUCKET}/ck/{dollar}", f"--cutoff-rtol={dollar}"]
+    job = submit.render_daskjob(dataset, out, storage_options=options, fit_args=fit_args, secret=SECRET)
+    secrets = {SECRET: {"AWS_ACCESS_KEY_ID": "AKIA-TEST", "AWS_SECRET_ACCESS_KEY": "the-secret-value",
+                        "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}}
+    views = k8s_pods.pod_views(job, secrets)
+    argv, env = views["runner"]
+    fit = argv[argv.index("scaleattn"):]
+    assert fit[:5] == ["scaleattn", "fit", dataset, "--out", out]
+    assert env["DATASET"] == dataset and env["OUT"] == out
+    address = env["DASK_SCHEDULER_ADDRESS"]  # (the operator's: the one $(VAR) of the args meant to expand)
+    assert fit[5:7] == ["--scheduler", address] and address.startswith("tcp://")
+    assert fit[fit.index("--resume") + 1:] == [
+        "--storage-option", f"endpoint_url=http://minio.example:9000/{dollar}", "--storage-option", "anon=false",
+        *fit_args]
+    for role, (a, e) in views.items():
+        leaked = [x for x in a + [e.get("DATASET", ""), e.get("OUT", "")] if "the-secret-value" in x]
+        assert not leaked, (role, leaked)

@@ -113,13 +113,18 @@ def test_connect_refuses_durations_out_of_range_before_connecting(kwargs):
             pass
 
 
-def test_deprecated_names_still_work_and_warn(small):
-    with pytest.warns(DeprecationWarning, match="rtol= is deprecated; use cutoff_rtol="):
-        old = scaleattn.fit(small, rtol=1e-10)
+def test_the_unreleased_names_are_gone(small):
+    """rtol= and method= were names of an unreleased API: refused like any unknown keyword, nothing built."""
     new = scaleattn.fit(small, cutoff_rtol=1e-10)
-    assert old.report["cutoff_rtol"] == new.report["cutoff_rtol"] == 1e-10
-    with pytest.raises(ParameterError, match="give cutoff_rtol= only"):
-        scaleattn.solve(new.statistics, cutoff_rtol=1e-9, rtol=1e-10)
+    assert new.report["cutoff_rtol"] == 1e-10
+    for call in (lambda: scaleattn.fit(small, rtol=1e-10), lambda: scaleattn.certify_dataset(small, rtol=1e-10),
+                 lambda: scaleattn.solve(new.statistics, rtol=1e-10),
+                 lambda: scaleattn.certify(new.statistics, method="eigh")):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            call()
+    assert "rtol" not in scaleattn.MHLARegressor().get_params()
+    with pytest.raises(TypeError):
+        scaleattn.MHLARegressor(rtol=1e-10)
 
 
 @pytest.mark.slow
@@ -178,7 +183,7 @@ def test_cli_maps_our_errors_to_2_and_bugs_to_1(small, monkeypatch, capsys):
     def broken(*a, **k):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(pipeline, "solve", broken)  # a bug inside the fit (the solve step)
+    monkeypatch.setattr(pipeline, "solve_validated", broken)  # a bug inside the fit (the solve step)
     assert main(["fit", small.url, "--out", str(small.url) + "-run", "--local", "--no-plots"]) == 1
     err = capsys.readouterr().err
     assert "internal error (this is a bug" in err and "ZeroDivisionError" in err and "Traceback" not in err

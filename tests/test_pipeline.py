@@ -62,16 +62,20 @@ def test_fit_writes_run_and_evaluates(tmp_path, client):
 
 
 def _failed_solve(tmp_path, monkeypatch, capsys):
-    """A CLI fit whose solve fails (injected, scaleattn._testing): (dataset, its stderr, the rerun command)."""
+    """A CLI fit whose solve fails (injected: the fit's solve raises): (dataset, its stderr, the rerun command)."""
     from scaleattn.cli import main
 
     ds = generate_mhla(tmp_path / "d.zarr", d=2, heads=1, length=8, samples=24, causal=True, chunk_samples=8)
     monkeypatch.setattr("scaleattn.pipeline.SAY_KEPT_PSI", 0)  # said for large solves only: d = 2 here
-    monkeypatch.setenv("SCALEATTN_TEST_SOLVE_FAILURE", "1")
     capsys.readouterr()
-    assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--local", "--no-plots"]) == 1  # a bug's code
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected solver failure")
+
+    with monkeypatch.context() as m:
+        m.setattr("scaleattn.pipeline.solve_validated", fails)
+        assert main(["fit", ds.url, "--out", str(tmp_path / "run"), "--local", "--no-plots"]) == 1  # a bug's code
     err = capsys.readouterr().err
-    monkeypatch.delenv("SCALEATTN_TEST_SOLVE_FAILURE")
     return ds, err, err.rsplit("`", 2)[-2]  # the error line's hint: `scaleattn fit ... --resume`
 
 

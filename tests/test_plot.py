@@ -70,7 +70,8 @@ def test_spectrum_not_identifiable_marks_dropped():
     data = generate.make_assoc(pairs=2, samples=512, orthogonal=True, seed=0)
     cert = sa.certify(sa.statistics_from_arrays(data["tokens"], data["targets"]))
     assert not cert.identifiable
-    fig = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.rtol, lambda_min=cert.lambda_min)
+    fig = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.cutoff_rtol,
+                               lambda_min=cert.lambda_min)
     ax, ax2 = fig.axes
     (lmin,) = _by_gid(ax, "lambda_min")
     assert "not identifiable" in lmin.get_label()
@@ -235,7 +236,7 @@ def test_legends_never_cover_the_axes(run):
     data = generate.make_assoc(pairs=2, samples=512, orthogonal=True, seed=0)
     cert = sa.certify(sa.statistics_from_arrays(data["tokens"], data["targets"]))
     figs = dict(plot.run_figures(res))
-    figs["dropped"] = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.rtol)
+    figs["dropped"] = plot.spectrum_figure(cert.eigenvalues, cert.spectrum_scaled, rtol=cert.cutoff_rtol)
     figs["loss"] = plot.loss_vs_heads_figure([{"heads": 1, "train_mse_stats": 0.1},
                                               {"heads": 2, "train_mse_stats": 0.0}], 0.5)
     for name, fig in figs.items():

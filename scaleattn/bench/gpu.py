@@ -100,14 +100,14 @@ def build(d: int, rows: int, rate: float, bandwidth: float, causal: bool = False
 
 def matmuls_seconds(d: int, n_rows: int, blocks: int) -> float:
     """The build's ``u^T v`` matmuls alone, on random panels of the shapes the device path uses (``blocks`` blocks
-    of ``n_rows / blocks`` rows, panels of ``scaleattn.statistics._kernel._device_panel_cols``): the ceiling of the build's
+    of ``n_rows / blocks`` rows, panels of ``scaleattn.statistics._kernel.device_panel_cols``): the ceiling of the build's
     formulation at this device's GEMM efficiency on those shapes (H200, d = 32: 0.73 of the square GEMM's rate)."""
     import cupy
 
-    from scaleattn.statistics._kernel import _device_panel_cols
+    from scaleattn.statistics._kernel import device_panel_cols
 
     rows, mm, dd = -(-n_rows // blocks), n_pairs(n_pairs(d)), n_pairs(d)
-    width = min(mm, _device_panel_cols(rows))
+    width = min(mm, device_panel_cols(rows))
     rng = cupy.random.default_rng(d)
     u, v = rng.random((rows, width)), rng.random((rows, dd))
     t, _ = _timed(lambda: u.T @ v)

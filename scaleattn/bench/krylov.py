@@ -6,11 +6,10 @@
   2-head teacher with d_out = 1 are built once and saved; each solver path then runs in a fresh process
   (so that its peak RSS is its own): the Cholesky path (expand G, factor, Lanczos for the extreme
   eigenvalues) and the krylov path twice, by default (the eigenvalue runs share the solve's passes and stop
-  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall
-  time, peak RSS
-  (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
-  relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a
-  pass over the rows, the certificate values side by side;
+  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
+  RSS (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
+  relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a pass over
+  the rows, the certificate values side by side;
 - the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
 - the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
   product against the same product in process (d = 32; quick: d = 16);
@@ -270,12 +269,12 @@ PARTS = ("solvers", "heads", "cluster", "fit", "products")
 def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
     """Run the benchmark (``only``: one of :data:`PARTS`); write ``bench-krylov.json`` and ``bench-krylov.md``;
     return the results."""
-    from .core import _machine
+    from .core import machine
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    res = {"quick": quick, "targets": TARGETS, "machine": _machine()}
+    res = {"quick": quick, "targets": TARGETS, "machine": machine()}
     want = set(PARTS) if only is None else {only}
     with tempfile.TemporaryDirectory() as tmp:
         if "solvers" in want:

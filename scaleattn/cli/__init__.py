@@ -5,10 +5,9 @@ Errors: any :class:`~scaleattn.errors.ScaleattnError` (bad input, a refusal, an 
 line ``scaleattn COMMAND: error: MESSAGE`` and exit code 2, as does a MemoryError (named by the step that ran
 out); a usage error (a bad or missing option: argparse's, a :class:`~scaleattn.errors.ParameterError`) adds
 ``(see scaleattn COMMAND --help)``. Anything else is a bug: one line saying so and exit code 1 (:data:`EXIT_BUG`;
-``--debug`` shows the traceback); Ctrl-C exits 130; standard output closed by its reader (``| head``) exits
-141 without a line. The line ends with what was kept and how to continue
-(a checkpoint and ``--resume``) where that applies. Dask workers' own logs (task tracebacks) stay out of the
-terminal unless ``--debug``.
+``--debug`` shows the traceback); Ctrl-C exits 130; standard output closed by its reader (``| head``) exits 141 without
+a line. The line ends with what was kept and how to continue (a checkpoint and ``--resume``) where that applies. Dask
+workers' own logs (task tracebacks) stay out of the terminal unless ``--debug``.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import re
 import sys
 import time
 
-from .. import _testing
 from .._startup import EXIT_INTERRUPTED, STARTING, exit_with, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
@@ -246,12 +244,11 @@ def main(argv=None) -> int:
         raise
     finally:
         if program:  # the interpreter's exit is all that is left (clients, threads), then scaleattn._startup's
+            if code is not None:  # (None: an exception escaped, a bug: Python's own exit prints it)
+                exit_with(code)
             said = code in (EXIT_INTERRUPTED, 128 + 15)  # (the command said it was stopped: no second line)
             leave_on_interrupt("" if said else f"{'scaleattn' if args is None else _prog(args)}: interrupted while"
                                                " exiting (the command had ended)")
-            if code is not None:  # (None: an exception escaped, a bug: Python's own exit prints it)
-                exit_with(code)
-            _testing.pause("exit")
     return code
 
 

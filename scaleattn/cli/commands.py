@@ -6,7 +6,6 @@ import sys
 import time
 import warnings
 
-from .. import _testing
 from .._params import parse_storage_options
 from ..errors import Note, ParameterError, StorageError
 from ..store._location import check_kind, check_storage_options, options_for
@@ -187,7 +186,6 @@ def _cmd_fit(args) -> int:
         pngs = ", *.png" if any(n.endswith(".png") for n in res.files) else ""
         _emit(args, {**res.report, "command": command},  # before the cluster closes: no silence after the fit
               fit_summary(res.report, command) + f"\nwrote {args.out}/{written}{pngs}")
-        _testing.pause("report")
     return 0
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._backend import get_xp
 from ..errors import DatasetError, IntegrityError
-from ..store import _formats, _integrity
+from ..store import _bounds, _formats, _integrity
 
 __all__ = ["check_arrays", "check_values", "check_lengths", "is_real", "check_attrs", "check_chunks", "content_id",
            "verify_identity", "here", "fingerprint", "chunk_absent", "read_arrays", "row_bindings", "object_digests",
@@ -244,6 +244,7 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
     listings = {}
     for name in names:
         arr = group[name]
+        _bounds.check_array(arr, name, loc.url)  # chunks no larger than the array, codecs bounded: before any read
         if manifest is not None:
             entry = manifest["arrays"].get(name)
             if entry is None:
@@ -255,7 +256,7 @@ def check_chunks(loc, group, names, manifest: dict | None, fill_absent: bool) ->
                                      f" the shape {tuple(entry['shape'])} written (manifest): the zarr.json was"
                                      f" edited{extra}")
         listings[name] = listed = _integrity.list_chunks(loc, name)
-        ranges, stray = _integrity.absent_chunks(arr, listed)
+        ranges, stray = _integrity.absent_chunks(arr, listed, f"{name} in {loc.url}")
         if stray:
             raise IntegrityError(f"{name}: {len(stray)} stored chunk(s) lie beyond the shape {tuple(arr.shape)} in"
                                  f" the metadata of {loc.url} (first {stray[0]!r}): was the shape edited?")

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _testing
 from ..errors import DatasetError, IntegrityError, StorageError
-from ..store import _formats, _integrity
+from ..store import _bounds, _formats, _integrity
 from ..store._location import Location, access_error, check_kind, check_storage_options, did_you_mean, resolve
 from ._checks import (
     ARRAYS,
@@ -197,6 +197,10 @@ class Dataset:
         try:
             _testing.before_read(self.url)
             arr = g[name]  # (opening an array reads its metadata: once per read)
+            if arr.metadata.zarr_format == 2:  # (v3 chunks are bounded by their codecs: scaleattn.store._bounds)
+                c = int(arr.chunks[0])
+                keys = [k for i in range(lo // c, -(-hi // c)) for k in _integrity.block_keys(arr, i)]
+                _bounds.check_v2_chunks(self.store, arr, name, keys)
             values = np.asarray(arr[lo:hi])
         except Exception as e:  # a corrupt or missing chunk: zarr raises codec-specific types
             access = access_error(self.url, e)
@@ -254,8 +258,10 @@ class Dataset:
             t = g["teacher"]
         except KeyError:
             return None
-        V, Q = np.asarray(t["V"][...]), np.asarray(t["Q"][...])
         arrays = (self.manifest() or {}).get("arrays", {})
+        # (from the metadata, before any chunk is read)
+        check_teacher(self.store, t, self.d, self.d_out, arrays, self.attrs.get("generator"))
+        V, Q = np.asarray(t["V"][...]), np.asarray(t["Q"][...])
         for name, a in (("teacher/V", V), ("teacher/Q", Q)):
             if name in arrays:
                 _integrity.verify_whole(arrays[name], name, a, self.url)
@@ -264,6 +270,35 @@ class Dataset:
     @property
     def attrs(self) -> dict:
         return dict(self.group().attrs)
+
+
+def check_teacher(loc: Location, t, d: int, d_out: int, manifest_arrays: dict, generator=None) -> None:
+    """The teacher heads ``t`` of a generated dataset are two float arrays ``V (H, d_out, d)``, ``Q (H, d, d)``
+    (``H`` the ``heads`` of the ``generator`` attribute, when it says) of the shapes its manifest records,
+    chunked and compressed within bounds, declaring no more than their chunks can hold
+    (:mod:`scaleattn.store._bounds`): checked from the metadata, before any chunk is read."""
+    try:
+        V, Q = t["V"], t["Q"]
+    except KeyError as e:
+        raise IntegrityError(f"{loc.url}: the teacher group has no array {e}") from None
+    H = int(V.shape[0]) if V.ndim == 3 else -1
+    heads = generator.get("heads") if isinstance(generator, dict) else None
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        H = heads
+    stored = 0
+    for name, arr, shape in (("teacher/V", V, (H, d_out, d)), ("teacher/Q", Q, (H, d, d))):
+        entry = manifest_arrays.get(name)
+        if entry is not None and list(arr.shape) != entry["shape"]:
+            raise IntegrityError(f"{name}: shape {tuple(arr.shape)} in the metadata of {loc.url} differs from the"
+                                 f" shape {tuple(entry['shape'])} written (manifest): the zarr.json was edited")
+        _bounds.check_array(arr, name, loc.url, shape=shape)
+        if arr.dtype.kind != "f":
+            raise DatasetError(f"{name} in {loc.url}: data type {arr.dtype}, the teacher's heads are floats")
+        listed = _integrity.list_chunks(loc, name)
+        _bounds.check_v2_chunks(loc, arr, name, listed)
+        held = _integrity.stored_bytes(listed)
+        stored = None if stored is None or held is None else stored + held
+    _bounds.check_ratio(f"the teacher of {loc.url}", 8 * (math.prod(V.shape) + math.prod(Q.shape)), stored)
 
 
 class ChunkCache:

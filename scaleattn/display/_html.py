@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ..store._formats import loss_curve
-from ._text import _METHOD, fewer_heads_suffice, minimal_heads, teacher_distance_label, verdict
+from ._text import METHOD_WORDS, fewer_heads_suffice, minimal_heads, teacher_distance_label, verdict
 
 __all__ = ["spectrum_svg", "certificate_html", "fit_html", "statistics_html", "model_html", "safe_html"]
 
@@ -150,7 +150,7 @@ def certificate_html(s: dict, spectrum_scaled=None, title: str = "Certificate") 
             ("rank", f"{s['rank']:,} of psi = {s['psi']:,}"
                      + (f" ({s['ambiguous_dim']:,} ambiguous)" if s["rank"] < s["psi"] else "")),
             ("margin", _e(_margin_text(s))),
-            ("decided by", _e(_METHOD.get(method, method))
+            ("decided by", _e(METHOD_WORDS.get(method, method))
              + (f" (the Gram said: {_e(s['gram_verdict'])})" if method == "qr" and "gram_verdict" in s else "")),
             ("cutoff", f"{_f(s['cutoff_rtol'], '.1e')} x the largest scaled eigenvalue"),
             ("condition", _f(s.get("condition_number"), ".3g")), ("rows", f"{s['n_rows']:,}")]

@@ -12,10 +12,11 @@ import math
 from ..store._formats import loss_curve
 
 __all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
-           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label"]
+           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label",
+           "METHOD_WORDS"]
 
-
-_METHOD = {"gram": "the float64 Gram", "qr": "a QR of the features"}
+#: what decided a certificate (its ``certificate_method``), in words
+METHOD_WORDS = {"gram": "the float64 Gram", "qr": "a QR of the features"}
 #: a settled verdict whose margin is below this multiple of its ``settle_factor`` is said to be close to the cutoff
 CLOSE_FACTOR = 3.0
 
@@ -34,7 +35,7 @@ def verdict(r: dict) -> str:
     margin, near = r.get("margin"), r.get("settle_factor")
     # a settled verdict barely past the settle factor is flagged: another draw of the data may land either side
     close = v != "not settled" and near and margin is not None and margin < CLOSE_FACTOR * near
-    how = "" if margin is None else (f" [{_METHOD.get(method, method)}, margin {_margin(margin)}"
+    how = "" if margin is None else (f" [{METHOD_WORDS.get(method, method)}, margin {_margin(margin)}"
                                      + (f", close to the cutoff: settled from {_g(near, '.3g')}x" if close else "")
                                      + "]")
     if v == "identifiable":

@@ -26,7 +26,7 @@ from .memory import chunk_bytes, fit_memory, release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, leaf_places, run_trees
 
-__all__ = ["compute_statistics", "group_statistics", "check_unchanged"]
+__all__ = ["compute_statistics", "build_statistics", "Build", "group_statistics", "check_unchanged"]
 
 log = logging.getLogger("scaleattn")
 
@@ -42,9 +42,8 @@ def group_statistics(dataset, start: int, stop: int, targets: bool = True, devic
     ``N`` are as usual (pass ``targets=False`` to skip ``B`` and ``yy`` in all but one tile). ``kernel``: the
     statistics kernel (:func:`scaleattn.statistics._kernel.kernel_name`; the client's, so that every worker uses it).
     ``reuse``: the build's token for the chunks its bounds cut (read and checked once per process, not once per
-    group: :meth:`~scaleattn.data._dataset.Dataset.read_chunks`). Raises
-    :class:`~scaleattn.data._dataset.DatasetError` on
-    bad values (naming the array and the sample).
+    group: :meth:`~scaleattn.data._dataset.Dataset.read_chunks`). Raises :class:`~scaleattn.data._dataset.DatasetError`
+    on bad values (naming the array and the sample).
     """
     xp = array_module(device)
     if cols is None:
@@ -96,7 +95,7 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
             log.warning("checkpoint %s: the partial of samples [%d, %d) (tile %d) %s: recomputed", ckpt.url, start,
                         stop, ti, why)
         ckpt.forget(gi, ti)
-    _testing.before_task(gi)
+    _testing.before_task()
     release_large_buffers()  # glibc thresholds of this worker, whatever its cluster's environment (cheap)
     part = with_retries(group_statistics, dataset, start, stop, targets and ti == 0, device, cols,
                         ckpt.kernel if ckpt is not None else kernel, reuse)
@@ -124,10 +123,27 @@ def _assemble(tiles: list, d: int) -> Statistics:
     return Statistics(gram, first.moments, float(first.yy), int(first.n_rows), d)
 
 
+@dataclasses.dataclass
+class Build:
+    """What a statistics build returns (:func:`build_statistics`): the statistics and what a fit reports of the
+    build. ``groups_resumed`` counts the groups whose every tile was read from the checkpoint; ``bindings`` is
+    ``(groups, targets, sources)``, what a later pass over the rows is checked against (:func:`check_unchanged`)."""
+
+    statistics: object  # Statistics; with ``persist``, ``(tiles, roots)``
+    groups: int
+    tiles: int
+    groups_computed: int
+    groups_resumed: int
+    tasks_computed: int
+    tasks_resumed: int
+    checkpoint: str | None
+    bindings: tuple
+
+
 def compute_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
                        split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
                        tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
-                       checkpoint=None, storage_options=None, info: dict | None = None, persist: bool = False):
+                       checkpoint=None, storage_options=None, persist: bool = False):
     """Build the statistics of a dataset on a Dask cluster by tree reduction (DESIGN §6).
 
     Each task streams one row group (:func:`~scaleattn.distributed.partition.row_groups`) for one column tile of
@@ -166,9 +182,6 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
         With a client: leave each tile's root on the worker that computed it and return ``(tiles, roots)`` (the
         row ranges of ``Tc`` and the futures of their :class:`Statistics`) instead of gathering them: the
         client never holds ``Tc`` (:func:`scaleattn.distributed.operator.remote_statistics`).
-    info : dict, optional
-        Filled with ``groups``, ``tiles``, ``groups_computed``, ``groups_resumed`` (groups whose every tile was
-        read from the checkpoint), ``tasks_computed``, ``tasks_resumed``, ``checkpoint``.
 
     Returns
     -------
@@ -177,6 +190,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     Raises
     ------
+    ParameterError
+        An unknown ``device``, or a dataset the cluster's workers cannot reach.
     CheckpointError
         ``checkpoint`` exists but belongs to another dataset, chunking, grouping, tiling or version.
     DatasetError
@@ -184,6 +199,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     See Also
     --------
+    build_statistics : the same with the build's counts (a :class:`Build`), for callers that validated.
     scaleattn.statistics_from_arrays : the same for in-memory arrays.
     scaleattn.fit : statistics, solve, certificate and heads in one call.
 
@@ -196,12 +212,25 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     >>> st.n_rows, st.d_out
     (640, 2)
     """
-    reporter = as_reporter(progress)
     check_device(device)
     check_reachable(client, [("dataset", dataset.store)])
-    kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     if checkpoint is not None and not isinstance(checkpoint, Location):
         checkpoint = resolve(checkpoint, dataset.storage_options if storage_options is None else storage_options)
+    return build_statistics(dataset, client, targets=targets, group_samples=group_samples, split_every=split_every,
+                            device=device, progress=progress, tile_rows=tile_rows, max_tile_bytes=max_tile_bytes,
+                            checkpoint=checkpoint, persist=persist).statistics
+
+
+def build_statistics(dataset, client=None, *, targets: bool = True, group_samples: int | None = None,
+                     split_every: int = SPLIT_EVERY, device: str = "auto", progress=False,
+                     tile_rows: int | None = None, max_tile_bytes: float | None = MAX_TILE_BYTES,
+                     checkpoint: Location | None = None, persist: bool = False, on_group=None) -> Build:
+    """:func:`compute_statistics` for a caller that validated ``device`` and the cluster's reach and resolved
+    ``checkpoint`` (:func:`scaleattn.fit`): the statistics with the build's counts, a :class:`Build`.
+    ``on_group(k)``, if given, is called as the k-th row group this run computes has every tile finished (and
+    checkpointed): the moment a test stops a build at (the whole build is one call otherwise)."""
+    reporter = as_reporter(progress)
+    kernel = "numpy" if device == "gpu" else kernel_name()  # the client's choice, for every worker (CuPy: numpy)
     tiles = tile_bounds(dataset.d, tile_rows, max_tile_bytes)
     groups = row_groups(dataset, group_samples, TILED_MAX_GROUPS if len(tiles) > 1 else None)
     ckpt = None
@@ -216,12 +245,6 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
             a, b = groups[stale[0]]
             reporter.line(f"checkpoint: {stale.size} row group(s) recomputed: their input rows changed since they were"
                           f" checkpointed (first: samples [{a}, {b}))")
-    if info is not None:  # (bindings: what a later pass over the rows is checked against, check_unchanged)
-        info.update({"bindings": (groups, targets, sources), "groups": len(groups), "tiles": len(tiles),
-                     "groups_resumed": int(done.all(axis=1).sum()),
-                     "groups_computed": int((~done.all(axis=1)).sum()), "tasks_resumed": int(done.sum()),
-                     "tasks_computed": int((~done).sum()), "checkpoint": None if ckpt is None else ckpt.url})
-    stop_after = _testing.stop_after_groups()
     todo = [gi for gi in range(len(groups)) if not done[gi].all()]
     rows_per_sample, unit = _row_unit(dataset)
     rows = [(b - a) * rows_per_sample for a, b in groups]
@@ -238,7 +261,7 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                       steps_done=steps_done) as advance:
         if client is None:
             try:
-                result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after,
+                result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, on_group,
                                             lambda gi, ti, a, b, cols: _partial(dataset, gi, ti, a, b, cols, targets,
                                                                                 device, ckpt, sources[gi], kernel,
                                                                                 reuse))
@@ -256,18 +279,18 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
                        for gi in range(len(groups)) for ti in range(len(tiles))}
             roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
                               advance=lambda w: advance(w, steps=1 if w else 0), weights=weights,
-                              on_leaf=None if stop_after is None else _crash_after(futs, todo, stop_after),
+                              on_leaf=None if on_group is None else _groups_finished(futs, todo, on_group),
                               gather=not persist, what="a statistics task", need=_task_bytes(dataset, targets))
             result = (tiles, roots) if persist else _assemble(roots, dataset.d)
     check_unchanged(dataset, groups, targets, sources)
-    if ckpt is not None and info is not None:  # what was really recomputed (stale or damaged partials too)
-        fresh = ckpt.written_by(ckpt.run)
-        info.update({"groups_computed": int(fresh.any(axis=1).sum()), "groups_resumed": int((~fresh).all(axis=1).sum()),
-                     "tasks_computed": int(fresh.sum()), "tasks_resumed": int((~fresh).sum())})
-    return result
+    # what was computed: with a checkpoint, what this run wrote (stale or damaged partials too)
+    fresh = ~done if ckpt is None else ckpt.written_by(ckpt.run)
+    return Build(result, len(groups), len(tiles), int(fresh.any(axis=1).sum()), int((~fresh).all(axis=1).sum()),
+                 int(fresh.sum()), int((~fresh).sum()), None if ckpt is None else ckpt.url,
+                 (groups, targets, sources))
 
 
-def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, stop_after, partial):
+def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, on_group, partial):
     """The in-process build: one tile at a time (every row group through that tile's tree, then the next tile),
     each finished tile copied into one preallocated ``Tc``. Peak memory is ``Tc`` plus about ``log2(groups)``
     partials of one tile (group by group over all tiles would hold that many partials of the whole ``Tc``, and
@@ -280,8 +303,8 @@ def _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, ad
             red.add(partial(gi, ti, a, b, cols))
             if gi in todo:  # a tile read back from the checkpoint is no new step (as on a cluster)
                 advance(rows[gi] / len(tiles) if last else rows[gi], steps=int(not (last and done[gi, ti])))
-                if ti == last and stop_after is not None and todo.index(gi) + 1 >= stop_after:
-                    _testing.crash()  # the test hook: k groups have every tile done
+                if ti == last and on_group is not None:
+                    on_group(todo.index(gi) + 1)  # this group has every tile done
         part = red.result()
         if not last:
             return _assemble([part], dataset.d)
@@ -336,9 +359,9 @@ def _url_token(url: str) -> str:
     return hashlib.sha1(str(url).encode()).hexdigest()[:10]
 
 
-def _crash_after(futs, todo: list[int], k: int):
-    """The ``SCALEATTN_TEST_STOP_AFTER_GROUPS`` hook (:mod:`scaleattn._testing`) for the Dask path: a leaf
-    callback that ends this process once ``k`` groups of ``todo`` have all their tiles finished."""
+def _groups_finished(futs, todo: list[int], on_group):
+    """The leaf callback of the Dask path that calls ``on_group(k)`` as the k-th group of ``todo`` has all its
+    tiles finished."""
     left = {gi: len(futs[gi]) for gi in todo}
     owner = {f.key: gi for gi in todo for f in futs[gi]}
     finished = [0]
@@ -350,7 +373,6 @@ def _crash_after(futs, todo: list[int], k: int):
         left[gi] -= 1
         if left[gi] == 0:
             finished[0] += 1
-            if finished[0] >= k:
-                _testing.crash()
+            on_group(finished[0])
 
     return on_leaf

@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..features import n_features, n_pairs
 from ..statistics._container import Statistics
 from ..statistics._kernel import KERNEL_REVISIONS, kernel_name
-from ..store import _formats, _integrity
+from ..store import _bounds, _formats, _integrity
 from ..store._location import Location
 from ..store._outputs import writing
 
@@ -145,7 +145,9 @@ class Checkpoint:
                     f"checkpoint {url!r} was built by revision {revision} of the {kernel!r} statistics kernel (another"
                     f" scaleattn), this one has revision {KERNEL_REVISIONS[kernel]}: their partials differ in the last"
                     f" bits and are never mixed; resume with the scaleattn that made it, or {_START_OVER}")
-            return cls(*args, uid=str(have.get("uid", "")), kernel=kernel)
+            ck = cls(*args, uid=str(have.get("uid", "")), kernel=kernel)
+            ck._check_arrays()
+            return ck
         ck = cls(*args, uid=uuid.uuid4().hex, kernel=kernel)
         ck._create({**want, "kernel": kernel, "kernel_revision": KERNEL_REVISIONS[kernel]})
         return ck
@@ -181,6 +183,42 @@ class Checkpoint:
         g.attrs.update({**attrs, "uid": self.uid,
                         "description": "partial statistics of a scaleattn build, one chunk per (group, tile)"})
 
+    def _layout_arrays(self) -> dict:
+        """name -> (shape, chunks, dtype) of every array :meth:`_create` writes."""
+        m, ng, nt = n_pairs(self.d), len(self.groups), len(self.tiles)
+        mm, nv = m * (m + 1) // 2, self.d * (self.d + 1) // 2
+        tile_rows = self.tiles[0][1] - self.tiles[0][0]
+        out = {"gram_compact": ((ng, mm, nv), (1, tile_rows, nv), "float64"), "yy": ((ng,), (1,), "float64")}
+        if self.d_out:
+            out["moments"] = ((ng, n_features(self.d), self.d_out), (1, n_features(self.d), self.d_out), "float64")
+        for name, dtype in (("n_rows", "int64"), ("source", "int64"), ("checksum", "int64"), ("run", "int64"),
+                            ("done", "bool")):
+            out[name] = ((ng, nt), (1, 1), dtype)
+        return out
+
+    def _check_arrays(self) -> None:
+        """The arrays of an existing checkpoint have the shapes, chunks, data types and codecs :meth:`_create`
+        writes for this build (its attributes already match): checked from their metadata before any chunk
+        is read, so that an edited or crafted store is refused, never decompressed (:mod:`scaleattn.store._bounds`).
+
+        Raises :class:`~scaleattn.errors.CheckpointError` naming the array."""
+        g = self._group()
+        for name, (shape, chunks, dtype) in self._layout_arrays().items():
+            try:
+                arr = g[name]
+                _bounds.check_array(arr, name, self.url, shape=shape, dtype=dtype, codecs=_integrity.SMALL_CODECS)
+                have = tuple(int(n) for n in arr.chunks)
+            except KeyError:
+                raise CheckpointError(f"checkpoint {self.url!r}: array {name!r} is missing; {_START_OVER}") from None
+            except CheckpointError:
+                raise
+            except Exception as e:  # (a FormatError or IntegrityError of the bounds, or zarr's on a damaged zarr.json)
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"checkpoint {self.url!r}: {why}; {_START_OVER}") from None
+            if have != chunks:
+                raise CheckpointError(f"checkpoint {self.url!r}: {name} is stored in chunks of {have}, this build"
+                                      f" writes {chunks} (its metadata was edited); {_START_OVER}")
+
     def _group(self, mode: str = "r"):
         """The store's group, after checking that it is the one the client created (its ``uid``)."""
         g = self.store.open_group(mode) if self.store.exists() else None
@@ -207,8 +245,7 @@ class Checkpoint:
 
     def write(self, gi: int, ti: int, part, source: int = 0) -> None:
         """Store the partial :class:`~scaleattn.statistics._container.Statistics` of group ``gi``, tile ``ti`` (host
-        arrays),
-        bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
+        arrays), bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
         covers exactly one chunk."""
         with writing(self.store, "the checkpoint"):  # (on a worker: the client raises the same StorageError)
             self._write(gi, ti, part, source)

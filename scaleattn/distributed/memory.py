@@ -22,7 +22,7 @@ import os
 from ..data._dataset import CUT_CHUNKS
 from ..errors import InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
-from ..linalg._certificate import DENSE_GRAM_MAX_PSI
+from ..linalg._gram import DENSE_GRAM_MAX_PSI
 from ..linalg._krylov import BLOCK, LANCZOS_MAX
 from ..linalg._spectrum import solver_path
 from ..statistics._container import BLOCK_BYTES, block_bytes_per_sample

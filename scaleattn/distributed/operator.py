@@ -16,16 +16,19 @@ The preconditioner's inputs come back once: the diagonal of ``G`` (psi) and the 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from .._backend import check_device
 from ..errors import ParameterError
 from ..features import n_features, n_pairs
 from ..linalg._gram import GramOperator, tile_diagonal, tile_matmat, tile_token_columns
 from ..statistics._container import Statistics
-from .build import compute_statistics
-from .reduction import SPLIT_EVERY, submit_tree
+from .build import Build, build_statistics
+from .reduction import SPLIT_EVERY, check_reachable, submit_tree
 
-__all__ = ["DistributedGramOperator", "RemoteStatistics", "remote_statistics", "persisted_tiles"]
+__all__ = ["DistributedGramOperator", "RemoteStatistics", "remote_statistics", "remote_build", "persisted_tiles"]
 
 
 def _worker_matmat(d: int, c0s: tuple, X, *tiles) -> np.ndarray:
@@ -218,16 +221,25 @@ def remote_statistics(dataset, client, *, targets: bool = True, max_tile_bytes: 
     """Build the statistics on the cluster with every tile of ``Tc`` left on the worker that computed it.
 
     ``max_tile_bytes`` (default: ``Tc`` in at least 4 tiles, at most 256 MB each; it depends only on d, never on
-    the workers) sets the tiling; ``kwargs`` go to :func:`~scaleattn.distributed.build.compute_statistics`.
+    the workers) sets the tiling; ``kwargs`` go to :func:`~scaleattn.distributed.build.build_statistics`.
     Returns :class:`RemoteStatistics`; the client holds ``B`` (psi x d_out), never ``Tc``.
     """
+    check_device(kwargs.get("device", "auto"))
+    check_reachable(client, [("dataset", dataset.store)])
+    return remote_build(dataset, client, targets=targets, max_tile_bytes=max_tile_bytes, **kwargs).statistics
+
+
+def remote_build(dataset, client, *, targets: bool = True, max_tile_bytes: float | None = None, **kwargs) -> Build:
+    """:func:`remote_statistics` for a caller that validated its parameters, with the build's counts: a
+    :class:`~scaleattn.distributed.build.Build` whose ``statistics`` are the :class:`RemoteStatistics`."""
     if client is None:
         raise ParameterError("remote_statistics needs a Dask client (without one, compute_statistics)")
     m = n_pairs(dataset.d)
     tc = 8.0 * (m * (m + 1) // 2) * m
     if max_tile_bytes is None:
         max_tile_bytes = min(256e6, max(tc / 4, 8.0 * m))
-    tiles, roots = compute_statistics(dataset, client, targets=targets, max_tile_bytes=max_tile_bytes,
-                                      persist=True, **kwargs)
-    futs, (B, yy, n) = persisted_tiles(client, tiles, roots)
-    return RemoteStatistics(DistributedGramOperator(client, dataset.d, futs), B, yy, n)
+    build = build_statistics(dataset, client, targets=targets, max_tile_bytes=max_tile_bytes, persist=True,
+                             **kwargs)
+    futs, (B, yy, n) = persisted_tiles(client, *build.statistics)
+    return dataclasses.replace(build, statistics=RemoteStatistics(DistributedGramOperator(client, dataset.d, futs),
+                                                                  B, yy, n))

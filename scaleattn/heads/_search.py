@@ -25,8 +25,7 @@ import time
 
 import numpy as np
 
-from ..linalg._certificate import gram_for
-from ..linalg._gram import GramOperator
+from ..linalg._gram import GramOperator, gram_for
 from ._algebra import Heads, coef_from_heads, rank_r_heads, svd_heads
 from ._bounds import KIND_EVERY_C, _reported_bound, flattening_bound, generic_heads_bound
 from ._fit import (

@@ -1,10 +1,11 @@
-"""The identifiability certificate ([Y25] Lemma 2.3, Corollary 2.4; DESIGN §4): identifiability as one idea
-(layer L2).
+"""The identifiability certificate ([Y25] Lemma 2.3, Corollary 2.4; DESIGN §4): identifiability as a type.
 
 If ``lambda_min(Lambda_D) > 0`` with ``Lambda_D = G / N`` (the uncentred second moment of the features) then
-every empirical risk minimiser computes the same function on all inputs of any length. :func:`certify` decides
-it from the statistics (the rank of the Jacobi-scaled Gram beyond the relative cutoff); when it fails,
-:func:`ambiguity_witness` gives two models with equal training loss that disagree on a concrete input.
+every empirical risk minimiser computes the same function on all inputs of any length. :class:`Certificate`
+records that decision (the rank of the Jacobi-scaled Gram beyond the relative cutoff) and its verdict; each
+solver path builds one from what it computed (``certificate_from_spectrum``, ``_from_factor``, ``_from_krylov``;
+:func:`scaleattn.linalg._solver.certify` routes between them). When it fails, :func:`ambiguity_witness` gives
+two models with equal training loss that disagree on a concrete input.
 
 The verdict is honest about precision: a rank decision is *settled* only when every eigenvalue (singular value,
 for a certificate from a QR of the features, :mod:`scaleattn.linalg._qr`) clears the cutoff by at least
@@ -19,29 +20,16 @@ import dataclasses
 
 import numpy as np
 
-from .._backend import numpy_or_cupy
-from .._params import no_other_kwargs, real, renamed
+from .._params import real
 from ..display import _html as _html
 from ..display import _text as _report
 from ..features import coef_distance, predict_rows, token_features
 from ..features import phi as features_phi
-from ._gram import GramOperator
-from ._krylov import krylov_solve
-from ._spectrum import (
-    EIGH_FALLBACK_PSI,
-    CholeskyFactor,
-    Spectrum,
-    _eigvalsh,
-    cholesky_factor,
-    default_rtol,
-    lambda_min_full_rank,
-    scaled_spectrum,
-    solver_path,
-)
+from ._gram import gram_for
+from ._spectrum import CholeskyFactor, Spectrum, eigvalsh, lambda_min_full_rank
 
-__all__ = ["Certificate", "certify", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
-           "Witness", "gram_for", "operator_of", "factor_gram", "DENSE_GRAM_MAX_PSI", "ambiguity_witness",
-           "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
+__all__ = ["Certificate", "certificate_from_spectrum", "certificate_from_factor", "certificate_from_krylov",
+           "check_cutoff", "Witness", "ambiguity_witness", "SETTLE_FACTOR", "VERDICTS", "WITNESS_MIN_GAP"]
 
 #: a rank decision is settled when the nearest kept and dropped values are at least this factor from the cutoff
 #: (eigenvalues of the Jacobi-scaled Gram for ``method="gram"``, singular values of the scaled R for ``"qr"``).
@@ -54,27 +42,6 @@ VERDICTS = ("identifiable", "not identifiable", "not settled")
 #: a witness proves ambiguity only when its predictions differ by at least this fraction of the prediction scale:
 #: a smaller gap means the step along the null direction was shrunk to keep the losses equal (the loss changes)
 WITNESS_MIN_GAP = 0.1
-#: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
-DENSE_GRAM_MAX_PSI = 4_096
-
-
-def gram_for(stats):
-    """``G`` for products ``G @ c`` from the statistics: the dense Gram up to :data:`DENSE_GRAM_MAX_PSI` features,
-    else the matrix-free :class:`scaleattn.linalg._gram.GramOperator` (on the host). Both support ``G @ c``,
-    ``G.diagonal()``, ``stats.sse(c, G)`` and ``stats.sse_floor(c, G)``."""
-    if getattr(stats, "operator", None) is not None:  # statistics whose Tc is held on the workers
-        return stats.operator
-    stats = stats.to_numpy()
-    return stats.gram() if stats.psi <= DENSE_GRAM_MAX_PSI else operator_of(stats)
-
-
-def operator_of(stats) -> GramOperator:
-    """The matrix-free operator of the statistics: their own (``stats.operator``: ``Tc`` on the workers,
-    :class:`scaleattn.distributed.operator.RemoteStatistics`), else one on the compact Gram held here."""
-    op = getattr(stats, "operator", None)
-    return op if op is not None else GramOperator.from_compact(stats.gram_compact, stats.d)
-
-
 @dataclasses.dataclass
 class Certificate:
     """Identifiability certificate ([Y25] Lemma 2.3; DESIGN §4).
@@ -150,11 +117,6 @@ class Certificate:
     converged: bool = True
     estimates: dict | None = None
     nearest: tuple | None = None
-
-    @property
-    def rtol(self) -> float:
-        """Deprecated name of :attr:`cutoff_rtol`."""
-        return self.cutoff_rtol
 
     def _nearest(self) -> tuple[float, float | None]:
         """``(smallest kept, largest dropped in magnitude)`` relative to the largest value, in the method's own
@@ -242,7 +204,7 @@ class Certificate:
 def certificate_from_spectrum(G, spec: Spectrum, n_rows: int) -> Certificate:
     """The certificate of the eigh path: rank from the scaled spectrum, ``lambda_min`` and ``lambda_max`` of
     ``Lambda_D`` (the whole spectrum of ``Lambda_D`` kept for plots)."""
-    lam = _eigvalsh(G / max(n_rows, 1))
+    lam = eigvalsh(G / max(n_rows, 1))
     kept = spec.w[spec.keep]
     cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
     # full rank: lambda_min from the scaled decomposition (eigvalsh(G) only sees it above eps * lambda_max)
@@ -285,89 +247,6 @@ def certificate_from_krylov(spec, n_rows: int) -> Certificate:
 def check_cutoff(cutoff_rtol) -> float | None:
     """``cutoff_rtol`` validated: None (the default) or a number in (0, 1)."""
     return real("cutoff_rtol", cutoff_rtol, 0.0, 1.0, low_open=True, high_open=True, none_ok=True)
-
-
-def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large_psi: int | None = None, *,
-            gram=None, krylov: dict | None = None, **deprecated) -> Certificate:
-    """Identifiability certificate from statistics ([Y25] Lemma 2.3; only the Gram is used, targets are not).
-
-    Parameters
-    ----------
-    stats : Statistics
-        Sufficient statistics (:func:`scaleattn.compute_statistics`); targets are not needed.
-    cutoff_rtol : float, optional
-        Relative eigenvalue cutoff in (0, 1) (default ``16 psi eps``, :func:`~scaleattn.linalg._spectrum.default_rtol`).
-    solver : {"auto", "eigh", "cholesky", "krylov"}
-        ``"eigh"`` gives the whole spectrum; ``"cholesky"`` (``"auto"`` past psi = 2,000) only the extreme
-        eigenvalues (``spectrum_scaled`` is then ``[w_min, w_max]`` and ``eigenvalues`` None); ``"krylov"``
-        (``"auto"`` past psi = 20,000) the same from products with the matrix-free operator, ``G`` never formed,
-        with each eigenvalue's interval (``estimates``) and whether the run settled (``converged``); see
-        :func:`~scaleattn.linalg._spectrum.solver_path`.
-    large_psi : int, optional
-        Where ``"auto"`` switches to Cholesky.
-    gram : array (psi, psi) or GramOperator, optional
-        ``stats.gram()`` if the caller has it already (not modified), or :func:`gram_for`'s operator.
-    krylov : dict, optional
-        Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
-        ``seed``).
-    rtol, method
-        Deprecated names of ``cutoff_rtol`` and ``solver``.
-
-    Returns
-    -------
-    Certificate
-
-    Raises
-    ------
-    ParameterError
-        Empty statistics, an unknown solver, a cutoff outside (0, 1).
-
-    See Also
-    --------
-    scaleattn.certify_dataset : the certificate of a dataset (builds the Gram first).
-    ambiguity_witness : when it fails, two fits that disagree on an input.
-
-    Examples
-    --------
-    >>> import numpy as np, scaleattn
-    >>> rng = np.random.default_rng(0)
-    >>> stats = scaleattn.statistics_from_arrays(rng.standard_normal((200, 5, 2)))
-    >>> scaleattn.certify(stats).identifiable
-    True
-    >>> scaleattn.certify(stats, solver="krylov").verdict
-    'identifiable'
-    """
-    cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
-    solver = renamed(deprecated, "method", "solver", solver, "auto")
-    no_other_kwargs(deprecated, "certify")
-    cutoff_rtol = check_cutoff(cutoff_rtol)
-    stats.check_usable()
-    rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
-    path = solver_path(stats.psi, solver, large_psi)
-    if path == "krylov":  # in the statistics' own array module (numpy, or cupy on a GPU); others via the host
-        op = operator_of(stats if numpy_or_cupy(stats.gram_compact) else stats.to_numpy())
-        return certificate_from_krylov(krylov_solve(op, None, rtol=rtol, **(krylov or {})), stats.n_rows)
-    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
-    if path == "cholesky":
-        f = factor_gram(stats, gram, rtol)
-        if f is not None:
-            return certificate_from_factor(f, rtol, stats.n_rows)
-        if solver == "auto" and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: krylov, not hours of eigh
-            return certificate_from_krylov(krylov_solve(operator_of(stats), None, rtol=rtol, **(krylov or {})),
-                                           stats.n_rows)
-    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
-    return certificate_from_spectrum(G, scaled_spectrum(G, rtol), stats.n_rows)
-
-
-def factor_gram(stats, gram, cutoff_rtol: float) -> CholeskyFactor | None:
-    """:func:`~scaleattn.linalg._spectrum.cholesky_factor` of host statistics' Gram: a caller's dense ``gram`` is kept
-    (the
-    factor is a copy); else ``G`` is expanded and factored in place, later products on ``Tc`` (``gram`` or
-    :func:`operator_of`): one psi x psi array, not two (DESIGN §4)."""
-    if isinstance(gram, np.ndarray):
-        return cholesky_factor(gram, cutoff_rtol, stats.n_rows)
-    op = gram if gram is not None else operator_of(stats)
-    return cholesky_factor(stats.gram(), cutoff_rtol, stats.n_rows, overwrite_g=True, gram=op)
 
 
 @dataclasses.dataclass

@@ -37,7 +37,10 @@ from ..statistics._kernel import kernel_name
 from . import _gram_compiled
 
 __all__ = ["GramOperator", "BlockJacobi", "tile_matmat", "tile_diagonal", "tile_token_columns", "tile_segments",
-           "blas_single_thread"]
+           "blas_single_thread", "gram_for", "operator_of", "DENSE_GRAM_MAX_PSI"]
+
+#: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
+DENSE_GRAM_MAX_PSI = 4_096
 
 
 @functools.lru_cache(maxsize=256)
@@ -338,8 +341,8 @@ class GramOperator:
 
         numpy: the segments run on ``threads`` threads, each summing into its own psi x k buffer (the compiled
         kernel of :mod:`scaleattn.linalg._gram_compiled` unless :func:`scaleattn.statistics._kernel.kernel_name` says
-        numpy, else
-        BLAS GEMMs on one thread each); the buffers are added in a fixed order: the bits do not depend on timing.
+        numpy, else BLAS GEMMs on one thread each); the buffers are added in a fixed order: the bits do not depend on
+        timing.
         """
         xp, fast = self.xp, kernel_name(self.xp) == "numba"
         if X.shape[0] != self.psi:
@@ -497,3 +500,20 @@ def _spd_inverse(A, ridge: float):
     if not bool(xp.isfinite(inv).all()):
         return None
     return inv
+
+
+def operator_of(stats) -> GramOperator:
+    """The matrix-free operator of the statistics: their own (``stats.operator``: ``Tc`` on the workers,
+    :class:`scaleattn.distributed.operator.RemoteStatistics`), else one on the compact Gram held here."""
+    op = getattr(stats, "operator", None)
+    return op if op is not None else GramOperator.from_compact(stats.gram_compact, stats.d)
+
+
+def gram_for(stats):
+    """``G`` for products ``G @ c``: the dense Gram up to :data:`DENSE_GRAM_MAX_PSI` features, else the
+    matrix-free operator (on the host). Both support ``G @ c``, ``G.diagonal()``, ``stats.sse(c, G)`` and
+    ``stats.sse_floor(c, G)``."""
+    if getattr(stats, "operator", None) is not None:  # statistics whose Tc is held on the workers
+        return stats.operator
+    stats = stats.to_numpy()
+    return stats.gram() if stats.psi <= DENSE_GRAM_MAX_PSI else operator_of(stats)

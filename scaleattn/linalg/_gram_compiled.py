@@ -19,10 +19,10 @@ would waste 3/4 of the work at k = 1; along ``a`` no k wastes any. Why not apply
 average whose horizontal sums and tails cost more than the expansion (prototypes at d = 44 on one core:
 1.2-1.6 G multiply-adds/s against 1.4-6.8 for this one).
 Measured, one product at d = 44 on the 2 shared cores (about one core free): 3.0x the numpy path at k = 1,
-2.1x at k = 7, 1.3x at k = 16 (docs/performance.md). numba as in
-:mod:`scaleattn.statistics._compiled`: ``nogil`` (the operator's own threads run it), ``cache``, ``fastmath``
-reassociation only (NaNs propagate), never ``parallel=True`` (not safe under Dask's worker threads). Every sum
-runs in an order fixed by the segments alone, so one call gives the same bits on any thread.
+2.1x at k = 7, 1.3x at k = 16 (docs/performance.md). numba as in :mod:`scaleattn.statistics._compiled`: ``nogil``
+(the operator's own threads run it), ``cache``, ``fastmath`` reassociation only (NaNs propagate), never
+``parallel=True`` (not safe under Dask's worker threads). Every sum runs in an order fixed by the segments alone, so
+one call gives the same bits on any thread.
 """
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ from ._lanczos import (
     EPS,
     EigenEstimate,
     KrylovSpectrum,
+    RunningEstimate,
     lanczos_largest,
     lanczos_preconditioned_smallest,
     lobpcg_smallest,
@@ -152,7 +153,7 @@ def _lockstep(matmat, generators: dict) -> dict:
     return out
 
 
-def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, state: dict | None = None,
+def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, lam_max: RunningEstimate | None = None,
         deflate=None, x0=None, interrupt=None):
     """Generator: preconditioned CG [HS52] for ``Gs x = b`` (``Gs = S G S``), one recurrence per column.
 
@@ -168,9 +169,9 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, state: d
         Backward-error target (module notes).
     maxiter : int
         Budget of passes.
-    state : dict, optional
-        Reads ``state["lam_max_s"]``, the current estimate of ``lambda_max(Gs)`` (a lower bound, so the backward
-        error is never underestimated); 1 when absent (``Gs`` has unit diagonal, so ``lambda_max >= 1``).
+    lam_max : RunningEstimate, optional
+        The current estimate of ``lambda_max(Gs)`` (a lower bound, so the backward error is never
+        underestimated); 1 before it has one (``Gs`` has unit diagonal, so ``lambda_max >= 1``).
     deflate : array (psi, j), optional
         Orthonormal vectors (scaled coordinates) to deflate: CG runs on their complement [FV01].
     x0 : array (psi, k), optional
@@ -191,7 +192,7 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, state: d
         return v if W is None else v - W @ (W.T @ v)
 
     def lam():
-        return max(float((state or {}).get("lam_max_s", 1.0)), 1.0)
+        return max(float(1.0 if lam_max is None or lam_max.value is None else lam_max.value), 1.0)
 
     k = b.shape[1]
     bn = to_numpy(xp.linalg.norm(b, axis=0))
@@ -267,10 +268,21 @@ class KrylovSolution:
     iterations: int
 
 
-def _flag(gen, state: dict, key: str):
-    """The generator ``gen``, setting ``state[key] = True`` when it returns."""
+@dataclasses.dataclass
+class _LockstepState:
+    """What the runs of one :func:`krylov_solve` read of each other as they go in lockstep."""
+
+    lam_max_s: RunningEstimate = dataclasses.field(default_factory=RunningEstimate)  # lambda_max(Gs)
+    lam_max_g: RunningEstimate = dataclasses.field(default_factory=RunningEstimate)  # lambda_max(G)
+    lam_min_pre: RunningEstimate = dataclasses.field(default_factory=RunningEstimate)  # lambda_min(C), preconditioned
+    null_found: bool = False  # G is singular (a Ritz value below the cutoff): CG restarts deflated
+    solve_done: bool = False  # CG has finished
+
+
+def _then_solve_done(gen, state: _LockstepState):
+    """The generator ``gen``, setting ``state.solve_done`` when it returns."""
     out = yield from gen
-    state[key] = True
+    state.solve_done = True
     return out
 
 
@@ -323,12 +335,11 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Also estimate ``lambda_min``/``lambda_max`` of ``G`` itself (for ``Lambda_D = G / N``).
     eig_budget : {"solve", "full"}
         ``"solve"``: the smallest-eigenvalue runs stop when the solve has converged (for a certificate alone:
-        when the preconditioned Lanczos has) and they have run :data:`MIN_EIG_PASSES` passes, once the rank
-        decision is settled; their intervals are then
-        reported as they are (``converged`` False where wider than ``eig_rtol``). ``"full"``: they run until
-        ``eig_rtol`` or ``maxiter``. The smallest eigenvalues of Grams with few rows per feature crowd together
-        and converge several times slower than the solve (d = 32, 1.2 rows per feature: 600-900 passes against
-        280), while the Ritz values, upper bounds, are accurate long before their intervals close.
+        when the preconditioned Lanczos has) and they have run :data:`MIN_EIG_PASSES` passes, once the rank decision is
+        settled; their intervals are then reported as they are (``converged`` False where wider than ``eig_rtol``).
+        ``"full"``: they run until ``eig_rtol`` or ``maxiter``. The smallest eigenvalues of Grams with few rows per
+        feature crowd together and converge several times slower than the solve (d = 32, 1.2 rows per feature: 600-900
+        passes against 280), while the Ritz values, upper bounds, are accurate long before their intervals close.
     dense_null_max : int
         Once a null direction shows up, a Gram with at most this many features has its smallest eigenpairs
         computed from the assembled scaled Gram (exact, and cheaper than growing LOBPCG blocks there); above
@@ -379,35 +390,33 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     def rand(k):
         return xp.asarray(rng.standard_normal((psi, k))) * livef
 
-    state: dict = {}
+    state = _LockstepState()
     notes: list[str] = []
     dead_any = nlive < psi  # all-zero features: G is singular
     floor = 32 * EPS
 
-    def lam_ready(key):
-        return state.get(key + "_converged") or state.get(key + "_done")
-
     def budget_over(it):
-        return eig_budget == "solve" and it >= MIN_EIG_PASSES and bool(
-            state.get("solve_done" if B is not None else "lam_min_pre_done"))
+        return eig_budget == "solve" and it >= MIN_EIG_PASSES and (
+            state.solve_done if B is not None else state.lam_min_pre.done)
 
     def pre_lower():
         """Lower bound on lambda_min(Gs) from the preconditioned Lanczos: lambda_min(C) lambda_min(Ms)."""
-        return max(float(state.get("lam_min_pre_lower", 0.0)), 0.0) * M.min_eigenvalues()[0]
+        low = state.lam_min_pre.lower
+        return max(float(0.0 if low is None else low), 0.0) * M.min_eigenvalues()[0]
 
     def stop_s(theta, rn, it):
-        if not lam_ready("lam_max_s"):
+        if not state.lam_max_s.ready:
             return None
-        c = rtol * state["lam_max_s"]
+        c = rtol * state.lam_max_s.value
         below = int(np.sum(theta <= c))  # Ritz values are upper bounds: at least this many eigenvalues below c
         if below:
-            state["null_found"] = True  # G is singular: lambda_min(G) = 0, no need to estimate it
+            state.null_found = True  # G is singular: lambda_min(G) = 0, no need to estimate it
         if below == theta.size:
             return "grow"
         j = int(np.sum(np.cumprod(theta + rn <= c)))  # leading Ritz values settled below the cutoff
         if j != below:
             return None
-        if j and np.any(rn[:j] > max(NULL_RTOL * theta[j], floor * state["lam_max_s"])):
+        if j and np.any(rn[:j] > max(NULL_RTOL * theta[j], floor * state.lam_max_s.value)):
             return None  # null vectors not yet accurate enough to deflate
         kept = theta[j] - rn[j] > c or (j == 0 and pre_lower() > c)  # the first Ritz value above c is settled
         if kept and rn[j] <= eig_rtol * theta[j]:
@@ -415,13 +424,13 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         return "solve-budget" if kept and budget_over(it) else None
 
     def stop_g(theta, rn, it):
-        if state.get("null_found") or dead_any:
+        if state.null_found or dead_any:
             return "singular"
         if budget_over(it):
             return "solve-budget"
-        if not lam_ready("lam_max_g"):
+        if not state.lam_max_g.ready:
             return None
-        if theta[0] + rn[0] <= rtol * state["lam_max_g"]:
+        if theta[0] + rn[0] <= rtol * state.lam_max_g.value:
             return "zero"
         return "done" if rn[0] <= eig_rtol * theta[0] else None
 
@@ -435,25 +444,26 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
                               np.ones(B.shape[1], bool), 0)
     lan = min(int(maxiter), LANCZOS_MAX)
     gens = {"lmax_s": lanczos_largest(psi, scale, xp=xp, rtol=1e-8, maxiter=lan, seed=seed, live=livef[:, 0],
-                                      state=state, key="lam_max_s")}
+                                      state=state.lam_max_s)}
     k0 = min(int(block), max(1, nlive // 4))
     dense = nlive <= 16 * k0  # a handful of features: the assembled scaled Gram is the cheaper way
     if dense:
         small = _dense_smallest(op, M)
-        state["null_found"] = bool(small["theta"][0] <= rtol * small["theta"][-1])
+        state.null_found = bool(small["theta"][0] <= rtol * small["theta"][-1])
     else:
         gens["small_s"] = lobpcg_smallest(rand(k0), scale, M.apply_scaled, stop=stop_s, maxiter=maxiter)
         gens["pre"] = lanczos_preconditioned_smallest(psi, scale, M.apply_scaled, xp=xp, rtol=eig_rtol, maxiter=lan,
-                                                      seed=seed, live=livef[:, 0], state=state, halt=budget_over)
+                                                      seed=seed, live=livef[:, 0], state=state.lam_min_pre,
+                                                      halt=budget_over)
     if unscaled:
         gens["lmax_g"] = lanczos_largest(psi, None, xp=xp, rtol=1e-8, maxiter=lan, seed=seed + 1,
-                                         live=livef[:, 0], state=state, key="lam_max_g")
+                                         live=livef[:, 0], state=state.lam_max_g)
         # lambda_min(Lambda_D) is reported, not decided on: one column (block 2 halves the passes, not the work)
         gens["small_g"] = lobpcg_smallest(rand(1), None, M.apply, stop=stop_g, maxiter=maxiter)
     if B is not None:
         b = scale[:, None] * xp.asarray(B, dtype=xp.float64)
-        gens["cg"] = _flag(pcg(b, scale, M.apply_scaled, btol=btol, maxiter=maxiter, state=state,
-                               interrupt=lambda: bool(state.get("null_found"))), state, "solve_done")
+        gens["cg"] = _then_solve_done(pcg(b, scale, M.apply_scaled, btol=btol, maxiter=maxiter,
+                                          lam_max=state.lam_max_s, interrupt=lambda: state.null_found), state)
     res = lockstep(op.matmat, gens)
     small = small if dense else res["small_s"]
     lam_s = res["lmax_s"].value
@@ -483,8 +493,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     cg = res["cg"]
     iters = cg["iterations"]
     if spec.null_scaled.shape[1]:  # deflate the null space and finish from the projected iterate
-        cg = lockstep(op.matmat, {"cg": pcg(b, scale, M.apply_scaled, btol=btol, maxiter=maxiter, state=state,
-                                            deflate=spec.null_scaled, x0=cg["x"])})["cg"]
+        cg = lockstep(op.matmat, {"cg": pcg(b, scale, M.apply_scaled, btol=btol, maxiter=maxiter,
+                                            lam_max=state.lam_max_s, deflate=spec.null_scaled, x0=cg["x"])})["cg"]
         iters += cg["iterations"]
     coef = to_numpy(scale[:, None] * cg["x"])
     Nb = spec.null_basis(scale)

@@ -13,7 +13,7 @@ values). Here they come from products ``G X`` only (:class:`scaleattn.linalg._gr
   Lanczos a full Krylov solve per step; the preconditioned block method needs a few hundred products.
 
 :func:`spectrum_from_runs` turns the runs into the rank decision, the null vectors and the
-:class:`KrylovSpectrum` that :func:`scaleattn.linalg._certificate.certify` reports.
+:class:`KrylovSpectrum` that :func:`scaleattn.linalg._solver.certify` reports.
 
 Every routine is a generator (:func:`scaleattn.linalg._krylov.lockstep`): it yields a block ``X`` (psi, k) in
 original coordinates and receives ``G X``, so that several of them share one pass over the compact Gram per
@@ -45,8 +45,8 @@ import numpy as np
 
 from .._backend import get_xp, to_numpy
 
-__all__ = ["EigenEstimate", "KrylovSpectrum", "lanczos_largest", "lanczos_preconditioned_smallest", "lobpcg_smallest",
-           "svqb", "spectrum_from_runs", "product", "EPS"]
+__all__ = ["EigenEstimate", "RunningEstimate", "KrylovSpectrum", "lanczos_largest", "lanczos_preconditioned_smallest",
+           "lobpcg_smallest", "svqb", "spectrum_from_runs", "product", "EPS"]
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -78,6 +78,23 @@ class EigenEstimate:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class RunningEstimate:
+    """A Lanczos run's estimate while it runs, for the generators in lockstep with it that need it: ``value`` the
+    current Ritz value, ``lower`` the lower end of its interval (the preconditioned smallest only), ``converged``
+    at its accuracy, ``done`` once the run ended."""
+
+    value: float | None = None
+    lower: float | None = None
+    converged: bool = False
+    done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Converged, or the run is over: the value is as good as it gets."""
+        return self.converged or self.done
+
+
 def product(X, scale=None):
     """Sub-generator: ``A X`` for ``A = G`` (``scale`` None) or ``A = S G S`` with ``S = diag(scale)``."""
     if scale is None:
@@ -105,9 +122,9 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
         Seed of the random start (reruns give the same numbers).
     live : array (n,) bool, optional
         Coordinates the start vector may use (features with ``diag G > 0``).
-    state : dict, optional
-        Updated after every step with ``state[key] = theta`` and ``state[key + "_converged"]`` (and
-        ``state[key + "_done"]`` at the end), for generators running in lockstep that need the estimate.
+    state : RunningEstimate, optional
+        Updated after every step (``value``, ``converged``; ``done`` at the end), for generators running in
+        lockstep that need the estimate.
 
     Returns
     -------
@@ -154,18 +171,18 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
         theta, res = float(ev[-1]), abs(b * float(evec[-1, -1]))
         conv = res <= rtol * max(abs(theta), 1e-300) or b <= EPS * max(abs(theta), 1e-300)
         if state is not None:
-            state[key], state[key + "_converged"] = theta, conv
+            state.value, state.converged = theta, conv
         if conv:
             break
         q = w / b
     if state is not None:
-        state[key + "_done"] = True
+        state.done = True
     return EigenEstimate(theta, res, theta, theta + res, bool(conv), j + 1)
 
 
 def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol: float = 1e-2,
-                                    maxiter: int = 300, seed: int = 0, live=None, state: dict | None = None,
-                                    key: str = "lam_min_pre", halt=None):
+                                    maxiter: int = 300, seed: int = 0, live=None,
+                                    state: RunningEstimate | None = None, halt=None):
     """Generator: the smallest eigenvalue of ``C = M^-1/2 A M^-1/2`` (``A = S G S``, ``M^-1`` = ``precondition``)
     by Lanczos in the ``M^-1`` inner product, full reorthogonalisation.
 
@@ -179,8 +196,9 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
 
     Parameters
     ----------
-    n, scale, xp, maxiter, seed, live, state, key
-        As :func:`lanczos_largest` (``state[key]`` is the current smallest Ritz value).
+    n, scale, xp, maxiter, seed, live, state
+        As :func:`lanczos_largest` (``state.value`` is the current smallest Ritz value, ``state.lower`` the
+        lower end of its interval).
     precondition : callable
         ``R -> M^-1 R`` (symmetric positive definite on the live coordinates).
     rtol : float
@@ -192,8 +210,7 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
     Returns
     -------
     EigenEstimate
-        ``lambda_min(C)``: ``value`` the smallest Ritz value (an upper bound), ``lower = value - residual``
-        (also ``state[key + "_lower"]`` while it runs).
+        ``lambda_min(C)``: ``value`` the smallest Ritz value (an upper bound), ``lower = value - residual``.
 
     References
     ----------
@@ -237,12 +254,12 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
         theta, res = float(ev[0]), abs(b * float(evec[-1, 0]))
         conv = res <= rtol * abs(theta) or b <= EPS * max(abs(float(ev[-1])), 1e-300)
         if state is not None:
-            state[key], state[key + "_lower"], state[key + "_converged"] = theta, theta - res, conv
+            state.value, state.lower, state.converged = theta, theta - res, conv
         if conv or (halt is not None and halt(j + 1)):
             break
         r, z = w / b, zw / b
     if state is not None:
-        state[key + "_done"] = True
+        state.done = True
     return EigenEstimate(theta, res, theta - res, theta, bool(conv), j + 1)
 
 
@@ -383,13 +400,12 @@ class KrylovSpectrum:
     """What the krylov certificate knows about the spectrum (DESIGN §4; [Y25] Lemma 2.3).
 
     ``lam_max_scaled``/``lam_min_scaled``: largest and smallest eigenvalue of ``Gs`` (the smallest is at
-    round-off level when ``Gs`` is singular); ``lam_max``/``lam_min``: of ``G`` itself (divide by N for
-    ``Lambda_D``; ``lam_min`` is 0 when the rank is not full);
-    ``rank`` and ``null_scaled`` (psi, j): the eigenvectors of ``Gs`` below the cutoff (scaled coordinates),
-    ``dead`` (psi,) bool: all-zero features (exactly null); ``lam_min_kept``: the smallest eigenvalue of
-    ``Gs`` above the cutoff (the condition number's denominator); ``rank_converged``: the null space is complete
-    and accurate (:mod:`scaleattn.linalg._krylov`, rank-deficient Gram); ``passes``: operator passes of the whole
-    computation; ``notes``: what was not settled, in words.
+    round-off level when ``Gs`` is singular); ``lam_max``/``lam_min``: of ``G`` itself (divide by N for ``Lambda_D``;
+    ``lam_min`` is 0 when the rank is not full); ``rank`` and ``null_scaled`` (psi, j): the eigenvectors of ``Gs`` below
+    the cutoff (scaled coordinates), ``dead`` (psi,) bool: all-zero features (exactly null); ``lam_min_kept``: the
+    smallest eigenvalue of ``Gs`` above the cutoff (the condition number's denominator); ``rank_converged``: the null
+    space is complete and accurate (:mod:`scaleattn.linalg._krylov`, rank-deficient Gram); ``passes``: operator passes
+    of the whole computation; ``notes``: what was not settled, in words.
     """
 
     psi: int

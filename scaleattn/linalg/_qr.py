@@ -274,8 +274,7 @@ def certificate_from_r(factor: QRFactor, cutoff_rtol: float | None = None, gram:
 @dataclasses.dataclass
 class QRSolution(Solution):
     """A :class:`~scaleattn.linalg._solver.Solution` ([Y25] Alg. 1) solved from the R factor (``factor``): ``sse`` is
-    the
-    residual ``||z - R11 c||^2 + ||R22||_F^2`` (round-off :func:`residual_floor`, ``eps^2``-sized, not the Gram
+    the residual ``||z - R11 c||^2 + ||R22||_F^2`` (round-off :func:`residual_floor`, ``eps^2``-sized, not the Gram
     formula's ``eps``).
 
     Examples
@@ -297,10 +296,9 @@ def solve_from_r(factor: QRFactor, cutoff_rtol: float | None = None, ridge: floa
     ``c = D^-1/2 V_k diag(1/s_k) U_k^T z`` over the kept singular values of the scaled ``R11 D^-1/2``
     (:func:`qr_cutoff`), one refinement step on ``z - R11 c``, the component in the dropped directions removed
     where that keeps the predictions (min-norm in the original coordinates, :func:`scaleattn.linalg._spectrum.min_norm`,
-    as :func:`scaleattn.solve`). ``ridge = lambda > 0``: the scaled
-    ridge of :func:`scaleattn.solve`, ``c_s = V diag(s / (s^2 + lambda)) U^T z``, effective dof
-    ``sum s^2 / (s^2 + lambda)``. Numpy's ``lstsq`` on ``phi`` gives the same rank, coefficients and residual
-    on data it resolves (tests/test_qr_certificate.py).
+    as :func:`scaleattn.solve`). ``ridge = lambda > 0``: the scaled ridge of :func:`scaleattn.solve`,
+    ``c_s = V diag(s / (s^2 + lambda)) U^T z``, effective dof ``sum s^2 / (s^2 + lambda)``. Numpy's ``lstsq`` on
+    ``phi`` gives the same rank, coefficients and residual on data it resolves (tests/linalg/test_qr.py).
 
     Raises
     ------

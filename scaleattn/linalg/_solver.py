@@ -1,12 +1,26 @@
-"""Least-squares coefficients from sufficient statistics ([Y25] Algorithm 1; DESIGN §4) (layer L2).
+"""Least-squares coefficients and the identifiability certificate from sufficient statistics ([Y25] Algorithm 1,
+Lemma 2.3; DESIGN §4): the solver paths and the one router between them.
 
 [Y25] Algorithm 1 solves ``min_c sum_i ||y_i - c^T phi_i||^2`` over the cubic features; from the statistics
-that is ``G c = B``. :func:`solve` returns the min-norm solution ``c = G^+ B`` (Jacobi-scaled pseudo-inverse
-with one step of iterative refinement, the null directions removed in the original coordinates where that keeps
-the predictions, :func:`scaleattn.linalg._spectrum.min_norm`; or a Cholesky solve for large psi) together
-with the certificate (:mod:`scaleattn.linalg._certificate`), optionally with a scaled ridge. The ``"krylov"`` path
-(:mod:`scaleattn.linalg._krylov`) solves by preconditioned CG on the matrix-free operator of the compact Gram
-(:mod:`scaleattn.linalg._gram`): ``G`` is never formed.
+that is ``G c = B``. :func:`solve` returns the min-norm solution ``c = G^+ B`` together with its certificate
+(:class:`~scaleattn.linalg._certificate.Certificate`), optionally with a scaled ridge; :func:`certify` the
+certificate alone. Three paths, each a ``_solve_*`` / ``_certify_*`` pair (scikit-learn's ``_ridge.py`` shape):
+
+- ``"eigh"``: the Jacobi-scaled eigendecomposition (:func:`~scaleattn.linalg._spectrum.scaled_spectrum`): the
+  pseudo-inverse with one step of iterative refinement, the null directions removed in the original coordinates
+  where that keeps the predictions (:func:`~scaleattn.linalg._spectrum.min_norm`), the whole spectrum;
+- ``"cholesky"``: a Cholesky factor of the scaled Gram and the extreme eigenvalues by block Krylov
+  (:func:`~scaleattn.linalg._spectrum.factor_gram`; full rank only: it declines a Gram that is not positive
+  definite beyond the cutoff);
+- ``"krylov"``: preconditioned CG with deflation and Lanczos/LOBPCG eigenvalue intervals on the matrix-free
+  operator of the compact Gram (:mod:`scaleattn.linalg._krylov`, :mod:`scaleattn.linalg._gram`): ``G`` is
+  never formed.
+
+:func:`route` is the one choice between them for both (:func:`~scaleattn.linalg._spectrum.solver_path`, then the
+fallback of a declined Cholesky path); a new path is one more entry in the tables :func:`solve` and
+:func:`certify` hand it. The public :func:`solve` and :func:`certify` validate their parameters;
+:func:`solve_validated` and :func:`certify_validated` are the same for callers that validated them already
+(:func:`scaleattn.pipeline.fit`).
 """
 from __future__ import annotations
 
@@ -14,8 +28,8 @@ import dataclasses
 
 import numpy as np
 
-from .._backend import to_numpy
-from .._params import no_other_kwargs, real, renamed
+from .._backend import numpy_or_cupy, to_numpy
+from .._params import real
 from ..errors import DatasetError, ParameterError
 from ._certificate import (
     Certificate,
@@ -23,19 +37,21 @@ from ._certificate import (
     certificate_from_krylov,
     certificate_from_spectrum,
     check_cutoff,
-    factor_gram,
-    gram_for,
-    operator_of,
 )
 from ._dense import blocked_cholesky
+from ._gram import gram_for, operator_of
 from ._krylov import krylov_solve
-from ._spectrum import EIGH_FALLBACK_PSI, default_rtol, min_norm, scaled_spectrum, solver_path
+from ._spectrum import EIGH_FALLBACK_PSI, default_rtol, factor_gram, min_norm, scaled_spectrum, solver_path
 
-__all__ = ["Solution", "solve", "shared_gram", "check_ridge", "check_no_worse_than_zero", "MAX_RIDGE"]
+__all__ = ["Solution", "solve", "solve_validated", "certify", "certify_validated", "route", "shared_gram",
+           "check_ridge", "check_no_worse_than_zero", "MAX_RIDGE"]
 
 #: the largest ridge accepted. The scaled eigenvalues are at most psi, so past it the effective dof is below
 #: psi / 1e12 (the coefficients are zero to round-off); near 1e308, ``ridge * diag(G)`` overflows float64
 MAX_RIDGE = 1e12
+#: the paths that run on host statistics (the solver node; statistics built on a GPU come back first); the
+#: others run in the statistics' own array module
+HOST_PATHS = ("eigh", "cholesky")
 
 
 def check_ridge(ridge) -> float:
@@ -71,40 +87,6 @@ def _checked(sol: Solution, stats, gram) -> Solution:
     """``sol`` once :func:`check_no_worse_than_zero` passed on its statistics."""
     check_no_worse_than_zero(sol.sse, float(stats.yy), stats.sse_floor(sol.coef, gram))
     return sol
-
-
-def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
-    """[Y25] Alg. 1 by Cholesky of the Jacobi-scaled Gram (full rank only): ``c = D^-1/2 Gs^-1 D^-1/2 B``
-    with one refinement step; ridge: ``(Gs + lambda I)``, effective dof ``psi - lambda tr (Gs + lambda I)^-1``.
-    A dense ``gram`` is not modified; without one ``G`` is expanded into the factor's memory and the products
-    after the factor (refinement, SSE) go to the operator on ``Tc``
-    (:func:`~scaleattn.linalg._certificate.factor_gram`).
-    None when ``G`` is not positive definite beyond the cutoff."""
-    import scipy.linalg
-
-    f = factor_gram(stats, gram, cutoff_rtol)
-    if f is None:
-        return None
-    cert = certificate_from_factor(f, cutoff_rtol, stats.n_rows)
-    psi = f.L.shape[0]
-    rhs = f.scale[:, None] * np.asarray(stats.moments)
-    if ridge > 0:  # D^-1/2 chol(G + ridge diag G) is the factor of Gs + ridge I; it reuses the factor's memory
-        if isinstance(f.G, np.ndarray):
-            f.L[...] = f.G
-        else:  # the factor took G's memory: expand it again
-            stats.gram(out=f.L)
-        f.L[np.diag_indices(psi)] += ridge * f.diag
-        f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.linalg._dense)
-    cs = f.solve(rhs)
-    if refine:
-        cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)
-    dof = float(psi)
-    if ridge > 0:
-        Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
-        # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
-        dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
-    c = f.scale[:, None] * cs
-    return _checked(Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof), stats, f.G)
 
 
 @dataclasses.dataclass
@@ -161,8 +143,117 @@ class Solution:
         return float(self.sse) + self.ridge * float(np.sum(dg[:, None] * np.asarray(self.coef, np.float64) ** 2))
 
 
+def route(stats, solver: str, large_psi: int | None, paths: dict, *, dense: bool = False):
+    """The one choice of path for :func:`solve` and :func:`certify`: ``paths[name](stats)`` for the path
+    :func:`~scaleattn.linalg._spectrum.solver_path` picks (``dense``: the dense paths only), on host statistics
+    for :data:`HOST_PATHS`. A path that declines (returns None: a Cholesky factor of a Gram not positive definite
+    beyond the cutoff) falls back to eigh, which finds the null space; to krylov where ``"auto"`` chose it past
+    :data:`~scaleattn.linalg._spectrum.EIGH_FALLBACK_PSI` without ``dense`` (eigh would take hours there)."""
+    path = solver_path(stats.psi, solver, large_psi, dense=dense)
+    if path not in HOST_PATHS:
+        return paths[path](stats)
+    stats = stats.to_numpy()
+    out = paths[path](stats)
+    if out is not None:
+        return out
+    if solver == "auto" and not dense and stats.psi > EIGH_FALLBACK_PSI:
+        return paths["krylov"](stats)
+    return paths["eigh"](stats)
+
+
+def _solve_eigh(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution:
+    """[Y25] Alg. 1 through the Jacobi-scaled eigendecomposition: ``c = G^+ B`` (min-norm), or the scaled ridge
+    ``(G + lambda diag G) c = B``, with one refinement step; the whole spectrum in the certificate."""
+    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
+    B = np.asarray(stats.moments)
+    spec = scaled_spectrum(G, cutoff_rtol)
+    null = spec.null_basis()
+    if ridge > 0:
+        dG = np.diag(G)
+        c = spec.ridge_apply(B, ridge)
+        if refine:
+            c = c + spec.ridge_apply(B - G @ c - ridge * dG[:, None] * c, ridge)
+    else:
+        c = spec.pinv_apply(B)
+        if refine:
+            c = c + spec.pinv_apply(B - G @ c)
+        c = min_norm(c, null, lambda n: float(np.sum(n * (G @ n))), np.sqrt(np.clip(np.diag(G), 0.0, None)),
+                     stats.sse(c, G), stats.yy)
+    cert = certificate_from_spectrum(G, spec, stats.n_rows)
+    return _checked(Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge)), stats, G)
+
+
+def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
+    """[Y25] Alg. 1 by Cholesky of the Jacobi-scaled Gram (full rank only): ``c = D^-1/2 Gs^-1 D^-1/2 B``
+    with one refinement step; ridge: ``(Gs + lambda I)``, effective dof ``psi - lambda tr (Gs + lambda I)^-1``.
+    A dense ``gram`` is not modified; without one ``G`` is expanded into the factor's memory and the products
+    after the factor (refinement, SSE) go to the operator on ``Tc``
+    (:func:`~scaleattn.linalg._spectrum.factor_gram`).
+    None when ``G`` is not positive definite beyond the cutoff."""
+    import scipy.linalg
+
+    f = factor_gram(stats, gram, cutoff_rtol)
+    if f is None:
+        return None
+    cert = certificate_from_factor(f, cutoff_rtol, stats.n_rows)
+    psi = f.L.shape[0]
+    rhs = f.scale[:, None] * np.asarray(stats.moments)
+    if ridge > 0:  # D^-1/2 chol(G + ridge diag G) is the factor of Gs + ridge I; it reuses the factor's memory
+        if isinstance(f.G, np.ndarray):
+            f.L[...] = f.G
+        else:  # the factor took G's memory: expand it again
+            stats.gram(out=f.L)
+        f.L[np.diag_indices(psi)] += ridge * f.diag
+        f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.linalg._dense)
+    cs = f.solve(rhs)
+    if refine:
+        cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)
+    dof = float(psi)
+    if ridge > 0:
+        Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
+        # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
+        dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
+    c = f.scale[:, None] * cs
+    return _checked(Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof), stats, f.G)
+
+
+def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:
+    """[Y25] Alg. 1 on the matrix-free operator (:func:`scaleattn.linalg._krylov.krylov_solve`), in the statistics'
+    own array module (numpy, or cupy on a GPU); the coefficients come back to the host."""
+    op = operator_of(stats)
+    ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, yy=float(stats.yy), **(options or {}))
+    cert = certificate_from_krylov(ks.spectrum, stats.n_rows)
+    Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
+    sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
+    cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
+                           "solve_converged": bool(ks.converged.all())})
+    if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
+        cert.estimates["traffic"] = op.traffic_summary()
+    return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
+
+
+def _certify_eigh(stats, gram, cutoff_rtol: float) -> Certificate:
+    """The certificate from the whole Jacobi-scaled spectrum."""
+    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
+    return certificate_from_spectrum(G, scaled_spectrum(G, cutoff_rtol), stats.n_rows)
+
+
+def _certify_cholesky(stats, gram, cutoff_rtol: float) -> Certificate | None:
+    """The certificate from a Cholesky factor and the extreme eigenvalues; None when ``G`` is not positive definite
+    beyond the cutoff."""
+    f = factor_gram(stats, gram, cutoff_rtol)
+    return None if f is None else certificate_from_factor(f, cutoff_rtol, stats.n_rows)
+
+
+def _certify_krylov(stats, cutoff_rtol: float, options: dict | None) -> Certificate:
+    """The certificate from eigenvalue intervals on the matrix-free operator, in the statistics' own array module
+    (numpy or cupy; others via the host)."""
+    op = operator_of(stats if numpy_or_cupy(stats.gram_compact) else stats.to_numpy())
+    return certificate_from_krylov(krylov_solve(op, None, rtol=cutoff_rtol, **(options or {})), stats.n_rows)
+
+
 def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: float = 0.0, solver: str = "auto",
-          large_psi: int | None = None, *, gram=None, krylov: dict | None = None, **deprecated) -> Solution:
+          large_psi: int | None = None, *, gram=None, krylov: dict | None = None) -> Solution:
     """Min-norm least-squares coefficients and certificate from statistics (DESIGN §4).
 
     With ``ridge = lambda > 0``: minimise ``||y - Phi c||^2 / N + lambda sum_j Lambda_jj c_j^2`` with
@@ -197,8 +288,6 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
         ``block``, ``seed``).
-    rtol, method
-        Deprecated names of ``cutoff_rtol`` and ``solver``.
 
     Returns
     -------
@@ -231,66 +320,93 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
     >>> bool(abs(scaleattn.solve(stats, solver="krylov").coef - sol.coef).max() < 1e-8 * abs(sol.coef).max())
     True
     """
-    cutoff_rtol = renamed(deprecated, "rtol", "cutoff_rtol", cutoff_rtol)
-    solver = renamed(deprecated, "method", "solver", solver, "auto")
-    no_other_kwargs(deprecated, "solve")
     ridge = check_ridge(ridge)
-    cutoff_rtol = check_cutoff(cutoff_rtol)
+    return solve_validated(stats, check_cutoff(cutoff_rtol), refine, ridge, solver, large_psi, gram=gram,
+                           krylov=krylov)
+
+
+def solve_validated(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: float = 0.0,
+                    solver: str = "auto", large_psi: int | None = None, *, gram=None, krylov: dict | None = None
+                    ) -> Solution:
+    """:func:`solve` with ``cutoff_rtol`` and ``ridge`` already validated by the caller
+    (:func:`~scaleattn.linalg._certificate.check_cutoff`, :func:`check_ridge`)."""
     if stats.d_out == 0:
         raise ParameterError("these statistics have no targets (built for the certificate only); cannot solve")
     stats.check_usable()
-    path = solver_path(stats.psi, solver, large_psi, dense=ridge > 0)
-    if path == "krylov":
-        return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, ridge, krylov)
-    stats = stats.to_numpy()  # the solver node works on the host (statistics built on a GPU included)
-    if path == "cholesky":
-        sol = _solve_large(stats, gram, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, refine,
-                           ridge)
-        if sol is not None:
-            return sol
-        if solver == "auto" and ridge == 0 and stats.psi > EIGH_FALLBACK_PSI:  # not positive definite: a full
-            return _solve_krylov(stats, default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol, 0.0,
-                                 krylov)  # eigh would take hours here; krylov finds the null space too
-    G = gram if isinstance(gram, np.ndarray) else stats.gram()  # (a factor in place took the first expansion)
-    B = np.asarray(stats.moments)
-    spec = scaled_spectrum(G, cutoff_rtol)
-    null = spec.null_basis()
-    if ridge > 0:
-        dG = np.diag(G)
-        c = spec.ridge_apply(B, ridge)
-        if refine:
-            c = c + spec.ridge_apply(B - G @ c - ridge * dG[:, None] * c, ridge)
-    else:
-        c = spec.pinv_apply(B)
-        if refine:
-            c = c + spec.pinv_apply(B - G @ c)
-        c = min_norm(c, null, lambda n: float(np.sum(n * (G @ n))), np.sqrt(np.clip(np.diag(G), 0.0, None)),
-                     stats.sse(c, G), stats.yy)
-    cert = certificate_from_spectrum(G, spec, stats.n_rows)
-    return _checked(Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge)), stats, G)
+    rtol = default_rtol(stats.psi) if cutoff_rtol is None else cutoff_rtol
+    paths = {"eigh": lambda st: _solve_eigh(st, gram, rtol, refine, ridge),
+             "cholesky": lambda st: _solve_large(st, gram, rtol, refine, ridge),
+             "krylov": lambda st: _solve_krylov(st, rtol, krylov)}
+    return route(stats, solver, large_psi, paths, dense=ridge > 0)
 
 
-def _solve_krylov(stats, cutoff_rtol: float, ridge: float, options: dict | None) -> Solution:
-    """[Y25] Alg. 1 on the matrix-free operator (:func:`scaleattn.linalg._krylov.krylov_solve`), in the statistics'
-    own array module (numpy, or cupy on a GPU); the coefficients come back to the host."""
-    if ridge > 0:
-        raise ParameterError("`ridge` > 0 is not available with `solver='krylov'` (its effective degrees of freedom"
-                             " need the whole spectrum): use `solver='cholesky'` or `solver='eigh'`")
-    op = operator_of(stats)
-    ks = krylov_solve(op, stats.moments, rtol=cutoff_rtol, yy=float(stats.yy), **(options or {}))
-    cert = certificate_from_krylov(ks.spectrum, stats.n_rows)
-    Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
-    sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
-    cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
-                           "solve_converged": bool(ks.converged.all())})
-    if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
-        cert.estimates["traffic"] = op.traffic_summary()
-    return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
+def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large_psi: int | None = None, *,
+            gram=None, krylov: dict | None = None) -> Certificate:
+    """Identifiability certificate from statistics ([Y25] Lemma 2.3; only the Gram is used, targets are not).
+
+    Parameters
+    ----------
+    stats : Statistics
+        Sufficient statistics (:func:`scaleattn.compute_statistics`); targets are not needed.
+    cutoff_rtol : float, optional
+        Relative eigenvalue cutoff in (0, 1) (default ``16 psi eps``, :func:`~scaleattn.linalg._spectrum.default_rtol`).
+    solver : {"auto", "eigh", "cholesky", "krylov"}
+        ``"eigh"`` gives the whole spectrum; ``"cholesky"`` (``"auto"`` past psi = 2,000) only the extreme
+        eigenvalues (``spectrum_scaled`` is then ``[w_min, w_max]`` and ``eigenvalues`` None); ``"krylov"``
+        (``"auto"`` past psi = 20,000) the same from products with the matrix-free operator, ``G`` never formed,
+        with each eigenvalue's interval (``estimates``) and whether the run settled (``converged``); see
+        :func:`~scaleattn.linalg._spectrum.solver_path`.
+    large_psi : int, optional
+        Where ``"auto"`` switches to Cholesky.
+    gram : array (psi, psi) or GramOperator, optional
+        ``stats.gram()`` if the caller has it already (not modified), or the operator of
+        :func:`~scaleattn.linalg._gram.gram_for`.
+    krylov : dict, optional
+        Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
+        ``seed``).
+
+    Returns
+    -------
+    Certificate
+
+    Raises
+    ------
+    ParameterError
+        Empty statistics, an unknown solver, a cutoff outside (0, 1).
+
+    See Also
+    --------
+    scaleattn.certify_dataset : the certificate of a dataset (builds the Gram first).
+    ambiguity_witness : when it fails, two fits that disagree on an input.
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> rng = np.random.default_rng(0)
+    >>> stats = scaleattn.statistics_from_arrays(rng.standard_normal((200, 5, 2)))
+    >>> scaleattn.certify(stats).identifiable
+    True
+    >>> scaleattn.certify(stats, solver="krylov").verdict
+    'identifiable'
+    """
+    return certify_validated(stats, check_cutoff(cutoff_rtol), solver, large_psi, gram=gram, krylov=krylov)
+
+
+def certify_validated(stats, cutoff_rtol: float | None = None, solver: str = "auto", large_psi: int | None = None,
+                      *, gram=None, krylov: dict | None = None) -> Certificate:
+    """:func:`certify` with ``cutoff_rtol`` already validated by the caller
+    (:func:`~scaleattn.linalg._certificate.check_cutoff`)."""
+    stats.check_usable()
+    rtol = default_rtol(stats.psi) if cutoff_rtol is None else float(cutoff_rtol)
+    paths = {"eigh": lambda st: _certify_eigh(st, gram, rtol),
+             "cholesky": lambda st: _certify_cholesky(st, gram, rtol),
+             "krylov": lambda st: _certify_krylov(st, rtol, krylov)}
+    return route(stats, solver, large_psi, paths)
 
 
 def shared_gram(stats, solver: str = "auto", large_psi: int | None = None):
     """The ``G`` a fit's solve, heads step and witness share: the dense Gram on the eigh path (it factors it
-    anyway), on the Cholesky and krylov paths :func:`~scaleattn.linalg._certificate.gram_for` (the matrix-free operator
+    anyway), on the Cholesky and krylov paths :func:`~scaleattn.linalg._gram.gram_for` (the matrix-free operator
     past ``DENSE_GRAM_MAX_PSI`` features: the Cholesky solve then expands ``G`` into its factor's memory, and
     the heads and the witness take ``G @ c`` from ``Tc``)."""
     if solver_path(stats.psi, solver, large_psi) == "eigh":

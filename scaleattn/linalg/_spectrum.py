@@ -19,12 +19,12 @@ import numpy as np
 from .._params import choice
 from ..errors import ParameterError
 from ._dense import blocked_cholesky, largest_eigenvalues, symmetric_product
+from ._gram import operator_of
 
-__all__ = ["Spectrum", "scaled_spectrum", "CholeskyFactor", "cholesky_factor", "solver_path", "default_rtol",
-           "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI", "EIGH_FALLBACK_PSI", "SYEVD_MAX",
-           "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER", "EIG_TOP_RTOL",
-           "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK",
-           "MIN_NORM_RTOL"]
+__all__ = ["Spectrum", "scaled_spectrum", "eigvalsh", "CholeskyFactor", "cholesky_factor", "factor_gram",
+           "solver_path", "default_rtol", "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI",
+           "EIGH_FALLBACK_PSI", "SYEVD_MAX", "CUSOLVER_SYEVD_MAX", "EIG_RTOL", "EIG_BLOCK", "EIG_MAXITER",
+           "EIG_TOP_RTOL", "EIG_TOP_BLOCK", "min_norm", "SSE_SLACK", "MIN_NORM_RTOL"]
 
 #: numpy's eigh (LAPACK syevd) sizes its workspace with 32-bit integers: 1 + 6n + 2n^2 overflows near 32,767
 SYEVD_MAX = 30_000
@@ -32,10 +32,9 @@ SYEVD_MAX = 30_000
 CUSOLVER_SYEVD_MAX = 26_000
 #: above this psi, ``solver="auto"`` solves by Cholesky + Lanczos (``psi^3 / 3`` flops, 1 psi x psi array: the
 #: factor takes ``G``'s memory) instead of a full eigh (~9 psi^3 flops, ~5 arrays, and memory-bound): at d = 16
-#: (psi = 2,176) about 1 s
-#: instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The certificate then has
-#: the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is not
-#: numerically positive definite falls back to eigh (which finds the null space).
+#: (psi = 2,176) about 1 s instead of ~20 s on 2 cores, at d = 32 (psi = 16,896) minutes instead of hours. The
+#: certificate then has the extreme eigenvalues only (pass ``solver="eigh"`` for the whole spectrum). A Gram that is
+#: not numerically positive definite falls back to eigh (which finds the null space).
 LARGE_PSI = 2_000
 #: above this psi, ``solver="auto"`` falls back to the krylov path (ridge 0) instead of a full eigh when the
 #: Gram is not positive definite: eigh costs ~9 psi^3 flops at memory speed (minutes at d = 24, hours at d = 32)
@@ -238,7 +237,8 @@ def _eigh(a: np.ndarray):
     return scipy.linalg.eigh(a, driver="evr", overwrite_a=True, check_finite=False)
 
 
-def _eigvalsh(a: np.ndarray):
+def eigvalsh(a: np.ndarray):
+    """Ascending eigenvalues of a symmetric matrix (the O(n)-workspace MRRR driver past :data:`SYEVD_MAX`)."""
     if a.shape[0] <= SYEVD_MAX:
         return np.linalg.eigvalsh(a)
     import scipy.linalg
@@ -295,9 +295,8 @@ class CholeskyFactor:
     lam_min: float = 0.0
     lam_max: float = 0.0
     #: the :class:`scaleattn.linalg._lanczos.EigenEstimate` of ``lambda_max(Gs)``, ``lambda_max(Gs^-1)``,
-    # ``lambda_max(G)``
-    #: and ``lambda_max(G^-1)`` (keys ``lambda_max_scaled``, ``lambda_min_scaled_inverse``, ``lambda_max``,
-    #: ``lambda_min_inverse``)
+    #: ``lambda_max(G)`` and ``lambda_max(G^-1)`` (keys ``lambda_max_scaled``, ``lambda_min_scaled_inverse``,
+    #: ``lambda_max``, ``lambda_min_inverse``)
     estimates: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -410,3 +409,13 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     f.lam_max = g_max.value / n
     f.lam_min = 1.0 / g_inv.value / n
     return f
+
+
+def factor_gram(stats, gram, cutoff_rtol: float) -> CholeskyFactor | None:
+    """:func:`cholesky_factor` of host statistics' Gram: a caller's dense ``gram`` is kept (the factor is a
+    copy); else ``G`` is expanded and factored in place, later products on ``Tc`` (``gram`` or
+    :func:`~scaleattn.linalg._gram.operator_of`): one psi x psi array, not two (DESIGN §4)."""
+    if isinstance(gram, np.ndarray):
+        return cholesky_factor(gram, cutoff_rtol, stats.n_rows)
+    op = gram if gram is not None else operator_of(stats)
+    return cholesky_factor(stats.gram(), cutoff_rtol, stats.n_rows, overwrite_g=True, gram=op)

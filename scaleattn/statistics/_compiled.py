@@ -9,15 +9,13 @@ N = 10). A better numpy kernel cannot remove those passes over memory; a compile
 or AVX-512 at its full width: :func:`scaleattn._jit.wide_vectors`), releases the GIL (``nogil``) so the
 kernel's own thread pool runs them, and caches the machine code (``cache``) so Dask workers do not recompile.
 ``parallel=True`` is not used: numba's threading layers are not safe under Dask's worker threads; the threads
-are :mod:`scaleattn.statistics._kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2
-cores and on
-2 AVX-512 (Emerald Rapids) cores.
+are :mod:`scaleattn.statistics._kernel`'s. Measured (docs/performance.md, :mod:`scaleattn.bench.build`) on 2 AVX2 cores
+and on 2 AVX-512 (Emerald Rapids) cores.
 
 Two ways in. :func:`piece_stats` is the whole build of a piece of samples in one pass (features, ``Tc``,
 ``B``, ``yy``: the ``accumulate`` path below ``BLAS_MIN_D``, run on the kernel's threads by
-:func:`scaleattn.statistics._kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel`
-work on
-ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
+:func:`scaleattn.statistics._kernel.fused_update`); :func:`features_t`, :func:`tc_panel` and :func:`moments_panel` work
+on ready feature-major ``s``, ``x`` (``gram_update`` on given features, and the BLAS side from ``BLAS_MIN_D``).
 
 The functions are plain Python until :func:`compiled` compiles them (numba is imported lazily: it costs
 0.5 s at start-up, as much as the rest of the package). Every reduction runs in an order fixed by the code and
@@ -153,11 +151,10 @@ def _acc(A, B, out, na, nb, R):  # pragma: no cover - compiled
     leaves its SLP vectoriser off, so a block along ``j`` would run scalar). A 4 x 4 block: 16 accumulators and
     8 loads per 16 FMAs, FMA-bound at 512 bits (:func:`scaleattn._jit.wide_vectors`; measured on one Emerald
     Rapids core at the DGEMM's rate, 64.5 against 64.9 GFLOP/s; 4 x 2 blocks 44.6). With 16 vector registers
-    (AVX2) it spills: on one AMD EPYC (Zen 3) core, 4 x 4 blocks 26.4, 4 x 2 blocks 39.5 GFLOP/s, the DGEMM 44
-    (``out`` 56 x 10, 256 rows: d = 4's ``Tc``). Callers pad:
-    ``na`` a multiple of 4 and ``nb`` even (``A``, ``out`` have ``na`` rows, ``B`` and ``out``'s columns ``nb``;
-    an odd ``nb`` would drop or overrun a column), the padding rows zero, so every entry is summed by the same
-    loop, in an order fixed by ``R``, ``nb`` and the block width only."""
+    (AVX2) it spills: on one AMD EPYC (Zen 3) core, 4 x 4 blocks 26.4, 4 x 2 blocks 39.5 GFLOP/s, the DGEMM 44 (``out``
+    56 x 10, 256 rows: d = 4's ``Tc``). Callers pad: ``na`` a multiple of 4 and ``nb`` even (``A``, ``out`` have ``na``
+    rows, ``B`` and ``out``'s columns ``nb``; an odd ``nb`` would drop or overrun a column), the padding rows zero, so
+    every entry is summed by the same loop, in an order fixed by ``R``, ``nb`` and the block width only."""
     n4 = nb - nb % 4 if _J_BLOCK == 4 else 0
     for i in range(0, na, 4):
         for j in range(0, n4, 4):

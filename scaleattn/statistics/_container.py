@@ -40,9 +40,8 @@ FORMAT, FORMAT_VERSION = _formats.STATISTICS
 #: kernel's per-call work, small ones bound memory (32 MB: about 7,000 causal rows at d = 16)
 BLOCK_BYTES = 32e6
 #: the same on a device (CuPy, torch): a device pays ~10 us per launch, and the kernel launches one multiply per
-#: pair row and one matmul per panel of each block (``scaleattn.statistics._kernel._gram_update_xp``): large blocks
-# let the
-#: matmuls dominate
+#: pair row and one matmul per panel of each block (``scaleattn.statistics._kernel._gram_update_xp``): large
+#: blocks let the matmuls dominate
 DEVICE_BLOCK_BYTES = 1e9
 
 
@@ -131,13 +130,8 @@ class Statistics:
     def gram(self, out=None):
         """The feature Gram ``G = sum phi phi^T`` (psi, psi), expanded from the compact form
         (:func:`scaleattn.statistics._kernel.expand_gram`: compiled on numpy, the array-API gather elsewhere), into a
-        new
-        array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
+        new array or into ``out`` (a C-contiguous (psi, psi) float64 numpy array)."""
         return expand_gram(self.gram_compact, self.d, out=out)
-
-    def second_moment(self):
-        """``Lambda_D = G / N`` (psi, psi): the uncentred second moment of the features ([Y25] Lemma 2.3)."""
-        return self.gram() / max(self.n_rows, 1)
 
     def sse(self, coef, gram=None) -> float:
         """Sum of squared residuals of ``coef`` (psi, d_out): ``yy - 2 tr(c^T B) + tr(c^T G c)``, no data pass.
@@ -270,20 +264,32 @@ class Statistics:
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)
         a, arrays = _integrity.read_store(loc, _integrity.open_store(loc, "statistics"), _formats.STATISTICS,
-                                          "statistics", ("gram_compact", "moments"))
-        _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, loc.url, optional=("d_out",))
+                                          "statistics", ("gram_compact", "moments"),
+                                          shapes=functools.partial(_shapes, where=loc.url))
         gram, moments = arrays["gram_compact"], arrays["moments"]
-        d, m = int(a["d"]), n_pairs(int(a["d"]))
-        want = {"gram_compact": (m * (m + 1) // 2, d * (d + 1) // 2),
-                "moments": (n_features(d), moments.shape[1] if moments.ndim == 2 else -1)}
-        for name, x in arrays.items():
-            if d < 1 or x.shape != want[name]:
-                raise IntegrityError(f"{name} in {loc.url}: shape {x.shape}, but d = {a['d']} in the attributes"
-                                     f" means {want[name]}: the store was edited")
-        if a.get("d_out", moments.shape[1]) != moments.shape[1]:
-            raise IntegrityError(f"{loc.url}: attribute 'd_out' is {a['d_out']} but the moments hold"
-                                 f" {moments.shape[1]}: the store was edited")
+        d = int(a["d"])
         return cls(gram, moments, float(a["yy"]), int(a["n_rows"]), d)
+
+
+def _shapes(a: dict, declared: dict, where: str) -> dict:
+    """The shapes of a statistics store's arrays its attributes imply (``d``; ``d_out``, or in stores without
+    it, the moments' declared width), checked before any chunk is read."""
+    _formats.check_types(a, {"yy": float, "n_rows": int, "d": int, "d_out": int}, where, optional=("d_out",))
+    d = a["d"]
+    mom = declared["moments"]
+    d_out = a.get("d_out", mom[1] if len(mom) == 2 else -1)
+    if d < 1:
+        raise IntegrityError(f"{where}: attribute 'd' is {d}: the store was edited")
+    if len(mom) == 2 and d_out != mom[1]:
+        raise IntegrityError(f"{where}: attribute 'd_out' is {d_out} but the moments hold {mom[1]}: the store was"
+                             " edited")
+    m = n_pairs(d)
+    want = {"gram_compact": (m * (m + 1) // 2, d * (d + 1) // 2), "moments": (n_features(d), d_out)}
+    for name, shape in declared.items():
+        if shape != want[name]:
+            raise IntegrityError(f"{name} in {where}: shape {shape}, but d = {d} in the attributes means"
+                                 f" {want[name]}: the store was edited")
+    return want
 
 
 def block_bytes_per_sample(d: int, T: int, causal: bool) -> float:
@@ -321,8 +327,7 @@ def accumulate(stats: Statistics, tokens, targets=None, lengths=None, causal: bo
         Column tile of ``u`` (= rows of ``Tc``, DESIGN §6): ``stats.gram_compact`` then holds only those rows.
     kernel : {"numba", "numpy"}, optional
         :func:`scaleattn.statistics._kernel.kernel_name` (default ``$SCALEATTN_KERNEL``, else numba; numpy for CuPy).
-        Both
-        give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
+        Both give the same sums to round-off (1e-14); each is deterministic, whatever the thread count.
 
     Raises
     ------
@@ -455,9 +460,8 @@ def statistics_from_arrays(tokens, targets=None, lengths=None, causal=None, bloc
     ------
     DatasetError
         Shapes or dtypes that are not a dataset's (:func:`scaleattn.data._checks.check_arrays`), ``causal`` that
-        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the
-        sample; tokens so small
-        that the features underflow float64, targets so small that their squares do
+        contradicts the targets' shape, a length outside ``1 <= length <= T`` (causal: ``0 <=``), naming the sample;
+        tokens so small that the features underflow float64, targets so small that their squares do
         (:func:`scaleattn.data._checks.check_underflow`).
 
     See Also

@@ -26,15 +26,16 @@ from ..features import expand_compact_gram, n_features, n_pairs, pair_products
 from . import _compiled as _kernel_compiled
 
 __all__ = ["gram_update", "fused_update", "expand_gram", "one_blas_thread", "kernel_name", "KERNEL", "KERNELS",
-           "KERNEL_REVISIONS", "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "DEVICE_PANEL_BYTES", "EXPAND_PAIRS"]
+           "KERNEL_REVISIONS", "BLAS_MIN_D", "PANEL_ROWS", "PANEL_COLS", "DEVICE_PANEL_BYTES", "EXPAND_PAIRS",
+           "device_panel_cols"]
 
 #: the statistics kernels (:func:`kernel_name`)
 KERNELS = ("numba", "numpy")
 #: the arithmetic of each kernel: a checkpoint records it and a resume needs the same, since partials of another
 #: revision differ from this build's in the last bits. numba 2: the micro-kernel at the host's full vector width
 #: (:func:`scaleattn._jit.wide_vectors`), in 4 x 4 register blocks on 32-register hosts and 4 x 2 on 16-register
-#: ones (the same sums to 1e-14; the bits are the host's, as the vector width is: tests/test_kernel_compiled.py);
-#: 1: 4 x 2 blocks at 256 bits everywhere
+#: ones (the same sums to 1e-14; the bits are the host's, as the vector width is:
+#: tests/statistics/test_kernel_compiled.py); 1: 4 x 2 blocks at 256 bits everywhere
 KERNEL_REVISIONS = {"numba": 2, "numpy": 1}
 #: module switch: ``"numba"``, ``"numpy"``, or None (then ``$SCALEATTN_KERNEL``, default ``"numba"``)
 KERNEL: str | None = None
@@ -68,7 +69,8 @@ def kernel_name(xp=np, kernel: str | None = None) -> str:
 #: measured fastest on 2 cores (the GEMM's K = 1024 amortises the packing of v)
 PANEL_ROWS = 1024
 PANEL_COLS = 256
-#: bytes of one ``u`` panel on a device (CuPy, torch): on an H200 (d = 8 to 32) 0.25-4 GB within 15 %, 1 GB best
+#: bytes of one ``u`` panel on a device (CuPy, torch): measured on an H200 at d = 8 to 32, 0.25 GB to 4 GB
+#: panels were within 15 % of each other and 1 GB the best or near it
 DEVICE_PANEL_BYTES = 1e9
 #: below this many multiply-adds per call the kernel runs on one thread (handing work to a thread would dominate)
 MIN_THREAD_MACS = 50_000_000
@@ -175,7 +177,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
         one thread in a fixed order, so the bits do not depend on ``threads`` or on the BLAS thread count.
     panel_rows, panel_cols : int, optional
         ``u`` panel, built in a buffer, one GEMM each: numpy :data:`PANEL_ROWS` x :data:`PANEL_COLS` (cache-sized);
-        on an accelerator all rows x :func:`_device_panel_cols` (:func:`_gram_update_xp`)
+        on an accelerator all rows x :func:`device_panel_cols` (:func:`_gram_update_xp`)
     extra : sequence of (multiply-adds, callable)
         Other work on the same rows (the moments update), run once each in the same threads.
     kernel : {"numba", "numpy"}, optional
@@ -243,7 +245,7 @@ def gram_update(gram, s, x, cols: slice | None = None, *, threads: int | None = 
 
 def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     """:func:`gram_update` in a non-numpy array API namespace: ``u`` panels built into one reused buffer, one
-    ``matmul`` each (DESIGN §3); on an accelerator of all rows x :func:`_device_panel_cols`, since a device pays per
+    ``matmul`` each (DESIGN §3); on an accelerator of all rows x :func:`device_panel_cols`, since a device pays per
     launch, not per cache miss (measured: docs/performance.md, "GPU"); else the host's cache-sized panels."""
     mm = n_pairs(s.shape[1])
     c0, c1, _ = (slice(0, mm) if cols is None else cols).indices(mm)
@@ -251,7 +253,7 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
         raise ValueError(f"gram has {gram.shape[0]} rows but the column range [{c0}, {c1}) has {c1 - c0}")
     rows, big = s.shape[0], on_accelerator(s)
     panel_rows = max(1, min(int(panel_rows or (rows if big else PANEL_ROWS)), rows))
-    panel_cols = max(1, min(int(panel_cols or (_device_panel_cols(panel_rows) if big else PANEL_COLS)), c1 - c0))
+    panel_cols = max(1, min(int(panel_cols or (device_panel_cols(panel_rows) if big else PANEL_COLS)), c1 - c0))
     v = pair_products(x)  # vech(x x^T), (rows, d(d+1)/2)
     buf = xp.empty((panel_rows, panel_cols), dtype=xp.float64, device=device_of(s))  # reused by every panel
     for r, r1 in ((r, min(r + panel_rows, rows)) for r in range(0, rows, panel_rows)):  # (in-bounds stops)
@@ -263,7 +265,7 @@ def _gram_update_xp(xp, gram, s, x, cols, panel_rows, panel_cols, extra):
     return gram
 
 
-def _device_panel_cols(rows: int) -> int:
+def device_panel_cols(rows: int) -> int:
     """Columns of a ``u`` panel of ``rows`` rows on an accelerator: about :data:`DEVICE_PANEL_BYTES`."""
     return max(1, int(DEVICE_PANEL_BYTES // (8 * max(rows, 1))))
 
@@ -337,13 +339,11 @@ def fused_update(gram, moments, tokens, targets=None, lengths=None, causal: bool
     ``(sum y^2, rows)``.
 
     The samples are cut into pieces (:func:`scaleattn.statistics._compiled.sample_pieces`, whole samples, a function
-    of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum
-    restarts per sample) and sums ``Tc`` and ``B`` into its own partial
-    (:func:`scaleattn.statistics._compiled.piece_stats`), on this kernel's threads; the partials are added in piece
-    order, so the bits do not depend on ``threads``, nor (pieces of the whole ``Tc``) on ``cols`` or on whether
-    ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out) or causal (n, T, d_out), ``lengths`` (n,)
-    as in
-    :func:`scaleattn.statistics._container.accumulate` (numpy).
+    of the shapes and lengths only); each piece forms its own features chunk by chunk (the causal prefix sum restarts
+    per sample) and sums ``Tc`` and ``B`` into its own partial (:func:`scaleattn.statistics._compiled.piece_stats`), on
+    this kernel's threads; the partials are added in piece order, so the bits do not depend on ``threads``, nor (pieces
+    of the whole ``Tc``) on ``cols`` or on whether ``targets`` are given. ``tokens`` (n, T, d), ``targets`` (n, d_out)
+    or causal (n, T, d_out), ``lengths`` (n,) as in :func:`scaleattn.statistics._container.accumulate` (numpy).
     """
     kc = _kernel_compiled
     z = _float_input(tokens)

@@ -29,13 +29,15 @@ import os
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, StorageError
-from . import _formats
+from . import _bounds, _formats
 
 __all__ = ["compressors", "writable", "crc32c", "manifest_entry", "verify_rows", "verify_whole", "list_chunks",
            "object_signatures", "informative", "block_keys", "expected_keys", "absent_chunks", "storage_grid",
            "signature_digest", "digest64", "manifest_digest", "checksum_failure", "create_checked", "read_checked",
-           "read_store", "store_attrs", "well_formed", "small_manifest", "bound_attrs", "MANIFEST"]
+           "read_store", "store_attrs", "stored_bytes", "well_formed", "small_manifest", "bound_attrs", "MANIFEST"]
 
+#: a chunk grid larger than this, and than 4 times the objects stored, is refused before it is enumerated
+GRID_FLOOR = 1 << 20
 #: the group attribute holding a store's manifest
 MANIFEST = "manifest"
 
@@ -224,11 +226,17 @@ def object_signatures(loc, name: str, keys) -> dict[str, str]:
     return out
 
 
-def absent_chunks(array, listed: dict[str, str]) -> tuple[list[tuple[int, int]], list[str]]:
+def absent_chunks(array, listed: dict[str, str], where: str = "") -> tuple[list[tuple[int, int]], list[str]]:
     """``(sample ranges, stray keys)``: the ranges ``[a, b)`` along axis 0 whose objects are absent from
     ``listed`` (merged where adjacent), and keys beyond the shape (a shape edited down in ``zarr.json``)."""
+    grid = storage_grid(array)
+    count = math.prod(math.ceil(int(n) / g) for n, g in zip(array.shape, grid))
+    if count > max(4 * len(listed), GRID_FLOOR):  # (the grid is not enumerated: a shape of 10^12 rows would be)
+        raise IntegrityError(f"{where or array.path}: shape {tuple(array.shape)} in chunks of {grid} implies"
+                             f" {count:,} chunks, the store holds {len(listed):,}: its metadata (zarr.json) was"
+                             " edited or the store is a crafted one")
     want = expected_keys(array)
-    rows = storage_grid(array)[0]
+    rows = grid[0]
     n = int(array.shape[0])
     gone = sorted({c[0] for k, c in want.items() if k not in listed})
     ranges = []
@@ -354,17 +362,24 @@ def open_store(loc, what: str):
     return g
 
 
-def read_store(loc, group, kind: tuple[str, int], what: str, names) -> tuple[dict, dict]:
+def read_store(loc, group, kind: tuple[str, int], what: str, names, shapes=None) -> tuple[dict, dict]:
     """Check a small store scaleattn wrote (statistics, model, spectrum) and read its arrays: ``(attributes,
-    {name: values})``. Every check refuses rather than read something other than what was written.
+    {name: values})``. Every check refuses rather than read something other than what was written, and every
+    check that needs no chunk is done before any chunk is read (a crafted store of a few KB could otherwise make
+    the read decompress gigabytes):
 
     - format and version (:func:`scaleattn.store._formats.check_format`);
     - from v2 on, the manifest is there and well formed; from v3 on it also records every attribute as written
       (an edited, added or removed attribute is refused; a v3 store whose version was edited down is refused
       by the attributes its manifest records, a v2 or later one edited to v1 by its crc32c codec);
+    - each array's metadata is readable, float64, of the shape the attributes imply (``shapes``) and the
+      manifest records, chunked no larger than itself, with the codecs scaleattn writes
+      (:func:`scaleattn.store._bounds.check_array`), and the arrays declare no more than their stored chunks
+      can hold (:func:`scaleattn.store._bounds.check_ratio`);
     - every chunk each array's shape implies is stored (zarr would read an absent one as zeros), none beyond it
       (in v2 stores, which left all-zero chunks out, the manifest's checksums decide);
-    - each array's metadata is readable and float64, its values those the manifest records.
+    - each array's values are those the manifest records (each chunk decoded within its declared size:
+      :func:`scaleattn.store._bounds.install`).
 
     Parameters
     ----------
@@ -376,25 +391,48 @@ def read_store(loc, group, kind: tuple[str, int], what: str, names) -> tuple[dic
         :data:`scaleattn.store._formats.MODEL`, ...; ``what``: its name in messages ("model", ...).
     names : iterable of str
         The arrays to read.
+    shapes : callable, optional
+        ``shapes(attributes, declared)`` -> ``{name: shape}``: the shape of each array its attributes imply
+        (``declared``: each array's shape in its metadata, for the dimensions the attributes do not fix); it
+        may raise the reader's own errors (an attribute of the wrong type).
 
     Raises
     ------
     FormatError
-        Not a store of ``kind`` in a version read here; an array's metadata unreadable or not float64.
+        Not a store of ``kind`` in a version read here; an array's metadata unreadable, not float64, chunked
+        larger than the array or with other codecs.
     IntegrityError
-        Naming the store and the array or attribute: a manifest missing, damaged or not matching, an absent
-        chunk, values that are not the ones written.
+        Naming the store and the array or attribute: a manifest missing, damaged or not matching, a shape the
+        attributes or the manifest do not give, an absent chunk, values that are not the ones written.
     """
     where = loc.url
     attrs, version = store_attrs(group, kind, what, where)
+    names = tuple(names)
+    arrays = {name: _array(group, name, where) for name in names}
+    declared = {name: tuple(int(n) for n in arr.shape) for name, arr in arrays.items()}
+    want = shapes(attrs, declared) if shapes is not None else {}
+    manifest = attrs.get(MANIFEST)
+    listings, stored = {}, 0
+    for name, arr in arrays.items():
+        if manifest is not None:
+            entry = manifest["arrays"].get(name)
+            if entry is None:
+                raise IntegrityError(f"{where}: array {name!r} is not in the store's manifest (damaged attributes)")
+            if list(declared[name]) != entry["shape"]:
+                raise IntegrityError(f"{name}: shape {list(declared[name])} in {where} differs from the shape"
+                                     f" {entry['shape']} recorded when it was written")
+        _bounds.check_array(arr, name, where, shape=want.get(name), codecs=SMALL_CODECS)
+        listings[name] = listed = list_chunks(loc, name)
+        held = stored_bytes(listed)
+        stored = None if stored is None or held is None else stored + held
+    _bounds.check_ratio(where, sum(8 * math.prod(s) for s in declared.values()), stored)
     values = {}
-    for name in names:
-        arr = _array(group, name, where)
+    for name, arr in arrays.items():
         if version < 2 and _has_crc32c(arr):
             raise IntegrityError(f"{name} in {where}: stored with the crc32c codec scaleattn writes since format v2,"
                                  f" but the attributes say v{version} and hold no manifest: they were edited")
         # (v2 wrote all-zero chunks of these stores as absent keys: there the manifest's checksum decides)
-        ranges, stray = absent_chunks(arr, list_chunks(loc, name)) if version != 2 else ([], [])
+        ranges, stray = absent_chunks(arr, listings[name], f"{name} in {where}") if version != 2 else ([], [])
         if ranges or stray:
             which = (f"no chunk stored for rows [{ranges[0][0]}, {ranges[0][1]})" if ranges else
                      f"a stored chunk beyond its shape {tuple(arr.shape)} ({stray[0]!r})")
@@ -402,6 +440,17 @@ def read_store(loc, group, kind: tuple[str, int], what: str, names) -> tuple[dic
                                  " was damaged, partly copied or its metadata edited")
         values[name] = read_checked(group, name, where)
     return attrs, values
+
+
+#: the codecs of the arrays of statistics, models and spectra (v1: bytes and zstd; from v2 crc32c too)
+SMALL_CODECS = ("bytes", "zstd", "crc32c")
+
+
+def stored_bytes(listed: dict[str, str]) -> int | None:
+    """The bytes of the objects of a :func:`list_chunks` listing, from their signatures (None when the listing
+    gave no sizes, as an HTTP listing may not)."""
+    sizes = [sig.partition(":")[0] for sig in listed.values()]
+    return None if not all(s.isdigit() for s in sizes) else sum(map(int, sizes))
 
 
 def store_attrs(group, kind: tuple[str, int], what: str, where: str) -> tuple[dict, int]:

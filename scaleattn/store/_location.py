@@ -19,6 +19,9 @@ import zarr
 
 from .._params import parse_storage_options, storage_option_pairs
 from ..errors import MissingDependencyError, ParameterError, StorageError
+from . import _bounds
+
+_bounds.install()  # every store opened in this process decodes its chunks within their declared sizes
 
 __all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
            "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "options_for", "RETRY_ATTEMPTS",
@@ -491,6 +494,7 @@ def open_group(url: str, mode: str = "r", storage_options: dict | None = None,
     ``use_consolidated=False`` reads each array's own metadata, not the group's consolidated copy (zarr's).
     Raises :class:`StorageError` when the store cannot be reached."""
     fmt = 3 if mode in ("w", "w-") else None
+    _bounds.install()  # (the arrays' codecs are resolved as the group is opened)
     if not is_url(url):
         if mode == "r":
             check_regular(local_path(url))

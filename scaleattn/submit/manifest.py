@@ -17,7 +17,7 @@ from ..errors import ParameterError
 from ..store._location import Location
 from ..store._outputs import relation
 
-__all__ = ["default_image", "registry_of", "render_daskjob", "to_yaml", "API_VERSION", "DEFAULT_NAME",
+__all__ = ["default_image", "registry_of", "render_daskjob", "to_yaml", "escape", "API_VERSION", "DEFAULT_NAME",
            "DEFAULT_SECRET", "DEFAULT_NAMESPACE", "IMAGE_NAME", "REGISTRY_ENV", "EXAMPLE_REGISTRY", "RUN_AS_USER",
            "SCHEMES", "MAX_NAME_LEN", "SCHEDULER_TIMEOUT", "WORKER_TIMEOUT", "GPU_TOLERATIONS",
            "GPU_FEATURE_DISCOVERY_SELECTOR", "SCHEDULER_RESOURCES", "RUNNER_RESOURCES", "CPU_WORKER_CPUS",
@@ -52,6 +52,8 @@ GPU_FEATURE_DISCOVERY_SELECTOR = {"nvidia.com/gpu.present": "true"}
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# the characters of an image reference (registry host and port, path, tag, digest): no space, no $
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 # storage options that carry credentials: they belong in the Secret, not in the (readable) manifest
@@ -85,7 +87,7 @@ def default_image(gpus: int = 0, registry: str | None = None) -> str:
         raise ParameterError(f"no image given: pass `image='REGISTRY/{IMAGE_NAME}:{__version__}-{kind}'`"
                          f" or `registry='REGISTRY'` (or set {REGISTRY_ENV}): the image you built and pushed"
                          " (docs/kubernetes.md, section 2)")
-    if any(c.isspace() for c in registry) or registry_of(registry + "/x") is None:
+    if not _IMAGE.match(registry) or registry_of(registry + "/x") is None:
         raise ParameterError(f"registry {registry!r} must start with a registry host (a name with a dot or a port,"
                          " or localhost), e.g. registry.example.com/ml")
     return f"{registry}/{IMAGE_NAME}:{__version__}-{'gpu' if gpus else 'cpu'}"
@@ -115,6 +117,20 @@ def _check_url(what: str, url, need_path: bool) -> str:
     if need_path and not parts.path.strip("/"):
         raise ParameterError(f"{what} must name a path inside the bucket, not the bucket root: {url!r}")
     return url
+
+
+def escape(value: str) -> str:
+    """``value`` as it must be written in a container's ``args`` or ``env`` value for the pod to see ``value``:
+    every ``$`` doubled. The kubelet expands ``$(VAR)`` there from the container's environment (which holds the
+    ``envFrom`` Secret: ``s3://b/$(AWS_SECRET_ACCESS_KEY)`` would put the secret in the URL the fit reads) and
+    turns ``$$`` into ``$``; nothing else is changed.
+
+    Examples
+    --------
+    >>> escape("s3://b/$(AWS_SECRET_ACCESS_KEY).zarr")
+    's3://b/$$(AWS_SECRET_ACCESS_KEY).zarr'
+    """
+    return value.replace("$", "$$")
 
 
 def _check_dns_label(what: str, value, max_len: int = 63) -> str:
@@ -151,7 +167,7 @@ def _storage_option_args(storage_options: dict | None, secret: str | None) -> li
         text = value if isinstance(value, str) else json.dumps(value)
         if "\n" in text:
             raise ParameterError(f"storage option {key!r} must be one line")
-        args += ["--storage-option", f"{key}={text}"]
+        args += ["--storage-option", escape(f"{key}={text}")]
     return args
 
 
@@ -165,7 +181,7 @@ def _check_fit_args(fit_args) -> list[str]:
         if flag in _RESERVED_FIT_ARGS:
             raise ParameterError(f"fit option {flag} in `fit_args` is set by the DaskJob itself and cannot be"
                                  " passed through")
-    return list(fit_args)
+    return [escape(a) for a in fit_args]
 
 
 def _pod_security_context() -> dict:
@@ -268,7 +284,8 @@ def _runner_container(image: str, dataset: str, out: str, extra_args: list[str],
         "args": ["scaleattn", "fit", "$(DATASET)", "--out", "$(OUT)", "--scheduler", "$(DASK_SCHEDULER_ADDRESS)",
                  "--scheduler-timeout", str(scheduler_timeout), "--worker-timeout", str(worker_timeout), "--resume",
                  *extra_args],
-        "env": [{"name": "DATASET", "value": dataset}, {"name": "OUT", "value": out}] + _no_gpu_env(gpus),
+        "env": [{"name": "DATASET", "value": escape(dataset)}, {"name": "OUT", "value": escape(out)}]
+        + _no_gpu_env(gpus),
         **_env_from(secret),
         "resources": copy.deepcopy(RUNNER_RESOURCES),
     }
@@ -315,6 +332,11 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
     deadline : int, optional
         ``activeDeadlineSeconds`` of the runner pod: the kubelet stops a fit that runs longer.
 
+    Every value given here that reaches a container's ``args`` or ``env`` (``dataset``, ``out``, the storage
+    options, ``fit_args``) is written escaped (:func:`escape`): the kubelet's ``$(VAR)`` expansion gives the pods
+    exactly the value validated here, never one completed from their environment (the Secret). The other
+    values cannot hold a ``$`` (names, labels and the image are refused with one).
+
     Raises
     ------
     ValueError
@@ -339,8 +361,9 @@ def render_daskjob(dataset: str, out: str, *, gpus: int = 0, workers: int = 2, i
     if secret is not None:
         _check_dns_label("secret", secret, 253)
     image = default_image(gpus, registry) if image is None else image
-    if not isinstance(image, str) or not image or any(c.isspace() for c in image):
-        raise ParameterError(f"image must be a non-empty image reference without spaces, got {image!r}")
+    if not isinstance(image, str) or not image or not _IMAGE.match(image):
+        raise ParameterError(f"image must be a non-empty image reference (letters, digits and . _ - / : @), got"
+                             f" {image!r}")
     extra_args = _storage_option_args(storage_options, secret) + _check_fit_args(fit_args)
 
     worker_extra: dict = {}

@@ -65,9 +65,9 @@ STARTING = "scaleattn: interrupted while starting; nothing was done"
 def _interrupted_at(where: str, argv: list[str], tmp_path, times: int = 1,
                     may_not_reach: bool = False) -> tuple[int, str, str]:
     """Run ``argv`` (a real process: its own interpreter and signal handlers) with the hook
-    ``SCALEATTN_TEST_PAUSE`` (:mod:`scaleattn._testing`) pausing it at ``where``, send it Ctrl-C there (``times``
-    times, 0.3 s apart, as an impatient user): (exit code, stdout, stderr). With ``may_not_reach`` a process that
-    ends without reaching ``where`` is not a failure (the code and output are returned as they are)."""
+    ``SCALEATTN_TEST_PAUSE`` (tests/inject/scaleattn_hooks.py) pausing it at ``where``, send it Ctrl-C there
+    (``times`` times, 0.3 s apart, as an impatient user): (exit code, stdout, stderr). With ``may_not_reach`` a
+    process that ends without reaching ``where`` is not a failure (the code and output are returned as they are)."""
     marker = tmp_path / f"paused-{where}"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "SCALEATTN_TEST_PAUSE": f"{where}:{marker}"}

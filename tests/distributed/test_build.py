@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scaleattn.data._writer import write_dataset
-from scaleattn.distributed.build import compute_statistics, group_statistics
+from scaleattn.distributed.build import build_statistics, compute_statistics, group_statistics
 from scaleattn.distributed.partition import MAX_TILE_BYTES, row_groups, tile_bounds
 from scaleattn.features import n_pairs, phi, row_targets, token_features
 from scaleattn.generate import make_mhla
@@ -43,9 +43,9 @@ def test_tile_bounds_cover_tc_and_bound_memory():
 def test_tiled_statistics_match_untiled_and_dense(rel_err, data, tile_rows, group_samples):
     ds, G, B, yy, N = data
     base = compute_statistics(ds)
-    info = {}
-    st = compute_statistics(ds, tile_rows=tile_rows, group_samples=group_samples, info=info)
-    assert info["tiles"] == (1 if tile_rows is None else -(-55 // tile_rows))
+    info = build_statistics(ds, tile_rows=tile_rows, group_samples=group_samples)
+    st = info.statistics
+    assert info.tiles == (1 if tile_rows is None else -(-55 // tile_rows))
     assert rel_err(st.gram_compact, base.gram_compact, np.inf) <= 1e-12
     assert rel_err(st.gram(), G, np.inf) <= 1e-12 and rel_err(st.moments, B, np.inf) <= 1e-12
     assert st.n_rows == N and st.yy == pytest.approx(yy, rel=1e-12)
@@ -64,20 +64,20 @@ def test_tile_partial_holds_only_its_rows(rel_err, data):
 @pytest.mark.slow
 def test_small_max_tile_bytes_turns_tiling_on(rel_err, data):
     ds, G, *_ = data
-    info = {}
-    st = compute_statistics(ds, max_tile_bytes=8 * 10 * 10, info=info)
-    assert info["tiles"] == 6 and rel_err(st.gram(), G, np.inf) <= 1e-12
-    assert info["groups"] == len(row_groups(ds, max_groups=16))
+    info = build_statistics(ds, max_tile_bytes=8 * 10 * 10)
+    st = info.statistics
+    assert info.tiles == 6 and rel_err(st.gram(), G, np.inf) <= 1e-12
+    assert info.groups == len(row_groups(ds, max_groups=16))
 
 
 @pytest.mark.slow
 def test_distributed_tiled_is_bit_identical_to_local(rel_err, data, client):
     ds, G, B, *_ = data
-    info = {}
     local = compute_statistics(ds, tile_rows=13)  # one process
-    dist = compute_statistics(ds, client, tile_rows=13, group_samples=16, split_every=3, info=info)  # 2 workers
+    info = build_statistics(ds, client, tile_rows=13, group_samples=16, split_every=3)  # 2 workers
+    dist = info.statistics
     local3 = compute_statistics(ds, tile_rows=13, group_samples=16, split_every=3)
-    assert info["tiles"] == 5
+    assert info.tiles == 5
     # same groups, same fixed reduction order -> same bits, whatever the workers
     np.testing.assert_array_equal(dist.gram_compact, local3.gram_compact)
     np.testing.assert_array_equal(dist.moments, local3.moments)

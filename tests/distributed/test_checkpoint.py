@@ -11,7 +11,7 @@ import zarr
 
 from scaleattn import __version__
 from scaleattn.data._writer import write_dataset
-from scaleattn.distributed.build import compute_statistics
+from scaleattn.distributed.build import build_statistics, compute_statistics
 from scaleattn.distributed.checkpoint import Checkpoint
 from scaleattn.distributed.partition import row_groups, tile_bounds
 from scaleattn.generate import make_mhla
@@ -33,21 +33,23 @@ def data(tmp_path):
 def test_resume_reads_done_partials_and_is_bit_identical(data, tmp_path):
     ck = str(tmp_path / "ck.zarr")
     ref = compute_statistics(data, group_samples=8, tile_rows=8)  # 8 groups x 3 tiles, no checkpoint
-    first, again, info = {}, {}, {}
-    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=first), ref)
-    assert (first["groups_computed"], first["groups_resumed"], first["tiles"]) == (8, 0, 3)
+    first = build_statistics(data, group_samples=8, tile_rows=8, checkpoint=resolve(ck))
+    assert_same_stats(first.statistics, ref)
+    assert (first.groups_computed, first.groups_resumed, first.tiles) == (8, 0, 3)
     # the all-zero partial has no chunk key, yet it is done: the done-mask, not the keys, is the authority
     assert not os.path.exists(os.path.join(ck, "gram_compact", "c", "0", "0", "0"))
     assert os.path.exists(os.path.join(ck, "gram_compact", "c", "1", "0", "0"))
-    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=again), ref)
-    assert (again["groups_computed"], again["groups_resumed"], again["tasks_computed"]) == (0, 8, 0)
+    again = build_statistics(data, group_samples=8, tile_rows=8, checkpoint=resolve(ck))
+    assert_same_stats(again.statistics, ref)
+    assert (again.groups_computed, again.groups_resumed, again.tasks_computed) == (0, 8, 0)
     # forget two groups' tiles (as if the job died before their done flags were written): only they are redone
     g = zarr.open_group(ck, mode="r+")
     g["done"][2, 1] = False
     g["done"][5, :] = False
     g["gram_compact"][5] = np.nan  # a half-written partial is never read: it is recomputed and overwritten
-    assert_same_stats(compute_statistics(data, group_samples=8, tile_rows=8, checkpoint=ck, info=info), ref)
-    assert (info["groups_computed"], info["groups_resumed"], info["tasks_computed"]) == (2, 6, 4)
+    info = build_statistics(data, group_samples=8, tile_rows=8, checkpoint=resolve(ck))
+    assert_same_stats(info.statistics, ref)
+    assert (info.groups_computed, info.groups_resumed, info.tasks_computed) == (2, 6, 4)
     assert Checkpoint.open(resolve(ck), data, row_groups(data, 8), tile_bounds(3, 8)).done_mask().all()
 
 
@@ -57,9 +59,9 @@ def test_resume_on_a_cluster_reads_partials_on_the_workers(data, tmp_path, clien
     ref = compute_statistics(data, group_samples=16, tile_rows=8)  # in-process, same tree
     assert_same_stats(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck), ref)
     zarr.open_group(ck, mode="r+")["done"][1:3, 0] = False
-    info = {}
-    assert_same_stats(compute_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=ck, info=info), ref)
-    assert (info["groups"], info["tiles"], info["groups_computed"], info["tasks_computed"]) == (4, 3, 2, 2)
+    info = build_statistics(data, client, group_samples=16, tile_rows=8, checkpoint=resolve(ck))
+    assert_same_stats(info.statistics, ref)
+    assert (info.groups, info.tiles, info.groups_computed, info.tasks_computed) == (4, 3, 2, 2)
 
 
 def test_foreign_checkpoint_is_refused(data, tmp_path):
@@ -170,9 +172,9 @@ def test_lost_worker_mid_fit_gives_the_same_statistics(data, tmp_path, monkeypat
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster, Client(cluster) as client:
         client.run(lambda: None)  # workers are up
-        out, info = {}, {}
+        out = {}
         th = threading.Thread(target=lambda: out.update(
-            st=compute_statistics(data, client, group_samples=8, checkpoint=ck, info=info)))
+            st=compute_statistics(data, client, group_samples=8, checkpoint=ck)))
         th.start()
         done = 0
         deadline = time.monotonic() + 120

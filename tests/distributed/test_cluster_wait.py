@@ -365,9 +365,9 @@ def test_the_environment_s_address_is_named_as_such(dataset, tmp_path, capsys, m
 def test_a_port_that_never_answers_the_handshake_is_not_a_scheduler(dataset, tmp_path, capsys, silent_port,
                                                                      monkeypatch, options):
     """distributed waits forever for the handshake of a port that accepted the connection (a job hung)."""
-    from scaleattn.distributed import reach
+    from scaleattn.distributed import cluster
 
-    monkeypatch.setattr(reach, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(cluster, "HANDSHAKE_TIMEOUT_S", 1.0)
     err, seconds = _fails_in_one_line(dataset, tmp_path, capsys, "--scheduler", f"tcp://127.0.0.1:{silent_port}",
                                       *options)
     # with --scheduler-timeout too: the port accepted at once, so the handshake has its own bound alone

@@ -7,7 +7,7 @@ import zarr
 
 from scaleattn.data._dataset import open_dataset
 from scaleattn.data._writer import write_dataset
-from scaleattn.distributed.build import compute_statistics, group_statistics
+from scaleattn.distributed.build import build_statistics, compute_statistics, group_statistics
 from scaleattn.distributed.partition import GROUP_BYTES, MIN_GROUPS, SNAP_CHUNKS, row_groups
 from scaleattn.errors import CheckpointError, IntegrityError, ParameterError
 from scaleattn.features import phi, row_targets, token_features
@@ -93,9 +93,9 @@ def test_cut_groups_match_the_dense_statistics(rel_err, tmp_path, lengths):
     lens = D["lengths"] if lengths else None
     s, x = token_features(D["tokens"], lens, causal=True)
     P, y = phi(s, x), row_targets(D["targets"], lens, causal=True)
-    info = {}
-    st = compute_statistics(ds, info=info)
-    assert info["groups"] == len(groups) and st.n_rows == P.shape[0]
+    info = build_statistics(ds)
+    st = info.statistics
+    assert info.groups == len(groups) and st.n_rows == P.shape[0]
     assert rel_err(st.gram(), P.T @ P, np.inf) <= 1e-12 and rel_err(st.moments, P.T @ y, np.inf) <= 1e-12
     assert st.yy == pytest.approx(float((y * y).sum()), rel=1e-12)
     odd = compute_statistics(ds, group_samples=4)  # an explicit size: exactly 4 samples, chunks cut too

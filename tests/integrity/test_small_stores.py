@@ -153,7 +153,7 @@ def test_cli_refuses_a_model_without_manifest_and_an_absent_chunk(stores, capsys
 
 
 def test_spectrum_store_is_checked(tmp_path):
-    from scaleattn.linalg._certificate import certify
+    from scaleattn.linalg._solver import certify
     from scaleattn.run import save_spectrum
     from scaleattn.store._location import resolve
 

@@ -14,8 +14,7 @@ import scipy.linalg
 from scaleattn.features import phi, token_features
 from scaleattn.generate import make_mhla
 from scaleattn.linalg import _solver as solver
-from scaleattn.linalg._certificate import certify
-from scaleattn.linalg._solver import solve
+from scaleattn.linalg._solver import certify, solve
 from scaleattn.linalg._spectrum import default_rtol
 from scaleattn.statistics._container import statistics_from_arrays
 
@@ -154,7 +153,7 @@ def test_cutoff_does_not_grow_with_n(rel_mse):
     y = P @ c_true
     sol = solve(statistics_from_arrays(tok, y))
     w = sol.certificate.spectrum_scaled
-    assert sol.certificate.rtol == default_rtol(6)  # the same cutoff at any N
+    assert sol.certificate.cutoff_rtol == default_rtol(6)  # the same cutoff at any N
     assert default_rtol(6) < w[0] / w[-1] < n * np.finfo(float).eps
     assert sol.rank == 6 and sol.certificate.identifiable
     mse, mse_dropped = rel_mse(P @ sol.coef, y), rel_mse(P @ col_scaled_lstsq(P, y, drop=1), y)
@@ -204,9 +203,8 @@ def test_large_psi_path_falls_back_to_eigh_when_not_identifiable():
     assert np.allclose(b.coef, a.coef, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="solver must be one of"):
         solver.solve(st, solver="qr")
-    with pytest.warns(DeprecationWarning, match="method= is deprecated"):  # the old keyword still works
-        c = solver.solve(st, method="cholesky")
-    assert np.array_equal(c.coef, b.coef)
+    with pytest.raises(TypeError, match="method"):  # no aliases of the unreleased API
+        solver.solve(st, method="cholesky")
 
 
 def test_ridge_against_dense_solution(rel_err):
@@ -236,7 +234,7 @@ def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
     ``shared_gram`` past DENSE_GRAM_MAX_PSI) and takes the products after the factor (refinement, SSE, heads)
     from ``Tc``: the same certificate bits and coefficients to round-off as on a caller's dense ``G``, which
     is left unmodified."""
-    import scaleattn.linalg._certificate
+    import scaleattn.linalg._gram
     from scaleattn.linalg._gram import GramOperator
     from scaleattn.linalg._spectrum import cholesky_factor
     from scaleattn.model import model_from_statistics
@@ -248,7 +246,7 @@ def test_cholesky_in_place_is_the_copy_path(ridge, monkeypatch):
     a = solve(st, solver="cholesky", ridge=ridge, gram=G)
     assert np.array_equal(G, G0)  # the caller's G: the factor is a copy
     ref = solve(st, solver="eigh", ridge=ridge)
-    monkeypatch.setattr(scaleattn.linalg._certificate, "DENSE_GRAM_MAX_PSI", 10)  # shared_gram: the operator from here
+    monkeypatch.setattr(scaleattn.linalg._gram, "DENSE_GRAM_MAX_PSI", 10)  # shared_gram: the operator from here
     op = solver.shared_gram(st, "cholesky")
     assert isinstance(op, GramOperator) and isinstance(solver.shared_gram(st, "eigh"), np.ndarray)
     for b in (solve(st, solver="cholesky", ridge=ridge), solve(st, solver="cholesky", ridge=ridge, gram=op)):

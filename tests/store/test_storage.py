@@ -10,7 +10,7 @@ import pytest
 
 from scaleattn.distributed.build import compute_statistics
 from scaleattn.distributed.evaluate import evaluate
-from scaleattn.linalg._certificate import certify
+from scaleattn.linalg._solver import certify
 from scaleattn.model import MHLAModel
 from scaleattn.pipeline import fit
 from scaleattn.statistics._container import Statistics

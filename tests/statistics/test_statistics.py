@@ -123,7 +123,7 @@ def test_tokens_whose_gram_underflows_are_refused_not_certified():
     """|tokens| ~ 1e-60: the degree-6 Gram underflowed to 0 and a realizable dataset read "not identifiable",
     rank 0, margin nan. Refused, naming the sample and the factor; 1e-30 still certifies; all-zero samples pass."""
     from scaleattn.errors import DatasetError
-    from scaleattn.linalg._certificate import certify
+    from scaleattn.linalg._solver import certify
 
     rng = np.random.default_rng(0)
     z, y = rng.standard_normal((200, 5, 2)), rng.standard_normal((200, 2))

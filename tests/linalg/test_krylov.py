@@ -13,7 +13,6 @@ from scaleattn.errors import InsufficientMemoryError
 from scaleattn.features import n_features, phi, token_features
 from scaleattn.generate import generate_mhla, make_assoc, make_mhla
 from scaleattn.linalg import _solver as solver
-from scaleattn.linalg._certificate import certify
 from scaleattn.linalg._gram import (
     BlockJacobi,
     GramOperator,
@@ -23,6 +22,7 @@ from scaleattn.linalg._gram import (
     tile_token_columns,
 )
 from scaleattn.linalg._krylov import lockstep
+from scaleattn.linalg._solver import certify
 from scaleattn.linalg._spectrum import default_rtol, solver_path
 from scaleattn.statistics._container import Statistics, statistics_from_arrays
 
@@ -292,7 +292,7 @@ def test_krylov_certify_matches_cholesky_and_ridge_is_refused():
         assert getattr(tight, k) == pytest.approx(getattr(cc, k), rel=1e-9), k
     with pytest.raises(ValueError, match="ridge"):
         solver.solve(st, ridge=1e-3, solver="krylov")
-    with pytest.warns(DeprecationWarning):
+    with pytest.raises(TypeError, match="method"):  # (no alias of the unreleased API)
         certify(st, method="eigh")
 
 
@@ -339,20 +339,21 @@ def test_cli_fit_and_certify_with_krylov(tmp_path):
 
 def test_heads_and_witness_use_the_operator_at_large_psi(monkeypatch):
     import scaleattn.linalg._certificate as C
+    import scaleattn.linalg._gram as gram
     from scaleattn.heads._search import search_heads
 
     tok, y = _rank_deficient("plane")
     st = statistics_from_arrays(tok, y)
     sol = solver.solve(st, solver="krylov")
     ref_h, ref_w = search_heads(st, sol.coef, "svd"), C.ambiguity_witness(sol, st)
-    monkeypatch.setattr(C, "DENSE_GRAM_MAX_PSI", 1)
-    assert isinstance(C.gram_for(st), GramOperator) and isinstance(solver.shared_gram(st, "krylov"), GramOperator)
+    monkeypatch.setattr(gram, "DENSE_GRAM_MAX_PSI", 1)
+    assert isinstance(gram.gram_for(st), GramOperator) and isinstance(solver.shared_gram(st, "krylov"), GramOperator)
     assert isinstance(solver.shared_gram(st, "eigh"), np.ndarray)
     h, w = search_heads(st, sol.coef, "svd"), C.ambiguity_witness(sol, st)
     assert h.sse == pytest.approx(ref_h.sse, rel=1e-10)
     assert w.sse_b == pytest.approx(ref_w.sse_b, rel=1e-10)
     assert np.allclose(w.prediction_b, ref_w.prediction_b, rtol=1e-8)
-    assert st.sse_floor(sol.coef, C.gram_for(st)) == pytest.approx(st.sse_floor(sol.coef), rel=1e-12)
+    assert st.sse_floor(sol.coef, gram.gram_for(st)) == pytest.approx(st.sse_floor(sol.coef), rel=1e-12)
 
 
 @pytest.mark.gpu
@@ -429,7 +430,7 @@ def test_ridge_never_takes_krylov_and_is_refused_with_it_before_the_build(monkey
     def no_build(*a, **k):
         raise AssertionError("the statistics were built before the refusal")
 
-    monkeypatch.setattr(pipeline, "compute_statistics", no_build)
+    monkeypatch.setattr(pipeline, "build_statistics", no_build)
     with pytest.raises(ParameterError, match="`ridge` > 0 needs a dense solver"):
         scaleattn.fit(causal_ds, solver="krylov", ridge=0.1)
 

@@ -7,8 +7,8 @@ import pytest
 import scipy.linalg
 
 from scaleattn.generate import make_mhla
-from scaleattn.linalg._certificate import certify
 from scaleattn.linalg._dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
+from scaleattn.linalg._solver import certify
 from scaleattn.linalg._spectrum import EIG_MAXITER, EIG_RTOL, cholesky_factor, default_rtol
 from scaleattn.statistics._container import statistics_from_arrays
 
@@ -172,15 +172,13 @@ def test_cholesky_certificate_against_dense_eigvalsh(d):
 def test_auto_falls_back_to_krylov_not_eigh_past_the_fallback_size(monkeypatch):
     """A Gram that is not positive definite on the Cholesky path: auto takes krylov past EIGH_FALLBACK_PSI (a
     full eigh would take hours at d = 32), an explicit solver="cholesky" still falls back to eigh."""
-    import scaleattn.linalg._certificate
     import scaleattn.linalg._solver
     from scaleattn.linalg._solver import solve
 
     D = make_mhla(d=3, heads=1, length=6, samples=8, seed=1)  # 8 rows < psi = 18: rank deficient
     st = statistics_from_arrays(D["tokens"], D["targets"])
     ref = solve(st, solver="eigh")
-    for mod in (scaleattn.linalg._solver, scaleattn.linalg._certificate):
-        monkeypatch.setattr(mod, "EIGH_FALLBACK_PSI", 10)
+    monkeypatch.setattr(scaleattn.linalg._solver, "EIGH_FALLBACK_PSI", 10)  # (one router for solve and certify)
     auto = solve(st, large_psi=10)
     assert auto.certificate.estimates["solver"] == "krylov" and auto.rank == ref.rank < st.psi
     assert np.abs(auto.coef - ref.coef).max() <= 1e-6 * np.abs(ref.coef).max()
