@@ -325,8 +325,9 @@ class _Watch:
         else:
             head = died
         return ClusterError(f"{head}{need_text}: give each worker more memory (fewer `workers` on this machine,"
-                            " each then gets a larger share; or workers started with a larger --memory-limit), add"
-                            " workers with more memory, or use fewer rows per task (smaller chunks of the dataset)")
+                            " each then gets a larger share; or Dask workers started with a larger `memory_limit`),"
+                            " add workers with more memory, or use fewer rows per task (smaller chunks of the"
+                            " dataset)")
 
 
 class _NoWorker(Exception):
