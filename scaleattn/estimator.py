@@ -9,12 +9,21 @@ import numpy as np
 from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec
 from .data._checks import check_arrays, check_lengths, check_values, is_real
+from .distributed.memory import available_memory
 from .errors import DatasetError, NotFittedError
 from .linalg._certificate import check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
 from .linalg._solver import check_no_worse_than_zero, check_ridge, shared_gram, solve_validated
-from .linalg._spectrum import SOLVERS
-from .model import heads_are_exact, model_from_statistics, residual_sums
+from .linalg._stream import (
+    FIT_SOLVERS,
+    check_path_memory,
+    count_rows,
+    dual_solve,
+    fit_path,
+    rows_from_arrays,
+    stream_solve,
+)
+from .model import heads_are_exact, model_from_heads, model_from_statistics, recover_heads, residual_sums
 from .statistics._container import block_samples, statistics_from_arrays
 
 __all__ = ["MHLARegressor"]
@@ -66,9 +75,12 @@ class MHLARegressor:
         Relative eigenvalue cutoff of the solver in (0, 1) (default ``16 psi eps``).
     ridge : float
         Scaled ridge strength >= 0 (:func:`scaleattn.solve`).
-    solver : "auto", "eigh", "cholesky" or "krylov"
+    solver : "auto", "eigh", "cholesky", "krylov" or "stream"
         Solver path (:func:`scaleattn.linalg._spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
-        compact Gram, ``G`` never formed).
+        compact Gram, ``G`` never formed; ``"stream"``: CG and the certificate from passes over the tokens, no
+        statistics and no psi^2 object, or the dual for fewer rows than features, :mod:`scaleattn.linalg._stream`,
+        svd heads only). ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        (:func:`scaleattn.linalg._stream.fit_path`); ``path_`` says which path ran and why.
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
         (:mod:`scaleattn.linalg._qr`) only when the Gram does not certify identifiability and psi is small.
@@ -125,22 +137,35 @@ class MHLARegressor:
 
     def _checked(self) -> dict:
         return {"heads": heads_spec(self.heads), "cutoff_rtol": check_cutoff(self.cutoff_rtol),
-                "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, SOLVERS),
+                "ridge": check_ridge(self.ridge), "solver": choice("solver", self.solver, FIT_SOLVERS),
                 "certificate": choice("certificate", self.certificate, CERTIFICATE_METHODS)}
 
     def fit(self, tokens, targets, lengths=None):
-        """Fit to tokens (n, T, d) and targets (n, d_out) (last token) or (n, T, d_out) (every prefix).
+        """Fit to tokens (n, T, d) and targets (n, d_out) or (n,) (last token) or (n, T, d_out) (every prefix).
 
-        Integer tokens and targets are converted to float64. Raises
+        Targets (n,), one output as scikit-learn's ``y``, are fitted as (n, 1); :meth:`predict` then returns
+        (n,) as scikit-learn regressors do. Integer tokens and targets are converted to float64. Raises
         :class:`~scaleattn.errors.ParameterError` for a bad parameter and
         :class:`~scaleattn.errors.DatasetError` for bad arrays (shapes, dtypes, non-finite values).
         """
         params = self._checked()
         tokens, targets = _as_float("tokens", tokens), _as_float("targets", targets)
+        one_d = targets.ndim == 1
+        if one_d:  # one output per sample (scikit-learn's y)
+            targets = targets[:, None]
         lengths = _as_lengths(lengths)
         T = check_arrays(tokens, targets, lengths)[1]
         if lengths is not None:
             check_lengths(lengths, 0, T)
+        causal = targets.ndim == 3
+        rows = count_rows(tokens.shape[0], T, causal, lengths)
+        have = available_memory()
+        path, why = fit_path(params["solver"], rows, tokens.shape[2], targets.shape[-1], heads=params["heads"],
+                             ridge=params["ridge"], available=have)
+        if path is not None:
+            check_path_memory(path, rows, tokens.shape[2], targets.shape[-1], have)
+            return self._fit_streaming(path, why, params, tokens, targets, lengths, causal)
+        self.path_ = {"path": "gram", "reason": why}
         stats = statistics_from_arrays(tokens, targets, lengths)  # on the arrays' device; solved on the host
         G = shared_gram(stats, params["solver"])
         sol = solve_validated(stats, params["cutoff_rtol"], ridge=params["ridge"], solver=params["solver"], gram=G)
@@ -154,6 +179,22 @@ class MHLARegressor:
         self.coef_ = self.model_.coef
         self.n_heads_ = self.model_.n_heads
         self._check_training_error(stats.to_numpy(), G, tokens, targets, lengths)
+        self._one_d_targets = one_d
+        return self
+
+    def _fit_streaming(self, path, why, params, tokens, targets, lengths, causal):
+        """The streaming or dual fit (:mod:`scaleattn.linalg._stream`): no statistics, svd heads; the training SSE
+        is the path's own pass over the rows."""
+        src = rows_from_arrays(tokens, targets, lengths, causal)
+        solve_ = dual_solve if path == "dual" else stream_solve
+        sol = solve_(src, cutoff_rtol=params["cutoff_rtol"])
+        h = recover_heads(sol.coef, tokens.shape[2], "svd")
+        check_no_worse_than_zero(sol.sse, sol.yy, 1e-9 * sol.yy)
+        self.model_, self.solution_, self.heads_result_ = model_from_heads(sol, h, tokens.shape[2], causal), sol, h
+        self.certificate_ = sol.certificate
+        self.coef_ = self.model_.coef
+        self.n_heads_ = self.model_.n_heads
+        self.path_ = {"path": path, "reason": why}
         return self
 
     def _check_training_error(self, stats, gram, tokens, targets, lengths) -> None:
@@ -189,7 +230,7 @@ class MHLARegressor:
         from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
 
         return Tags(estimator_type="regressor", target_tags=TargetTags(required=True, multi_output=True,
-                                                                       single_output=False),
+                                                                       single_output=True),
                     regressor_tags=RegressorTags(), array_api_support=True,
                     input_tags=InputTags(two_d_array=False, three_d_array=True))
 
@@ -203,15 +244,17 @@ class MHLARegressor:
                                       f" {method}()")
 
     def predict(self, tokens, lengths=None):
-        """Predictions (n, d_out) or (n, T, d_out) of the fitted model, in the tokens' namespace and on their
-        device (numpy, CuPy, torch, ...). Raises :class:`~scaleattn.errors.DatasetError` for bad tokens or
-        lengths (naming the sample), :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
+        """Predictions (n, d_out) or (n, T, d_out) of the fitted model ((n,) when fitted to targets (n,)), in the
+        tokens' namespace and on their device (numpy, CuPy, torch, ...). Raises
+        :class:`~scaleattn.errors.DatasetError` for bad tokens or lengths (naming the sample),
+        :class:`~scaleattn.errors.NotFittedError` before :meth:`fit`."""
         self._check_fitted("predict")
         tokens, lengths = _as_float("tokens", tokens), _as_lengths(lengths)
         T = check_arrays(tokens, None, lengths)[1]
         if lengths is not None:
             check_lengths(lengths, 0, T)
-        return self.model_.predict(tokens, lengths)
+        y = self.model_.predict(tokens, lengths)
+        return y[:, 0] if getattr(self, "_one_d_targets", False) else y
 
     def score(self, tokens, targets, lengths=None) -> float:
         """Coefficient of determination R^2 (uncentred residual over centred total, as scikit-learn), computed in

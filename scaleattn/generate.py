@@ -31,7 +31,7 @@ from .importers import (  # noqa: F401 (moved)
     windows,
 )
 from .store import _formats
-from .store._location import check_storage_options, resolve
+from .store._location import check_path, check_storage_options, resolve
 from .store._outputs import atomic_output
 
 __all__ = ["make_teacher", "mhla_forward", "make_mhla", "generate_mhla", "make_assoc", "generate_assoc",
@@ -93,8 +93,8 @@ def make_mhla(
 
 def generate_mhla(
     url, d: int = 2, heads: int = 1, length: int = 100, samples: int = 512, *, d_out=None, noise: float = 0.0,
-    causal: bool = False, variable_lengths: bool = False, seed: int = 0, chunk_samples=None,
-    overwrite: bool = False, storage_options=None,
+    causal: bool = False, variable_lengths: bool = False, seed: int = 0, teacher_seed: int | None = None,
+    chunk_samples=None, overwrite: bool = False, storage_options=None,
 ):
     """Write a realizable MHLA dataset (teacher kept under ``teacher/``) chunk by chunk; return it opened.
 
@@ -114,6 +114,12 @@ def generate_mhla(
     variable_lengths : bool
         Random lengths in [1, T], zero padded.
     seed : int
+        Seed of the tokens (and noise, and lengths), and of the teacher unless ``teacher_seed``.
+    teacher_seed : int, optional
+        Seed of the teacher alone (default ``seed``: the same bits as without it). Held-out data of a teacher is
+        its ``teacher_seed`` with another ``seed``: the same ``V``, ``Q`` on tokens drawn afresh (the same
+        ``seed`` with another ``length`` or ``samples`` redraws from the same stream: its sequences are parts
+        of the first dataset's, rescaled).
     chunk_samples : int, optional
         Sequences per Zarr chunk (default about 4 MB).
     overwrite : bool
@@ -139,6 +145,7 @@ def generate_mhla(
     d, heads, length, samples = (integer(k, v, 1) for k, v in
                                  (("d", d), ("heads", heads), ("length", length), ("samples", samples)))
     d_out = integer("d_out", d_out, 1, none_ok=True)
+    teacher_seed = integer("teacher_seed", teacher_seed, 0, none_ok=True)
     noise = real("noise", noise, 0.0, MAX_TARGET / 10)  # (a 10-sigma draw stays within what a fit accepts)
     chunk_samples = integer("chunk_samples", chunk_samples, 1, none_ok=True)
     o = d if d_out is None else d_out
@@ -146,11 +153,13 @@ def generate_mhla(
     per_sample = length * (2 * d + 2 * o + (d * d if causal else 0)) + d * d  # tokens, targets, S = sum z z^T
     _check_memory(f"the teacher (`heads={heads}`, `d={d}`, `d_out={o}`) and one chunk ({n:,} sample{'s' * (n > 1)}"
                   f" of `length={length}`{', causal' if causal else ''})", 8.0 * (heads * d * (d + o) + n * per_sample))
+    check_path(url, "generate_mhla", "as `url` the output store's path or URL")
     check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
-    V, Q = make_teacher(d, heads, d_out, seed)
+    V, Q = make_teacher(d, heads, d_out, seed if teacher_seed is None else teacher_seed)
     attrs = {"generator": {"task": "mhla", "d": d, "heads": heads, "length": length, "samples": samples,
-                           "d_out": int(V.shape[1]), "noise": noise, "causal": causal, "seed": seed},
+                           "d_out": int(V.shape[1]), "noise": noise, "causal": causal, "seed": seed,
+                           **({} if teacher_seed is None else {"teacher_seed": teacher_seed})},
              "description": "realizable multi-head linear attention data [Yau et al. 2025, Sec. 4.1]"}
     with atomic_output(loc, overwrite, _formats.DATASET[0]) as tmp:
         g = create_dataset(tmp, samples, length, d, V.shape[1], causal=causal, lengths=variable_lengths,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+import warnings
 import zipfile
 import zlib
 
@@ -26,7 +27,7 @@ from .errors import (
     hint_of,
     with_hint,
 )
-from .store._location import check_kind, check_storage_options, did_you_mean, resolve
+from .store._location import check_kind, check_path, check_storage_options, did_you_mean, resolve
 from .store._names import check_output_name
 from .store._outputs import check_companions, check_disjoint
 
@@ -112,6 +113,8 @@ NPZ, CSV = "a .npz or .npy file", "a CSV file"
 def _check_source(path, expected: str, role: str = "") -> None:
     """The source file exists and is a file (:func:`scaleattn.store._location.check_kind`; ``role`` names the
     option)."""
+    check_path(path, "import", f"as `path` the input file's path ({expected})",
+               "; arrays in memory: scaleattn.write_dataset(url, tokens, targets)")
     check_kind(path, role, expected, directory=False)
     if not os.path.isfile(path):
         raise InputNotFoundError(f"{path}: no such file{did_you_mean(path)}")
@@ -120,6 +123,8 @@ def _check_source(path, expected: str, role: str = "") -> None:
 def _check_output(url, path, storage_options) -> None:
     """The output is not the input file, nor inside it, nor named so that its lock or temporaries would be; its
     name holds them (:func:`scaleattn.store._names.check_output_name`, before the file is read)."""
+    check_path(url, "import", "as `url` the output store's path or URL")
+    check_path(path, "import", "as `path` the input file's path")
     pairs = ([("output", resolve(url, storage_options))], [("file", resolve(path))])
     check_output_name(pairs[0][0][1], "output")
     check_storage_options(storage_options, url)  # (before the file is read; write_dataset's check comes late)
@@ -250,6 +255,8 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
     with _naming(path):  # (a series too short for one window: said with the file)
         tok = windows(x, length, horizon, step, causal)[0]
     _check_varies(path, x, tok, [header[c] for c in cols])
+    if columns is None:  # (columns the user named are kept as named)
+        _warn_time_index(path, x, [header[c] for c in cols])
     if standardize_columns:  # the units are kept in the attributes: predictions map back (value * std + mean)
         x, mean, sd = standardize(x, moments=True)
         small = np.flatnonzero(sd < np.finfo(np.float64).tiny)
@@ -273,6 +280,27 @@ def import_csv(url, path, *, length: int, horizon: int = 1, step: int = 1, causa
         attrs["standardized"] = moments
     with _naming(path):
         return write_dataset(url, tok, y, attrs=attrs, overwrite=overwrite, storage_options=storage_options)
+
+
+#: a column that rises (or falls) on every one of at least this many lines is taken for a time index
+TIME_INDEX_MIN_ROWS = 8
+
+
+def _warn_time_index(path, x, names) -> None:
+    """Warn, in one line, of a column that rises (or falls) on every line (0, 1, 2, ...; a numeric timestamp) kept
+    as a feature among others: most likely the series' time index, which a model then learns from (and, past the
+    training range, extrapolates in) as if it were a measured variable; the line says how to leave it out."""
+    if x.shape[0] < TIME_INDEX_MIN_ROWS or x.shape[1] < 2:
+        return
+    dx = np.diff(x, axis=0)
+    monotone = np.flatnonzero((dx > 0).all(axis=0) | (dx < 0).all(axis=0))
+    if monotone.size and monotone.size < x.shape[1]:
+        j = int(monotone[0])
+        warnings.warn(f"{path}: column {names[j]!r} {'rises' if dx[0, j] > 0 else 'falls'} on every line"
+                      f" ({x[0, j]:g}, {x[1, j]:g}, ..., {x[-1, j]:g}): a time index? It is kept as a feature, so"
+                      " the model learns from the position in time itself"
+                      + _use_columns([n for k, n in enumerate(names) if k not in monotone], "the others"),
+                      stacklevel=3)
 
 
 def _check_varies(path, x, tok, names) -> None:

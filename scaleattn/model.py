@@ -16,7 +16,7 @@ from .heads._algebra import Heads, coef_from_heads, svd_heads
 from .heads._search import DEFAULT_BUDGET, search_heads
 from .linalg._solver import Solution, check_no_worse_than_zero, shared_gram, solve
 from .store import _formats, _integrity
-from .store._location import check_kind, check_storage_options, did_you_mean, resolve
+from .store._location import check_kind, check_path, check_storage_options, did_you_mean, resolve
 from .store._outputs import atomic_output
 
 __all__ = ["MHLAModel", "model_from_statistics", "model_from_heads", "recover_heads", "heads_are_exact",
@@ -191,6 +191,7 @@ class MHLAModel:
         ParameterError
             ``url`` is a file (or a path through one).
         """
+        check_path(url, "MHLAModel.load", "a model store's path or URL (RUN/model.zarr)")
         check_storage_options(storage_options, url)
         loc = resolve(url, storage_options)
         check_kind(loc, "model", "a model store (a Zarr directory)", directory=True)

@@ -13,19 +13,20 @@ store once, check the memory, and only then start work.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 
 from ._backend import check_device
-from ._params import choice, heads_spec, seconds
+from ._params import choice, heads_spec, real, seconds
 from ._version import __version__
-from .data._dataset import Dataset
+from .data._dataset import Dataset, check_dataset_argument
 from .display import _html as _html
 from .display import _text as _text
 from .display._progress import as_reporter
 from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
-from .distributed.memory import check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
+from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_build
 from .distributed.reduction import check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
@@ -43,8 +44,16 @@ from .linalg._solver import (
     shared_gram,
     solve_validated,
 )
-from .linalg._spectrum import SOLVERS
-from .model import MHLAModel, heads_are_exact, model_from_statistics
+from .linalg._stream import (
+    FIT_SOLVERS,
+    check_path_memory,
+    count_rows,
+    dual_solve,
+    fit_path,
+    rows_from_dataset,
+    stream_solve,
+)
+from .model import MHLAModel, heads_are_exact, model_from_heads, model_from_statistics, recover_heads
 from .plot import figure_pngs, run_figures
 from .preflight import (
     after_failed_build,
@@ -58,10 +67,10 @@ from .preflight import (
 from .run import write_run
 from .statistics._container import Statistics
 from .store import _formats
-from .store._location import Location, check_storage_options
+from .store._location import Location, check_path, check_storage_options
 from .store._outputs import reading
 
-__all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI"]
+__all__ = ["fit", "certify_dataset", "FitResult", "SAY_KEPT_PSI", "validation_split"]
 
 
 @dataclasses.dataclass
@@ -122,9 +131,11 @@ class FitResult:
     def __repr__(self) -> str:
         r = self.report
         verdict = _text.verdict(r) if "identifiable" in r and "ambiguous_dim" in r else "no certificate in the report"
-        mse = r.get("relative_train_mse")
+        mse, val = r.get("relative_train_mse"), r.get("relative_validation_mse")
         return (f"FitResult({r.get('dataset', '')!r}: {verdict}; {self.model.n_heads} heads; relative train MSE"
-                f" {'n/a' if mse is None else format(mse, '.3g')})")
+                f" {'n/a' if mse is None else format(mse, '.3g')}"
+                + ("" if "validation_mse" not in r else f", validation {'n/a' if val is None else format(val, '.3g')}")
+                + ")")
 
 
 #: from this many features on (the Cholesky and krylov paths: a solve of minutes and gigabytes) a fit says, before
@@ -137,7 +148,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         exact_mse: bool = True, overwrite: bool = False, progress=False, storage_options=None,
         device: str = "auto", plots: bool = True, resume: bool = False, checkpoint=None,
         keep_checkpoint: bool = False, solver: str = "auto", certificate: str = "auto",
-        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False) -> FitResult:
+        heads_budget: float | None = DEFAULT_BUDGET, fill_absent_chunks: bool = False,
+        validation: float = 0.0) -> FitResult:
     """Fit MHLA to a dataset by least squares, certify it and recover heads ([Y25] Algorithm 1).
 
     Parameters
@@ -177,11 +189,15 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         one is refused unless ``resume`` or ``overwrite`` (start over).
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
-    solver : "auto" | "eigh" | "cholesky" | "krylov"
+    solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
         Solver path (:func:`scaleattn.linalg._spectrum.solver_path`): ``"eigh"`` keeps the whole spectrum of
         ``Lambda_D`` (for the spectrum plot) at any psi; ``"auto"`` switches to Cholesky + Lanczos past
         ``LARGE_PSI`` and to the matrix-free krylov path past ``KRYLOV_PSI`` or when the dense path does not fit
-        in memory (:func:`scaleattn.distributed.memory.check_fit_memory`).
+        in memory (:func:`scaleattn.distributed.memory.check_fit_memory`). ``"stream"``: no statistics; CG and the
+        certificate from passes over the tokens in this process (:mod:`scaleattn.linalg._stream`, K-FAC
+        preconditioned), or the dual for fewer rows than features; svd heads only, no ``stats.zarr``, no plots.
+        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        (:func:`scaleattn.linalg._stream.fit_path`). The report's ``solver_path`` says which path ran and why.
     certificate : "auto" | "gram" | "qr"
         What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.linalg._qr`): ``"gram"`` the float64 Gram
         only; ``"qr"`` a tall-skinny QR of the features ``[Phi | Y]`` (a second pass over the data, any psi):
@@ -194,6 +210,13 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     fill_absent_chunks : bool
         For a dataset written by another tool: absent chunks mean the fill value (by default they are refused,
         naming the array and the samples).
+    validation : float
+        Fraction in ``[0, 1)`` of the samples held out for validation: the last ``ceil(validation * N)`` whole
+        samples (deterministic, as Keras' ``validation_split``; the order of a time series is kept: the model is
+        judged on what comes after its training data). They are left out of the statistics, the solve and
+        ``train_mse``; one more pass measures their MSE: the report's ``validation_mse``,
+        ``relative_validation_mse`` and ``validation_samples`` (:func:`validation_split`). 0 (default): every
+        sample is fitted.
 
     Returns
     -------
@@ -202,7 +225,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     Raises
     ------
     ParameterError
-        A parameter out of range or not one of its choices (before any work).
+        A parameter out of range or not one of its choices (before any work), or a ``validation`` that leaves
+        no sample to fit or none to validate on.
     DatasetError
         Malformed input (names the array and sample), or a dataset without targets.
     OutputExistsError
@@ -235,22 +259,32 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     True
     """
     t0 = time.perf_counter()
+    check_dataset_argument(dataset, "fit")
+    if out is not None:
+        check_path(out, "fit", "as `out` a run directory's path or URL")
     heads = heads_spec(heads)
     cutoff_rtol = check_cutoff(cutoff_rtol)
     ridge = check_ridge(ridge)
     heads_budget = seconds("heads_budget", heads_budget)
-    choice("solver", solver, SOLVERS)
+    choice("solver", solver, FIT_SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
+    validation = real("validation", validation, 0.0, 1.0, high_open=True)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     ds = preflight(dataset, out, overwrite, storage_options, checkpoint=checkpoint, resume=resume,
                    fill_absent_chunks=fill_absent_chunks)
+    n_train = ds.n_samples - validation_split(ds.n_samples, validation)
+    train = ds.first(n_train) if n_train < ds.n_samples else ds  # the statistics, solve and train MSE: these only
     check_reachable(client, [("dataset", ds.store)])
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
+    path, why = _stream_path(train, solver, heads, ridge, certificate)
+    if path is not None:
+        return _fit_streaming(ds, train, run_locations(ds, out, None, storage_options)[0], out_label, path, why,
+                              cutoff_rtol, overwrite, reporter, t0)
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
-                              dense=ridge > 0, heads=heads)["path"]
+                              dense=ridge > 0, heads=heads, n_rows=_rows_of(ds))["path"]
     if client is not None and solver == "krylov" and heads != "svd":  # Tc stays on the workers: products only
         raise ParameterError(f"`heads={heads!r}` needs the dense Gram (loss-weighted head fits); a krylov fit on a"
                              " cluster keeps Tc on the workers: use `heads='svd'` (or `solver='cholesky'` where G"
@@ -267,7 +301,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         try:
             # krylov on a cluster: the tiles of Tc stay on the workers (no node holds Tc or G)
             build_on = remote_build if client is not None and solver == "krylov" else build_statistics
-            build = build_on(ds, client, progress=reporter, device=device, checkpoint=ckpt)
+            build = build_on(train, client, progress=reporter, device=device, checkpoint=ckpt)
             stats = build.statistics
         except BaseException as e:
             after_failed_build(e, ckpt, new_ckpt)
@@ -282,13 +316,15 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
                           " options) solves again from them")
         try:
             opts = _SolveOptions(heads, cutoff_rtol, ridge, solver, certificate, heads_budget)
-            result = _finish(ds, stats, client, reporter, times, build, opts, exact_mse,
+            result = _finish(train, stats, client, reporter, times, build, opts, exact_mse,
                              ckpt if keep_checkpoint else None)
+            if train is not ds:  # the held-out samples: one more pass, the model as it will be saved
+                _validate(result, ds, train.n_samples, client, reporter, times)
             result.report["seconds"] = time.perf_counter() - t0
             if out is not None:
                 with reporter.phase("write", out_label + (" with plots" if plots else "")):
                     t = time.perf_counter()
-                    files = _plots(result, ds) if plots else None
+                    files = _plots(result, train) if plots else None
                     if plots:
                         times["plots"] = time.perf_counter() - t
                     result.files = write_run(result, out, overwrite=overwrite, files=files)
@@ -309,6 +345,40 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     return result
 
 
+def validation_split(n_samples: int, fraction: float) -> int:
+    """The number of samples a fit holds out for validation: the last ``ceil(fraction * n_samples)`` (0 for a
+    fraction of 0), refused where that leaves no sample to fit or holds none out.
+
+    Raises
+    ------
+    ParameterError
+        ``fraction`` > 0 holds out every sample or none (named with the counts).
+
+    Examples
+    --------
+    >>> validation_split(100, 0.2), validation_split(64, 0.2), validation_split(10, 0.0)
+    (20, 13, 0)
+    """
+    if fraction <= 0:
+        return 0
+    held = math.ceil(round(fraction * n_samples, 9))  # (0.7 * 10 is 7.000000000000001: not 8 held out)
+    if held >= n_samples:
+        raise ParameterError(f"`validation={fraction:g}` of {n_samples} sample{'s' * (n_samples != 1)} holds out"
+                             " every one: nothing is left to fit (a smaller fraction, or more samples)")
+    return held
+
+
+def _validate(result: FitResult, ds: Dataset, n_train: int, client, reporter, times: dict) -> None:
+    """The validation MSE of a fit's model on the held-out samples ``[n_train, N)`` of ``ds`` (the report's
+    ``validation_*`` keys, docs/report.md)."""
+    t = time.perf_counter()
+    v = evaluate(result.model, ds, client, progress=reporter, samples=(n_train, ds.n_samples))
+    times["validation"] = time.perf_counter() - t
+    result.report.update({"n_samples": ds.n_samples, "train_samples": n_train,
+                          "validation_samples": ds.n_samples - n_train, "validation_mse": v["mse"],
+                          "relative_validation_mse": v["relative_mse"]})
+
+
 @dataclasses.dataclass(frozen=True)
 class _SolveOptions:
     """The validated options of the solve, certificate and head steps of :func:`fit`."""
@@ -319,6 +389,72 @@ class _SolveOptions:
     solver: str
     certificate: str
     heads_budget: float | None
+
+
+def _rows_of(ds) -> int:
+    """The dataset's rows (its lengths read for causal data with lengths)."""
+    return count_rows(ds.n_samples, ds.length, ds.causal,
+                      ds.read_lengths(0, ds.n_samples) if ds.causal and ds.has_lengths else None)
+
+
+def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tuple[str | None, str]:
+    """:func:`scaleattn.linalg._stream.fit_path` for a dataset (its rows counted from its lengths), refused with
+    ``certificate="qr"`` (the streaming paths certify from passes or by dimension count)."""
+    if solver not in ("auto", "stream"):
+        return None, f"asked for (solver={solver!r})"
+    n_rows = _rows_of(ds)
+    path, why = fit_path(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, available=available_memory())
+    if path is not None and certificate == "qr":
+        if solver == "stream":
+            raise ParameterError("`certificate='qr'` needs the statistics build; `solver='stream'` certifies from"
+                                 " passes over the tokens (use certificate='auto' or 'gram')")
+        return None, "certificate='qr' asked for"
+    if path is not None:
+        check_path_memory(path, n_rows, ds.d, ds.d_out, available_memory(), chunk_bytes(ds))
+    return path, why
+
+
+def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0) -> FitResult:
+    """A fit by :mod:`scaleattn.linalg._stream` in this process (DESIGN §4b): the ``train`` samples of ``ds`` read
+    chunk by chunk in every pass, no statistics (no ``stats.zarr``), svd heads, the training MSE from the path's
+    own pass; the held-out samples (``validation``) measured by :func:`_validate`."""
+    full, ds = ds, train
+    with holding(full, out, None):
+        preflight(full, out, overwrite)
+        times = {}
+        t = time.perf_counter()
+        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
+            src = rows_from_dataset(ds)
+            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol)
+        times["solve"] = time.perf_counter() - t
+        h = recover_heads(sol.coef, ds.d, "svd")
+        model = model_from_heads(sol, h, ds.d, ds.causal)
+        n_out = max(sol.n_rows * ds.d_out, 1)
+        ms = sol.yy / n_out
+        check_no_worse_than_zero(sol.sse / n_out, ms, 1e-9 * ms)
+        cert = sol.certificate
+        report = {"n_rows": sol.n_rows, "n_samples": ds.n_samples, "length": ds.length, "d": ds.d,
+                  "d_out": ds.d_out, "causal": ds.causal, "psi": n_features(ds.d), **cert.summary(),
+                  "train_mse": sol.sse / n_out, "relative_train_mse": sol.sse / sol.yy if sol.yy > 0 else float("nan"),
+                  "target_mean_square": ms, "n_heads": model.n_heads, "heads_method": h.method,
+                  "heads_residual": h.residual, "head_singular_values": h.spectrum.tolist(), "loss_vs_heads": [],
+                  "ridge": 0.0, "effective_dof": sol.effective_dof,
+                  "solver_path": {"path": path, "reason": why, "statistics_written": False}}
+        teacher = full.teacher()
+        if teacher is not None:
+            report["teacher_heads"] = int(teacher[0].shape[0])
+            report["teacher_coef_distance"] = coef_distance(model.coef, coef_from_heads(*teacher))
+        model.attrs.update({"dataset": full.url, "scaleattn_version": __version__, "heads_method": h.method})
+        report.update(timings=times, scaleattn_version=__version__, dataset=full.url,
+                      dataset_fingerprint=full.fingerprint, checkpoint=None, seconds=time.perf_counter() - t0)
+        result = FitResult(model, None, sol, h, report)
+        if train.n_samples < full.n_samples:
+            _validate(result, full, train.n_samples, None, reporter, times)
+        if out is not None:
+            with reporter.phase("write", out_label):
+                result.files = write_run(result, out, overwrite=overwrite)
+                result.out = out_label
+    return result
 
 
 def _finish(ds, stats, client, reporter, times, build, o: _SolveOptions, exact_mse, kept_ckpt) -> FitResult:
@@ -439,9 +575,11 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
         Relative eigenvalue cutoff in (0, 1).
     progress : bool or Reporter
     storage_options : dict or list of "KEY=VALUE", optional
-    solver : "auto" | "eigh" | "cholesky" | "krylov"
+    solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
         As :func:`scaleattn.certify`: ``"eigh"`` gives the whole spectrum, ``"cholesky"`` and ``"krylov"`` the
-        extreme eigenvalues only (krylov with their intervals, ``G`` never formed); ``"auto"`` as :func:`fit`.
+        extreme eigenvalues only (krylov with their intervals, ``G`` never formed); ``"stream"`` the same from
+        passes over the tokens (no statistics; for fewer rows than features the dual's kernel rank);
+        ``"auto"`` as :func:`fit`.
     device : "auto" | "cpu" | "gpu"
     certificate : "auto" | "gram" | "qr"
         As :func:`fit`: ``"auto"`` takes a second pass (a QR of the features, no targets) only when the Gram
@@ -470,16 +608,22 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     >>> certify_dataset("data.zarr").identifiable  # doctest: +SKIP
     True
     """
+    check_dataset_argument(dataset, "certify_dataset")
     cutoff_rtol = check_cutoff(cutoff_rtol)
-    choice("solver", solver, SOLVERS)
+    choice("solver", solver, FIT_SOLVERS)
     choice("certificate", certificate, CERTIFICATE_METHODS)
     check_device(device, need_gpu_here=client is None)
     reporter = as_reporter(progress)
     check_storage_options(storage_options, dataset)  # (fsspec's options of a local path: ignored, so refused)
     ds = open_input(dataset, storage_options, fill_absent_chunks)
     check_reachable(client, [("dataset", ds.store)])
+    path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
+    if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
+        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
+            src = rows_from_dataset(ds, targets=False)
+            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
-                              chunk_bytes=chunk_bytes(ds, False))["path"]
+                              chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":
         check_qr_memory(ds.d, 0, client)
     with reading(ds.store, "dataset"):  # no other run replaces the dataset while it is read

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import textwrap
 import warnings
 
@@ -31,7 +32,7 @@ from .errors import DatasetError, Note, ParameterError, ScaleattnError
 from .run import MODEL, SPECTRUM, SPECTRUM_RECOMPUTE_PSI, STATS, read_run, spectrum_not_kept, write_files
 from .run import read_run as load_run  # noqa: F401 (its old, documented name)
 from .store import _formats
-from .store._location import Location, check_storage_options, is_url, options_for, resolve
+from .store._location import Location, check_path, check_storage_options, is_url, options_for, resolve
 from .store._outputs import check_disjoint, check_output_location, hold, reading, relation
 
 __all__ = ["spectrum_figure", "head_spectrum_figure", "loss_vs_heads_figure", "predictions_figure",
@@ -319,14 +320,27 @@ def predictions_figure(y, y_hat, title: str | None = None, *, dataset: str | Non
         where = f"{dataset} ({where})" if where else dataset
     head = f"Predictions against targets on {where}" if where else "Predictions against targets"
     of = "of these rows, all outputs" if d_out > 1 else "of these rows"
-    text = title or (f"{head}\n{rows}, MSE {mse:.3g} ({of}); dashed: y = ŷ"
+    text = title or (f"{head}\n{rows}, MSE {mse:.3g} ({of}); dashed:\u00a0y\u00a0=\u00a0ŷ"  # (kept on one line)
                      + (f"\n{d_out} outputs pooled (colour and marker by output)" if pooled else ""))
     # wrapped to the figure's width (a long dataset name or the rows line ran off both edges): about 13
     # characters per inch at 10 pt, 11 at 12 pt
     per_inch = 13 if ncols > 1 else 11
-    text = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
+    text = "\n".join(_wrap(line, int(fig.get_figwidth() * per_inch)) for line in text.split("\n"))
     fig.suptitle(text, fontsize="medium" if ncols > 1 else "large")
     return fig
+
+
+def _wrap(line: str, width: int) -> str:
+    """``line`` wrapped to ``width`` characters, never inside parentheses (``(of these rows, all outputs)``
+    and ``(the training data)`` broke in two across lines).
+
+    Examples
+    --------
+    >>> _wrap("Predictions against targets on x.zarr (the training data)", 50)
+    'Predictions against targets on x.zarr\n(the training data)'
+    """
+    kept = re.sub(r"\([^()]*\)", lambda m: m.group(0).replace(" ", "\u00a0"), line)  # (no break at a no-break space)
+    return textwrap.fill(kept, width, break_long_words=False).replace("\u00a0", " ")
 
 
 def _rows_drawn(n: int, total_rows: int | None, samples: tuple[int, int] | None) -> str:
@@ -393,6 +407,8 @@ def run_figures(run, dataset=None, storage_options=None, *, full_spectrum: bool 
             if not given and _is_training(ds, r, storage_options) is False:  # (the report's numbers are another's)
                 raise DatasetError(f"{ds.url} changed since the fit (another dataset is stored there now); pass"
                                    " `dataset` to draw the predictions on it as it is now")
+            if r.get("train_samples") and ds.n_samples > r["train_samples"] and _is_training(ds, r, storage_options):
+                ds = ds.first(int(r["train_samples"]))  # (a fit with validation: its training samples, as its MSE)
             figs["predictions"] = predictions_figure(*sample_predictions(view["model"], ds),
                                                      dataset=_dataset_name(ds.url), total_rows=dataset_rows(ds),
                                                      samples=(samples_drawn(ds), int(ds.n_samples)),
@@ -445,6 +461,8 @@ def save_run_plots(run, out=None, *, dataset=None, storage_options=None, dpi: in
     ``out`` or ``storage_options`` where no path (the run, ``out``, the dataset) is a URL, and
     :class:`~scaleattn.errors.OutputInUseError` while a fit writes the run or ``out`` (their locks are held).
     """
+    if not hasattr(run, "certificate"):
+        check_path(run, "save_run_plots", "a run directory's path or URL, or a FitResult")
     if out is None:
         if hasattr(run, "certificate"):
             raise ParameterError("save_run_plots: give `out` when plotting a FitResult")

@@ -25,7 +25,15 @@ from .linalg._spectrum import LARGE_PSI
 from .model import MHLAModel
 from .statistics._container import Statistics
 from .store import _formats, _integrity
-from .store._location import Location, check_kind, check_storage_options, did_you_mean, resolve, settle_writes
+from .store._location import (
+    Location,
+    check_kind,
+    check_path,
+    check_storage_options,
+    did_you_mean,
+    resolve,
+    settle_writes,
+)
 from .store._outputs import RUN, atomic_output, is_scaleattn_plot
 
 __all__ = ["write_run", "write_files", "read_run", "save_spectrum", "load_spectrum", "report_digest",
@@ -100,7 +108,8 @@ def write_run(result, out, overwrite: bool = False, files: dict | None = None) -
     when ``out`` exists and not ``overwrite``.
     """
     out = resolve(out)
-    on_workers = getattr(result.statistics, "operator", None) is not None  # krylov on a cluster: Tc never gathered
+    # krylov on a cluster: Tc never gathered; the streaming paths make no statistics (DESIGN §4b)
+    on_workers = result.statistics is None or getattr(result.statistics, "operator", None) is not None
     names = [REPORT, MODEL] + ([] if on_workers else [STATS])
     text = _formats.dumps(result.report).encode()
     bind = {RUN_ATTR: report_digest(text)}  # each store names the report it belongs to (checked by read_run)
@@ -250,6 +259,7 @@ def read_run(run, storage_options=None, *, full_spectrum: bool = False) -> dict:
     ParameterError
         ``run`` is a file, or a path through a file.
     """
+    check_path(run, "read_run", "a run directory's path or URL (written by fit)")
     check_storage_options(storage_options, run)  # (fsspec's options of a local path: ignored, so refused)
     run = resolve(run, storage_options)
     check_kind(run, "run", "a run directory", directory=True)

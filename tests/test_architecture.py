@@ -27,8 +27,8 @@ ORDER = [
     ("features", []),
     ("data", ["_checks", "_dataset", "_writer"]),
     ("statistics", ["_compiled", "_kernel", "_container"]),
-    ("linalg", ["_gram_compiled", "_gram", "_lanczos", "_dense", "_spectrum", "_certificate", "_krylov", "_solver",
-                "_qr"]),
+    ("linalg", ["_gram_compiled", "_gram", "_lanczos", "_dense", "_spectrum", "_certificate", "_krylov", "_stream",
+                "_solver", "_qr"]),
     ("heads", ["_algebra", "_fit", "_bounds", "_search"]),
     ("model", []),
     ("distributed", ["reduction", "partition", "checkpoint", "memory", "build", "operator", "evaluate", "tsqr",
@@ -37,7 +37,7 @@ ORDER = [
     ("estimator", []), ("importers", []), ("generate", []),
     ("submit", ["manifest", "follow", "command"]),
     ("baselines", ["models", "training", "paper"]),
-    ("bench", ["workers", "build", "solve", "core", "tensor", "krylov", "gpu", "adamw"]),
+    ("bench", ["workers", "build", "solve", "core", "tensor", "krylov", "stream", "gpu", "adamw"]),
     ("cli", ["parser", "commands", "__main__"]),  # (__main__ runs the face: after it)
     ("__main__", []),
 ]

@@ -67,7 +67,7 @@ FREE = [
 ]
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 DASK_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ - distributed\.")
-WAIT_LINE = re.compile(r"^\w+: waiting for the first \w+ \(")
+WAIT_LINE = re.compile(r"^\w+: waiting for the first \w+( \(|$)")
 ROUNDOFF = 1e-10
 ROUNDOFF_DECADES = 3.0
 ZERO = 1e-40

@@ -5,7 +5,7 @@ the docs' lists are checked against it by the tests).
 """
 from __future__ import annotations
 
-__all__ = ["SUITES", "VERSUS", "summary"]
+__all__ = ["SUITES", "VERSUS", "QUICK_HELP", "summary"]
 
 #: ``scaleattn bench SUITE``: name -> (module, what it measures); the first is the default
 SUITES = {
@@ -17,10 +17,19 @@ SUITES = {
     "solve": ("scaleattn.bench.solve", "the dense solve against psi^3/3 at the DGEMM rate (d = 24, 32) and the"
                                        " d = 32 factorisation with OpenBLAS's own kernel choice (numpy's, scipy's"
                                        " and ours, each in a fresh process)"),
+    "stream": ("scaleattn.bench.stream", "the streaming path (passes over the tokens, K-FAC CG) against the Gram route"
+                                         " at d = 16, 24, 32 and the time of a pass at d = 64"),
 }
 #: ``scaleattn bench --vs PEER``: name -> (module, what it measures)
 VERSUS = {"adamw": ("scaleattn.bench.adamw", "time-to-MSE and final MSE of AdamW-trained MHLA vs our fit (needs the"
                                              " torch extra)")}
+
+
+#: what ``--quick`` does and takes, as measured (the help said "about 2 minutes for core on 2 cores"; a run under
+#: load took 450 s): ``scaleattn bench --quick`` (core) ran 11 min 8 s on 2 cores shared with other work (load
+#: average 17-19), 2bce6fa
+QUICK_HELP = ("small sizes, a smoke test of the benchmark itself (core: 11 minutes measured on 2 cores shared with"
+              " other work; less on idle cores; bench.md gives the run's total)")
 
 
 def summary() -> str:
@@ -29,7 +38,7 @@ def summary() -> str:
     Examples
     --------
     >>> summary()
-    'benchmarks: core (default), tensor, gpu, krylov, solve; or --vs adamw'
+    'benchmarks: core (default), tensor, gpu, krylov, solve, stream; or --vs adamw'
     """
     names = list(SUITES)
     return (f"benchmarks: {names[0]} (default), {', '.join(names[1:])}; or "

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-__all__ = ["build_table", "gemm_rate", "copy_bandwidth", "markdown", "target_vs_floor", "run_child", "SIZES",
+__all__ = ["build_table", "gemm_rate", "starved_probe", "copy_bandwidth", "markdown", "target_vs_floor", "run_child", "SIZES",
            "QUICK_SIZES", "TARGET_VS_LOOP", "MAX_ROUNDS"]
 
 #: the build's target speed-up over the chunked numpy loop (issue 19), at every d from 4 to 32
@@ -284,6 +284,39 @@ def build_table(sizes=SIZES, rate: float | None = None, *, bandwidth: float | No
     return out
 
 
+def starved_probe(ratios, rates_gflops) -> str | None:
+    """The warning of a run whose rate probes were starved, or None: a build / floor ratio below 1 means a build
+    ran faster than its lower bound, which no build can: the GEMM probe (or the copy) ran while other load took
+    the cores, so its rate, every floor computed from it and every ratio to them understate this machine (a quick
+    benchmark under load printed builds at 0.37-0.43x "the floor", its probe at 7.9 GFLOP/s, without a word).
+
+    Examples
+    --------
+    >>> starved_probe([1.8, 0.41], [7.9, 12.0])[:66]
+    '1 of 2 builds ran below their floor (down to 0.41x): a lower bound'
+    >>> starved_probe([1.8, 1.2], [50.0]) is None
+    True
+    """
+    ratios = [r for r in ratios if r is not None]
+    below = [r for r in ratios if r < 1.0]
+    if not below:
+        return None
+    rates = [r for r in rates_gflops if r is not None]
+    probe = f" ({min(rates):.1f}-{max(rates):.1f} GFLOP/s here)" if rates else ""
+    return (f"{len(below)} of {len(ratios)} builds ran below their floor (down to {min(below):.2f}x): a lower bound"
+            f" cannot be beaten, so the GEMM probe{probe} was starved by other load on the cores while it ran; the"
+            " floors and the build / floor ratios of this run understate the machine: run the benchmark again on an"
+            " idle machine")
+
+
+def _ratio(value, target) -> str:
+    """A build / floor ratio with its target, or, below 1 (faster than a lower bound), said to be a starved
+    probe's (:func:`starved_probe`)."""
+    if value is not None and value < 1.0:
+        return f"{value:.2f} (below the floor: starved probe)"
+    return f"{'-' if value is None else f'{value:.2f}'} ({_met(value, target, le=True)})"
+
+
 def _floors(r: dict, rate: float, bandwidth: float) -> dict:
     """The multiply-add floor, the bytes floor, their max and the build's ratio to it at these rates."""
     f = {"floor_macs_s": 2.0 * r["macs"] / rate, "floor_bytes_s": r["token_bytes"] / bandwidth}
@@ -306,12 +339,15 @@ def markdown(table: list[dict]) -> str:
                                                                  else "")
         lines.append(f"| {r['d']} | {r['rows']:,} | {kind} | {r['kernel']} | {f(r['build_s'])} |"
                      f" {f(r['floor_s'], 4)} ({f(r['floor_macs_s'], 4)} / {f(r['floor_bytes_s'], 4)}) |"
-                     f" {f(r['build_vs_floor'], 2)} ({_met(r['build_vs_floor'], target_vs_floor(r['d']), le=True)}) |"
+                     f" {_ratio(r['build_vs_floor'], target_vs_floor(r['d']))} |"
                      f" {f(r['vs_best'], 2)} | {r['rate_gflops']:.1f}, {r['bandwidth_gbs']:.1f} |"
                      f" {_peer(r, 'loop')} | {f(r['speedup_vs_loop'], 2)}"
                      f" ({_met(r['speedup_vs_loop'], TARGET_VS_LOOP, le=False)}) | {f(r['loop_vs_floor'], 2)} |"
                      f" {_peer(r, 'syrk')} | {r['load_avg']:.2f} |")
     if table:
+        starved = starved_probe([r["build_vs_floor"] for r in table], [r["rate_gflops"] for r in table])
+        if starved:
+            lines.append(f"\n**Warning**: {starved}.")
         lo, hi = min(r["rate_gflops"] for r in table), max(r["rate_gflops"] for r in table)
         rounds = sorted({r["rounds"] for r in table})
         lines.append(f"\nbuild s: the best of {rounds[0]}{'' if len(rounds) == 1 else f'-{rounds[-1]}'} builds per"

@@ -26,6 +26,10 @@ def _cluster(args, reporter=None):
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
+    if getattr(args, "solver", None) == "stream":  # passes over the tokens in this process: no cluster to start
+        if getattr(args, "scheduler", None):
+            warnings.warn("--solver stream runs in this process: --scheduler is not used", Note, stacklevel=1)
+        return contextlib.nullcontext(None)
     from ..distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)
@@ -102,8 +106,8 @@ def _cmd_generate(args) -> int:
     if args.task == "mhla":
         ds = generate.generate_mhla(args.path, args.d, args.heads, args.length, args.samples, d_out=args.d_out,
                                     noise=args.noise, causal=args.causal, variable_lengths=args.variable_lengths,
-                                    seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
-                                    storage_options=opts)
+                                    seed=args.seed, teacher_seed=args.teacher_seed, chunk_samples=args.chunk_samples,
+                                    overwrite=args.overwrite, storage_options=opts)
     else:
         ds = generate.generate_assoc(args.path, args.pairs, args.samples, dim=args.dim, orthogonal=args.orthogonal,
                                      seed=args.seed, chunk_samples=args.chunk_samples, overwrite=args.overwrite,
@@ -148,11 +152,11 @@ def _cmd_import(args) -> int:
 
 def _cmd_fit(args) -> int:
     from .._backend import check_device
-    from .._params import heads_spec
+    from .._params import heads_spec, real
     from ..display._text import fit_summary
     from ..linalg._certificate import check_cutoff
     from ..linalg._solver import check_ridge
-    from ..pipeline import fit
+    from ..pipeline import fit, validation_split
     from ..preflight import holding, preflight, run_locations
 
     reporter = _reporter(args)
@@ -164,6 +168,7 @@ def _cmd_fit(args) -> int:
     _check_cluster_args(args)
     ds = preflight(args.dataset, args.out, args.overwrite, opts, checkpoint=args.checkpoint, resume=args.resume,
                    fill_absent_chunks=args.fill_absent_chunks)
+    validation_split(ds.n_samples, real("validation", args.validation, 0.0, 1.0, high_open=True))
     ckpt = run_locations(ds, args.out, args.checkpoint, opts)[1]
     if args.resume and not args.overwrite and (ckpt is None or not ckpt.exists()):  # (then a whole fit follows)
         where = f"at {args.checkpoint}" if args.checkpoint else f"for {args.out}"
@@ -177,7 +182,7 @@ def _cmd_fit(args) -> int:
                   solver=args.solver, certificate=args.certificate, exact_mse=not args.no_exact_mse,
                   overwrite=args.overwrite, progress=reporter,
                   storage_options=opts, device=args.device, plots=not args.no_plots, resume=args.resume,
-                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint,
+                  checkpoint=args.checkpoint, keep_checkpoint=args.keep_checkpoint, validation=args.validation,
                   **({} if args.heads_budget is None else {"heads_budget": args.heads_budget}))
         args.written = args.out  # complete: an interrupt from here on (printing, closing the cluster) loses nothing
         # the fit's own time ends with its report; writing the run (and rendering the plots) comes after

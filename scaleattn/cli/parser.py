@@ -8,7 +8,7 @@ from .._backend import DEVICES
 from .._params import int_at_least, positive_seconds, seed
 from .._version import __version__
 from ..linalg._qr import CERTIFICATE_METHODS, QR_MAX_PSI
-from ..linalg._spectrum import SOLVERS
+from ..linalg._stream import FIT_SOLVERS
 from ..store._names import one_line
 
 __all__ = ["build_parser"]
@@ -62,11 +62,13 @@ def _add_solver_args(p):
     """The cutoff, the solver path and the certificate method (fit and certify)."""
     p.add_argument("--cutoff-rtol", "--rtol", dest="cutoff_rtol", type=float, default=None,
                    help="relative eigenvalue cutoff in (0, 1) (default 16*psi*eps; --rtol is its old name)")
-    p.add_argument("--solver", choices=list(SOLVERS), default="auto",
+    p.add_argument("--solver", choices=list(FIT_SOLVERS), default="auto",
                    help="auto (default): eigh up to psi = 2,000, then Cholesky + Lanczos (extreme eigenvalues only),"
-                        " then krylov past psi = 20,000 or when the dense path does not fit in memory; eigh: the whole"
+                        " then krylov past psi = 20,000 or when the dense path does not fit in memory, and the dual"
+                        " (an N x N kernel) for fewer rows than features past psi = 2,000; eigh: the whole"
                         " spectrum of Lambda_D at any psi (slower); krylov: matrix-free CG and Lanczos on the"
-                        " compact Gram, G never formed")
+                        " compact Gram, G never formed; stream: no statistics, CG and the certificate from passes"
+                        " over the tokens in this process (svd heads, no stats.zarr)")
     _add_certificate_arg(p)
 
 
@@ -133,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--noise", type=float, default=0.0, help="std of Gaussian target noise (default 0)")
     m.add_argument("--causal", action="store_true", help="targets at every prefix (N, T, d_out)")
     m.add_argument("--variable-lengths", action="store_true", help="random lengths in [1, T], zero padded")
-    m.add_argument("--seed", type=seed, default=0, help="random seed of the teacher and the tokens (default 0)")
+    m.add_argument("--seed", type=seed, default=0,
+                   help="random seed of the tokens, and of the teacher unless --teacher-seed (default 0)")
+    m.add_argument("--teacher-seed", type=seed, default=None, metavar="SEED",
+                   help="random seed of the teacher alone (default: --seed): test data of the same teacher on new"
+                        " tokens is --teacher-seed S --seed S2 with the training data's S and any other S2")
     m.add_argument("--chunk-samples", type=int, default=None, help="sequences per Zarr chunk (default ~4 MB chunks)")
     _add_io_args(m)
     a = gsub.add_parser("assoc", help="associative memory task [Y25 Sec. 4.2]")
@@ -178,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--ridge", type=float, default=0.0, metavar="LAMBDA",
                    help="ridge on features scaled to unit mean square, for noisy or short data, at most 1e12"
                         " (default 0)")
+    f.add_argument("--validation", type=float, default=0.0, metavar="FRACTION",
+                   help="hold out the last FRACTION of the samples (whole samples, e.g. 0.2): left out of the fit,"
+                        " their MSE is reported as validation MSE next to the train MSE (default 0: fit them all)")
     f.add_argument("--no-exact-mse", action="store_true",
                    help="skip the evaluation pass; train MSE from the statistics (round-off: train_mse_stats_floor;"
                         " the pass still runs where that round-off passes 1e-6 of the mean y^2)")
@@ -237,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("suite", nargs="?", default=next(iter(bench.SUITES)), choices=list(bench.SUITES),
                    help=bench.suite_help())
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
-    b.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes for core on 2 cores)")
+    b.add_argument("--quick", action="store_true", help=bench.QUICK_HELP)
     b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit", "products"], default=None,
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
                         " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44;"
@@ -309,7 +318,7 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
     is named."""
     import difflib
 
-    level, words = parser, []
+    level, words, value_next = parser, [], False
     for i, arg in enumerate(argv):
         subs = _subcommands(level)[1]
         if not subs or arg == "--":  # a command's own options: its parse reports them
@@ -319,13 +328,21 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
             words.append(arg)
             continue
         option = arg.split("=")[0]
-        known = {o for a in level._actions for o in a.option_strings}
-        if not arg.startswith("-") or option in known:
+        known = {o: a for a in level._actions for o in a.option_strings}
+        if value_next:  # the value of this level's option before it
+            value_next = False
+            continue
+        if not arg.startswith("-"):  # where the (sub)command goes: a mistyped one, whatever options follow it
+            dest, _ = _subcommands(level)
+            choices = ", ".join(repr(c) for c in subs)
+            return level, f"argument {dest.upper()}: invalid choice: {arg!r} (choose from {choices})"
+        if option in known:
+            value_next = "=" not in arg and known[option].nargs != 0
             continue
         owners = _owners(level, option)
         if not owners:  # the closest option of this level or of a command below (``--hedas fit``: ``--heads``)
-            close = difflib.get_close_matches(option, sorted(known | {o for q in _commands(level) for a in q._actions
-                                                                      for o in a.option_strings}), 1)
+            below = {o for q in _commands(level) for a in q._actions for o in a.option_strings}
+            close = difflib.get_close_matches(option, sorted(set(known) | below), 1)
             hint = "" if not close else f" (did you mean {close[0]}?)" if close[0] in known else (
                 f" (did you mean {close[0]}, an option of {_listed(_owners(level, close[0]))}? put it after the"
                 " command)")
@@ -342,6 +359,39 @@ def _misplaced(parser: argparse.ArgumentParser, argv: list[str]):
         return level, f"{option} is an option of {_listed(owners)}: put it after the command: scaleattn" \
                       f" {' '.join(words)} {arg} ..."
     return None
+
+
+#: how close (difflib's ratio) an unknown option must be to one of its command's own to be suggested before the
+#: options of other commands: ``--cvs``/``--csv`` 0.8, ``--hedas``/``--heads`` 0.86, ``--outt``/``--quiet`` 0.62
+OWN_CLOSE = 0.75
+#: and to another command's to be named (``--outt``/``--out`` 0.91; ``--nope``/``--noise`` 0.77 is no guess)
+OTHER_CLOSE = 0.8
+
+
+def _closest(parser: argparse.ArgumentParser, command: argparse.ArgumentParser, extra: list[str]) -> str:
+    """What the first unknown option of ``command`` was probably meant to be: `` (did you mean --heads?)`` for
+    the closest of its own options, or, where the option (or the closest one) belongs to other commands only
+    (``certify --out``), `` (--out is an option of the commands (fit, ...), not of scaleattn certify)``: never a
+    look-alike of another meaning (``--out`` -> ``--quiet``); empty when nothing is close."""
+    import difflib
+
+    own = {o for a in command._actions for o in a.option_strings if o.startswith("--")}
+    everywhere = own | {o for q in _commands(parser) for a in q._actions for o in a.option_strings
+                        if o.startswith("--")}
+    here = command.prog.removeprefix("scaleattn ")
+    for e in (e.split("=")[0] for e in extra if e.startswith("-")):
+        # a close option of this command first (--cvs: --csv, not bench's --vs); a mere look-alike of it (--outt:
+        # --quiet) gives way to another command's much closer one (--out)
+        close = [e] if e in everywhere else (difflib.get_close_matches(e, sorted(own), 1, OWN_CLOSE)
+                                             or difflib.get_close_matches(e, sorted(everywhere), 1, OTHER_CLOSE))
+        if not close:
+            continue
+        if close[0] in own:
+            return f" (did you mean {close[0]}?)"
+        owners = [o for o in _owners(parser, close[0]) if o != here]
+        said = "" if close[0] == e else f"did you mean {close[0]}? "
+        return f" ({said}{close[0]} is an option of {_listed(owners)}, not of {command.prog})"
+    return ""
 
 
 def _owners(level: argparse.ArgumentParser, option: str) -> list[str]:
@@ -374,7 +424,6 @@ def parse(argv=None) -> argparse.Namespace:
     closest of its options: "--hedas" -> "did you mean --heads?"), not by the top-level parser; one before its
     command by the parser it was given to (:func:`_misplaced`). ``args.prog`` is the command as its errors name it
     (``scaleattn generate mhla``)."""
-    import difflib
     import sys
 
     parser = build_parser()
@@ -386,8 +435,6 @@ def parse(argv=None) -> argparse.Namespace:
         args, extra = parser.parse_known_args(argv)
     command = _reached(parser, args)
     if extra:
-        options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
-        close = [m for e in extra if e.startswith("-") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
-        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {close[0]}?)" if close else ""))
+        command.error(f"unrecognized arguments: {' '.join(extra)}{_closest(parser, command, extra)}")
     args.prog = command.prog
     return args

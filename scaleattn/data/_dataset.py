@@ -29,7 +29,15 @@ import numpy as np
 from .. import _testing
 from ..errors import DatasetError, IntegrityError, StorageError
 from ..store import _bounds, _formats, _integrity
-from ..store._location import Location, access_error, check_kind, check_storage_options, did_you_mean, resolve
+from ..store._location import (
+    Location,
+    access_error,
+    check_kind,
+    check_path,
+    check_storage_options,
+    did_you_mean,
+    resolve,
+)
 from ._checks import (
     ARRAYS,
     check_arrays,
@@ -46,7 +54,8 @@ from ._checks import (
     verify_identity,
 )
 
-__all__ = ["Dataset", "DatasetError", "open_dataset", "check_arrays", "DIMS", "ChunkCache", "CUT_CHUNKS"]
+__all__ = ["Dataset", "DatasetError", "open_dataset", "check_dataset_argument", "check_arrays", "DIMS", "ChunkCache",
+           "CUT_CHUNKS"]
 
 FORMAT, FORMAT_VERSION = _formats.DATASET
 DIMS = {
@@ -271,6 +280,25 @@ class Dataset:
     def attrs(self) -> dict:
         return dict(self.group().attrs)
 
+    def first(self, n: int) -> Dataset:
+        """The first ``n`` samples, as a dataset: the same store, fingerprint and checks, but ``n_samples = n``,
+        so that row groups, statistics and evaluations stop at sample ``n`` (a fit's training part when the last
+        samples are held out for validation, :func:`scaleattn.fit`'s ``validation``). A chunk that ``n`` cuts
+        is read whole and checked, as any chunk a range cuts (:meth:`read_chunks`).
+
+        Raises :class:`ValueError` unless ``1 <= n <= n_samples``.
+
+        Examples
+        --------
+        >>> import numpy as np, scaleattn
+        >>> ds = scaleattn.write_dataset("_doc_first.zarr", np.ones((5, 3, 2)), np.ones((5, 2)), overwrite=True)
+        >>> ds.first(3).n_samples, ds.first(3).read(0, 3)[0].shape
+        (3, (3, 3, 2))
+        """
+        if not 1 <= int(n) <= self.n_samples:
+            raise ValueError(f"first({n}): a dataset of {self.n_samples} samples")
+        return dataclasses.replace(self, n_samples=int(n))
+
 
 def check_teacher(loc: Location, t, d: int, d_out: int, manifest_arrays: dict, generator=None) -> None:
     """The teacher heads ``t`` of a generated dataset are two float arrays ``V (H, d_out, d)``, ``Q (H, d, d)``
@@ -384,6 +412,26 @@ def _open_and_verify(loc: Location, fp: str):
     return g
 
 
+#: what a dataset entry says to a caller who passed arrays (:func:`check_dataset_argument`)
+ARRAYS_INSTEAD = ("; for arrays in memory use scaleattn.MHLARegressor().fit(tokens, targets), or write them as a"
+                  " dataset first (scaleattn.write_dataset(path, tokens, targets), or `scaleattn import`)")
+
+
+def check_dataset_argument(value, entry: str) -> None:
+    """Refuse, in one line, a ``dataset`` that is neither a :class:`Dataset` nor a store's path or URL (arrays, a
+    tuple of them, a dict), naming ``entry`` and pointing to what takes arrays
+    (:func:`scaleattn.store._location.check_path`).
+
+    Raises
+    ------
+    ParameterError
+        E.g. ``fit takes a dataset (a Zarr store's path or URL, or a Dataset), not a numpy.ndarray of shape
+        (512, 100, 2); for arrays in memory use scaleattn.MHLARegressor()...``.
+    """
+    if not isinstance(value, Dataset):
+        check_path(value, entry, "a dataset (a Zarr store's path or URL, or a Dataset)", ARRAYS_INSTEAD)
+
+
 def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_chunks: bool = False) -> Dataset:
     """Open and validate the structure of a dataset group (shapes, dtypes, metadata, attributes, that every
     chunk is stored; values are checked when rows are read).
@@ -424,6 +472,7 @@ def open_dataset(url: str, storage_options: dict | None = None, *, fill_absent_c
     >>> ds.n_samples, ds.length, ds.d, ds.d_out  # doctest: +SKIP
     (512, 100, 2, 2)
     """
+    check_dataset_argument(url, "open_dataset")
     check_storage_options(storage_options, url)  # (fsspec's options of a local path: ignored, so refused)
     loc = resolve(url, storage_options)
     url = loc.url

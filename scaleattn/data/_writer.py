@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ParameterError
 from ..store import _formats, _integrity
-from ..store._location import Location, check_storage_options, resolve
+from ..store._location import Location, check_path, check_storage_options, resolve
 from ..store._outputs import atomic_output
 from ._checks import check_arrays, check_lengths, check_values
 from ._dataset import DIMS, FORMAT, FORMAT_VERSION, Dataset, open_dataset
@@ -153,7 +153,8 @@ def write_dataset(
     url : str, path-like or Location
         Where to write the group.
     tokens : (N, T, d) float
-    targets : (N, d_out) or (N, T, d_out) float, optional
+    targets : (N, d_out), (N,) or (N, T, d_out) float, optional
+        ``(N,)`` (one output, as scikit-learn's ``y``) is stored as ``(N, 1)``.
     lengths : (N,) int, optional
     chunk_samples, shard_samples : int, optional
         Samples per Zarr chunk (default ~4 MB) and per shard (default unsharded).
@@ -196,8 +197,11 @@ def write_dataset(
     >>> ds.n_samples, ds.d_out
     (8, 2)
     """
+    check_path(url, "write_dataset", "as `url` the output store's path or URL (the arrays come after it)")
     check_storage_options(storage_options, url)  # (fsspec's options reach URLs only)
     loc = resolve(url, storage_options)
+    if getattr(targets, "ndim", None) == 1:  # one output per sample, as scikit-learn's y: stored (N, 1)
+        targets = targets[:, None]
     N, T, d, d_out, causal = check_arrays(tokens, targets, lengths)
     with atomic_output(loc, overwrite, _formats.DATASET[0]) as tmp:
         g = create_dataset(

@@ -10,7 +10,14 @@ import math
 import numpy as np
 
 from ..store._formats import loss_curve
-from ._text import METHOD_WORDS, fewer_heads_suffice, minimal_heads, teacher_distance_label, verdict
+from ._text import (
+    METHOD_WORDS,
+    fewer_heads_suffice,
+    lambda_min_text,
+    minimal_heads,
+    teacher_distance_label,
+    verdict,
+)
 
 __all__ = ["spectrum_svg", "certificate_html", "fit_html", "statistics_html", "model_html", "safe_html"]
 
@@ -145,7 +152,7 @@ def certificate_html(s: dict, spectrum_scaled=None, title: str = "Certificate") 
     color = _COLOR.get(v, _AMBER)
     head = {"identifiable": "&#10004; ", "not identifiable": "&#10008; "}.get(v, "? ") + _e(verdict(s))
     method = s.get("certificate_method", "gram")
-    rows = [("lambda_min", f"{_f(s['lambda_min'])}  <span style='opacity:0.7'>(of Lambda_D = G/N)</span>"),
+    rows = [("lambda_min", f"{_e(lambda_min_text(s))}  <span style='opacity:0.7'>(of Lambda_D = G/N)</span>"),
             ("lambda_max", _f(s["lambda_max"])),
             ("rank", f"{s['rank']:,} of psi = {s['psi']:,}"
                      + (f" ({s['ambiguous_dim']:,} ambiguous)" if s["rank"] < s["psi"] else "")),
@@ -220,7 +227,9 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
         ``<div class="scaleattn-fit">`` holding one card each for the certificate, the fit, the heads, the
         witness (when there is one) and the run.
     """
-    data = (f"{r['n_rows']:,} rows ({r['n_samples']:,} samples, T {r['length']},"
+    fitted = r.get("train_samples")
+    samples = f"{r['n_samples']:,}" if fitted is None else f"{fitted:,} of {r['n_samples']:,}"
+    data = (f"{r['n_rows']:,} rows ({samples} samples, T {r['length']},"
             f" {'causal prefixes' if r['causal'] else 'last token'}) &middot; d {r['d']}, d_out {r['d_out']},"
             f" psi {r['psi']:,}")
     head = (f'<div style="font-family:sans-serif;margin-bottom:0.2em"><b>scaleattn fit</b> of '
@@ -228,6 +237,10 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
             f'<span style="opacity:0.75;font-size:0.9em">{data}</span></div>')
     fit_rows = [("train MSE", _f(r.get("train_mse"))), ("relative", _f(r.get("relative_train_mse"), ".3g")),
                 ("mean y^2", _f(r.get("target_mean_square")))]
+    if "validation_mse" in r:  # the held-out samples (fit's validation): the generalisation the train MSE hides
+        fit_rows[2:2] = [("validation MSE", _f(r["validation_mse"])),
+                         ("relative", _f(r.get("relative_validation_mse"), ".3g")),
+                         ("held out", f"the last {r['validation_samples']:,} of {r['n_samples']:,} samples")]
     if "teacher_coef_distance" in r:
         fit_rows.append((teacher_distance_label(r), _f(r["teacher_coef_distance"], ".3g")))
     if r.get("ridge"):
@@ -245,8 +258,8 @@ def fit_html(r: dict, spectrum_scaled=None, out: str | None = None, files=None) 
                                 f"{_f(w['prediction_difference'], '.3g')} on a {len(w['tokens'])}-token input"),
                            ])))
     t = r.get("timings", {})
-    steps = [f"{k} {_f(t[k], '.2f')} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "plots")
-             if k in t]
+    steps = [f"{k} {_f(t[k], '.2f')} s"
+             for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation", "plots") if k in t]
     run_rows = [("wall time", f"{_f(r.get('seconds'), '.2f')} s (" + ", ".join(steps) + ")"),
                 ("row groups", f"{r.get('groups', 'n/a')} ({r.get('groups_resumed', 0)} resumed)")]
     if out:

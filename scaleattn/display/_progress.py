@@ -52,11 +52,13 @@ class Reporter:
         Context manager around one step (``"solve"``, ``"heads"``, ``"write"``) yielding ``note(text)``, what the
         step is doing now: reporters show a spinner with the latest note (in a log or a pipe, a line at most every
         :data:`NOTE_EVERY_S`), then ``name: done in X s``.
-    bar(name, total, unit="rows", done=0, note="", steps=0, step_unit="groups", steps_done=0)
+    bar(name, total, unit="rows", done=0, note="", steps=0, step_unit="groups", steps_done=0, wait_reason="")
         Context manager yielding ``advance(n=1, steps=0)``: a bar of ``total`` units of which ``done`` are
         already finished (resumed); ``steps`` counts the pieces of work (row groups, tasks) of which
         ``steps_done`` are finished, ``advance(n, steps=1)`` marks one more. Reporters show the counts, the
-        rate of the units computed in this run (units/s), the steps done and the time left.
+        rate of the units computed in this run (units/s), the steps done and the time left; after
+        :data:`PENDING_S` without a first step, what they wait for, with ``wait_reason`` when the caller knows
+        one (a statistics build whose kernels are being compiled).
     line(text)
         One line of information (cluster started, checkpoint kept, ...).
     status(text)
@@ -79,7 +81,7 @@ class Reporter:
 
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
-            step_unit: str = "groups", steps_done: int = 0):
+            step_unit: str = "groups", steps_done: int = 0, wait_reason: str = ""):
         yield lambda n=1, steps=0: None
 
     def line(self, text: str) -> None:
@@ -109,8 +111,8 @@ def _stopped(e: BaseException) -> str:
 class _BarState:
     """Counts of one bar (thread-safe: Dask callbacks may advance it from the client's event loop)."""
 
-    def __init__(self, name, total, unit, done, steps, step_unit, steps_done):
-        self.name, self.unit, self.step_unit = name, unit, step_unit
+    def __init__(self, name, total, unit, done, steps, step_unit, steps_done, wait_reason=""):
+        self.name, self.unit, self.step_unit, self.wait_reason = name, unit, step_unit, wait_reason
         self.total, self.done, self.fresh = max(int(total), 1), int(done), 0
         self.steps, self.steps_done = int(steps), int(steps_done)
         self.t0 = time.perf_counter()
@@ -158,10 +160,10 @@ class _BarState:
                 and (waited or time.perf_counter() - self.t0 >= PENDING_S))
 
     def waiting_text(self, why: bool = True) -> str:
-        """``waiting for the first group`` (with ``why``: and the reason, for the one line a wait prints: a
-        conditional one, since nothing compiles on later runs; detecting numba's cache is not reliable enough)."""
+        """``waiting for the first group`` (with ``why``: and the bar's ``wait_reason``, where its caller knows
+        one, for the one line a wait prints: said only when it holds, e.g. kernels being compiled)."""
         return f"waiting for the first {self._one()}" + (
-            " (the first run after an install compiles kernels, <= 40 s)" if why else "")
+            f" ({self.wait_reason})" if why and self.wait_reason else "")
 
     def live_rate_text(self) -> str:
         """:meth:`rate_text`, or while :meth:`pending`, what is awaited (short: the reason is a line of its own)."""
@@ -235,8 +237,8 @@ class ConsoleReporter(Reporter):
 
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
-            step_unit: str = "groups", steps_done: int = 0):
-        st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+            step_unit: str = "groups", steps_done: int = 0, wait_reason: str = ""):
+        st = _BarState(name, total, unit, done, steps, step_unit, steps_done, wait_reason)
         if note:
             self.console.print(f"{name}: {note}", highlight=False)
 
@@ -347,8 +349,8 @@ class NotebookReporter(Reporter):
 
     @contextlib.contextmanager
     def bar(self, name: str, total: int, unit: str = "rows", done: int = 0, note: str = "", steps: int = 0,
-            step_unit: str = "groups", steps_done: int = 0):
-        st = _BarState(name, total, unit, done, steps, step_unit, steps_done)
+            step_unit: str = "groups", steps_done: int = 0, wait_reason: str = ""):
+        st = _BarState(name, total, unit, done, steps, step_unit, steps_done, wait_reason)
         if note:
             self.line(f"{name}: {note}")
         handle = self._show(st.text(), st.html())

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "krylov_line", "certificate_summary", "evaluation_summary",
-           "comparison_summary", "verdict", "minimal_heads", "fewer_heads_suffice", "teacher_distance_label",
-           "METHOD_WORDS"]
+__all__ = ["fit_summary", "heads_line", "validation_line", "lambda_min_text", "lambda_resolution", "krylov_line",
+           "certificate_summary", "evaluation_summary", "comparison_summary", "verdict", "minimal_heads",
+           "fewer_heads_suffice", "teacher_distance_label", "METHOD_WORDS"]
 
 #: what decided a certificate (its ``certificate_method``), in words
 METHOD_WORDS = {"gram": "the float64 Gram", "qr": "a QR of the features"}
@@ -30,6 +32,9 @@ def verdict(r: dict) -> str:
     data), with a pointer to the QR certificate.
     """
     v = r.get("verdict") or ("identifiable" if r["identifiable"] else "not identifiable")
+    if (r.get("estimates") or {}).get("solver") == "dual":  # fewer rows than features: no precision involved
+        return (f"NOT identifiable: {r['ambiguous_dim']:,} feature direction(s) are not determined by the data"
+                f" [dimension count: {r['n_rows']:,} rows, {r['psi']:,} features; rank(G) = rank(K) = {r['rank']:,}]")
     method = r.get("certificate_method", "gram")
     at = "" if method == "qr" else " at the precision of the float64 Gram"
     margin, near = r.get("margin"), r.get("settle_factor")
@@ -55,7 +60,10 @@ def krylov_line(r: dict) -> str:
     """How settled the krylov path's numbers are (``estimates`` of a summary or report; "" on other paths): the
     interval each extreme eigenvalue of ``Lambda_D`` is known to lie in, and the CG solve's backward error."""
     e = r.get("estimates")
-    if not e or e.get("solver") != "krylov":
+    if e and e.get("solver") == "dual":
+        return (f"dual: {e['kernel_rows']:,} x {e['kernel_rows']:,} kernel K = Phi Phi^T, rank {e['kernel_rank']:,}"
+                " (no statistics written)" + "".join(f"\n  note: {n}" for n in e.get("notes", [])))
+    if not e or e.get("solver") not in ("krylov", "stream"):
         return ""
 
     def iv(key):
@@ -63,7 +71,14 @@ def krylov_line(r: dict) -> str:
         return "n/a" if x is None else (f"in [{x['lower']:.4g}, {x['upper']:.4g}]"
                                         + ("" if x["converged"] else " (wider than requested)"))
 
-    line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+    if e["solver"] == "stream":
+        kw = e.get("lambda_min_lower_probabilistic")
+        line = (f"stream: {e['data_passes']} passes over the tokens ({e['preconditioner']} preconditioner, no"
+                f" statistics written); lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+                + ("" if kw is None else f"; lambda_min >= {kw['lower']:.4g} with probability"
+                   f" {1 - kw['failure_probability']:g} (not a proof)"))
+    else:
+        line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
     if "backward_error" in e:
         line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
                  + ("" if e["solve_converged"] else " (target NOT reached)"))
@@ -78,6 +93,8 @@ def _cutoff(r: dict) -> str:
     """The rank's cutoff: on eigenvalues of the scaled Gram, or (QR) on singular values of the scaled R."""
     if r.get("certificate_method") == "qr":
         return f"(cutoff {math.sqrt(r['cutoff_rtol']):.1e} x sigma_max of R, Jacobi-scaled)"
+    if (r.get("estimates") or {}).get("solver") == "dual":
+        return f"(cutoff {r['cutoff_rtol']:.1e} x lambda_max of K = Phi Phi^T)"
     return f"(cutoff {r['cutoff_rtol']:.1e} x lambda_max, Jacobi-scaled)"
 
 
@@ -93,6 +110,37 @@ def _settled_by(r: dict) -> str:
            else ("settled" if gram == "not settled" else "confirmed" if gram == v else "overruled")
            + " by a QR of the features")
     return f"  (the Gram alone said: {gram}, rank {r['gram_rank']}, margin {_margin(r.get('gram_margin'))}; {how})"
+
+
+def lambda_resolution(r: dict) -> float | None:
+    """The smallest eigenvalue of ``Lambda_D`` the certificate's method can tell from 0: ``psi eps lambda_max`` for
+    eigenvalues of the float64 Gram, ``(psi eps)^2 lambda_max`` for squared singular values of a QR's R (None
+    without ``lambda_max``)."""
+    lmax, psi = r.get("lambda_max"), r.get("psi") or 1
+    if lmax is None or lmax != lmax:
+        return None
+    rel = psi * float(np.finfo(np.float64).eps)
+    return (rel * rel if r.get("certificate_method") == "qr" else rel) * lmax
+
+
+def lambda_min_text(r: dict) -> str:
+    """``lambda_min`` as printed: its value, or, where the certificate found undetermined directions (rank below
+    psi) and the value is below :func:`lambda_resolution`, ``0 within round-off (resolution X)``: a 1.5e-66 is
+    round-off, not a measured eigenvalue.
+
+    Examples
+    --------
+    >>> lambda_min_text({"lambda_min": 1.5e-66, "lambda_max": 0.01, "psi": 6, "rank": 5})
+    '0 within round-off (resolution 1.3e-17)'
+    >>> lambda_min_text({"lambda_min": 4.795e-05, "lambda_max": 0.0071, "psi": 6, "rank": 6})
+    '4.795e-05'
+    """
+    lam, res = r.get("lambda_min"), lambda_resolution(r)
+    if lam is None:
+        return "n/a"
+    if res is not None and r.get("rank", r.get("psi")) < r.get("psi", 0) and abs(lam) <= res:
+        return f"0 within round-off (resolution {res:.2g})"
+    return format(lam, ".4g")
 
 
 def _times(x: float) -> str:
@@ -113,15 +161,16 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
     report, ``cluster`` seconds to start or join the cluster, ``write`` seconds to write the run and its plots)
     adds a last line with the wall time of the whole command next to the fit's own."""
     lines = [
-        f"rows {r['n_rows']:,}  (samples {r['n_samples']:,}, T {r['length']},"
+        f"rows {r['n_rows']:,}  (samples {_samples(r)}, T {r['length']},"
         f" {'causal prefixes' if r['causal'] else 'last token'})",
         f"d {r['d']}  d_out {r['d_out']}  psi {r['psi']:,}  rank {r['rank']:,}  " + _cutoff(r),
-        f"lambda_min {r['lambda_min']:.4g}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
+        f"lambda_min {lambda_min_text(r)}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
         f"certificate: {verdict(r)}",
         *([_settled_by(r)] if _settled_by(r) else []),
         *([krylov_line(r)] if krylov_line(r) else []),
         f"train MSE {r['train_mse']:.4g}  (relative {_g(r['relative_train_mse'], '.3g')};"
         f" mean y^2 {r['target_mean_square']:.4g})",
+        *([validation_line(r)] if "validation_mse" in r else []),
         heads_line(r),
     ]
     if fewer_heads_suffice(r):  # only the teacher can tell this about svd heads (the head search finds the count)
@@ -165,7 +214,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
                          f" precision of {prec}, so the certificate counts it as undetermined; this pair does not"
                          " overturn the verdict)")
     t = r.get("timings", {})
-    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate") if k in t]
+    steps = [f"{k} {t[k]:.2f} s" for k in ("statistics", "qr", "solve", "heads", "evaluate", "validation") if k in t]
     lines.append(f"wall time {r['seconds']:.2f} s" + (f" ({', '.join(steps)})" if steps else ""))
     if command is not None:
         parts = [f"{label} {command[k]:.2f} s" for k, label in (("cluster", "cluster start"), ("write", "write"))
@@ -173,6 +222,26 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         lines.append(f"command {command['seconds']:.2f} s until this report"
                      + (f" ({', '.join(parts)})" if parts else ""))
     return "\n".join(lines)
+
+
+def _samples(r: dict) -> str:
+    """The samples a fit's rows come from: ``512``, or with validation ``409 of 512``."""
+    fitted = r.get("train_samples")
+    return f"{r['n_samples']:,}" if fitted is None else f"{fitted:,} of {r['n_samples']:,}"
+
+
+def validation_line(r: dict) -> str:
+    """The held-out samples' MSE of a fit with ``validation`` (``validation_mse``, docs/report.md).
+
+    Examples
+    --------
+    >>> validation_line({"validation_mse": 0.0127, "relative_validation_mse": 0.94, "validation_samples": 13,
+    ...                  "n_samples": 64})
+    'validation MSE 0.0127  (relative 0.94; the last 13 of 64 samples, held out of the fit)'
+    """
+    k = r["validation_samples"]
+    return (f"validation MSE {r['validation_mse']:.4g}  (relative {_g(r.get('relative_validation_mse'), '.3g')};"
+            f" the last {k:,} of {r['n_samples']:,} samples, held out of the fit)")
 
 
 def heads_line(r: dict) -> str:
@@ -215,7 +284,7 @@ def teacher_distance_label(r: dict) -> str:
 def certificate_summary(s: dict) -> str:
     """Two lines (three when a QR settled, confirmed or overruled the Gram's verdict) for ``Certificate.summary()``
     (``scaleattn certify``)."""
-    return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {s['lambda_min']:.4g}"
+    return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {lambda_min_text(s)}"
             f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict(s)}"
             + (f"\n{_settled_by(s)}" if _settled_by(s) else "") + (f"\n{krylov_line(s)}" if krylov_line(s) else ""))
 

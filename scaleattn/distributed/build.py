@@ -14,10 +14,11 @@ import numpy as np
 from .. import _testing
 from .._backend import array_module, check_device, is_numpy
 from ..data._checks import expected_rows, fingerprint, row_bindings
-from ..data._dataset import CUT_CHUNKS
+from ..data._dataset import CUT_CHUNKS, Dataset, check_dataset_argument, open_dataset
 from ..display._progress import as_reporter
 from ..errors import IntegrityError, ParameterError
 from ..features import n_features
+from ..statistics._compiled import kernels_cached
 from ..statistics._container import Statistics, accumulate
 from ..statistics._kernel import kernel_name
 from ..store._location import Location, resolve, with_retries
@@ -155,8 +156,8 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
 
     Parameters
     ----------
-    dataset : Dataset
-        From :func:`scaleattn.open_dataset`.
+    dataset : Dataset, str or path-like
+        From :func:`scaleattn.open_dataset` (a path or URL is opened with ``storage_options``).
     client : distributed.Client, optional
         Without one the tasks run in this process (same tree, same bits).
     targets : bool
@@ -212,6 +213,9 @@ def compute_statistics(dataset, client=None, *, targets: bool = True, group_samp
     >>> st.n_rows, st.d_out
     (640, 2)
     """
+    check_dataset_argument(dataset, "compute_statistics")
+    if not isinstance(dataset, Dataset):
+        dataset = open_dataset(dataset, storage_options)
     check_device(device)
     check_reachable(client, [("dataset", dataset.store)])
     if checkpoint is not None and not isinstance(checkpoint, Location):
@@ -258,7 +262,7 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
     # next group there slices the kept copy), never shared with another build (which checks them anew)
     reuse = secrets.token_hex(8)
     with reporter.bar("statistics", sum(rows), unit, done=resumed, note=note, steps=steps, step_unit=step_unit,
-                      steps_done=steps_done) as advance:
+                      steps_done=steps_done, wait_reason=_wait_reason(kernel)) as advance:
         if client is None:
             try:
                 result = _reduce_in_process(dataset, groups, tiles, rows, todo, done, split_every, advance, on_group,
@@ -339,6 +343,15 @@ def check_unchanged(dataset, groups, targets: bool, sources: list[int],
         raise IntegrityError(f"{dataset.url} changed while {during} ({len(changed)} row group(s), first samples"
                              f" [{changed[0][0]}, {changed[0][1]})): the result could mix old and new rows; run"
                              " again once nothing writes to it")
+
+
+def _wait_reason(kernel: str) -> str:
+    """What the statistics bar says while no row group is done yet: the kernels being compiled where numba's cache
+    of them is cold (:func:`scaleattn.statistics._compiled.kernels_cached`: the first run after an install), else
+    nothing (every later run printed that reason too)."""
+    if kernel != "numba":
+        return ""
+    return "" if kernels_cached() else "the first run after an install compiles the kernels, <= 40 s"
 
 
 def _row_unit(dataset) -> tuple[int, str]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..data._dataset import Dataset, check_dataset_argument, open_dataset
 from ..display._progress import as_reporter
+from ..errors import ParameterError
 from ..model import residual_sums
 from ..store._location import with_retries
 from ..store._outputs import reading
@@ -22,22 +24,36 @@ def group_errors(dataset, start: int, stop: int, coef) -> np.ndarray:
     return tot
 
 
+def _groups(dataset, samples) -> list[tuple[int, int]]:
+    """The row groups of samples ``[start, stop)``: the dataset's own groups up to ``stop``
+    (:func:`~.partition.row_groups` of its first ``stop`` samples), cut at ``start``."""
+    if samples is None:
+        return row_groups(dataset)
+    start, stop = (int(x) for x in samples)
+    if not 0 <= start < stop <= dataset.n_samples:
+        raise ParameterError(f"samples [{start}, {stop}) is not a non-empty range of the {dataset.n_samples}"
+                             f" samples of {dataset.url}")
+    return [(max(a, start), b) for a, b in row_groups(dataset.first(stop)) if b > start]
+
+
 def _sum(*parts):
     return np.sum(parts, axis=0)
 
 
-def evaluate(model, dataset, client=None, progress=False) -> dict:
+def evaluate(model, dataset, client=None, progress=False, *, samples=None) -> dict:
     """Mean squared error of a model on a dataset, by a pass over the data (distributed when ``client``).
 
     Parameters
     ----------
     model : MHLAModel
-    dataset : Dataset
-        With targets, and the model's ``d`` and ``d_out``.
+    dataset : Dataset, str or path-like
+        With targets, and the model's ``d`` and ``d_out`` (a path or URL is opened: :func:`scaleattn.open_dataset`).
     client : distributed.Client, optional
         Cluster to run on; None computes in this process.
     progress : bool or Reporter
         A bar counted in samples.
+    samples : (int, int), optional
+        Only samples ``[start, stop)`` (a fit's held-out validation samples); default all.
 
     Returns
     -------
@@ -47,7 +63,9 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     Raises
     ------
     ParameterError
-        The dataset has no targets or other dimensions than the model.
+        ``dataset`` is no dataset (arrays: one line pointing to :class:`scaleattn.MHLARegressor`), the dataset has
+        no targets or other dimensions than the model, or ``samples`` is not a non-empty range
+        of its samples.
     UnsupportedError
         The dataset lives in this process's memory and the workers of ``client`` in other processes.
     OutputInUseError
@@ -68,11 +86,13 @@ def evaluate(model, dataset, client=None, progress=False) -> dict:
     >>> bool(scaleattn.evaluate(res.model, ds)["relative_mse"] < 1e-20)
     True
     """
+    check_dataset_argument(dataset, "evaluate")
+    dataset = dataset if isinstance(dataset, Dataset) else open_dataset(dataset)
     model.check_dataset(dataset)
     check_reachable(client, [("dataset", dataset.store)])
-    groups = row_groups(dataset)
+    groups = _groups(dataset, samples)
     coef = np.asarray(model.coef)
-    bar = as_reporter(progress).bar("evaluate", dataset.n_samples, "samples", steps=len(groups))
+    bar = as_reporter(progress).bar("evaluate", sum(b - a for a, b in groups), "samples", steps=len(groups))
     with reading(dataset.store, "dataset"), bar as advance:  # no other run replaces the dataset meanwhile
         if client is None:
             parts = []

@@ -30,7 +30,8 @@ from ..statistics._kernel import PANEL_COLS, PANEL_ROWS
 from .partition import MAX_TILE_BYTES, tile_bounds
 from .reduction import NO_WORKER_S
 
-__all__ = ["fit_memory", "check_fit_memory", "available_memory", "parse_bytes", "release_large_buffers",
+__all__ = ["fit_memory", "check_fit_memory", "krylov_null_bytes", "available_memory", "parse_bytes",
+           "release_large_buffers",
            "trim_heap", "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
            "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL", "TICK_INTERVAL", "MONITOR_INTERVAL"]
 
@@ -173,7 +174,7 @@ def krylov_bytes(d: int, d_out: int, threads: int | None = None, lanczos_steps: 
 def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | None = None,
                split_every: int = 2, max_tile_bytes: float | None = None, block_rows: int | None = None,
                threads: int = 1, available: float | None = None, remote: bool = False, dense: bool = False,
-               heads="svd") -> dict:
+               heads="svd", n_rows: int | None = None) -> dict:
     """Estimated peak bytes of a fit with token dimension ``d`` and ``d_out`` outputs (``d_out = 0``: a
     certificate, no moments) on the given ``solver`` path.
 
@@ -189,6 +190,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     ``dense``: only the dense paths (a ridge needs them; :func:`~scaleattn.linalg._spectrum.solver_path`). ``heads``
     other than ``"svd"`` expand ``G`` and two psi x psi loss factors on the krylov path too; up to
     ``DENSE_GRAM_MAX_PSI`` that path shares one dense ``G`` (with the small-eigenvalue solve's copies).
+    ``n_rows`` below psi (the Gram is singular, its null space at least psi - n_rows): the krylov path past
+    ``DENSE_GRAM_MAX_PSI`` also holds the LOBPCG blocks that find that null space (:func:`krylov_null_bytes`).
     """
     m, psi, dv = n_pairs(d), n_features(d), n_pairs(d)
     gram = 8.0 * psi * psi
@@ -197,6 +200,8 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     small = psi <= DENSE_GRAM_MAX_PSI
     dense_g = 6 * gram * small + (3 * gram if heads != "svd" and not remote else 0.0)
     arrays = dict(SOLVER_ARRAYS, cholesky=SOLVER_ARRAYS["cholesky"] + small)  # up to it, the shared G and a copy
+    if n_rows is not None and n_rows < psi and not small:
+        dense_g += krylov_null_bytes(psi, psi - n_rows)
     paths = {p: (n * gram if p != "krylov" else krylov_bytes(d, d_out, remote=remote) + dense_g) + 2 * compact * (
         p != "krylov" or not remote) + 2 * moments for p, n in arrays.items()}
     path = solver_path(psi, solver, large_psi, fits=None if available is None else (lambda p: paths[p] <= available),
@@ -209,6 +214,16 @@ def fit_memory(d: int, d_out: int, *, solver: str = "auto", large_psi: int | Non
     return {"psi": psi, "path": path, "gram_bytes": gram, "gram_arrays": arrays[path], "compact_bytes": compact,
             "solver_bytes": paths[path], "paths": paths,
             "worker_bytes": (max(2, split_every) + 2) * tile + moments * (max(2, split_every) + 2) + block + panels}
+
+
+def krylov_null_bytes(psi: int, null: int) -> float:
+    """Bytes of the krylov path's LOBPCG run when the Gram has ``null`` null directions
+    (:func:`scaleattn.linalg._krylov.krylov_solve`): its block grows 4x from 2 columns while it holds only null
+    Ritz values, up to a third of the features, so it ends at ``k = min(4 (null + 1), psi / 3)`` columns and
+    holds about 12 psi-vectors per column (X, its product, P, R and theirs, the 3k-column basis) plus two 3k x 3k
+    projected matrices. At d = 32 with 2,500 rows: 7.6 GB, where the dense Gram is 2.3 GB."""
+    k = min(4 * (int(null) + 1), max(int(psi) // 3, 1))
+    return 8.0 * (12.0 * k * psi + 2.0 * (3 * k) ** 2)
 
 
 def chunk_bytes(dataset, targets: bool = True) -> float:
@@ -282,6 +297,11 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
         parts = (f"{est['gram_arrays']} x {est['gram_bytes'] / GIB:.2f} GiB psi x psi arrays + statistics"
                  if est["path"] != "krylov" else "preconditioner and Krylov vectors" if client is not None else
                  f"compact Gram {est['compact_bytes'] / GIB:.2f} GiB twice + preconditioner and Krylov vectors")
+        rows = kwargs.get("n_rows")
+        if est["path"] == "krylov" and rows is not None and rows < est["psi"]:
+            parts += (f", and the eigen-blocks for a null space of at least {est['psi'] - rows:,} directions"
+                      f" ({rows:,} rows, fewer than the features)")
+            hint += ", or `solver='stream'` (the dual: an N x N kernel)"
         raise InsufficientMemoryError(
             f"a {what} with d = {d} (psi = {est['psi']:,}, {est['path']} solver) needs {need / GIB:.1f} GiB on the"
             f" solver node ({parts}); this machine has {have / GIB:.1f} GiB available. Run it on a machine with at"

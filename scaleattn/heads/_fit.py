@@ -264,12 +264,13 @@ def _start_factor(spec, coef, d: int, H: int, seed, transposed: bool) -> np.ndar
     return rng.standard_normal((H, d, d_out if transposed else d))
 
 
-def _starts(n: int, extra=()) -> list:
-    """Start specs (:func:`_start_factor`): the models ``extra`` (V, Q), the SVD heads, random ones; n in all."""
+def _starts(n: int, extra=(), first: int = 0, svd: bool = True) -> list:
+    """Start specs (:func:`_start_factor`): the models ``extra`` (V, Q), the SVD heads (``svd``), random ones
+    numbered from ``first`` (a later pass draws other starts than an earlier one); n in all."""
     out = [("pair", V, Q) for V, Q in extra][:n]
-    if len(out) < n:
+    if len(out) < n and svd:
         out.append(("svd",))
-    out += [("random", i) for i in range(n - len(out))]
+    out += [("random", first + i) for i in range(n - len(out))]
     return out
 
 

@@ -56,6 +56,16 @@ CHEAP_STEP, PROBE_CHEAP = 1e8, 1e7
 #: starts and Levenberg-Marquardt steps of each bisection probe for exact models below the dimension count; a
 #: probe stops when 5 steps reduce the squared residual by less than PROBE_STALL (runs that converge do far more)
 PROBE_STARTS, PROBE_ITERS, PROBE_STALL = 3, 60, 0.3
+#: random starts of the retry one head below an exact model that is above the dimension count (step (4b) of
+#: :func:`search_heads`), when a step is cheap (PROBE_CHEAP) and when it is not; the exact models of a tight count
+#: (``H (a + b - H) = psi d_out``) are finitely many and their basins small: at d = 4, d_out = 2 between 1 in 40
+#: and 2 in 3 random starts reach one. RETRY_DEFLATIONS: starts from the model found less one of its weakest heads
+RETRY_STARTS, RETRY_STARTS_COSTLY, RETRY_DEFLATIONS = 48, 12, 4
+#: the retry's random starts are numbered from here (the earlier steps use the first few)
+RETRY_FIRST = 1000
+#: coefficients whose training loss is within this factor of its round-off floor fit the data exactly (a
+#: noise-free model): they need not be generic, so the retry goes below the dimension count for them
+NOISE_FREE = 1e4
 
 
 # ---- the search -----------------------------------------------------------------------------------------
@@ -131,16 +141,17 @@ class _Search:
         return self.stats.sse(coef_from_heads(V, Q), self.G) if V.shape[0] else float(self.stats.yy)
 
     def exact(self, r: int, n_starts: int, extra=(), iters: int | None = None, stall_rtol: float = 1e-3,
-              what: str = "exact fit"):
+              what: str = "exact fit", first: int = 0, svd: bool = True):
         """An exact r-head model ``(V, Q)`` in the coefficient norm from up to ``n_starts`` starts (the models
-        ``extra`` first), or None; the best attempt is kept in ``attempts``."""
+        ``extra`` first, then :func:`_starts`' from ``first`` and ``svd``), or None; the best attempt is kept in
+        ``attempts``."""
         if not self.prob.feasible(r):  # too large for a Newton-type step: alternating projections
             if self.out_of_time():
                 return None
             self.say(r, what)
             h = rank_r_heads(self.coef, self.d, r, tol=self.tol * 1e-3)
             return self._found(r, (h.V, h.Q)) if h.residual <= self.tol else None
-        specs = _starts(n_starts, extra)
+        specs = _starts(n_starts, extra, first, svd)
         for i, spec in enumerate(specs):
             if self.out_of_time():
                 return None
@@ -228,8 +239,14 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
     When a flattening has low rank (``flattening_bound < min(d, d_out)``: visibly not generic, e.g. a teacher)
     (3) runs before (2). (4) Bisection of [every-c bound, count found) with short exact runs
     (``PROBE_STARTS``, ``PROBE_ITERS``): non-generic coefficients (teachers with min(d, d_out) or more heads)
-    whose greedy curve missed them. (5) For ``heads=H`` with no exact model: the best of the curve's H-head
-    model, the closest coefficient fit and further loss-space starts, polished. The losses form ``curve``:
+    whose greedy curve missed them. (4b) While the count found is above both bounds (above the every-c bound for
+    coefficients that fit the data to round-off, ``NOISE_FREE``: a noise-free model need not be generic): one
+    head fewer from further starts (the found model less one of its weakest heads, the curve's model,
+    ``RETRY_STARTS`` random ones not tried before), again below on success; for ``heads=H`` with no exact model,
+    the same at H. At a tight count (``H (a + b - H) = psi d_out``, e.g. d_out = 2, H = d) generic coefficients
+    have finitely many H-head models over C: real ones exist for some data and not for others, and their basins
+    are small. (5) For ``heads=H`` with no exact model: the best of the curve's H-head model, the closest
+    coefficient fit and further loss-space starts, polished. The losses form ``curve``:
     ``[(r, sse), ...]`` for r = 1 .. the head count, non-increasing (a running minimum: fewer heads plus zero
     heads are more heads), ending at the returned model. Steps larger than ``VARPRO_MAX`` / ``WORK_MAX`` use
     alternating projections (:func:`scaleattn.heads._algebra.rank_r_heads`) for (2) and skip the curve. The budget is
@@ -314,12 +331,13 @@ def search_heads(stats, coef, heads="svd", gram=None, tol: float = 1e-10, *, ite
             h.curve = [(h.n_heads, h.sse)]
             return _finish(h, stats, coef, G, plain, tol, (every_c, KIND_EVERY_C), every_c, generic, False, t0)
         s = _Search(stats, coef, G, tol, iters, starts, seed, deadline, progress)
-        h = _run_search(s, heads, every_c, generic)
+        noise_free = stats.sse(coef, plain) <= NOISE_FREE * stats.sse_floor(coef, plain)
+        h = _run_search(s, heads, every_c, generic, noise_free)
     bound = _reported_bound(h.n_heads, h.exact, every_c, generic)
     return _finish(h, stats, coef, G, plain, tol, bound, every_c, generic, s.exhausted, t0)
 
 
-def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
+def _run_search(s: _Search, heads, every_c: int, generic: int, noise_free: bool) -> Heads:
     d, d_out, coef = s.d, s.d_out, s.coef
     n_max = min(d_out * d, d * d)
     cap = n_max if heads == "minimal" else min(int(heads), n_max)
@@ -361,6 +379,18 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
             hi, model, top = mid, found, mid
         else:
             lo = mid + 1
+    # (4b) where the bounds allow fewer heads than found, more starts one head below (each success, again below):
+    # at a tight count the few real models are easily missed by the starts above, while ``heads=H`` may hit one
+    floor = max(every_c, 1) if noise_free else max(generic, every_c, 1)
+    while hi is not None and hi - 1 >= floor and not s.out_of_time():
+        found = _retry(s, hi - 1, model, curve)
+        if found is None:
+            break
+        hi, model = hi - 1, found
+    if hi is None and cap >= floor and not s.out_of_time():  # heads=H with no exact model yet: the same at H
+        found = _retry(s, cap, None, curve)
+        if found is not None:
+            hi, model = cap, found
     points = [p for p in curve.points if hi is None or p[0] < hi]
     curve_models = curve.models
     if hi is not None:
@@ -386,6 +416,23 @@ def _run_search(s: _Search, heads, every_c: int, generic: int) -> Heads:
     pts = [p for p in points if p[0] < cap] + [(cap, sse)]
     return Heads(V, Q, _split_spectrum(coef, d), _relative_residual(V, Q, coef), method, sse=sse,
                  curve=_monotone(pts), exact=_relative_residual(V, Q, coef) <= s.tol)
+
+
+def _retry(s: _Search, r: int, model, curve: _Curve):
+    """An exact r-head model from further starts, or None: ``model`` (exact, r + 1 heads) less one of its
+    ``RETRY_DEFLATIONS`` weakest heads each, the curve's r-head model, then random starts not tried before."""
+    if not s.prob.feasible(r):  # alternating projections are deterministic: step (2) ran them already
+        return None
+    extra = []
+    if model is not None:
+        V, Q = model
+        w = np.linalg.norm(V.reshape(V.shape[0], -1), axis=1) * np.linalg.norm(Q.reshape(Q.shape[0], -1), axis=1)
+        for k in np.argsort(w, kind="stable")[:RETRY_DEFLATIONS]:
+            keep = np.arange(V.shape[0]) != k
+            extra.append((V[keep], Q[keep]))
+    extra += [curve.models[r]] if r in curve.models else []
+    n = RETRY_STARTS if s.prob.cheap(r, PROBE_CHEAP) else RETRY_STARTS_COSTLY
+    return s.exact(r, len(extra) + n, extra=extra, what="more starts", first=RETRY_FIRST, svd=False)
 
 
 def _pruned(V, Q, r: int):

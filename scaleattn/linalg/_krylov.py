@@ -307,7 +307,8 @@ def _dense_smallest(op, M: BlockJacobi, chunk: int = 256) -> dict:
 
 def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol: float = EIG_RTOL,
                  maxiter: int = MAXITER, block: int = BLOCK, seed: int = 0, unscaled: bool = True,
-                 dense_null_max: int = DENSE_NULL_MAX, eig_budget: str = "solve", yy: float | None = None):
+                 dense_null_max: int = DENSE_NULL_MAX, eig_budget: str = "solve", yy: float | None = None,
+                 preconditioner=None):
     """Certificate quantities and, with ``B``, min-norm coefficients ``G^+ B`` from products ``G X`` only.
 
     Parameters
@@ -344,6 +345,10 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Once a null direction shows up, a Gram with at most this many features has its smallest eigenpairs
         computed from the assembled scaled Gram (exact, and cheaper than growing LOBPCG blocks there); above
         it, or with 0, LOBPCG blocks grow 4x until a Ritz value above the cutoff settles.
+    preconditioner : object, optional
+        With ``scale``, ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
+        :class:`~scaleattn.linalg._gram.BlockJacobi` (the default, from ``op.token_columns()``); the streaming
+        path passes its K-FAC preconditioner (:class:`scaleattn.linalg._stream.KFAC`, DESIGN §4b).
 
     Returns
     -------
@@ -381,7 +386,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     if float(xp.max(diag)) > MAX_DIAG:  # the unscaled runs' norms square G's entries: refused, not NaN
         raise DatasetError(f"the Gram's diagonal reaches {float(xp.max(diag)):.1e}: the krylov solver's products"
                            " would overflow float64; rescale the tokens, or use solver='cholesky' or 'eigh'")
-    M = BlockJacobi(op.token_columns(), diag, op.d)
+    M = BlockJacobi(op.token_columns(), diag, op.d) if preconditioner is None else preconditioner
     scale, live = M.scale, M.live
     nlive = int(live.sum())
     rng = np.random.default_rng(seed)

@@ -27,7 +27,7 @@ from ..features import (
     token_features,
 )
 from ..store import _formats, _integrity
-from ..store._location import check_kind, check_storage_options, resolve
+from ..store._location import check_kind, check_path, check_storage_options, resolve
 from ..store._outputs import atomic_output
 from . import _compiled as _kernel_compiled
 from ._kernel import BLAS_MIN_D, expand_gram, fused_update, gram_update, kernel_name
@@ -260,6 +260,7 @@ class Statistics:
         :func:`scaleattn.store._integrity.read_store`), :class:`~scaleattn.errors.ParameterError` if ``url`` is a
         file (or a path through one).
         """
+        check_path(url, "Statistics.load", "a statistics store's path or URL (RUN/stats.zarr)")
         check_storage_options(storage_options, url)
         loc = resolve(url, storage_options)
         check_kind(loc, "statistics", "a statistics store (a Zarr directory)", directory=True)

@@ -23,9 +23,9 @@ from . import _bounds
 
 _bounds.install()  # every store opened in this process decodes its chunks within their declared sizes
 
-__all__ = ["Location", "resolve", "StorageError", "access_error", "transient", "with_retries", "is_url", "protocols",
-           "check_kind", "settle_writes", "did_you_mean", "check_storage_options", "options_for", "RETRY_ATTEMPTS",
-           "RETRY_DELAY"]
+__all__ = ["Location", "resolve", "check_path", "describe_value", "StorageError", "access_error", "transient",
+           "with_retries", "is_url", "protocols", "check_kind", "settle_writes", "did_you_mean",
+           "check_storage_options", "options_for", "RETRY_ATTEMPTS", "RETRY_DELAY"]
 
 #: top-level modules whose exceptions mean "the remote store could not be reached or refused us"
 _REMOTE_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests")
@@ -118,12 +118,13 @@ def resolve(url, storage_options=None) -> Location:
     Raises
     ------
     ParameterError
-        An empty path, or options given twice.
+        An empty path, options given twice, or something that is no path (an array, a tuple: :func:`check_path`).
     """
     if isinstance(url, Location):
         if storage_options is not None and parse_storage_options(storage_options) != url.storage_options:
             raise ParameterError(f"{url.url}: storage options given twice (the location already has its own)")
         return url
+    check_path(url)
     text = _normal_url(os.fspath(url) if isinstance(url, os.PathLike) else str(url))
     if not text:
         raise ParameterError("empty path: give a store path or URL")
@@ -132,6 +133,44 @@ def resolve(url, storage_options=None) -> Location:
         bare = text.rstrip("/")
         return Location(bare if not bare.endswith(":") else bare + "//", opts)  # (a root "s3://" stays a URL)
     return Location(_absolute(local_path(text)), opts)
+
+
+def check_path(value, entry: str | None = None, takes: str = "a store's path or URL", instead: str = "") -> None:
+    """Refuse, in one line, a value that is no path (an array, a tuple, a number) where a store's path or URL goes:
+    every public entry that takes one resolves it here. Its ``str()`` made a path of it (a 700-character "no such
+    dataset" built from the working directory and the array's repr). ``entry`` names the function, ``takes`` what
+    it takes, ``instead`` what to use for such a value.
+
+    Raises
+    ------
+    ParameterError
+        ``value`` is not a str, a path-like or a :class:`Location`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> check_path(np.ones((4, 3, 2)), "fit", "a path")
+    Traceback (most recent call last):
+    ...
+    scaleattn.errors.ParameterError: fit takes a path, not a numpy.ndarray of shape (4, 3, 2)
+    """
+    if isinstance(value, (str, os.PathLike, Location)):
+        return
+    raise ParameterError(f"{entry or 'this'} takes {takes}, not {describe_value(value)}{instead}")
+
+
+def describe_value(value) -> str:
+    """A value as an error names it without printing it: ``a numpy.ndarray of shape (4, 3, 2)``, ``a tuple of 2
+    items``, ``the int 3``."""
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__name__}"
+    if hasattr(value, "shape"):
+        return f"a {name} of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list, dict, set)):
+        return f"a {name} of {len(value)} item{'s' * (len(value) != 1)}"
+    if isinstance(value, (bytes, int, float, bool)) or value is None:
+        return f"the {name} {value!r}"[:80]
+    return f"a {name}"
 
 
 def check_storage_options(storage_options, *paths) -> None:

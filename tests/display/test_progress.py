@@ -85,7 +85,8 @@ def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
     monkeypatch.setattr(progress, "PENDING_S", 0.3)
     rep = ConsoleReporter(file=io.StringIO())
     rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
-    with rep.bar("statistics", 1000, steps=4) as advance:
+    with rep.bar("statistics", 1000, steps=4, wait_reason="the first run after an install compiles the kernels,"
+                 " <= 40 s") as advance:
         time.sleep(0.2)
         early = rep.console.file.getvalue()
         time.sleep(0.5)
@@ -94,7 +95,7 @@ def test_a_live_bar_says_what_it_waits_for_before_the_first_group(monkeypatch):
         time.sleep(0.3)
     after = rep.console.file.getvalue()[len(waiting):]
     assert "waiting for" not in early and "0/1,000 rows" in early
-    assert "statistics: waiting for the first group (the first run after an install compiles kernels" in waiting
+    assert "statistics: waiting for the first group (the first run after an install compiles the kernels" in waiting
     assert "waiting for" not in after and "rows/s incl. start-up" in after  # one group: its rate has the wait
     rep.console = Console(file=io.StringIO(), force_terminal=True, width=250)
     with rep.bar("statistics", 1000, steps=4, done=1000, steps_done=4):
@@ -118,16 +119,15 @@ def test_a_log_says_once_what_it_waits_for(monkeypatch):
     import scaleattn.display._progress as progress
 
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
-    buf = io.StringIO()
-    rep = ConsoleReporter(file=buf)
-    with rep.bar("statistics", 1000, steps=4) as advance:
-        _until(lambda: "waiting" in buf.getvalue())
-        advance(1000, steps=4)
-    lines = buf.getvalue().splitlines()
-    # (conditional: the same line shows on runs that compile nothing, e.g. a --resume)
-    assert lines[0] == ("statistics: waiting for the first group (the first run after an install compiles kernels,"
-                        " <= 40 s)")
-    assert len(lines) == 2 and lines[1].startswith("statistics  1,000/1,000 rows")
+    for reason, said in (("kernels compile", " (kernels compile)"), ("", "")):  # the reason only when one is known
+        buf = io.StringIO()
+        rep = ConsoleReporter(file=buf)
+        with rep.bar("statistics", 1000, steps=4, wait_reason=reason) as advance:
+            _until(lambda b=buf: "waiting" in b.getvalue())
+            advance(1000, steps=4)
+        lines = buf.getvalue().splitlines()
+        assert lines[0] == f"statistics: waiting for the first group{said}"
+        assert len(lines) == 2 and lines[1].startswith("statistics  1,000/1,000 rows")
 
 
 def test_the_live_bar_stays_within_the_terminal_width(monkeypatch):
@@ -230,7 +230,8 @@ def test_a_notebook_bar_moves_and_says_what_it_waits_for(monkeypatch):
     monkeypatch.setattr(progress, "PENDING_S", 0.0)
     monkeypatch.setattr(progress, "TICK_S", 0.01)
     shown = _notebook_lines(monkeypatch)
-    with progress.NotebookReporter(interval=0.0).bar("statistics", 1000, steps=4) as advance:
+    with progress.NotebookReporter(interval=0.0).bar("statistics", 1000, steps=4,
+                                                     wait_reason="compiles kernels") as advance:
         _until(lambda: len(shown) > 2)
         advance(1000, steps=4)
     waiting = [t for t, _ in shown[1:-1] if "waiting for the first group" in t]
@@ -260,3 +261,33 @@ def test_an_interrupted_notebook_cell_does_not_look_like_it_still_runs(monkeypat
         with rep.phase("heads", "minimal"):
             raise KeyboardInterrupt
     assert shown[-1][0].startswith("heads (minimal): interrupted after ")
+
+
+def test_the_compile_reason_is_said_only_when_the_kernels_cache_is_cold(tmp_path, monkeypatch):
+    """Every run, long after the first, said it waited because "the first run after an install compiles
+    kernels": the reason now comes from numba's cache files (an index of this numba version, newer than the
+    source), and the build passes it to its bar only when they are missing or stale."""
+    import importlib.metadata
+    import os
+    import pickle
+
+    from scaleattn.distributed import build
+    from scaleattn.statistics import _compiled
+
+    src = tmp_path / "_compiled.py"
+    src.write_text("# the kernels")
+    monkeypatch.setattr(_compiled, "__file__", str(src))
+    assert not _compiled.kernels_cached()  # no cache at all: a fresh install
+    assert build._wait_reason("numba").startswith("the first run after an install compiles the kernels")
+    assert build._wait_reason("numpy") == ""  # nothing to compile
+    (tmp_path / "__pycache__").mkdir()
+    index = tmp_path / "__pycache__" / f"_compiled._piece-315.py{os.sys.version_info[0]}{os.sys.version_info[1]}.nbi"
+    for version, index_newer, cached in (("0.0.1", True, False), (importlib.metadata.version("numba"), False, False),
+                                         (importlib.metadata.version("numba"), True, True)):
+        with open(index, "wb") as f:
+            pickle.dump(version, f)
+            f.write(pickle.dumps(((0, 0), {})))
+        t = os.stat(src).st_mtime
+        os.utime(index, (t + 10, t + 10) if index_newer else (t - 10, t - 10))
+        assert _compiled.kernels_cached() is cached, (version, index_newer)
+        assert (build._wait_reason("numba") == "") is cached

@@ -1,0 +1,168 @@
+"""Benchmark of the streaming path against the Gram route (DESIGN §4b): ``scaleattn bench stream``.
+
+``run(out_dir, quick=False)`` writes ``bench-stream.json`` and ``bench-stream.md``:
+
+- :func:`compare` per d (16 / 24 / 32 by default; 44 with ``dims``): realizable causal data (a 2-head teacher) with
+  3 rows per feature and d_out = d, fitted once by the Gram route (statistics, then :func:`scaleattn.solve`,
+  path ``auto``) and once by :func:`scaleattn.linalg._stream.stream_solve`, each in a fresh process (its peak RSS
+  is its own: ``ru_maxrss``, data generation included): wall, passes over the data, peak RSS, the verdicts and the
+  coefficients' largest relative difference;
+- :func:`pass_timing` at d = 64, d_out = 1, 3 rows per feature (about 400,000 causal rows of random tokens: the
+  cost of a pass does not depend on the values): the first sweep and
+  the time of passes with 1 and 7 columns (a CG step with the eigenvalue runs beside it carries about 7), the
+  token features recomputed in each pass (they do not fit the cache), and the peak RSS.
+
+Quick mode: d = 8 and 12 and the pass timing at d = 24 (a smoke test, under a minute). The machine may be shared:
+the load average is recorded with every figure.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+
+__all__ = ["run", "compare", "pass_timing", "markdown", "ROWS_PER_FEATURE"]
+
+#: causal rows per feature of the data fitted
+ROWS_PER_FEATURE = 3
+
+
+def _data(d: int, d_out: int, rows_per_feature: float, seed: int = 0):
+    from scaleattn.features import n_features
+    from scaleattn.generate import make_mhla
+
+    length = 50
+    samples = max(int(rows_per_feature * n_features(d)) // length, 1)
+    D = make_mhla(d=d, heads=2, length=length, samples=samples, causal=True, d_out=d_out, seed=seed)
+    return D["tokens"], D["targets"]
+
+
+def _peak_rss() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
+
+
+def _route(args):
+    """One fit in this (fresh) process: ``(figures, coef)``."""
+    route, d, d_out, rpf = args
+    import numpy as np
+
+    tok, y = _data(d, d_out, rpf)
+    t = time.perf_counter()
+    out = {"route": route, "d": d, "rows": int(tok.shape[0] * tok.shape[1]), "load_before": os.getloadavg()[0]}
+    if route == "gram":
+        import scaleattn
+
+        stats = scaleattn.statistics_from_arrays(tok, y, causal=True)
+        out["build_s"] = time.perf_counter() - t
+        sol = scaleattn.solve(stats)
+        out["passes"] = (sol.certificate.estimates or {}).get("passes")
+        out["path"] = "gram (" + ((sol.certificate.estimates or {}).get("solver") or "eigh/cholesky") + ")"
+    else:
+        from scaleattn.linalg._stream import rows_from_arrays, stream_solve
+
+        sol = stream_solve(rows_from_arrays(tok, y, causal=True))
+        est = sol.certificate.estimates
+        out["passes"] = est["data_passes"]
+        out["cg_iterations"] = est["cg_iterations"]
+        kw = est["lambda_min_lower_probabilistic"]
+        out["kw_lower"] = None if kw is None else kw["lower"]
+        out["kw_steps"] = None if kw is None else kw["steps"]
+        out["path"] = "stream (K-FAC)"
+    out["wall_s"] = time.perf_counter() - t
+    out.update(verdict=sol.certificate.verdict, lambda_min=sol.certificate.lambda_min,
+               lambda_max=sol.certificate.lambda_max, peak_rss_gib=_peak_rss() / 2**30,
+               load_after=os.getloadavg()[0])
+    return out, np.asarray(sol.coef)
+
+
+def _fresh(fn, args):
+    """``fn(args)`` in a fresh process (a worker killed for memory raises BrokenProcessPool, never hangs)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, args).result()
+
+
+def compare(d: int, d_out: int | None = None, rows_per_feature: float = ROWS_PER_FEATURE) -> dict:
+    """The Gram route and the streaming path on the same data, each in a fresh process (module notes)."""
+    import numpy as np
+
+    d_out = d if d_out is None else d_out
+    g, cg = _fresh(_route, ("gram", d, d_out, rows_per_feature))
+    s, cs = _fresh(_route, ("stream", d, d_out, rows_per_feature))
+    diff = float(np.abs(cs - cg).max() / max(np.abs(cg).max(), 1e-300))
+    return {"d": d, "d_out": d_out, "rows_per_feature": rows_per_feature, "gram": g, "stream": s,
+            "coef_rel_diff": diff, "wall_ratio": s["wall_s"] / g["wall_s"],
+            "rss_ratio": s["peak_rss_gib"] / g["peak_rss_gib"]}
+
+
+def _timing(args):
+    d, d_out, rpf, passes = args
+    import numpy as np
+
+    from scaleattn.features import n_features
+    from scaleattn.linalg._stream import StreamOperator, rows_from_arrays
+
+    # random tokens and targets: a pass costs the same, and the teacher's forward pass would hold every prefix's
+    # d x d Gram (13 GB at d = 64)
+    rng = np.random.default_rng(0)
+    length = 50
+    samples = max(int(rpf * n_features(d)) // length, 1)
+    tok = rng.standard_normal((samples, length, d)) / np.sqrt(length)
+    y = rng.standard_normal((samples, length, d_out))
+    out = {"d": d, "rows": int(tok.shape[0] * tok.shape[1]), "load_before": os.getloadavg()[0]}
+    t = time.perf_counter()
+    op = StreamOperator(rows_from_arrays(tok, y, causal=True))
+    out["sweep_s"] = time.perf_counter() - t
+    out["cached"] = op.source._cache is not None
+    rng = np.random.default_rng(0)
+    for k in (1, 7):
+        W = rng.standard_normal((op.psi, k))
+        t = time.perf_counter()
+        for _ in range(passes):
+            op.matmat(W)
+        out[f"pass_{k}_s"] = (time.perf_counter() - t) / passes
+    out.update(peak_rss_gib=_peak_rss() / 2**30, load_after=os.getloadavg()[0])
+    return out
+
+
+def pass_timing(d: int = 64, d_out: int = 1, rows_per_feature: float = ROWS_PER_FEATURE, passes: int = 1) -> dict:
+    """Time of the first sweep and of one pass with 1 and 7 columns at ``d`` (fresh process; module notes)."""
+    return _fresh(_timing, (d, d_out, rows_per_feature, passes))
+
+
+def markdown(result: dict) -> str:
+    """The tables of ``bench-stream.md``."""
+    lines = ["| d | psi | rows | route | passes (CG) | wall (s) | peak RSS (GiB) | verdict | coef rel. diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["compare"]:
+        psi = c["d"] ** 2 * (c["d"] + 1) // 2
+        for r in ("gram", "stream"):
+            x = c[r]
+            cg = f" ({x['cg_iterations']})" if x.get("cg_iterations") else ""
+            lines.append(f"| {c['d']} | {psi:,} | {x['rows']:,} | {x['path']} | {x['passes'] or '-'}{cg} |"
+                         f" {x['wall_s']:.1f} | {x['peak_rss_gib']:.2f} | {x['verdict']} |"
+                         f" {c['coef_rel_diff']:.1e} |")
+    t = result.get("pass_timing")
+    if t:
+        lines += ["", f"Pass timing at d = {t['d']} ({t['rows']:,} causal rows, d_out = 1, features"
+                      f" {'cached' if t['cached'] else 'recomputed each pass'}): first sweep {t['sweep_s']:.1f} s,"
+                      f" a pass with 1 column {t['pass_1_s']:.1f} s, with 7 columns {t['pass_7_s']:.1f} s;"
+                      f" peak RSS {t['peak_rss_gib']:.2f} GiB."]
+    return "\n".join(lines) + "\n"
+
+
+def run(out_dir, quick: bool = False, dims=None, timing_d: int | None = None) -> dict:
+    """Both parts (module notes); writes ``bench-stream.json`` and ``bench-stream.md`` into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    dims = dims or ((8, 12) if quick else (16, 24, 32))
+    result = {"compare": [compare(d) for d in dims]}
+    result["pass_timing"] = pass_timing(timing_d or (24 if quick else 64))
+    with open(os.path.join(out_dir, "bench-stream.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    with open(os.path.join(out_dir, "bench-stream.md"), "w") as f:
+        f.write(markdown(result))
+    return result

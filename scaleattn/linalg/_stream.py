@@ -1,0 +1,787 @@
+"""Least squares and the certificate from passes over the tokens: no psi^2 object anywhere (DESIGN §4b).
+
+The Gram route forms ``Tc`` (psi^2 / 4 floats: 0.6 GB at d = 32, 36 GB at d = 64) at a cost of ``N psi^2 / 2``
+multiply-adds. Everything [Y25] Algorithm 1 and Lemma 2.3 need can instead come from *data passes*, each a pair of
+GEMMs over the rows (DESIGN §4b): for a block of rows with ``S`` (rows, m) the vech of each row's token Gram (for
+causal prefixes the running sum of ``z z^T``) and ``X`` (rows, d) the query tokens, and coefficients ``W``
+(psi, k) viewed as (m, d, k) in the feature order of :mod:`scaleattn.features` (feature ``(P, l)`` at ``P d + l``)::
+
+    (Phi W)[i, :]      = sum_{P,l} S[i,P] X[i,l] W[P,l,:]  = rowwise contraction of (S @ W_(m, d k)) with X
+    (Phi^T R)[P, l, :] = sum_i S[i,P] X[i,l] R[i,:]        = S^T @ (X (x)_row R)
+
+so ``G W = Phi^T (Phi W)`` costs about ``4 N psi k`` flops and holds ``O(rows m + psi k)`` (:class:`StreamOperator`).
+``S`` is recomputed from the tokens in every pass unless the rows fit in :data:`CACHE_BYTES`.
+
+Three paths live here:
+
+- :func:`stream_solve` (N >= psi): CG on the normal equations ``G c = Phi^T Y`` through
+  :func:`scaleattn.linalg._krylov.krylov_solve` (independent recurrences for the d_out columns sharing each pass,
+  the Jacobi-scaled backward-error stop, deflation of the null space for the min-norm answer, a column that does
+  not converge reported), preconditioned by K-FAC (:class:`KFAC`): ``G ~ N (A (x) B)`` with ``A = E[s s^T]``
+  (m x m) and ``B = E[x x^T]`` (d x d), both from the first sweep, applied by two small products per pass
+  (DESIGN §4b, "K-FAC preconditioner").
+- :func:`dual_solve` (N < psi): the min-norm solution lies in the rows' span, ``c = Phi^T alpha`` with
+  ``K alpha = Y`` on ``K``'s range and ``K = Phi Phi^T = (S S^T) * (X X^T)`` (elementwise; DESIGN §4b, "the
+  dual"): O(N^2 (m + d)) work and N^2 memory, never psi^2. ``rank(G) = rank(K) <= N < psi``: not identifiable,
+  by dimension count.
+- the certificate from passes: ``lambda_max`` by Lanczos and ``lambda_min`` by LOBPCG with the K-FAC
+  preconditioner (the krylov path's runs, each an interval), plus a *probabilistic* lower bound on
+  ``lambda_min(G / N)`` (:func:`kw_lower_bound`): Lanczos on ``C = L^-1 G L^-T`` (``M = L L^T`` the K-FAC
+  preconditioner) from a Gaussian start, the Kuczynski-Wozniakowski bound [KW92] on how far its smallest Ritz
+  value can lie above ``lambda_min(C)``, times ``lambda_min(M)`` (DESIGN §4b, "Eigenvalues from passes"). It
+  holds except with the stated failure probability; Krylov iterates alone never prove a lower bound, and the
+  report never shows this one as a proof.
+
+References
+----------
+[Y25] Yau et al., "Learning Linear Attention in Polynomial Time", NeurIPS 2025, Algorithm 1, Lemma 2.3.
+[MG15] J. Martens, R. Grosse, "Optimizing neural networks with Kronecker-factored approximate curvature",
+ICML 2015 (K-FAC). [KW92] J. Kuczynski, H. Wozniakowski, "Estimating the largest eigenvalue by the power and
+Lanczos algorithms with a random start", SIAM J. Matrix Anal. Appl. 13 (1992) 1094-1122, Theorem 4.2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from .._backend import get_xp, to_numpy
+from ..errors import DatasetError, InsufficientMemoryError, ParameterError
+from ..features import n_features, n_pairs, row_targets, token_features
+from ._certificate import Certificate, certificate_from_krylov
+from ._gram import _blas_controller
+from ._krylov import MAXITER, krylov_solve, lockstep
+from ._lanczos import EPS
+from ._spectrum import default_rtol
+
+__all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
+           "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
+           "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
+           "KW_FAILURE"]
+
+#: rows per block of a pass (each block holds rows x (m + d k) floats: 2 MB x k at d = 64)
+BLOCK_ROWS = 2048
+#: the rows' token features are kept between passes when they take at most this many bytes (else recomputed)
+CACHE_BYTES = 1 << 30
+#: the K-FAC factors' eigenvalues are clipped at this fraction of their largest (Jacobi-scaled). Rank-deficient
+#: data make a factor singular; a floor at its round-off (1e-13) lets the preconditioner amplify the 1e-10 error
+#: of the deflated null vectors (:data:`scaleattn.linalg._krylov.NULL_RTOL`) past the residual: CG then stalled
+#: at a backward error of 1e-13 for 2,000 passes on tokens in a 3-dimensional subspace of R^4, where 1e-10 takes 47
+FACTOR_FLOOR = 1e-10
+#: default failure probability of the probabilistic lower bound on lambda_min
+KW_FAILURE = 1e-3
+
+
+@functools.lru_cache(maxsize=1)
+def _threads() -> int:
+    """BLAS threads of this process when first asked (outside the krylov driver's one-thread limit)."""
+    return max([int(i.get("num_threads", 1)) for i in _blas_controller().info()] + [1])
+
+
+def _blas_threads():
+    """Context: BLAS on the process's threads (a pass is a GEMM; the krylov driver runs its small products under
+    one thread, :func:`scaleattn.linalg._krylov.lockstep`)."""
+    return _blas_controller().limit(limits=_threads())
+
+
+class RowSource:
+    """The rows of a data set as blocks ``(s, x, y)`` in a fixed order, recomputed at every pass.
+
+    ``chunks()`` returns an iterator of ``(tokens (n, T, d), lengths (n,) or None, targets or None)`` over the
+    whole data, in order (the Dataset's Zarr chunks, or slices of arrays); each is cut into blocks of about
+    ``block_rows`` rows and turned into token features (:func:`scaleattn.features.token_features`). After the first
+    full pass the blocks are kept when they take at most ``cache_bytes``.
+    """
+
+    def __init__(self, chunks, d: int, d_out: int, causal: bool, *, block_rows: int = BLOCK_ROWS,
+                 cache_bytes: float = CACHE_BYTES):
+        self.chunks, self.d, self.d_out, self.causal = chunks, int(d), int(d_out), bool(causal)
+        self.block_rows, self.cache_bytes = max(1, int(block_rows)), float(cache_bytes)
+        self.n_rows: int | None = None
+        self._cache: list | None = None
+
+    def blocks(self):
+        """Yields ``(s (rows, m), x (rows, d), y (rows, d_out) or None)``, float64, in the tokens' namespace."""
+        if self._cache is not None:
+            yield from self._cache
+            return
+        keep, size, rows = [], 0, 0
+        for tok, lens, y in self.chunks():
+            n, T = tok.shape[0], tok.shape[1]
+            step = max(1, self.block_rows // (T if self.causal else 1))
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                ln = None if lens is None else lens[a:b]
+                s, x = token_features(tok[a:b], ln, causal=self.causal)
+                yt = None if y is None else row_targets(y[a:b], ln, causal=self.causal)
+                rows += s.shape[0]
+                size += 8 * s.shape[0] * (s.shape[1] + x.shape[1] + (0 if yt is None else yt.shape[1]))
+                if keep is not None:
+                    keep = keep if size <= self.cache_bytes else None
+                    if keep is not None:
+                        keep.append((s, x, yt))
+                yield s, x, yt
+        self.n_rows = rows
+        self._cache = keep
+
+
+def rows_from_arrays(tokens, targets=None, lengths=None, causal: bool = False, *, block_rows: int = BLOCK_ROWS,
+                     cache_bytes: float = CACHE_BYTES) -> RowSource:
+    """A :class:`RowSource` over arrays: ``tokens`` (n, T, d), ``targets`` (n, d_out) or (n, T, d_out) for
+    ``causal``, ``lengths`` (n,) optional (as :func:`scaleattn.features.token_features`)."""
+    d_out = 0 if targets is None else int(targets.shape[-1])
+
+    def chunks():
+        yield tokens, lengths, targets
+
+    return RowSource(chunks, tokens.shape[2], d_out, causal, block_rows=block_rows, cache_bytes=cache_bytes)
+
+
+def rows_from_dataset(ds, *, targets: bool = True, block_rows: int = BLOCK_ROWS,
+                      cache_bytes: float = CACHE_BYTES) -> RowSource:
+    """A :class:`RowSource` reading a :class:`scaleattn.data.Dataset` chunk by chunk, in order (every read checked
+    against its manifest as the statistics build's reads are); the dataset is never modified. ``targets=False``:
+    the tokens only (a certificate)."""
+    with_y = bool(targets) and ds.d_out > 0
+
+    def chunks():
+        yield from ds.read_chunks(0, ds.n_samples, targets=with_y)
+
+    return RowSource(chunks, ds.d, ds.d_out if with_y else 0, ds.causal, block_rows=block_rows,
+                     cache_bytes=cache_bytes)
+
+
+def _phi_w(s, x, W3, k: int):
+    """``Phi W`` of one block (rows, k); ``W3`` is ``W`` viewed as (m, d k) (DESIGN §4b)."""
+    xp = get_xp(s)
+    T = xp.reshape(xp.matmul(s, W3), (s.shape[0], x.shape[1], k))
+    return xp.sum(T * x[:, :, None], axis=1)
+
+
+def _phi_t_r(s, x, R):
+    """``Phi^T R`` of one block as (m, d k): ``S^T (X (x)_row R)`` (DESIGN §4b)."""
+    xp = get_xp(s)
+    XR = xp.reshape(x[:, :, None] * R[:, None, :], (s.shape[0], x.shape[1] * R.shape[1]))
+    return xp.matmul(s.T, XR)
+
+
+class StreamOperator:
+    """``G W`` by a pass over the rows, ``G`` never formed (DESIGN §4b): the operator of
+    :func:`scaleattn.linalg._krylov.krylov_solve` for the streaming path.
+
+    The first sweep (at construction) gathers what every later step needs: the row count, ``diag G``
+    (``(S o S)^T (X o X)``), the K-FAC factors ``A = S^T S`` (m x m) and ``B = X^T X`` (d x d) (sums, not
+    means), with targets ``Phi^T Y`` (psi, d_out) and ``sum ||y||^2``. ``passes`` counts the products ``G W``
+    since then (the sweep is not one).
+
+    Parameters
+    ----------
+    source : RowSource
+    """
+
+    def __init__(self, source: RowSource):
+        self.source = source
+        self.d = source.d
+        self.m, self.psi = n_pairs(self.d), n_features(self.d)
+        self.passes = 0
+        m, d, k = self.m, self.d, source.d_out
+        diag = A = Bx = mom = xp = None
+        yy, rows = 0.0, 0
+        with _blas_threads():
+            for s, x, y in source.blocks():
+                if xp is None:
+                    xp = get_xp(s)
+                    diag = xp.zeros((m, d), dtype=xp.float64)
+                    A = xp.zeros((m, m), dtype=xp.float64)
+                    Bx = xp.zeros((d, d), dtype=xp.float64)
+                    mom = xp.zeros((m, d * k), dtype=xp.float64)
+                diag += xp.matmul((s * s).T, x * x)
+                A += xp.matmul(s.T, s)
+                Bx += xp.matmul(x.T, x)
+                if k:
+                    mom += _phi_t_r(s, x, y)
+                    yy += float(xp.sum(y * y))
+                rows += s.shape[0]
+        if xp is None:
+            raise DatasetError("the data have no rows: nothing to fit")
+        self.xp, self.n_rows, self.yy = xp, rows, yy
+        self._diag = xp.reshape(diag, (self.psi,))
+        self.A, self.B = A, Bx
+        self.moments = xp.reshape(mom, (self.psi, k)) if k else None
+        if not bool(xp.all(xp.isfinite(self._diag))):
+            raise DatasetError("the features overflow float64 (token entries too large): rescale the tokens")
+
+    def diagonal(self):
+        """``diag G`` (psi,)."""
+        return self._diag
+
+    def matmat(self, W):
+        """``G W = Phi^T (Phi W)`` for ``W`` (psi, k): one pass over the rows."""
+        xp, m, d = self.xp, self.m, self.d
+        k = W.shape[1]
+        W3 = xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))
+        out = xp.zeros((m, d * k), dtype=xp.float64)
+        with _blas_threads():
+            for s, x, _ in self.source.blocks():
+                out += _phi_t_r(s, x, _phi_w(s, x, W3, k))
+        self.passes += 1
+        return xp.reshape(out, (self.psi, k))
+
+    def __matmul__(self, W):
+        return self.matmat(W)
+
+    def residual_sse(self, coef) -> float:
+        """``sum_i ||y_i - c^T phi_i||^2`` by a pass (exact to round-off; no cancellation against ``yy``)."""
+        xp = self.xp
+        c = xp.asarray(coef, dtype=xp.float64)
+        k = c.shape[1]
+        W3 = xp.reshape(c, (self.m, self.d * k))
+        sse = 0.0
+        with _blas_threads():
+            for s, x, y in self.source.blocks():
+                r = y - _phi_w(s, x, W3, k)
+                sse += float(xp.sum(r * r))
+        return sse
+
+    def rows(self):
+        """All rows at once: ``(S (N, m), X (N, d), Y (N, d_out) or None)`` (the dual path; N x (m + d) floats)."""
+        xp = self.xp
+        parts = list(self.source.blocks())
+        S = xp.concatenate([p[0] for p in parts], axis=0)
+        X = xp.concatenate([p[1] for p in parts], axis=0)
+        Y = None if parts[0][2] is None else xp.concatenate([p[2] for p in parts], axis=0)
+        return S, X, Y
+
+
+def _clipped_inverse(F, rel: float):
+    """``(F_s)^-1`` pieces of an SPD factor ``F``: Jacobi-scaled eigendecomposition with eigenvalues clipped at
+    ``rel`` times the largest. Returns ``(D^-1/2, U, w)`` with ``F ~ D^1/2 U diag(w) U^T D^1/2`` and a lower bound
+    on the smallest eigenvalue of that (the applied) matrix."""
+    xp = get_xp(F)
+    dg = xp.linalg.diagonal(F) if hasattr(xp, "linalg") and hasattr(xp.linalg, "diagonal") else xp.diagonal(F)
+    live = dg > 0
+    dinv = xp.where(live, 1.0 / xp.sqrt(xp.where(live, dg, 1.0)), 0.0)
+    Fs = F * dinv[:, None] * dinv[None, :]
+    Fs = (Fs + Fs.T) / 2 + xp.diag(xp.where(live, 0.0, 1.0))  # all-zero coordinates: identity (never used)
+    w, U = xp.linalg.eigh(Fs)
+    w = xp.maximum(w, rel * max(float(w[-1]), 1.0))
+    dmin = float(xp.min(xp.where(live, dg, xp.inf))) if bool(xp.any(live)) else 0.0
+    return dinv, U, w, float(w[0]) * dmin
+
+
+class KFAC:
+    """The Kronecker-factored preconditioner ``M = (A (x) B) / N`` of the feature Gram [MG15] (DESIGN §4b).
+
+    ``G = sum_i (s_i s_i^T) (x) (x_i x_i^T)`` and ``N E[s s^T] (x) E[x x^T] = (A (x) B) / N`` with the sums
+    ``A = S^T S`` (m x m), ``B = X^T X`` (d x d). ``M^-1 W`` is ``N A^-1 W_(m, d k)`` then ``B^-1`` on the d axis:
+    two small dense products per application. Each factor is inverted through the eigendecomposition of its
+    Jacobi-scaled form, eigenvalues clipped at :data:`FACTOR_FLOOR` of the largest, so ``M`` is SPD
+    however singular the data; ``lambda_min(M)`` is bounded from below exactly for the ``M`` applied.
+
+    The interface is :class:`scaleattn.linalg._gram.BlockJacobi`'s: ``scale`` (``diag(G)^-1/2``, 0 for all-zero
+    features), ``live``, :meth:`apply` (``M^-1``), :meth:`apply_scaled` (``Ms^-1`` with ``Ms = S M S``),
+    :meth:`min_eigenvalues`; plus :meth:`half_inverse` (``L^-1`` and ``L^-T`` with ``M = L L^T``).
+
+    Parameters
+    ----------
+    A : array (m, m)
+    B : array (d, d)
+        The sums ``S^T S`` and ``X^T X`` (:class:`StreamOperator`).
+    diagonal : array (psi,)
+        ``diag G``.
+    n_rows : int
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.features import token_features, phi
+    >>> s, x = token_features(np.random.default_rng(0).standard_normal((300, 4, 2)))
+    >>> F = phi(s, x)
+    >>> M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), 300)
+    >>> Mdense = np.kron(s.T @ s, x.T @ x) / 300
+    >>> bool(np.allclose(M.apply(np.eye(6)), np.linalg.inv(Mdense)))
+    True
+    """
+
+    name = "kfac"
+
+    def __init__(self, A, B, diagonal, n_rows: int):
+        xp = get_xp(A, B, diagonal)
+        self.xp, self.m, self.d = xp, A.shape[0], B.shape[0]
+        self.psi, self.n = self.m * self.d, max(int(n_rows), 1)
+        self.live = diagonal > 0
+        self.scale = xp.where(self.live, 1.0 / xp.sqrt(xp.where(self.live, diagonal, 1.0)), 0.0)
+        self._root = xp.where(self.live, xp.sqrt(xp.where(self.live, diagonal, 0.0)), 0.0)  # S^-1 on live
+        self._dA, self._UA, self._wA, lowA = _clipped_inverse(A, FACTOR_FLOOR)
+        self._dB, self._UB, self._wB, lowB = _clipped_inverse(B, FACTOR_FLOOR)
+        self._lam_min = lowA * lowB / self.n
+        dmax = float(xp.max(xp.where(self.live, diagonal, 0.0)))
+        self._lam_min_s = self._lam_min / dmax if dmax > 0 else 0.0
+        # F^-1 = D^-1/2 U diag(1/w) U^T D^-1/2, formed once: each application is then two GEMMs
+        self._Ainv = (self._dA[:, None] * self._UA / self._wA[None, :]) @ (self._UA.T * self._dA[None, :])
+        self._Binv = (self._dB[:, None] * self._UB / self._wB[None, :]) @ (self._UB.T * self._dB[None, :])
+
+    def _kron(self, FA, FB, R):
+        """``(FA (x) FB) R`` for R (psi, k), feature order P-major (P d + l)."""
+        xp, m, d = self.xp, self.m, self.d
+        k = R.shape[1]
+        T = xp.reshape(xp.matmul(FA, xp.reshape(R, (m, d * k))), (m, d, k))
+        return xp.reshape(xp.matmul(FB, T), (self.psi, k))
+
+    def apply(self, R):
+        """``M^-1 R`` (original coordinates; zero on all-zero features)."""
+        lv = self.xp.astype(self.live, self.xp.float64)[:, None]
+        return self.n * self._kron(self._Ainv, self._Binv, R * lv) * lv
+
+    def apply_scaled(self, R):
+        """``Ms^-1 R = S^-1 M^-1 S^-1 R`` (Jacobi-scaled coordinates, ``S = diag(G)^-1/2``)."""
+        r = self._root[:, None]
+        return r * self.apply(r * R)
+
+    def half_inverse(self, R, transpose: bool = False):
+        """``L^-1 R`` (or ``L^-T R``) with ``M = L L^T``, ``L = sqrt(N)^-1 (D_A^1/2 U_A w_A^1/2) (x) (D_B^1/2 U_B
+        w_B^1/2)``: ``C = L^-1 G L^-T`` has the eigenvalues of ``M^-1 G``."""
+        xp = self.xp
+        lv = xp.astype(self.live, xp.float64)[:, None]
+        if transpose:  # L^-T = sqrt(N) (D^-1/2 U w^-1/2) (x) ...
+            FA = self._dA[:, None] * self._UA / xp.sqrt(self._wA)[None, :]
+            FB = self._dB[:, None] * self._UB / xp.sqrt(self._wB)[None, :]
+            return math.sqrt(self.n) * self._kron(FA, FB, R) * lv
+        FA = (self._UA / xp.sqrt(self._wA)[None, :]).T * self._dA[None, :]
+        FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
+        return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
+
+    def min_eigenvalues(self) -> tuple[float, float]:
+        """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
+        lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
+        ``lambda_min(Ms) >= lambda_min(M) / max(diag G)``."""
+        return self._lam_min_s, self._lam_min
+
+
+class Jacobi(KFAC):
+    """Diagonal (Jacobi) preconditioner ``M = diag(G)`` in :class:`KFAC`'s interface: the baseline K-FAC is measured
+    against (``scaleattn bench stream``)."""
+
+    name = "jacobi"
+
+    def __init__(self, diagonal, n_rows: int):
+        xp = get_xp(diagonal)
+        self.xp, self.psi, self.n = xp, diagonal.shape[0], max(int(n_rows), 1)
+        self.live = diagonal > 0
+        self.scale = xp.where(self.live, 1.0 / xp.sqrt(xp.where(self.live, diagonal, 1.0)), 0.0)
+        self._dmin = float(xp.min(xp.where(self.live, diagonal, xp.inf))) if bool(xp.any(self.live)) else 0.0
+
+    def apply(self, R):
+        return (self.scale * self.scale)[:, None] * R
+
+    def apply_scaled(self, R):
+        return self.xp.astype(self.live, self.xp.float64)[:, None] * R
+
+    def half_inverse(self, R, transpose: bool = False):
+        return self.scale[:, None] * R
+
+    def min_eigenvalues(self) -> tuple[float, float]:
+        return 1.0, self._dmin
+
+
+def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, seed: int = 0,
+                   target: float = 0.5) -> dict:
+    """A probabilistic lower bound on ``lambda_min(G)`` from passes: Lanczos on ``C = L^-1 G L^-T`` ([KW92]).
+
+    Lanczos with full reorthogonalisation from a Gaussian start (uniform direction on the live coordinates'
+    sphere, as [KW92] Theorem 4.2 assumes) gives after k steps the extreme Ritz values ``theta_1 <= theta_k`` of
+    ``C`` (n live features). By the theorem, applied to ``-C`` and to ``C``, each of
+    ``(theta_1 - lambda_min) / (lambda_max - lambda_min) >= eps`` and ``(lambda_max - theta_k) / (lambda_max -
+    lambda_min) >= eps`` has probability at most ``1.648 sqrt(n) exp(-sqrt(eps) (2k - 1))``; with that set to
+    ``failure / 2``, except with probability ``failure``: ``lambda_max(C) <= theta_k / (1 - eps)`` and
+    ``lambda_min(C) >= theta_1 - eps theta_k / (1 - eps)``. ``lambda_min(G) >= lambda_min(C) lambda_min(M)``
+    (``G = L C L^T``). Stops once the bound is at least ``target`` of ``theta_1 lambda_min(M)``, or after
+    ``maxiter`` steps. DESIGN §4b, "Eigenvalues from passes".
+
+    Returns
+    -------
+    dict
+        ``lower`` (the bound on ``lambda_min(G)``, 0 when the steps did not make it positive; never negative),
+        ``failure_probability``, ``steps``, ``theta_min``/``theta_max`` (Ritz values of ``C``), ``eps``,
+        ``rigorous`` (False: a probabilistic bound).
+    """
+    import scipy.linalg
+
+    xp, psi = op.xp, op.psi
+    live = to_numpy(M.live)
+    n = int(live.sum())
+    out = {"lower": 0.0, "failure_probability": float(failure), "steps": 0, "theta_min": float("nan"),
+           "theta_max": float("nan"), "eps": float("nan"), "rigorous": False, "method": "Kuczynski-Wozniakowski"}
+    if n == 0:
+        return out
+    lam_m = M.min_eigenvalues()[1]
+    log_term = math.log(1.648 * math.sqrt(n) / (failure / 2))
+
+    def gen():
+        g = np.random.default_rng([seed, 11]).standard_normal(psi) * live
+        q = xp.asarray(g / np.linalg.norm(g))
+        Q, alpha, beta = [], [], []
+        steps = min(int(maxiter), n)
+        for j in range(steps):
+            Q.append(q)
+            w = M.half_inverse((yield M.half_inverse(q[:, None], transpose=True)))[:, 0]
+            a = float(xp.sum(q * w))
+            w = w - a * q - (beta[-1] * Q[-2] if j else 0.0)
+            Qm = xp.stack(Q, axis=1)
+            for _ in range(2):
+                w = w - Qm @ (Qm.T @ w)
+            b = float(xp.linalg.norm(w))
+            alpha.append(a)
+            ev = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta), eigvals_only=True)
+            k = j + 1
+            eps = (log_term / (2 * k - 1)) ** 2
+            out.update(steps=k, theta_min=float(ev[0]), theta_max=float(ev[-1]), eps=eps)
+            if eps < 1:
+                lo = float(ev[0]) - eps * float(ev[-1]) / (1 - eps)
+                out["lower"] = max(lo, 0.0) * lam_m
+                if lo >= target * float(ev[0]):
+                    return
+            if k == n or b <= EPS * max(abs(float(ev[-1])), 1e-300):
+                # the Krylov space is invariant (or the whole space): the Ritz values are eigenvalues of C to
+                # round-off, the bound no longer probabilistic in the start (only round-off, n eps theta_k)
+                out["lower"] = max(float(ev[0]) - n * EPS * float(ev[-1]), 0.0) * lam_m
+                out["invariant_subspace"] = True
+                return
+            beta.append(b)
+            q = w / b
+
+    lockstep(op.matmat, {"kw": gen()})
+    return out
+
+
+@dataclasses.dataclass
+class StreamSolution:
+    """Least squares from passes over the tokens ([Y25] Algorithm 1; DESIGN §4b).
+
+    ``coef`` (psi, d_out) float64 in the layout of :func:`scaleattn.solve`'s (the paper's ``p(Theta)``);
+    ``certificate`` (:class:`~scaleattn.linalg._certificate.Certificate`; ``estimates["solver"]`` says
+    ``"stream"`` or ``"dual"``, with the passes, the preconditioner and the probabilistic lower bound);
+    ``null_basis`` (psi, j): the null directions found (``"stream"``: the whole numerical null space when
+    ``rank_converged``; ``"dual"``: one null direction, the witness, since the null space has psi - N dimensions);
+    ``sse`` the training sum of squares by a pass over the rows; ``backward_error`` and ``converged`` per output
+    (the dual: the relative residual of ``Phi^T (Phi c - Y)`` is not iterated, always converged); ``passes``
+    over the data (the first sweep included); ``path``: ``"stream"`` or ``"dual"``.
+    """
+
+    coef: np.ndarray
+    certificate: Certificate
+    null_basis: np.ndarray
+    sse: float
+    backward_error: np.ndarray
+    converged: np.ndarray
+    passes: int
+    path: str
+    n_rows: int
+    yy: float
+    ridge: float = 0.0
+    effective_dof: float = float("nan")
+
+    @property
+    def rank(self) -> int:
+        return self.certificate.rank
+
+
+def heads_bytes(d: int, d_out: int) -> int:
+    """Bytes of the svd heads of coefficients (psi, d_out): ``W`` (d_out d, d^2) and its SVD factors."""
+    return 8 * 3 * d_out * d * d * d
+
+
+def stream_bytes(d: int, d_out: int, *, block_rows: int = BLOCK_ROWS, eig_columns: int = 8) -> int:
+    """Bytes the streaming path holds besides the tokens: the K-FAC factors and their inverses (``4 m^2``), ``diag G``
+    and the moments, the krylov vectors (about ``(8 d_out + 6 eig_columns) psi`` incl. the Lanczos bases of at most
+    300 vectors), one block's products (``rows (m + 3 d k)``) and the svd heads (:func:`heads_bytes`)."""
+    m, psi = n_pairs(d), n_features(d)
+    k = d_out + eig_columns
+    return 8 * (4 * m * m + psi * (9 * d_out + 6 * eig_columns + 1) + 2 * 300 * psi + block_rows * (m + 3 * d * k)) \
+        + heads_bytes(d, d_out)
+
+
+def dual_bytes(n_rows: int, d: int, d_out: int) -> int:
+    """Bytes the dual path holds: the rows' features (``N (m + d + d_out)``), ``K``, its eigenvectors and a work copy
+    (``3 N^2``), ``diag G``, the moments, the coefficients and their products (``psi (3 d_out + 2)``) and the svd
+    heads (:func:`heads_bytes`)."""
+    m, psi = n_pairs(d), n_features(d)
+    return 8 * (n_rows * (m + d + d_out) + 3 * n_rows * n_rows + psi * (3 * d_out + 2)) + heads_bytes(d, d_out)
+
+
+def _preconditioner(op: StreamOperator, kind):
+    if not isinstance(kind, str):
+        return kind  # an object with the interface (tests inject one)
+    if kind == "kfac":
+        return KFAC(op.A, op.B, op.diagonal(), op.n_rows)
+    if kind == "jacobi":
+        return Jacobi(op.diagonal(), op.n_rows)
+    raise ParameterError(f"preconditioner must be 'kfac' or 'jacobi', got {kind!r}")
+
+
+def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: float | None = None,
+                 maxiter: int = MAXITER, preconditioner="kfac", eig_budget: str = "solve", seed: int = 0,
+                 lower_bound: bool = True, failure: float = KW_FAILURE, op: StreamOperator | None = None,
+                 certify_only: bool = False) -> StreamSolution | Certificate:
+    """Min-norm least squares and the certificate from passes over the tokens ([Y25] Algorithm 1, Lemma 2.3;
+    DESIGN §4b): ``G``, ``Tc`` and ``Phi`` are never formed.
+
+    CG on the Jacobi-scaled normal equations with the K-FAC preconditioner, the d_out columns sharing each pass,
+    each stopping on its backward error ``||S B - Gs x|| / (lambda_max(Gs) ||x|| + ||S B||) <= btol`` (default
+    ``psi eps``, :mod:`scaleattn.linalg._krylov`), null directions deflated for the min-norm answer; the extreme
+    eigenvalues of ``G / N`` as intervals from the same passes, and (``lower_bound``) the probabilistic lower bound
+    of :func:`kw_lower_bound` on a full-rank Gram.
+
+    Parameters
+    ----------
+    source : RowSource
+        The rows (:func:`rows_from_arrays`, :func:`rows_from_dataset`); with targets unless ``certify_only``.
+    cutoff_rtol : float, optional
+        Relative eigenvalue cutoff of the Jacobi-scaled Gram (default ``16 psi eps``).
+    btol : float, optional
+        Backward-error target (default ``cutoff_rtol / 16``).
+    maxiter : int
+        Pass budget of each Krylov run; a column that does not converge within it is reported
+        (``converged`` False, ``certificate.estimates["notes"]``), never silently returned.
+    preconditioner : {"kfac", "jacobi"} or object
+        K-FAC (default) or diagonal; an object with :class:`KFAC`'s interface is used as given.
+    eig_budget, seed
+        As :func:`scaleattn.linalg._krylov.krylov_solve`.
+    lower_bound : bool
+        Run :func:`kw_lower_bound` (extra passes of one column) when the rank is full.
+    failure : float
+        Its failure probability.
+    op : StreamOperator, optional
+        The operator of ``source`` if already made (its first sweep is then not repeated).
+    certify_only : bool
+        Return the :class:`Certificate` alone (no targets needed).
+
+    Returns
+    -------
+    StreamSolution or Certificate
+
+    Raises
+    ------
+    ParameterError
+        No targets (unless ``certify_only``); an unknown preconditioner.
+    DatasetError
+        No rows; features that overflow float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.features import token_features, row_targets, phi
+    >>> rng = np.random.default_rng(0)
+    >>> tok, y = rng.standard_normal((300, 5, 2)), rng.standard_normal((300, 5, 2))
+    >>> sol = stream_solve(rows_from_arrays(tok, y, causal=True))
+    >>> s, x = token_features(tok, causal=True)
+    >>> ref = np.linalg.lstsq(phi(s, x), row_targets(y, causal=True), rcond=None)[0]
+    >>> bool(np.abs(sol.coef - ref).max() < 1e-9 * np.abs(ref).max()), sol.certificate.verdict
+    (True, 'identifiable')
+    """
+    if source.d_out == 0 and not certify_only:
+        raise ParameterError("the data have no targets; cannot solve (certify_only=True gives the certificate)")
+    op = StreamOperator(source) if op is None else op
+    xp, psi = op.xp, op.psi
+    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    M = _preconditioner(op, preconditioner)
+    B = None if certify_only else op.moments
+    res = krylov_solve(op, B, rtol=rtol, btol=btol, maxiter=maxiter, eig_budget=eig_budget, seed=seed,
+                       yy=None if certify_only else op.yy, preconditioner=M)
+    spec = res if certify_only else res.spectrum
+    passes = op.passes
+    kw = None
+    if lower_bound and spec.rank == psi and bool(xp.all(M.live)):
+        kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
+    cert = certificate_from_krylov(spec, op.n_rows)
+    est = cert.estimates
+    est.update({"solver": "stream", "preconditioner": getattr(M, "name", type(M).__name__),
+                "data_passes": int(op.passes + 1), "krylov_passes": int(passes),
+                "lambda_min_lower_rigorous": 0.0,
+                "lambda_min_lower_probabilistic": None if kw is None else {
+                    **kw, "lower": kw["lower"] / max(op.n_rows, 1)}})
+    est["notes"] = list(est.get("notes", [])) + [
+        "lambda_min's lower ends come from Krylov iterates (an eigenvalue lies in each interval; that it is the"
+        " extreme one is assumed, not proved); the only rigorous lower bound from passes is 0"
+        + ("" if kw is None else f"; with probability >= {1 - failure:g} lambda_min >="
+           f" {kw['lower'] / max(op.n_rows, 1):.3e} (Kuczynski-Wozniakowski, {kw['steps']} Lanczos steps)")]
+    if certify_only:
+        return cert
+    est.update({"cg_iterations": int(res.iterations), "backward_error": res.backward_error.tolist(),
+                "solve_converged": bool(res.converged.all())})
+    sse = op.residual_sse(res.coef)
+    est["data_passes"] = int(op.passes + 1)
+    return StreamSolution(res.coef, cert, res.null_basis, sse, res.backward_error, res.converged, op.passes + 1,
+                          "stream", op.n_rows, op.yy, 0.0, float(spec.rank))
+
+
+def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,
+               op: StreamOperator | None = None, certify_only: bool = False) -> StreamSolution | Certificate:
+    """Min-norm least squares for fewer rows than features by the dual ([Y25] Algorithm 1; DESIGN §4b, "the dual").
+
+    ``c = Phi^T alpha`` with ``alpha = K^+ Y`` on the eigenvectors of ``K = Phi Phi^T = (S S^T) * (X X^T)``
+    (elementwise; N x N) above ``cutoff_rtol`` times its largest eigenvalue: the min-norm solution in the
+    original coordinates (``numpy.linalg.lstsq`` on the explicit features), never forming ``Phi`` or ``G``.
+    ``rank(G) = rank(K) <= N < psi``, so the verdict is "not identifiable" by dimension count, whatever the
+    round-off; ``lambda_min(G / N) = 0`` and ``lambda_max = lambda_max(K) / N``. The witness direction is a
+    random vector with its row-space part removed (``v - Phi^T K^+ Phi v``).
+
+    Parameters
+    ----------
+    source : RowSource
+        With targets.
+    cutoff_rtol : float, optional
+        Relative eigenvalue cutoff on ``K`` (default ``16 psi eps``).
+    seed : int
+        Seed of the witness direction.
+    op : StreamOperator, optional
+        The operator of ``source`` if already made.
+    certify_only : bool
+        Return the :class:`Certificate` alone (no targets needed).
+
+    Returns
+    -------
+    StreamSolution or Certificate
+        ``path = "dual"``; ``null_basis`` (psi, 1) one unit null direction.
+
+    Raises
+    ------
+    ParameterError
+        No targets, or at least as many rows as features (use :func:`stream_solve`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.features import token_features, phi
+    >>> rng = np.random.default_rng(0)
+    >>> tok, y = rng.standard_normal((30, 4, 4)), rng.standard_normal((30, 2))
+    >>> sol = dual_solve(rows_from_arrays(tok, y))
+    >>> s, x = token_features(tok)
+    >>> ref = np.linalg.lstsq(phi(s, x), y, rcond=None)[0]
+    >>> bool(np.abs(sol.coef - ref).max() < 1e-9 * np.abs(ref).max()), sol.rank, sol.certificate.verdict
+    (True, 30, 'not identifiable')
+    """
+    if source.d_out == 0 and not certify_only:
+        raise ParameterError("the data have no targets; cannot solve")
+    op = StreamOperator(source) if op is None else op
+    xp, psi, m, d = op.xp, op.psi, op.m, op.d
+    if op.n_rows >= psi:
+        raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")
+    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    S, X, Y = op.rows()
+    with _blas_threads():
+        K = xp.matmul(S, S.T) * xp.matmul(X, X.T)
+        K = (K + K.T) / 2
+        w, U = xp.linalg.eigh(K)
+    del K
+    top = max(float(w[-1]), 0.0)
+    keep = w > rtol * top
+    rank = int(xp.sum(keep))
+    wk = to_numpy(w)
+    n = max(op.n_rows, 1)
+    kept = wk[to_numpy(keep)]
+    cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
+    est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
+           "kernel_eigenvalues_relative": [float(wk[0] / top) if top else 0.0, 1.0],
+           "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
+           "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
+                     " identifiable by dimension count; solved by the dual (K = Phi Phi^T)"]}
+    cert = Certificate(op.n_rows, psi, rank, rtol, 0.0, top / n, 0.0, cond, np.array([0.0, top / n]), None,
+                       converged=True, estimates=est)
+    if certify_only:
+        return cert
+    Ur, wr = U[:, keep], w[keep]
+    del U
+
+    def phi_t(R):  # Phi^T R (psi, k) from the rows held
+        return xp.reshape(_phi_t_r(S, X, R), (psi, R.shape[1]))
+
+    def phi_w(W):
+        return _phi_w(S, X, xp.reshape(W, (m, d * W.shape[1])), W.shape[1])
+
+    with _blas_threads():
+        alpha = Ur @ ((Ur.T @ Y) / wr[:, None])
+        coef = phi_t(alpha)
+        pred = phi_w(coef)
+        sse = float(xp.sum((Y - pred) ** 2))
+        # the witness: a random direction without its row-space part (orthogonal to every phi_i)
+        v = xp.asarray(np.random.default_rng([seed, 5]).standard_normal((psi, 1)))
+        for _ in range(2):  # twice: one projection leaves round-off of the row-space part
+            v = v - phi_t(Ur @ ((Ur.T @ phi_w(v)) / wr[:, None]))
+        v = v / xp.linalg.norm(v)
+        # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K)
+        g = phi_t(pred - Y)
+        be = to_numpy(xp.linalg.norm(g, axis=0)) / np.maximum(
+            to_numpy(top * xp.linalg.norm(coef, axis=0) + xp.linalg.norm(op.moments, axis=0)), 1e-300)
+    est.update(backward_error=be.tolist(), solve_converged=True)
+    return StreamSolution(to_numpy(coef), cert, to_numpy(v), sse, be, np.ones(be.shape[0], bool), 1, "dual",
+                          op.n_rows, op.yy, 0.0, float(rank))
+
+
+#: the solver choices of a fit from the data (the statistics' SOLVERS plus the streaming path)
+FIT_SOLVERS = ("auto", "eigh", "cholesky", "krylov", "stream")
+
+
+def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
+    """Rows of a data set: ``n`` (last token), ``n T`` or ``sum(lengths)`` (causal)."""
+    if not causal:
+        return int(n_samples)
+    return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
+
+
+def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0,
+             available: float | None = None, large_psi: int = 2_000) -> tuple[str | None, str]:
+    """Which path a fit from the data takes, and why: ``("stream" | "dual", reason)``, or ``(None, reason)`` for
+    the Gram route (statistics, then :func:`scaleattn.solve`). DESIGN §4b.
+
+    ``"stream"`` asked: the dual when ``n_rows < psi`` (the primal CG would only find the min-norm answer
+    through psi - N deflated directions), else the streaming CG. ``"auto"``: the dual when ``n_rows < psi``, psi is
+    past ``large_psi`` (where the Gram route factors or iterates on a singular psi x psi Gram) and ``K`` fits in
+    ``available`` bytes; else the Gram route. The streaming paths give the least-squares coefficients and svd
+    heads only.
+
+    Raises
+    ------
+    ParameterError
+        ``"stream"`` with ``heads`` other than ``"svd"`` or ``ridge > 0`` (both need the Gram).
+    """
+    psi = n_features(d)
+    under = n_rows < psi
+    if solver == "stream":
+        if heads != "svd" or ridge > 0:
+            raise ParameterError("`solver='stream'` fits the least-squares coefficients with svd heads only"
+                                 f" (heads={heads!r}, ridge={ridge} need the Gram): use heads='svd', ridge=0")
+        if under:
+            return "dual", f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual (N x N kernel)"
+        return "stream", "asked for (solver='stream')"
+    if solver == "auto" and under and psi > large_psi and heads == "svd" and ridge == 0:
+        need = dual_bytes(n_rows, d, d_out)
+        if available is None or need <= available:
+            return "dual", (f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual's N x N kernel"
+                            f" ({need / 2**30:.2f} GiB with the coefficients and heads) instead of a singular"
+                            " psi x psi Gram")
+    return None, "the Gram route"
+
+
+def path_bytes(path: str, n_rows: int, d: int, d_out: int) -> int:
+    """Bytes :func:`stream_bytes` or :func:`dual_bytes` of ``path``."""
+    return dual_bytes(n_rows, d, d_out) if path == "dual" else stream_bytes(d, d_out)
+
+
+def check_path_memory(path: str, n_rows: int, d: int, d_out: int, available: float, extra: float = 0.0) -> None:
+    """Refuse, before any work, a streaming or dual fit whose :func:`path_bytes` (plus ``extra``) exceed
+    ``available`` bytes.
+
+    Raises
+    ------
+    InsufficientMemoryError
+        One line: the path, the size, what it holds, the memory there is.
+    """
+    need = path_bytes(path, n_rows, d, d_out) + extra
+    if need > available:
+        raise InsufficientMemoryError(f"a {path} fit with d = {d} ({n_rows:,} rows, psi = {n_features(d):,}) needs"
+                                      f" {need / 2**30:.2f} GiB ({'the N x N kernel' if path == 'dual' else 'K-FAC'}"
+                                      f" factors, coefficients, svd heads); this machine has {available / 2**30:.2f}"
+                                      " GiB available. Use a machine with more memory or a smaller d.")

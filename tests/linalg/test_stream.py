@@ -1,0 +1,346 @@
+"""The streaming and dual paths (scaleattn.linalg._stream) against lstsq on explicit features and the Gram route."""
+import numpy as np
+import pytest
+
+import scaleattn
+from scaleattn.errors import ParameterError
+from scaleattn.features import phi, row_targets, token_features
+from scaleattn.linalg._stream import (
+    KFAC,
+    StreamOperator,
+    dual_solve,
+    kw_lower_bound,
+    rows_from_arrays,
+    rows_from_dataset,
+    stream_solve,
+)
+
+
+def _explicit(tok, y, lengths=None, causal=False):
+    s, x = token_features(tok, lengths, causal)
+    return phi(s, x), row_targets(y, lengths, causal)
+
+
+def _agrees(coef, F, Y, rtol=1e-8):
+    """The test's checker: ``coef`` is the min-norm least-squares solution on the explicit features."""
+    ref = np.linalg.lstsq(F, Y, rcond=None)[0]
+    return float(np.abs(coef - ref).max()) <= rtol * float(np.abs(ref).max())
+
+
+def _cases():
+    rng = np.random.default_rng(7)
+    d = 4
+    yield "causal d_out 2", rng.standard_normal((90, 6, d)), rng.standard_normal((90, 6, 2)), None, True
+    lengths = rng.integers(1, 7, 160)
+    yield "last-token, lengths", rng.standard_normal((160, 6, d)), rng.standard_normal((160, 1)), lengths, False
+    lengths = rng.integers(1, 6, 80)
+    yield "causal, lengths, d_out 3", rng.standard_normal((80, 5, 3)), rng.standard_normal((80, 5, 3)), lengths, True
+    tok = rng.standard_normal((150, 6, d))
+    tok[..., 2] *= 100.0  # one coordinate 100x the others: feature scales span 1e8
+    yield "badly scaled", tok, rng.standard_normal((150, 6, 1)), None, True
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0][:, :3]  # tokens in a 3-dim subspace: G singular
+    yield "rank-deficient", rng.standard_normal((150, 6, 3)) @ Q.T, rng.standard_normal((150, 6, 2)), None, True
+    tok = rng.standard_normal((150, 6, d))
+    tok[..., 3] = 0.0  # a coordinate always zero: all-zero features
+    yield "zero coordinate", tok, rng.standard_normal((150, 2)), None, False
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_stream_matches_lstsq_on_explicit_features(case):
+    _, tok, y, lengths, causal = case
+    F, Y = _explicit(tok, y, lengths, causal)
+    sol = stream_solve(rows_from_arrays(tok, y, lengths, causal, block_rows=64))
+    assert _agrees(sol.coef, F, Y)
+    assert sol.converged.all()
+    rank = np.linalg.matrix_rank(F)
+    assert sol.rank == rank
+    assert sol.certificate.verdict == ("identifiable" if rank == F.shape[1] else "not identifiable")
+    r = Y - F @ sol.coef
+    assert sol.sse == pytest.approx(float(np.sum(r * r)), rel=1e-9)
+    lam = np.linalg.eigvalsh(F.T @ F / F.shape[0])
+    est = sol.certificate.estimates
+    assert est["solver"] == "stream" and est["preconditioner"] == "kfac"
+    lo, hi = est["lambda_max"]["lower"], est["lambda_max"]["upper"]
+    assert lo * (1 - 1e-12) <= lam[-1] <= hi * (1 + 1e-12)
+    if rank == F.shape[1]:  # the interval of lambda_min holds the truth; the probabilistic bound is below it
+        assert est["lambda_min"]["lower"] * (1 - 1e-9) <= lam[0] <= est["lambda_min"]["upper"] * (1 + 1e-9)
+        kw = est["lambda_min_lower_probabilistic"]
+        assert 0 < kw["lower"] <= lam[0] and not kw["rigorous"] and kw["failure_probability"] == 1e-3
+    else:
+        assert sol.null_basis.shape[1] == F.shape[1] - rank
+        assert np.abs(F @ sol.null_basis).max() <= 1e-6 * np.abs(F).max()
+
+
+def test_stream_null_space_is_min_norm():
+    """On singular data the answer has no component in the null space (lstsq's min-norm), found by deflation."""
+    rng = np.random.default_rng(3)
+    Q = np.linalg.qr(rng.standard_normal((3, 3)))[0][:, :2]
+    tok = rng.standard_normal((120, 5, 2)) @ Q.T
+    y = rng.standard_normal((120, 5, 1))
+    sol = stream_solve(rows_from_arrays(tok, y, causal=True))
+    assert np.abs(sol.null_basis.T @ sol.coef).max() <= 1e-9 * np.abs(sol.coef).max()
+    assert _agrees(sol.coef, *_explicit(tok, y, causal=True))
+
+
+def test_the_checker_catches_a_wrong_pass():
+    """A pass that drops one block's rows gives a solve the checker refuses: the checker can fail."""
+    rng = np.random.default_rng(5)
+    tok, y = rng.standard_normal((100, 5, 3)), rng.standard_normal((100, 5, 2))
+    src = rows_from_arrays(tok, y, causal=True, block_rows=100)
+
+    class Dropping(StreamOperator):
+        def matmat(self, W):  # the last block's rows missing from every pass
+            blocks = list(self.source.blocks())
+            full = super().matmat(W)
+            s, x, _ = blocks[-1]
+            F = phi(s, x)
+            return full - F.T @ (F @ W)
+
+    sol = stream_solve(src, op=Dropping(src), lower_bound=False)
+    assert not _agrees(sol.coef, *_explicit(tok, y, causal=True))
+
+
+def test_a_wrong_preconditioner_is_reported_not_returned_silently():
+    """An indefinite 'preconditioner' (negated K-FAC) breaks CG: the columns are reported as not converged; a
+    correct one with too small a budget too; a merely poor one (Jacobi) still reaches the answer."""
+    rng = np.random.default_rng(6)
+    tok, y = rng.standard_normal((200, 5, 3)), rng.standard_normal((200, 5, 2))
+    src = rows_from_arrays(tok, y, causal=True)
+    op = StreamOperator(src)
+    good = KFAC(op.A, op.B, op.diagonal(), op.n_rows)
+
+    class Negated(KFAC):
+        def apply(self, R):
+            return -super().apply(R)
+
+    bad = Negated(op.A, op.B, op.diagonal(), op.n_rows)
+    sol = stream_solve(src, preconditioner=bad, maxiter=60, lower_bound=False)
+    assert not sol.converged.all()
+    assert not sol.certificate.estimates["solve_converged"]
+    short = stream_solve(src, preconditioner=good, maxiter=3, lower_bound=False)
+    assert not short.converged.any() and any("did not reach" in n for n in short.certificate.estimates["notes"])
+    F, Y = _explicit(tok, y, causal=True)
+    jac = stream_solve(src, preconditioner="jacobi", lower_bound=False)
+    kf = stream_solve(src, lower_bound=False)
+    assert _agrees(jac.coef, F, Y) and _agrees(kf.coef, F, Y)
+    assert kf.certificate.estimates["cg_iterations"] < jac.certificate.estimates["cg_iterations"]
+
+
+def test_kfac_is_the_kronecker_inverse():
+    rng = np.random.default_rng(2)
+    s, x = token_features(rng.standard_normal((80, 4, 3)), causal=True)
+    F = phi(s, x)
+    M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), s.shape[0])
+    dense = np.kron(s.T @ s, x.T @ x) / s.shape[0]
+    assert np.allclose(M.apply(np.eye(F.shape[1])) @ dense, np.eye(F.shape[1]), atol=1e-8)
+    L_inv_T = M.half_inverse(np.eye(F.shape[1]), transpose=True)
+    L_inv = M.half_inverse(np.eye(F.shape[1]))
+    assert np.allclose(L_inv.T, L_inv_T)
+    C = L_inv @ (F.T @ F) @ L_inv_T
+    ev = np.sort(np.linalg.eigvals(M.apply(F.T @ F)).real)
+    assert np.allclose(np.linalg.eigvalsh(C), ev, rtol=1e-8)
+    assert M.min_eigenvalues()[1] <= np.linalg.eigvalsh(dense)[0] * (1 + 1e-8)
+
+
+def test_kw_bound_below_the_truth_over_seeds():
+    rng = np.random.default_rng(8)
+    tok = rng.standard_normal((150, 6, 3))
+    F, _ = _explicit(tok, tok[:, :, :1], causal=True)
+    truth = np.linalg.eigvalsh(F.T @ F)[0]
+    op = StreamOperator(rows_from_arrays(tok, None, causal=True))
+    M = KFAC(op.A, op.B, op.diagonal(), op.n_rows)
+    for seed in range(5):
+        kw = kw_lower_bound(op, M, seed=seed)
+        assert 0 < kw["lower"] <= truth
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dual_matches_min_norm_lstsq(causal):
+    rng = np.random.default_rng(11)
+    d = 6  # psi = 126
+    n = 12 if causal else 70
+    tok = rng.standard_normal((n, 5, d))
+    y = rng.standard_normal((n, 5, 2) if causal else (n, 3))
+    F, Y = _explicit(tok, y, None, causal)
+    assert F.shape[0] < F.shape[1]
+    sol = dual_solve(rows_from_arrays(tok, y, None, causal))
+    assert _agrees(sol.coef, F, Y)
+    assert sol.rank == np.linalg.matrix_rank(F)
+    assert sol.certificate.verdict == "not identifiable" and not sol.certificate.identifiable
+    assert sol.certificate.estimates["solver"] == "dual"
+    v = sol.null_basis[:, 0]
+    assert np.linalg.norm(F @ v) <= 1e-9 * np.linalg.norm(F) and np.linalg.norm(v) == pytest.approx(1.0)
+    assert sol.sse == pytest.approx(float(np.sum((Y - F @ sol.coef) ** 2)), abs=1e-9 * float(np.sum(Y * Y)))
+
+
+def test_dual_rank_deficient_rows():
+    """Repeated rows: K is singular, rank(K) < N; still the min-norm answer."""
+    rng = np.random.default_rng(12)
+    tok = rng.standard_normal((20, 4, 5))
+    tok = np.concatenate([tok, tok[:8]])
+    y = rng.standard_normal((28, 1))
+    y[20:] = y[:8]
+    F, Y = _explicit(tok, y)
+    sol = dual_solve(rows_from_arrays(tok, y))
+    assert sol.rank == 20 == np.linalg.matrix_rank(F)
+    assert _agrees(sol.coef, F, Y)
+
+
+def test_dual_refuses_enough_rows_and_stream_needs_targets():
+    rng = np.random.default_rng(0)
+    tok = rng.standard_normal((50, 4, 2))
+    with pytest.raises(ParameterError, match="fewer rows than features"):
+        dual_solve(rows_from_arrays(tok, rng.standard_normal((50, 1))))
+    with pytest.raises(ParameterError, match="no targets"):
+        stream_solve(rows_from_arrays(tok))
+    cert = stream_solve(rows_from_arrays(tok), certify_only=True)
+    assert cert.verdict == "identifiable" and cert.estimates["solver"] == "stream"
+
+
+def test_stream_reads_a_dataset_in_chunks(tmp_path):
+    rng = np.random.default_rng(4)
+    tok, y = rng.standard_normal((60, 5, 3)), rng.standard_normal((60, 5, 2))
+    lengths = rng.integers(1, 6, 60)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y, lengths=lengths, chunk_samples=16)
+    sol = stream_solve(rows_from_dataset(ds, block_rows=30, cache_bytes=0))
+    assert _agrees(sol.coef, *_explicit(tok, y, lengths, True))
+
+
+@pytest.mark.slow
+def test_stream_matches_the_gram_route_at_d16():
+    from scaleattn.generate import make_mhla
+
+    data = make_mhla(d=16, heads=2, length=8, samples=800, causal=True, seed=3)  # 6,400 rows, psi 2,176
+    tok, y = data["tokens"], data["targets"]
+    ref = scaleattn.solve(scaleattn.statistics_from_arrays(tok, y, causal=True))
+    sol = stream_solve(rows_from_arrays(tok, y, causal=True), lower_bound=False)
+    assert ref.certificate.verdict == sol.certificate.verdict == "identifiable"
+    assert np.abs(sol.coef - ref.coef).max() <= 1e-8 * np.abs(ref.coef).max()
+    assert sol.certificate.lambda_max == pytest.approx(ref.certificate.lambda_max, rel=1e-6)
+
+
+def test_estimator_stream_and_dual_paths():
+    rng = np.random.default_rng(13)
+    tok, y = rng.standard_normal((120, 5, 3)), rng.standard_normal((120, 5, 2))
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok, y)
+    assert est.path_["path"] == "stream"
+    assert _agrees(est.coef_, *_explicit(tok, y, causal=True))
+    assert est.certificate_.estimates["solver"] == "stream"
+    y1 = rng.standard_normal((20, 2))
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok[:20], y1)  # 20 rows, psi 18: primal
+    assert est.path_["path"] == "stream"
+    tok4 = rng.standard_normal((25, 5, 4))  # 25 rows < psi 40: the dual
+    est = scaleattn.MHLARegressor(solver="stream").fit(tok4, rng.standard_normal((25, 1)))
+    assert est.path_["path"] == "dual" and est.certificate_.verdict == "not identifiable"
+    with pytest.raises(ParameterError, match="svd heads only"):
+        scaleattn.MHLARegressor(solver="stream", heads="minimal").fit(tok, y)
+
+
+def test_auto_takes_the_dual_on_underdetermined_data_at_d24():
+    """Fewer rows than features at d = 24 (psi 7,200): the cost follows the rows (the Gram route would hold
+    psi x psi = 415 MB and factor a singular Gram); bounded time and traced memory."""
+    import time
+    import tracemalloc
+
+    rng = np.random.default_rng(14)
+    tok, y = rng.standard_normal((400, 6, 24)), rng.standard_normal((400, 2))
+    tracemalloc.start()
+    t = time.perf_counter()
+    est = scaleattn.MHLARegressor().fit(tok, y)
+    wall = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert est.path_["path"] == "dual" and "fewer rows" in est.path_["reason"]
+    assert est.certificate_.rank == 400 and est.certificate_.verdict == "not identifiable"
+    assert wall < 30 and peak < 100e6, (wall, peak)
+    s, x = token_features(tok)
+    assert np.abs(phi(s, x) @ est.coef_ - y).max() < 1e-8 * np.abs(y).max()  # interpolates: N < psi, rank N
+
+
+@pytest.mark.slow
+def test_fit_stream_writes_no_statistics_and_matches_the_gram_fit(tmp_path, cli):
+    import json
+
+    rng = np.random.default_rng(15)
+    tok, y = rng.standard_normal((60, 6, 3)), rng.standard_normal((60, 6, 2))
+    lengths = rng.integers(2, 7, 60)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y, lengths=lengths, chunk_samples=16)
+    res = scaleattn.fit(ds, str(tmp_path / "run"), solver="stream")
+    ref = scaleattn.fit(ds, client=None)
+    assert res.report["solver_path"] == {"path": "stream", "reason": "asked for (solver='stream')",
+                                         "statistics_written": False}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model.zarr", "report.json"]
+    assert res.statistics is None and res.report["verdict"] == ref.report["verdict"] == "identifiable"
+    assert np.abs(res.model.coef - ref.model.coef).max() <= 1e-8 * np.abs(ref.model.coef).max()
+    assert res.report["train_mse"] == pytest.approx(ref.report["train_mse"], rel=1e-9)
+    assert _agrees(res.model.coef, *_explicit(tok, y, lengths, True))
+    cert = scaleattn.certify_dataset(ds, solver="stream")
+    assert cert.estimates["solver"] == "stream" and cert.rank == 18
+    out = cli("fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run2"), "--solver", "stream", "--json")
+    assert json.loads(out.stdout)["solver_path"]["path"] == "stream"
+    bad = cli("fit", str(tmp_path / "d.zarr"), "--out", str(tmp_path / "run3"), "--solver", "stream", "--heads", "2",
+              rc=2)
+    assert "svd heads only" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run3").exists()
+
+
+@pytest.mark.slow
+def test_fit_auto_takes_the_dual_for_fewer_rows_than_features(tmp_path):
+    rng = np.random.default_rng(16)
+    tok, y = rng.standard_normal((150, 4, 16)), rng.standard_normal((150, 2))  # 150 rows < psi 2,176
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
+    res = scaleattn.fit(ds, str(tmp_path / "run"))
+    assert res.report["solver_path"]["path"] == "dual" and res.report["rank"] == 150
+    assert res.report["verdict"] == "not identifiable"
+    assert not (tmp_path / "run" / "stats.zarr").exists()
+    assert _agrees(res.model.coef, *_explicit(tok, y))
+    cert = scaleattn.certify_dataset(ds)
+    assert cert.estimates["solver"] == "dual" and cert.rank == 150 and cert.verdict == "not identifiable"
+
+
+def test_krylov_memory_counts_the_null_space_blocks_and_refuses_beforehand(tmp_path, monkeypatch):
+    """Under-determined data on the krylov path: the estimate holds the LOBPCG blocks of the null space (d = 32
+    with 2,500 rows: more than the dense Gram's 2.3 GB), and a fit that cannot hold them is refused before work."""
+    from scaleattn.distributed.memory import check_fit_memory, fit_memory
+    from scaleattn.errors import InsufficientMemoryError
+
+    full = fit_memory(32, 1, solver="krylov")["solver_bytes"]
+    under = fit_memory(32, 1, solver="krylov", n_rows=2_500)["solver_bytes"]
+    assert under > full + 2.3e9 and under > 7e9
+    assert fit_memory(32, 1, solver="krylov", n_rows=40_000)["solver_bytes"] == full
+    with pytest.raises(InsufficientMemoryError, match="null space of at least 14,396 directions.*solver='stream'"):
+        check_fit_memory(32, 1, solver="krylov", n_rows=2_500, memory_limit="6GB")
+    rng = np.random.default_rng(17)
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), rng.standard_normal((300, 3, 24)),
+                                 rng.standard_normal((300, 1)))
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", "1GB")
+    with pytest.raises(InsufficientMemoryError, match="fewer than the features"):
+        scaleattn.fit(ds, str(tmp_path / "run"), solver="krylov")
+    assert not (tmp_path / "run").exists()
+
+
+def test_streaming_paths_refuse_what_they_cannot_hold():
+    """The dual and stream estimates count the coefficients and the svd heads (d = 200: 38 GB of heads), so
+    'auto' leaves such data to the Gram route's refusal and an explicit path is refused before work."""
+    from scaleattn.errors import InsufficientMemoryError
+    from scaleattn.linalg._stream import check_path_memory, dual_bytes, fit_path, heads_bytes
+
+    assert heads_bytes(200, 200) > 3.8e10 and dual_bytes(4, 200, 200) > heads_bytes(200, 200)
+    assert fit_path("auto", 4, 200, 200, available=16e9)[0] is None
+    assert fit_path("auto", 400, 24, 2, available=16e9)[0] == "dual"
+    with pytest.raises(InsufficientMemoryError, match=r"a dual fit with d = 200 .* needs .* GiB"):
+        check_path_memory("dual", 4, 200, 200, 16e9)
+    with pytest.raises(InsufficientMemoryError, match=r"a stream fit with d = 64"):
+        check_path_memory("stream", 400_000, 64, 64, 1e9)
+    check_path_memory("stream", 400_000, 64, 1, 3e9)  # d = 64, d_out = 1 fits in 3 GB (tokens aside)
+
+
+def test_fit_stream_holds_out_validation_samples(tmp_path):
+    rng = np.random.default_rng(18)
+    tok, y = rng.standard_normal((50, 5, 3)), rng.standard_normal((50, 5, 1))
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
+    res = scaleattn.fit(ds, solver="stream", validation=0.2)
+    assert res.report["n_rows"] == 40 * 5 and res.report["validation_samples"] == 10
+    assert _agrees(res.model.coef, *_explicit(tok[:40], y[:40], causal=True))
+    F, Y = _explicit(tok[40:], y[40:], causal=True)
+    assert res.report["validation_mse"] == pytest.approx(float(np.mean((Y - F @ res.model.coef) ** 2)), rel=1e-9)
