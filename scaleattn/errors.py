@@ -93,6 +93,12 @@ class StorageError(ScaleattnError, OSError):
         super().__init__(*args)
         self.transient = bool(transient)
 
+    def __reduce__(self):
+        # its own, so that a worker's StorageError reaches the client as itself: distributed pickles task errors
+        # through tblib, which rebuilds a class with its own __init__ and the builtin __reduce__ by
+        # ``cls.__new__(cls)``, unsafe for two builtin bases (ValueError, OSError): "Exception: StorageError(...)"
+        return type(self), self.args, self.__dict__
+
 
 class FormatError(ScaleattnError):
     """A store is not a scaleattn store of the expected kind or format version."""

@@ -191,7 +191,9 @@ def write_files(out, files: dict) -> list[str]:
         if made and os.path.isdir(out.url) and not os.listdir(out.url):
             os.rmdir(out.url)
         if isinstance(e, OSError) and not isinstance(e, StorageError):
-            raise StorageError(f"cannot write the files into {out.url}: {e}") from e
+            where = f" ({e.filename})" if e.filename else ""
+            raise StorageError(f"cannot write the files into {out.url}: {e.strerror or e}{where}; no file there was"
+                               " replaced or added") from e
         raise
     for _, aside in moved:
         if aside:

@@ -19,9 +19,10 @@ import re
 import sys
 import time
 
-from .._startup import EXIT_INTERRUPTED, STARTING, is_the_command, leave_on_interrupt, release
+from .._startup import EXIT_INTERRUPTED, STARTING, exit_with, is_the_command, leave_on_interrupt, release
 from .._version import IMPORT_STARTED
 from ..errors import Note, ParameterError, ScaleattnError, hint_of
+from ..store._locks import file_system_refusal
 from ..store._names import one_line
 from .commands import COMMANDS, StdoutClosed
 from .parser import build_parser, option_of, parse, positional_of
@@ -220,23 +221,35 @@ def main(argv=None) -> int:
 
     Ctrl-C is one line and 130 at any point: while the package imports and once this function returns, as the
     ``scaleattn`` program (:mod:`scaleattn._startup`), and here while the options are parsed, as in the command."""
+    # the scaleattn program, not a program that runs main in its own process and goes on (IPython's %run -m
+    # scaleattn, runpy): its Ctrl-C and its exit stay Python's
+    program = argv is None and is_the_command()
     release()  # (Ctrl-C while the package imported was scaleattn._startup's)
     started = _command_start(argv)
-    args = None
+    args, code = None, None
     try:
         args = parse(argv)
-        return _command(args, started, argv)
+        args.program = program
+        code = _command(args, started, argv)
     except KeyboardInterrupt as e:  # before the command ran (its own are _run's) or as it ended
         if args is None:
-            print(STARTING, file=sys.stderr)
-            return EXIT_INTERRUPTED
-        return _stopped(args, e)
+            if program:  # a second Ctrl-C while this one's line is said ends the process with it
+                leave_on_interrupt(STARTING)
+            print(STARTING, file=sys.stderr, flush=True)
+            code = EXIT_INTERRUPTED
+        else:
+            code = _stopped(args, e)
+    except SystemExit as e:  # argparse's --help, --version and usage errors
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        raise
     finally:
-        # the scaleattn program: the interpreter's exit is all that is left (clients, threads). Not a program that
-        # ran main in its own process and goes on (IPython's %run -m scaleattn, runpy): its Ctrl-C stays Python's
-        if argv is None and is_the_command():
-            leave_on_interrupt(f"{'scaleattn' if args is None else _prog(args)}: interrupted while exiting (the"
-                               " command had ended)")
+        if program:  # the interpreter's exit is all that is left (clients, threads), then scaleattn._startup's
+            if code is not None:  # (None: an exception escaped, a bug: Python's own exit prints it)
+                exit_with(code)
+            said = code in (EXIT_INTERRUPTED, 128 + 15)  # (the command said it was stopped: no second line)
+            leave_on_interrupt("" if said else f"{'scaleattn' if args is None else _prog(args)}: interrupted while"
+                                               " exiting (the command had ended)")
+    return code
 
 
 def _command(args, started: float, argv) -> int:
@@ -304,6 +317,11 @@ def _run(args) -> int:
         if isinstance(e, StdoutClosed):  # `| head`: the reader left, not a bug
             _quiet_stdout()
             return EXIT_STDOUT_CLOSED
+        refused = file_system_refusal(e)  # a full disk, a quota, a read-only place no layer named: not a bug
+        if refused is not None:
+            if not _traceback_shown(args):
+                print(_error_line(args, f"cannot write: {refused}{_left(args, e)}", usage=False), file=sys.stderr)
+            return EXIT_BAD_INPUT
         if _traceback_shown(args):
             return EXIT_BUG
         command = _prog(args).removeprefix("scaleattn ")
@@ -311,6 +329,16 @@ def _run(args) -> int:
                        f" `scaleattn --debug {command} ...`): {type(e).__name__}: {e}{_hint(e, args)}"),
               file=sys.stderr)
         return EXIT_BUG
+
+
+def _left(args, e: BaseException) -> str:
+    """What a command that failed left: the hint on ``e`` (a kept checkpoint), its output if it was complete, or
+    that nothing was written (a writer's outputs are all or nothing)."""
+    if _hint(e, args):
+        return _hint(e, args)
+    if getattr(args, "written", None):
+        return f"; {args.written} was written in full"
+    return "; nothing was written (outputs are written all or nothing)" if args.command in WRITERS else ""
 
 
 def _quiet_stdout() -> None:
@@ -322,15 +350,24 @@ def _quiet_stdout() -> None:
         os.close(devnull)
 
 
+def _stopped_line_of(args, e: KeyboardInterrupt) -> str:
+    """Ctrl-C's or SIGTERM's (:class:`Terminated`) last line."""
+    return _stopped_line(args, e) if isinstance(e, Terminated) else f"{_prog(args)}: interrupted{_kept(args, e)}"
+
+
 def _stopped(args, e: KeyboardInterrupt) -> int:
-    """Ctrl-C's or SIGTERM's (:class:`Terminated`) last line and exit code: 130, or 143 (128 + SIGTERM)."""
+    """Ctrl-C's or SIGTERM's (:class:`Terminated`) last line and exit code: 130, or 143 (128 + SIGTERM). In the
+    scaleattn program a second Ctrl-C meanwhile ends the process with the same line (it would escape ``main``)."""
     import signal
 
-    if isinstance(e, Terminated):
-        print(_stopped_line(args, e), file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print(f"{_prog(args)}: interrupted{_kept(args, e)}", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    line = _stopped_line_of(args, e)
+    program = getattr(args, "program", False)
+    if program:
+        leave_on_interrupt(line)
+    print(line, file=sys.stderr, flush=True)
+    if program:
+        leave_on_interrupt("")  # (said)
+    return 128 + signal.SIGTERM if isinstance(e, Terminated) else EXIT_INTERRUPTED
 
 
 def _traceback_shown(args) -> bool:

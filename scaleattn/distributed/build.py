@@ -23,7 +23,7 @@ from ..statistics._container import Statistics, accumulate
 from ..statistics._kernel import kernel_name
 from ..store._location import Location, resolve, with_retries
 from .checkpoint import Checkpoint
-from .memory import release_large_buffers
+from .memory import chunk_bytes, fit_memory, release_large_buffers
 from .partition import MAX_TILE_BYTES, TILED_MAX_GROUPS, row_groups, tile_bounds
 from .reduction import SPLIT_EVERY, TreeReducer, check_reachable, leaf_places, run_trees
 
@@ -103,6 +103,15 @@ def _partial(dataset, gi: int, ti: int, start: int, stop: int, cols, targets: bo
     if ckpt is not None:
         with_retries(ckpt.write, gi, ti, part, source)
     return part
+
+
+def _task_bytes(dataset, targets: bool) -> float | None:
+    """Bytes a worker holds for one statistics task (its partials while it combines, a block of features, a chunk
+    as read): what a worker's memory limit must allow (said when workers die under the tasks)."""
+    try:
+        return fit_memory(dataset.d, dataset.d_out if targets else 0)["worker_bytes"] + chunk_bytes(dataset, targets)
+    except Exception:  # (an estimate for a message: never the reason a build fails)
+        return None
 
 
 def _assemble(tiles: list, d: int) -> Statistics:
@@ -275,7 +284,7 @@ def build_statistics(dataset, client=None, *, targets: bool = True, group_sample
             roots = run_trees(client, [[f[ti] for f in futs] for ti in range(len(tiles))], _add_all, split_every,
                               advance=lambda w: advance(w, steps=1 if w else 0), weights=weights,
                               on_leaf=None if on_group is None else _groups_finished(futs, todo, on_group),
-                              gather=not persist)
+                              gather=not persist, what="a statistics task", need=_task_bytes(dataset, targets))
             result = (tiles, roots) if persist else _assemble(roots, dataset.d)
     check_unchanged(dataset, groups, targets, sources)
     # what was computed: with a checkpoint, what this run wrote (stale or damaged partials too)

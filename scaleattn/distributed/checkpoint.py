@@ -42,6 +42,7 @@ from ..statistics._container import Statistics
 from ..statistics._kernel import KERNEL_REVISIONS, kernel_name
 from ..store import _bounds, _formats, _integrity
 from ..store._location import Location
+from ..store._outputs import writing
 
 __all__ = ["Checkpoint", "partial_checksum"]
 
@@ -152,6 +153,10 @@ class Checkpoint:
         return ck
 
     def _create(self, attrs: dict) -> None:
+        with writing(self.store, "the checkpoint"):  # a full disk, a quota, a read-only place: one line, exit 2
+            self._create_arrays(attrs)
+
+    def _create_arrays(self, attrs: dict) -> None:
         m = n_pairs(self.d)
         mm, nv = m * (m + 1) // 2, self.d * (self.d + 1) // 2
         ng, nt = len(self.groups), len(self.tiles)
@@ -242,6 +247,10 @@ class Checkpoint:
         """Store the partial :class:`~scaleattn.statistics._container.Statistics` of group ``gi``, tile ``ti`` (host
         arrays), bound to its input rows' digest ``source``, with its checksum, then mark it done. Each array write
         covers exactly one chunk."""
+        with writing(self.store, "the checkpoint"):  # (on a worker: the client raises the same StorageError)
+            self._write(gi, ti, part, source)
+
+    def _write(self, gi: int, ti: int, part, source: int) -> None:
         g = self._group("r+")
         c0, c1 = self.tiles[ti]
         g["gram_compact"][gi : gi + 1, c0:c1, :] = np.asarray(part.gram_compact)[None]
@@ -262,7 +271,8 @@ class Checkpoint:
 
     def forget(self, gi: int, ti: int) -> None:
         """Mark the partial of group ``gi``, tile ``ti`` not done (before it is recomputed)."""
-        self._group("r+")["done"][gi : gi + 1, ti : ti + 1] = np.zeros((1, 1), dtype=bool)
+        with writing(self.store, "the checkpoint"):
+            self._group("r+")["done"][gi : gi + 1, ti : ti + 1] = np.zeros((1, 1), dtype=bool)
 
     def read(self, gi: int, ti: int):
         """The stored partial of group ``gi``, tile ``ti`` (bit-identical to what :meth:`write` got), unchecked.

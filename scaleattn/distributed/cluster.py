@@ -185,7 +185,9 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
         after the dask config ``distributed.comm.timeouts.connect``, 30 s). At most
         :data:`~scaleattn._params.MAX_SECONDS` (30 days), as ``worker_timeout``.
     worker_timeout : float, optional
-        With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here).
+        With ``scheduler``: seconds to wait for the first worker to join (default: do not wait here), and later
+        for a worker while the cluster has none (default: the dask config's
+        ``distributed.scheduler.no-workers-timeout``, else 60 s).
     debug : bool
         Let the embedded workers' logs (task tracebacks) through to the terminal.
 
@@ -249,6 +251,9 @@ def connect(scheduler: str | None = None, workers: int | None = None, threads_pe
                                    + (f" within {scheduler_timeout:g} s (`scheduler_timeout`)" if timeout else "")
                                    + f": {first_line(e)}") from None
             if worker_timeout is not None:
+                # the same bound once the job runs: a step whose cluster has had no worker for this long ends
+                # (scaleattn.distributed.reduction.no_worker_timeout), as the scheduler of `scaleattn submit` does
+                stack.enter_context(dask.config.set({"distributed.scheduler.no-workers-timeout": f"{worker_timeout}s"}))
                 try:
                     client.wait_for_workers(1, timeout=worker_timeout)
                 except TimeoutError:

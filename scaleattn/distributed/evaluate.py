@@ -1,5 +1,5 @@
-"""Mean squared error of a model on a dataset by a pass over the data, in process or on a Dask cluster
-(layer L3): one task per row group, summed by the fixed-order tree of :mod:`.reduction`."""
+"""Mean squared error of a model on a dataset by a pass over the data, in process or on a Dask cluster:
+one task per row group, summed by the fixed-order tree of :mod:`.reduction`."""
 from __future__ import annotations
 
 import numpy as np

@@ -28,6 +28,7 @@ from ..linalg._spectrum import solver_path
 from ..statistics._container import BLOCK_BYTES, block_bytes_per_sample
 from ..statistics._kernel import PANEL_COLS, PANEL_ROWS
 from .partition import MAX_TILE_BYTES, tile_bounds
+from .reduction import NO_WORKER_S
 
 __all__ = ["fit_memory", "check_fit_memory", "krylov_null_bytes", "available_memory", "parse_bytes",
            "release_large_buffers",
@@ -123,11 +124,18 @@ def worker_config() -> dict:
     every core runs a worker, this background work takes its time from the statistics tasks). A cluster of your
     own gets the thresholds from the statistics tasks themselves, or the same keys in its Dask config
     (docs/performance.md)."""
+    import dask
+
     env = "distributed.nanny.pre-spawn-environ."
-    return {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
-            "distributed.worker.profile.interval": PROFILE_INTERVAL,
-            "distributed.admin.tick.interval": TICK_INTERVAL,
-            "distributed.worker.memory.monitor-interval": MONITOR_INTERVAL}
+    config = {env + "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), env + "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+              "distributed.worker.profile.interval": PROFILE_INTERVAL,
+              "distributed.admin.tick.interval": TICK_INTERVAL,
+              "distributed.worker.memory.monitor-interval": MONITOR_INTERVAL}
+    if dask.config.get("distributed.scheduler.no-workers-timeout", None) is None:
+        # a task no live worker can run fails after this (distributed's NoWorkerError), never waits for ever: the
+        # nanny of a worker killed again and again (its memory) may give up restarting it
+        config["distributed.scheduler.no-workers-timeout"] = f"{NO_WORKER_S:g}s"
+    return config
 
 
 def parse_bytes(value) -> float:

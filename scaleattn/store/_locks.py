@@ -237,19 +237,33 @@ _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 _DENIED = {errno.EACCES, errno.EPERM}
 
 
-def _refused(e: OSError, loc: Location, role: str, *, always: bool = False, inside: str | None = None):
+def file_system_refusal(e: BaseException) -> str | None:
+    """What the file system refused, ``PATH: No space left on device``, for an error no layer named (a write of a
+    library, a removal): a full disk, a quota or a read-only file system (with or without a path) or a refused
+    permission on a path; None for anything else (a bug, raised as it is)."""
+    if not isinstance(e, OSError) or isinstance(e, ScaleattnError):
+        return None
+    if not (e.errno in _FULL or (e.errno in _DENIED and e.filename)):
+        return None
+    what = e.strerror or os.strerror(e.errno)
+    return f"{e.filename}: {what}" if e.filename else f"{what} (the file system refused a write)"
+
+
+def _refused(e: OSError, loc: Location, role: str, *, always: bool = False, inside: str | None = None,
+             kept: str = ""):
     """``e`` as a :class:`StorageError` naming the output (the CLI's one line, exit 2) when the file system
     refused to create or write it: ``always`` (taking its place), a full or read-only file system, or a refused
     permission on a path inside ``inside`` (the output's temporary); else None (another path's error, or a bug
-    of ours: raised as it is)."""
+    of ours: raised as it is). ``kept`` ends the message: what the refusal left (``nothing of it was written``)."""
     if isinstance(e, ScaleattnError):
         return None
     name = str(e.filename or "")
-    ours = bool(inside) and name.startswith(inside)
+    root = (inside or "").rstrip("/" + os.sep)
+    ours = bool(root) and (name == root or name.startswith((root + "/", root + os.sep)))
     if not (always or (e.errno in _FULL and (not name or ours)) or (e.errno in _DENIED and ours)):
         return None
     where = f" ({e.filename})" if e.filename and str(e.filename) != loc.url else ""
-    return StorageError(f"cannot write {role} {loc.url}: {e.strerror or e}{where}")
+    return StorageError(f"cannot write {role} {loc.url}: {e.strerror or e}{where}{f'; {kept}' if kept else ''}")
 
 
 # ---- nothing a run reads is replaced under it -----------------------------------------------------------

@@ -24,13 +24,26 @@ import uuid
 from ..errors import OutputExistsError, UnsafeOutputError, UnsupportedError
 from . import _formats
 from ._location import Location, fs_for, protocols, remove, settle_writes
-from ._locks import _read_json, _refused, check_unread, hold, is_store, lock_location, reading, store_holding
+from ._locks import (
+    _read_json,
+    _refused,
+    check_unread,
+    file_system_refusal,
+    hold,
+    is_store,
+    lock_location,
+    reading,
+    store_holding,
+)
 from ._names import check_output_name
 
 __all__ = ["check_disjoint", "check_companions", "check_outside_stores", "check_output_location", "PERSISTENT",
            "relation", "owner_of", "check_replaceable", "RUN", "hold", "atomic_output", "clean_leftovers",
            "is_scaleattn_plot", "is_run_directory", "lock_location", "companions", "is_temporary_of", "reading",
-           "check_unread"]
+           "check_unread", "writing", "NOTHING_WRITTEN"]
+
+#: what an output the file system refused left: nothing (outputs are written all or nothing)
+NOTHING_WRITTEN = "nothing of it was written (outputs are written all or nothing)"
 
 
 # ---- outputs never touch inputs ----------------------------------------------------------------------
@@ -488,10 +501,32 @@ def atomic_output(loc: Location, overwrite: bool = False, kind: str | None = Non
                 os.replace(url, aside)
             os.replace(tmp, url)
         except OSError as e:  # disk full, read-only, ...: the output's problem, not a bug (nothing is left)
-            if (err := _refused(e, loc, "output", inside=tmp)) is None:
+            if (err := _refused(e, loc, "output", inside=tmp, kept=NOTHING_WRITTEN)) is None:
                 raise
             raise err from e
         finally:
             remove(tmp)
             remove(aside)
+
+
+@contextlib.contextmanager
+def writing(loc: Location, role: str, kept: str = ""):
+    """Writes to ``loc`` (a store written in place: a checkpoint) in the block: the file system's refusal, a full
+    disk, a quota, a read-only file system (also from a ``write()``, which names no path) or a refused permission
+    on a path inside ``loc``, becomes a :class:`~scaleattn.errors.StorageError` naming ``loc`` (the CLI's one
+    line, exit 2), ending with ``kept``; any other error is raised as it is.
+
+    Raises
+    ------
+    StorageError
+        ``cannot write ROLE URL: No space left on device``.
+    """
+    try:
+        yield
+    except OSError as e:
+        unnamed = not e.filename  # (a write() names no path: in this block, it was one of loc's)
+        if loc.is_remote or (err := _refused(e, loc, role, inside=loc.url, kept=kept, always=unnamed
+                                             and file_system_refusal(e) is not None)) is None:
+            raise
+        raise err from e
 

@@ -62,22 +62,30 @@ def test_a_signal_to_the_whole_job_while_its_cluster_starts_is_one_line(causal_d
 STARTING = "scaleattn: interrupted while starting; nothing was done"
 
 
-def _interrupted_at(where: str, argv: list[str], tmp_path) -> tuple[int, str, str]:
+def _interrupted_at(where: str, argv: list[str], tmp_path, times: int = 1,
+                    may_not_reach: bool = False) -> tuple[int, str, str]:
     """Run ``argv`` (a real process: its own interpreter and signal handlers) with the hook
-    ``SCALEATTN_TEST_PAUSE`` (tests/inject/scaleattn_hooks.py) pausing it at ``where``, send it Ctrl-C there:
-    (exit code, stdout, stderr)."""
+    ``SCALEATTN_TEST_PAUSE`` (tests/inject/scaleattn_hooks.py) pausing it at ``where``, send it Ctrl-C there
+    (``times`` times, 0.3 s apart, as an impatient user): (exit code, stdout, stderr). With ``may_not_reach`` a
+    process that ends without reaching ``where`` is not a failure (the code and output are returned as they are)."""
     marker = tmp_path / f"paused-{where}"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "SCALEATTN_TEST_PAUSE": f"{where}:{marker}"}
     p = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not inherited ignored)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         while not marker.exists():
+            if may_not_reach and p.poll() is not None:
+                break
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.02)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        else:
+            for k in range(times):
+                time.sleep(0.3 if k else 0)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
@@ -115,6 +123,67 @@ def test_ctrl_c_as_the_command_exits_is_one_line(tmp_path):
                                             "--samples", "8", "--length", "3"], tmp_path)
     assert (rc, out, err) == (130, "wrote d.zarr: N=8 T=3 d=2 d_out=2 causal=False\n",
                               "scaleattn generate mhla: interrupted while exiting (the command had ended)\n")
+
+
+GENERATE = ["generate", "mhla", "d.zarr", "--samples", "8", "--length", "3"]
+WROTE = "wrote d.zarr: N=8 T=3 d=2 d_out=2 causal=False\n"
+ENDED = "scaleattn generate mhla: interrupted while exiting (the command had ended)\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, times", [("exit", 2), ("atexit", 1), ("atexit", 3)])
+def test_ctrl_c_in_the_interpreter_s_exit_is_one_line(tmp_path, where, times):
+    """The interpreter's exit handlers (distributed closing its clients) come after ``main``: Ctrl-C there, once or
+    again and again, is the same one line and 130, the output complete."""
+    rc, out, err = _interrupted_at(where, [sys.executable, "-m", "scaleattn", *GENERATE], tmp_path, times=times)
+    assert (rc, out, err) == (130, WROTE, ENDED)
+    assert sorted(os.listdir(tmp_path)) == ["d.zarr", f"paused-{where}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["-m scaleattn.cli", "console script"])
+def test_no_python_finalisation_follows_the_command(tmp_path, how):
+    """Python's finalisation (module teardown: a second or less with numpy, dask and zarr loaded) runs with SIGINT
+    reset to the system's default: a Ctrl-C there killed the process by the signal, no line (-2). The command ends
+    the process once its exit handlers ran, so that finalisation is never reached: exit 0, nothing more said."""
+    if how == "console script":
+        script = tmp_path / "bin" / "scaleattn"
+        script.parent.mkdir()
+        script.write_text("import sys\nfrom scaleattn.cli import main\nif __name__ == '__main__':\n"
+                          "    sys.exit(main())\n")
+        argv = [sys.executable, str(script)]
+    else:
+        argv = [sys.executable, *how.split()]
+    rc, out, err = _interrupted_at("finalize", [*argv, *GENERATE], tmp_path, may_not_reach=True)
+    assert (rc, out, err) == (0, WROTE, ""), "finalisation reached" if (tmp_path / "paused-finalize").exists() else ""
+
+
+@pytest.mark.slow
+def test_the_exit_code_of_a_failed_command_survives_its_exit(tmp_path):
+    """The process ends with the command's own code (here 2, a refusal; argparse's usage error 2; --version 0)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    (tmp_path / "d.zarr").mkdir()
+    for argv, rc, says in [(GENERATE, 2, "scaleattn generate mhla: error: "),
+                           (["fit"], 2, "scaleattn fit: error: the following arguments are required"),
+                           (["--version"], 0, "")]:
+        p = subprocess.run([sys.executable, "-m", "scaleattn", *argv], cwd=tmp_path, env=env, text=True,
+                           capture_output=True, timeout=120)
+        assert p.returncode == rc and p.stderr.startswith(says), (argv, p.returncode, p.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, times", [("report", 1), ("teardown", 1), ("teardown", 2), ("exit", 1)])
+def test_ctrl_c_after_a_fit_s_report_is_one_line(causal_ds, tmp_path, where, times):
+    """After the report is printed, while the embedded cluster stops (Ctrl-C twice: the second one during the
+    clean-up of the first), as ``main`` returns: 130, one line that says the run was written in full, and it was."""
+    rc, out, err = _interrupted_at(where, [sys.executable, "-m", "scaleattn", "fit", causal_ds.url, "--out", "run",
+                                           "--workers", "1", "--no-plots"], tmp_path, times=times)
+    assert rc == 130 and "wrote run/report.json" in out, (rc, err)
+    lines = [ln for ln in err.splitlines() if ln.startswith("scaleattn fit:")]
+    said = ("interrupted while exiting (the command had ended)" if where == "exit"
+            else "interrupted after it wrote run in full")
+    assert lines == [f"scaleattn fit: {said}"] and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path / "run"))[:2] == ["model.zarr", "report.json"]
 
 
 _RUNS_THE_COMMAND_AND_GOES_ON = r"""

@@ -5,14 +5,24 @@ by an environment variable so that it reaches the CLI processes the tests start:
   :data:`CRASH_EXIT`, no cleanup, as a crash would) once K row groups are computed and checkpointed in this run
   (``on_group`` of :func:`scaleattn.distributed.build.build_statistics`).
 - ``SCALEATTN_TEST_PAUSE=WHERE:FILE``: the process writes FILE and sleeps (up to a minute) at WHERE: ``import``
-  (as the package finishes importing) or ``exit`` (as the ``scaleattn`` command leaves ``main``), so that a test
-  can send a signal there once FILE exists.
+  (as the package finishes importing), ``report`` (a fit's report is printed, its cluster still up), ``teardown``
+  (as a command's cluster is stopped), ``exit`` (as the ``scaleattn`` command leaves ``main``), ``atexit`` (in the
+  interpreter's exit handlers, before scaleattn's last one) or ``finalize`` (in Python's finalisation, as this
+  module's globals are cleared), so that a test can send a signal there once FILE exists.
+- ``SCALEATTN_TEST_TASK_KILL=SIGNAL[@G]``: every statistics task in a worker process (of row group G and later)
+  ends that process with the signal first (``KILL``, as the kernel's OOM killer does).
+- ``SCALEATTN_TEST_TASK_MEMORY=BYTES``: every statistics task in a worker process first holds that many bytes
+  (touched), to push its worker past its Dask memory limit.
 
 :func:`install` patches modules already imported and, for those not yet imported, hooks their import.
 """
+import atexit
+import contextlib
 import functools
 import importlib.abc
+import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -51,6 +61,72 @@ def _patch_pipeline(pipeline) -> None:
     pipeline.build_statistics = build_statistics
 
 
+def _patch_build(build) -> None:
+    """The statistics tasks, with the worker's death or memory the variables ask for (in a worker process only:
+    never the test's own process, whose threads may be a cluster's workers)."""
+    partial = build._partial
+
+    @functools.wraps(partial)
+    def _partial(dataset, gi, *args, **kwargs):
+        if multiprocessing.parent_process() is not None:
+            kill, _, first = os.environ.get("SCALEATTN_TEST_TASK_KILL", "").partition("@")
+            if kill and gi >= int(first or 0):
+                os.kill(os.getpid(), getattr(signal, f"SIG{kill}"))
+                time.sleep(10)  # (the signal ends the process meanwhile)
+            size = int(float(os.environ.get("SCALEATTN_TEST_TASK_MEMORY", 0) or 0))
+            if size:
+                _held.append(bytearray(b"\1") * size)
+                time.sleep(5)  # the nanny's memory monitor sees it
+        return partial(dataset, gi, *args, **kwargs)
+
+    build._partial = _partial
+
+
+_held = []
+
+
+def _patch_cluster(cluster) -> None:
+    """A command's cluster, with a pause as it is stopped."""
+    connect = cluster.connect
+
+    @functools.wraps(connect)
+    @contextlib.contextmanager
+    def paused_connect(*args, **kwargs):
+        with connect(*args, **kwargs) as client:
+            try:
+                yield client
+            finally:
+                pause("teardown")
+
+    cluster.connect = paused_connect
+
+
+def _patch_commands(commands) -> None:
+    """A fit's report, with a pause once it is printed."""
+    emit = commands._emit
+
+    @functools.wraps(emit)
+    def _emit(args, *rest, **kwargs):
+        emit(args, *rest, **kwargs)
+        if args.command == "fit":
+            pause("report")
+
+    commands._emit = _emit
+
+
+class _PauseWhenDeleted:
+    """Pauses at ``finalize``: deleted as Python's finalisation clears this module's globals (builtins and modules
+    may be gone by then: it holds what it calls)."""
+
+    def __init__(self, path):
+        self.path, self.calls = path, (os.open, os.close, os.O_WRONLY | os.O_CREAT, time.sleep)
+
+    def __del__(self):
+        open_, close, flags, sleep = self.calls
+        close(open_(self.path, flags))
+        sleep(60)
+
+
 def _patch_cli(cli) -> None:
     """The command's exit, with a pause after it hands the interpreter's exit to its Ctrl-C handler."""
     leave = cli.leave_on_interrupt
@@ -64,9 +140,20 @@ def _patch_cli(cli) -> None:
 
 
 def _after_package(package) -> None:
+    import scaleattn.cli.commands
+    import scaleattn.distributed.build
+    import scaleattn.distributed.cluster
     import scaleattn.pipeline
 
     _patch_pipeline(scaleattn.pipeline)
+    _patch_build(scaleattn.distributed.build)
+    _patch_cluster(scaleattn.distributed.cluster)
+    _patch_commands(scaleattn.cli.commands)
+    at, _, path = os.environ.get("SCALEATTN_TEST_PAUSE", "").partition(":")
+    if at == "atexit":  # (registered after scaleattn._startup's last exit handler: runs before it)
+        atexit.register(pause, "atexit")
+    if at == "finalize":
+        globals()["_deleted_last"] = _PauseWhenDeleted(path)
     pause("import")
 
 
@@ -114,6 +201,8 @@ def install() -> None:
         return
     if "scaleattn.pipeline" in sys.modules:
         _patch_pipeline(sys.modules["scaleattn.pipeline"])
+    if "scaleattn.distributed.build" in sys.modules:
+        _patch_build(sys.modules["scaleattn.distributed.build"])
     if "scaleattn.cli" in sys.modules:
         _patch_cli(sys.modules["scaleattn.cli"])
     sys.meta_path.insert(0, _Finder())
