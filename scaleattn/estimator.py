@@ -270,9 +270,11 @@ class MHLARegressor:
         y, r = xp.reshape(y, (-1, k)), xp.reshape(r, (-1, k))
         ss_res = xp.sum(r * r, axis=0)
         ss_tot = xp.sum((y - xp.mean(y, axis=0)) ** 2, axis=0)
-        scores = [1.0 - float(a) / float(b) if float(b) > 0 else (1.0 if float(a) == 0 else 0.0)
-                  for a, b in zip(to_numpy(ss_res).tolist(), to_numpy(ss_tot).tolist())]
-        return sum(scores) / len(scores)
+        # on the arrays' device: only the final mean leaves it, as one Python float
+        constant = ss_tot == 0
+        ratio = ss_res / xp.where(constant, xp.ones_like(ss_tot), ss_tot)
+        exact = xp.astype(ss_res == 0, ss_res.dtype)
+        return float(xp.mean(xp.where(constant, exact, 1.0 - ratio)))
 
     def __repr__(self):
         return f"MHLARegressor({', '.join(f'{k}={v!r}' for k, v in self.get_params().items())})"

@@ -348,21 +348,22 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
 
 def validation_split(n_samples: int, fraction: float) -> int:
     """The number of samples a fit holds out for validation: the last ``ceil(fraction * n_samples)`` (0 for a
-    fraction of 0), refused where that leaves no sample to fit or holds none out.
+    fraction of 0; at least one sample for any fraction above 0), refused where that leaves no sample to fit.
 
     Raises
     ------
     ParameterError
-        ``fraction`` > 0 holds out every sample or none (named with the counts).
+        ``fraction`` > 0 holds out every sample (named with the counts).
 
     Examples
     --------
-    >>> validation_split(100, 0.2), validation_split(64, 0.2), validation_split(10, 0.0)
-    (20, 13, 0)
+    >>> validation_split(100, 0.2), validation_split(64, 0.2), validation_split(10, 0.0), validation_split(100, 1e-12)
+    (20, 13, 0, 1)
     """
     if fraction <= 0:
         return 0
-    held = math.ceil(round(fraction * n_samples, 9))  # (0.7 * 10 is 7.000000000000001: not 8 held out)
+    # (0.7 * 10 is 7.000000000000001: not 8 held out; the rounding must not take a tiny fraction to none)
+    held = max(1, math.ceil(round(fraction * n_samples, 9)))
     if held >= n_samples:
         raise ParameterError(f"`validation={fraction:g}` of {n_samples} sample{'s' * (n_samples != 1)} holds out"
                              " every one: nothing is left to fit (a smaller fraction, or more samples)")

@@ -74,6 +74,8 @@ def test_validation_holds_out_the_last_samples(tmp_path, causal, fraction, n, he
 
 def test_validation_fraction_is_checked():
     assert validation_split(64, 0.2) == 13 and validation_split(10, 0.7) == 7 and validation_split(5, 0.0) == 0
+    # any fraction above 0 holds out a sample (ceil): the float rounding never silently takes it to none
+    assert validation_split(512, 1e-12) == validation_split(10**6, 1e-7) == 1
     with pytest.raises(ParameterError, match="holds out every one"):
         validation_split(3, 0.9)
     for bad in (1.0, -0.1, float("nan"), "0.2"):

@@ -92,18 +92,22 @@ def _interrupted_at(where: str, argv: list[str], tmp_path, times: int = 1,
     return p.returncode, out, err
 
 
+def _program(how: str, tmp_path) -> list[str]:
+    """The ``scaleattn`` program as ``how`` starts it: ``python -m ...``, or the console script pip writes for
+    [project.scripts] (the interpreter runs it by its path)."""
+    if how != "console script":
+        return [sys.executable, *how.split()]
+    script = tmp_path / "bin" / "scaleattn"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom scaleattn.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n")
+    return [sys.executable, str(script)]
+
+
 @pytest.mark.parametrize("how", ["-m scaleattn", "-m scaleattn.cli", "console script"])
 def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path, how):
     """``import scaleattn`` (numpy, zarr, dask: a second or more) comes before ``main`` can catch anything: Ctrl-C
     there printed a traceback through the import machinery (and the process died of the signal)."""
-    if how == "console script":  # what pip writes for [project.scripts] (the interpreter runs it by its path)
-        script = tmp_path / "bin" / "scaleattn"
-        script.parent.mkdir()
-        script.write_text("import sys\nfrom scaleattn.cli import main\nif __name__ == '__main__':\n"
-                          "    sys.exit(main())\n")
-        argv = [sys.executable, str(script)]
-    else:
-        argv = [sys.executable, *how.split()]
+    argv = _program(how, tmp_path)
     rc, out, err = _interrupted_at("import", [*argv, "generate", "mhla", "d.zarr"], tmp_path)
     assert (rc, out, err) == (130, "", STARTING + "\n")
     assert sorted(os.listdir(tmp_path)) == (["bin"] if how == "console script" else []) + ["paused-import"]
@@ -146,14 +150,7 @@ def test_no_python_finalisation_follows_the_command(tmp_path, how):
     """Python's finalisation (module teardown: a second or less with numpy, dask and zarr loaded) runs with SIGINT
     reset to the system's default: a Ctrl-C there killed the process by the signal, no line (-2). The command ends
     the process once its exit handlers ran, so that finalisation is never reached: exit 0, nothing more said."""
-    if how == "console script":
-        script = tmp_path / "bin" / "scaleattn"
-        script.parent.mkdir()
-        script.write_text("import sys\nfrom scaleattn.cli import main\nif __name__ == '__main__':\n"
-                          "    sys.exit(main())\n")
-        argv = [sys.executable, str(script)]
-    else:
-        argv = [sys.executable, *how.split()]
+    argv = _program(how, tmp_path)
     rc, out, err = _interrupted_at("finalize", [*argv, *GENERATE], tmp_path, may_not_reach=True)
     assert (rc, out, err) == (0, WROTE, ""), "finalisation reached" if (tmp_path / "paused-finalize").exists() else ""
 
