@@ -66,6 +66,21 @@ DIMS = {
 }
 
 
+def _damaged_chunk(arr, lo: int, hi: int, start: int, stop: int) -> tuple[int, int]:
+    """The samples ``[a, b)`` of the first chunk of ``arr`` in ``[lo, hi)`` that fails its checksum (read chunk by
+    chunk after a read of the whole range failed), or ``(start, stop)`` when none is found alone."""
+    c = max(1, int(arr.chunks[0]))
+    n = int(arr.shape[0])
+    for k in range(lo // c, -(-hi // c)):
+        a, b = k * c, min(n, (k + 1) * c)
+        try:
+            np.asarray(arr[a:b])
+        except Exception as e:
+            if _integrity.checksum_failure(e):
+                return a, b
+    return start, stop
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """A validated, read-only handle on a dataset group (cheap to pickle to Dask workers).
@@ -215,8 +230,9 @@ class Dataset:
             access = access_error(self.url, e)
             if access is not None:  # the store is unreachable, not the data bad: keep it resumable
                 raise access from None
-            if _integrity.checksum_failure(e):
-                raise IntegrityError(f"{name}: samples [{start}, {stop}) of {self.url} are damaged: a stored"
+            if _integrity.checksum_failure(e):  # name the damaged chunk's samples, not the whole range read
+                a, b = _damaged_chunk(g[name], lo, hi, start, stop)
+                raise IntegrityError(f"{name}: samples [{a}, {b}) of {self.url} are damaged: a stored"
                                      " chunk fails its crc32c checksum") from None
             raise IntegrityError(
                 f"{name}: cannot read samples [{start}, {stop}) of {self.url} ({type(e).__name__}: {e})"
