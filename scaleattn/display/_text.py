@@ -45,7 +45,9 @@ def verdict(r: dict) -> str:
                                      + "]")
     if v == "identifiable":
         return "IDENTIFIABLE: every least-squares fit computes the same function" + how
-    hint = " (a QR of the features may settle it: --certificate qr)" if at and r.get("verdict") else ""
+    # (the streaming paths have no statistics build for a QR to follow)
+    streamed = isinstance(r.get("solver_path"), dict) and not r["solver_path"].get("statistics_written", True)
+    hint = " (a QR of the features may settle it: --certificate qr)" if at and r.get("verdict") and not streamed else ""
     if v == "not identifiable":
         return (f"NOT identifiable{at}: {r['ambiguous_dim']} feature direction(s) are not determined by the data"
                 + how + hint)

@@ -149,3 +149,15 @@ def test_all_zero_features_or_targets_print_no_nan():
     text = report.evaluation_summary({"mse": 0.0, "relative_mse": float("nan"), "target_mean_square": 0.0,
                                       "n_rows": 8})
     assert "relative n/a" in text and "nan" not in text, text
+
+
+def test_the_qr_hint_is_not_offered_where_no_statistics_build_exists():
+    """A streamed fit (no statistics, no QR to follow) is not told to try ``--certificate qr``, which that path
+    refuses; a Gram-path fit still is."""
+    from scaleattn.display._text import verdict
+
+    r = {"verdict": "not settled", "certificate_method": "gram", "margin": 0.5, "settle_factor": 10.0,
+         "ambiguous_dim": 0, "psi": 6, "rank": 6}
+    assert "--certificate qr" in verdict(r)
+    streamed = dict(r, solver_path={"path": "stream", "reason": "asked", "statistics_written": False})
+    assert "--certificate qr" not in verdict(streamed)
