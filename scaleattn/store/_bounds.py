@@ -248,6 +248,9 @@ def check_array(arr, name: str, where: str, *, shape=None, dtype=None, codecs=No
     item = max(1, int(np.dtype(arr.dtype).itemsize)) if np.dtype(arr.dtype).kind != "O" else 1
     whole = math.prod(max(1, n) for n in declared) * item
     for cs in _chunk_shapes(arr):
+        if any(n < 1 for n in cs):  # (zarr divides by them: a ZeroDivisionError at the first read or listing)
+            raise FormatError(f"{name} in {where}: chunks of shape {cs} in its metadata: every dimension of a"
+                              " chunk must be >= 1 (a crafted or damaged zarr.json / .zarray)")
         held = math.prod(cs) * item
         if held > max(whole, CHUNK_FLOOR):
             raise DecompressionBoundError(

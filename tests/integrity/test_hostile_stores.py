@@ -387,3 +387,32 @@ def test_plot_of_a_run_with_a_crafted_store_refuses_without_allocating(tmp_path,
     expect(error_line(r["stderr"]), rf"scaleattn plot: error: .*{first}.*(zstd chunk would decompress|chunks of"
                                     " shape)")
     _limit(r)
+
+
+@pytest.mark.parametrize("fmt", ["v2", "v3", "v3-own"])
+@pytest.mark.parametrize("argv", [["certify", "--local"],
+                                  ["fit", "--solver", "stream", "--out", "run", "--local", "--quiet", "--no-plots"]],
+                         ids=["certify", "fit-stream"])
+def test_a_chunk_dimension_of_zero_is_one_line(tmp_path, capsys, fmt, argv):
+    """A chunk size of 0 in the metadata (zarr divides by it) is refused where the bounds check chunk shapes:
+    one line, exit 2, naming the array and the chunk shape; not a ZeroDivisionError."""
+    import json
+
+    p = tmp_path / "z0.zarr"
+    if fmt == "v2":
+        g = zarr.open_group(str(p), mode="w", zarr_format=2)
+        for name in ("tokens", "targets"):
+            g.create_array(name, data=np.ones((32, 6, 2)), chunks=(8, 6, 2), compressors=None)
+        za = p / "tokens" / ".zarray"
+        m = json.loads(za.read_text())
+        m["chunks"] = [0, 5, 3]
+        za.write_text(json.dumps(m))
+        shape = r"\(0, 5, 3\)"
+    else:
+        (dataset if fmt == "v3-own" else lambda q: foreign(q, np.ones((32, 6, 2)), np.ones((32, 6, 2))))(p)
+        h.set_array(p, "tokens", chunks=(0, 6, 2))
+        shape = r"\(0, 6, 2\)"
+    rc, err = run_main([argv[0], p, *argv[1:]], capsys, cwd=tmp_path)
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    expect(error_line(err), rf"tokens in .*z0.zarr: chunks of shape {shape} .*every dimension of a chunk must be >= 1")
