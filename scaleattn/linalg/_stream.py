@@ -54,7 +54,7 @@ from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
 from ._krylov import MAXITER, krylov_solve, lockstep
 from ._lanczos import EPS
-from ._spectrum import default_rtol
+from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
            "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
@@ -607,6 +607,7 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         " extreme one is assumed, not proved); the only rigorous lower bound from passes is 0"
         + ("" if kw is None else f"; with probability >= {1 - failure:g} lambda_min >="
            f" {kw['lower'] / max(op.n_rows, 1):.3e} (Kuczynski-Wozniakowski, {kw['steps']} Lanczos steps)")]
+    _psd_intervals(cert, psi)
     if certify_only:
         return cert
     est.update({"cg_iterations": int(res.iterations), "backward_error": res.backward_error.tolist(),
@@ -615,6 +616,40 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     est["data_passes"] = int(op.passes + 1)
     return StreamSolution(res.coef, cert, res.null_basis, sse, res.backward_error, res.converged, op.passes + 1,
                           "stream", op.n_rows, op.yy, 0.0, float(spec.rank))
+
+
+def _psd_intervals(cert: Certificate, psi: int) -> None:
+    """Make the certificate's ``lambda_min`` intervals (``lambda_min_interval``, ``lambda_min_scaled_interval`` and
+    ``estimates["lambda_min"]``, ``["lambda_min_scaled"]``, ``["lambda_min_kept_scaled"]``) respect that ``G / N``
+    and ``Gs`` are positive semidefinite, in place: each lower end clamped at 0, and each upper end widened to at
+    least the path's round-off resolution ``psi eps lambda_max`` (a Ritz interval on a singular Gram lay entirely
+    below 0, ``[-1.6e-13, -1.0e-14]``, which cannot hold the truth 0)."""
+    est = cert.estimates
+
+    def top(key, fallback):
+        x = est.get(key)
+        v = fallback if x is None else max(abs(float(x.get("upper", fallback))), abs(float(x.get("value", 0.0))))
+        return float(v) if math.isfinite(float(v)) else 0.0
+
+    res = psi * EPS * top("lambda_max", cert.lambda_max)
+    spec = cert.spectrum_scaled
+    res_s = psi * EPS * top("lambda_max_scaled", 0.0 if spec is None else float(np.asarray(spec)[-1]))
+
+    def fix(lo, hi, r, widen=0.0):
+        lo = max(float(lo) - widen, 0.0)
+        return lo, max(float(hi) + widen, r, lo)
+
+    # the estimates' Ritz intervals carry no rounding term (the certificate's own intervals do,
+    # certificate_from_krylov): a Rayleigh quotient is computed to about psi eps lambda_max, so widen them by it
+    for key, r in (("lambda_min", res), ("lambda_min_scaled", res_s), ("lambda_min_kept_scaled", res_s)):
+        x = est.get(key)
+        if x is not None and "lower" in x and "upper" in x:
+            lo, hi = fix(x["lower"], x["upper"], r if key != "lambda_min_kept_scaled" else 0.0, r)
+            est[key] = {**x, "lower": lo, "upper": hi, "value": min(max(float(x.get("value", lo)), lo), hi)}
+    if cert.lambda_min_interval is not None:
+        cert.lambda_min_interval = fix(*cert.lambda_min_interval, res)
+    if cert.lambda_min_scaled_interval is not None:
+        cert.lambda_min_scaled_interval = fix(*cert.lambda_min_scaled_interval, res_s)
 
 
 def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,
@@ -671,45 +706,83 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")
     rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
     S, X, Y = op.rows()
+    # Jacobi-like scaling that keeps the Kronecker structure: S's columns by their RMS, X's by theirs. A rescaling
+    # of the token coordinates scales phi's columns by exactly such a product, so K~ = (S~ S~^T) * (X~ X~^T) does not
+    # depend on it; the rank is decided and the system solved there (an unscaled K lost rank 40 -> 11 on tokens
+    # with coordinates 1e3 .. 1e-3 apart).
+    ds, dx = xp.sqrt(xp.mean(S * S, axis=0)), xp.sqrt(xp.mean(X * X, axis=0))
+    ds, dx = xp.where(ds > 0, ds, 1.0), xp.where(dx > 0, dx, 1.0)
+    St, Xt = S / ds[None, :], X / dx[None, :]
+    fscale = xp.reshape(ds[:, None] * dx[None, :], (psi, 1))  # phi~ = phi / fscale (feature P d + l)
     with _blas_threads():
         K = xp.matmul(S, S.T) * xp.matmul(X, X.T)
         K = (K + K.T) / 2
-        w, U = xp.linalg.eigh(K)
-    del K
-    top = max(float(w[-1]), 0.0)
-    keep = w > rtol * top
+        w0 = xp.linalg.eigvalsh(K)
+        Kt = xp.matmul(St, St.T) * xp.matmul(Xt, Xt.T)
+        Kt = (Kt + Kt.T) / 2
+        w, U = xp.linalg.eigh(Kt)
+    del Kt
+    top = max(float(w0[-1]), 0.0)  # lambda_max(G) = lambda_max(K), unscaled
+    top_s = max(float(w[-1]), 0.0)
+    keep = w > rtol * top_s
     rank = int(xp.sum(keep))
     wk = to_numpy(w)
     n = max(op.n_rows, 1)
     kept = wk[to_numpy(keep)]
     cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
     est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
-           "kernel_eigenvalues_relative": [float(wk[0] / top) if top else 0.0, 1.0],
+           "kernel_eigenvalues_relative": [float(wk[0] / top_s) if top_s else 0.0, 1.0],
+           "kernel_scaled": True,
            "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
            "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
-                     " identifiable by dimension count; solved by the dual (K = Phi Phi^T)"]}
+                     " identifiable by dimension count; solved by the dual (K = Phi Phi^T, rank decided on the"
+                     " Kronecker-scaled kernel)"]}
     cert = Certificate(op.n_rows, psi, rank, rtol, 0.0, top / n, 0.0, cond, np.array([0.0, top / n]), None,
                        converged=True, estimates=est)
     if certify_only:
+        del K
         return cert
     Ur, wr = U[:, keep], w[keep]
     del U
 
-    def phi_t(R):  # Phi^T R (psi, k) from the rows held
-        return xp.reshape(_phi_t_r(S, X, R), (psi, R.shape[1]))
+    def phi_t(R, s=S, x=X):  # Phi^T R (psi, k) from the rows held
+        return xp.reshape(_phi_t_r(s, x, R), (psi, R.shape[1]))
 
-    def phi_w(W):
-        return _phi_w(S, X, xp.reshape(W, (m, d * W.shape[1])), W.shape[1])
+    def phi_w(W, s=S, x=X):
+        return _phi_w(s, x, xp.reshape(W, (m, d * W.shape[1])), W.shape[1])
 
+    k_out = Y.shape[1]
+    root = xp.sqrt(xp.maximum(op.diagonal(), 0.0))
     with _blas_threads():
-        alpha = Ur @ ((Ur.T @ Y) / wr[:, None])
-        coef = phi_t(alpha)
-        pred = phi_w(coef)
+        # the scaled answer: c~ = Phi~^T K~^+ Y, c = c~ / fscale, predictions Phi~ c~
+        ct = phi_t(Ur @ ((Ur.T @ Y) / wr[:, None]), St, Xt)
+        coef = ct / fscale
+        pred = phi_w(ct, St, Xt)
         sse = float(xp.sum((Y - pred) ** 2))
-        # the witness: a random direction without its row-space part (orthogonal to every phi_i)
-        v = xp.asarray(np.random.default_rng([seed, 5]).standard_normal((psi, 1)))
+        # the original-coordinate min-norm answer c0 = Phi^T K^+ p (as lstsq; DESIGN §4), kept only when its SSE
+        # is the scaled answer's to round-off (as scaleattn.linalg._spectrum.min_norm decides for the Gram path)
+        w0, U0 = xp.linalg.eigh(K)
+        del K
+        keep0 = w0 > rtol * top
+        U0r, w0r = U0[:, keep0], w0[keep0]
+        del U0
+        c0 = phi_t(U0r @ ((U0r.T @ pred) / w0r[:, None]))
+        pred0 = phi_w(c0 * fscale, St, Xt)
+        sse0 = float(xp.sum((Y - pred0) ** 2))
+        yy = max(float(op.yy), 0.0)
+        floor = EPS * sum(float((math.sqrt(yy / max(k_out, 1)) + float(xp.sum(root * xp.abs(c[:, j])))) ** 2)
+                          for c in (coef, c0) for j in range(k_out))
+        allowed = max(MIN_NORM_RTOL**2 * min(max(sse, 0.0), yy), min(SSE_SLACK * floor, MIN_NORM_RTOL**2 * yy))
+        min_norm_kept = bool(math.isfinite(sse0) and sse0 - sse <= allowed)
+        if min_norm_kept:
+            coef, pred, sse = c0, pred0, sse0
+        est["min_norm_original_coordinates"] = min_norm_kept
+        # the witness: a random direction without its row-space part (orthogonal to every phi_i), found in the
+        # scaled coordinates (Phi v = Phi~ (fscale v)) and mapped back
+        u = xp.asarray(np.random.default_rng([seed, 5]).standard_normal((psi, 1)))
         for _ in range(2):  # twice: one projection leaves round-off of the row-space part
-            v = v - phi_t(Ur @ ((Ur.T @ phi_w(v)) / wr[:, None]))
+            u = u - phi_t(Ur @ ((Ur.T @ phi_w(u, St, Xt)) / wr[:, None]), St, Xt)
+        v = u / fscale
         v = v / xp.linalg.norm(v)
         # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K)
         g = phi_t(pred - Y)

@@ -344,3 +344,78 @@ def test_fit_stream_holds_out_validation_samples(tmp_path):
     assert _agrees(res.model.coef, *_explicit(tok[:40], y[:40], causal=True))
     F, Y = _explicit(tok[40:], y[40:], causal=True)
     assert res.report["validation_mse"] == pytest.approx(float(np.mean((Y - F @ res.model.coef) ** 2)), rel=1e-9)
+
+
+def _uneven(causal, d_out, seed=4):
+    r = np.random.default_rng(seed)
+    t = r.standard_normal((40, 5, 6)) * np.array([1e3, 1, 1, 1, 1, 1e-3])
+    y = r.standard_normal((40, 5, d_out) if causal else (40, d_out))
+    return t, y
+
+
+@pytest.mark.parametrize("causal,d_out", [(False, 2), (False, 1), (True, 2), (True, 1)])
+def test_dual_uneven_token_scales_keeps_rank(causal, d_out):
+    """Tokens with coordinates 1e3 .. 1e-3 apart: the unscaled kernel lost rank (11 of 40, relative train MSE 0.74);
+    the Kronecker-scaled kernel keeps the rank of phi with unit-norm columns and fits to round-off."""
+    t, y = _uneven(causal, d_out)
+    if causal:  # fewer rows than features: 12 sequences x 5 prefixes = 60 < psi = 126
+        t, y = t[:12], y[:12]
+    F, Y = _explicit(t, y, causal=causal)
+    assert F.shape[0] < F.shape[1]
+    Fs = F / np.linalg.norm(F, axis=0)
+    rank = np.linalg.matrix_rank(Fs)
+    sol = dual_solve(rows_from_arrays(t, y, causal=causal))
+    assert sol.path == "dual" and sol.rank == rank == F.shape[0]
+    r = Y - F @ sol.coef
+    assert float(np.sum(r * r)) <= 1e-20 * float(np.sum(Y * Y))
+    assert sol.sse <= 1e-20 * float(np.sum(Y * Y))
+    # the witness is null for the data in the original coordinates
+    v = sol.null_basis[:, 0]
+    assert np.linalg.norm(Fs @ (v * np.linalg.norm(F, axis=0))) <= 1e-8 * np.linalg.norm(v * np.linalg.norm(F, axis=0))
+
+
+def test_dual_uneven_token_scales_estimator():
+    t, y = _uneven(False, 2)
+    est = scaleattn.MHLARegressor(solver="stream").fit(t, y)
+    F, Y = _explicit(t, y)
+    assert est.certificate_.rank == 40
+    pred = est.predict(t)
+    assert float(np.mean((pred - y) ** 2)) <= 1e-16 * float(np.mean(y * y))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dual_well_scaled_still_min_norm(causal):
+    r = np.random.default_rng(11)
+    t = r.standard_normal((14 if causal else 40, 4, 5))
+    y = r.standard_normal((t.shape[0], 4, 1) if causal else (t.shape[0], 1))
+    F, Y = _explicit(t, y, causal=causal)
+    sol = dual_solve(rows_from_arrays(t, y, causal=causal))
+    assert sol.certificate.estimates["min_norm_original_coordinates"]
+    assert _agrees(sol.coef, F, Y)
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-4, 1e-2])
+def test_stream_lambda_min_intervals_contain_truth_on_singular_grams(noise):
+    """G / N is positive semidefinite: no reported lambda_min interval may lie below 0 (it was [-1.6e-13, -1e-14]
+    on exactly collinear tokens), and each must hold the truth (eigvalsh / SVD of explicit phi)."""
+    for seed in range(3):
+        r = np.random.default_rng(seed)
+        t = r.standard_normal((300, 5, 3))
+        t[..., 2] = 0.5 * t[..., 0] + noise * r.standard_normal((300, 5))
+        y = r.standard_normal((300, 5, 2))
+        F, _ = _explicit(t, y, causal=True)
+        n = F.shape[0]
+        truth = np.linalg.svd(F, compute_uv=False)[-1] ** 2 / n
+        lam = np.linalg.eigvalsh(F.T @ F / n)
+        truth_s = np.linalg.svd(F / np.linalg.norm(F, axis=0), compute_uv=False)[-1] ** 2  # lambda_min(Gs)
+        for cert in (stream_solve(rows_from_arrays(t, y, causal=True)).certificate,
+                     stream_solve(rows_from_arrays(t, None, causal=True), certify_only=True)):
+            est = cert.estimates
+            tol = 1e-6 * truth  # the SVD's own accuracy where the truth is resolved
+            for lo, hi in (cert.lambda_min_interval, (est["lambda_min"]["lower"], est["lambda_min"]["upper"])):
+                assert 0.0 <= lo <= truth + tol and truth <= hi + tol, (lo, hi, truth)
+                tol_e = F.shape[1] * np.finfo(float).eps * lam[-1]  # eigvalsh's own round-off
+                assert lo - tol_e <= max(lam[0], 0.0) <= hi + tol_e
+            for lo, hi in (cert.lambda_min_scaled_interval,
+                           (est["lambda_min_scaled"]["lower"], est["lambda_min_scaled"]["upper"])):
+                assert 0.0 <= lo <= truth_s * (1 + 1e-6) and truth_s <= hi * (1 + 1e-6), (lo, hi, truth_s)
