@@ -40,6 +40,7 @@ def create_dataset(
     """Create an empty dataset group (mode ``w``) at ``loc`` and return the writable Zarr group.
 
     ``shard_samples`` (a multiple of the chunk size) stores the chunks in Zarr v3 shards of that many samples.
+    Both are clamped to ``n_samples`` (the shard to the largest multiple of the chunk not above it).
     Write it with :func:`write_block` in slabs aligned to chunks and shards, then :func:`finish_dataset` (until
     then the dataset is refused as unfinished). Use through :func:`write_dataset` or the generators, which wrap
     it in an atomic output. Raises :class:`ParameterError` for a bad chunk or shard size.
@@ -50,6 +51,11 @@ def create_dataset(
         raise ParameterError(f"chunk_samples must be >= 1, got {chunk_samples}")
     if shard_samples is not None and (shard_samples < chunk or shard_samples % chunk):
         raise ParameterError(f"shard_samples = {shard_samples} must be a multiple of chunk_samples = {chunk}")
+    # never larger than the samples: a chunk (shard) beyond the array is refused by the store bounds
+    # (scaleattn.store._bounds) and zarr would allocate it whole when writing its part
+    chunk = min(chunk, max(1, int(n_samples)))
+    if shard_samples is not None:
+        shard_samples = min(int(shard_samples), max(chunk, int(n_samples) // chunk * chunk))
 
     def layout(shape):  # chunks (and shards) along the sample axis only; crc32c on every chunk
         kw = {"chunks": (chunk,) + tuple(shape[1:]), "compressors": _integrity.compressors()}

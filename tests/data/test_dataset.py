@@ -32,6 +32,7 @@ def test_odd_dask_chunks_round_trip(tmp_path, chunk, shard):
     t, l, yy = ds.read(0, ds.n_samples)
     assert np.array_equal(t, tok) and np.array_equal(l, lens) and np.array_equal(yy, y)
     g = zarr.open_group(str(tmp_path / "d.zarr"), mode="r")
+    chunk = min(chunk, len(tok))  # (a chunk beyond the samples is clamped to them)
     assert g["tokens"].chunks[0] == chunk and g["targets"].chunks[0] == chunk
     assert (g["tokens"].shards or (None,))[0] == shard
     # every chunk of every array holds data (none was skipped or lost)
@@ -126,3 +127,38 @@ def test_open_dataset_names_a_file_given_as_the_store(tmp_path):
         open_dataset(f)
     with pytest.raises(ParameterError, match=r"^dataset \S+f\.txt/d\.zarr: \S+f\.txt is a file, not a directory"):
         open_dataset(f / "d.zarr")
+
+
+@pytest.mark.parametrize("chunk, shard, want", [(20000, None, (100, None)), (20000, 40000, (100, 100)),
+                                                (8, 40000, (8, 96)), (30, 60, (30, 60)), (30, 120, (30, 90)),
+                                                (100, 200, (100, 100))])
+def test_chunks_and_shards_larger_than_the_samples_are_clamped(tmp_path, chunk, shard, want):
+    """A chunk or shard size beyond N is clamped to N (a shard to the largest multiple of the chunk within N):
+    the store passes the store bounds (a chunk never holds more than the array) and reads back exactly."""
+    rng = np.random.default_rng(0)
+    tok, y = rng.standard_normal((100, 200, 4)), rng.standard_normal((100, 4))
+    ds = write_dataset(tmp_path / "d.zarr", tok, y, chunk_samples=chunk, shard_samples=shard)
+    arr = zarr.open_group(str(tmp_path / "d.zarr"), mode="r")["tokens"]
+    assert (arr.chunks[0], None if arr.shards is None else arr.shards[0]) == want
+    assert ds.chunk_samples == want[0]
+    got_tok, _, got_y = open_dataset(str(tmp_path / "d.zarr")).read(0, 100)
+    np.testing.assert_array_equal(got_tok, tok)
+    np.testing.assert_array_equal(got_y, y)
+
+
+def test_a_huge_chunk_size_allocates_what_the_samples_need(tmp_path):
+    """generate with chunk_samples far beyond the samples: a store of N-sample chunks that opens and certifies
+    (it was refused by the store bounds after being written whole), its buffers sized by N, not the chunk size."""
+    import tracemalloc
+
+    from scaleattn.generate import generate_mhla
+
+    tracemalloc.start()
+    try:
+        ds = generate_mhla(str(tmp_path / "g.zarr"), d=4, length=20, samples=100, chunk_samples=10**6)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ds.chunk_samples == 100 and ds.n_samples == 100
+    assert peak < 32e6, f"peak {peak:,} bytes"  # (a chunk of 10^6 samples is 640 MB)
+    open_dataset(str(tmp_path / "g.zarr")).read(0, 100)
