@@ -17,6 +17,7 @@ QR of the features decides.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -274,10 +275,47 @@ def certificate_from_krylov(spec, n_rows: int) -> Certificate:
     slack_s = spec.psi * EPS * abs(float(lmax_s.upper))
     slack = 0.0 if spec.lam_max is None else spec.psi * EPS * abs(float(spec.lam_max.upper)) / n
     lam_iv = None if spec.lam_min is None else (spec.lam_min.lower / n - slack, spec.lam_min.upper / n + slack)
-    return Certificate(n_rows, spec.psi, spec.rank, spec.rtol, lam_min, lam_max, float(lmin_s.value), cond,
+    cert = Certificate(n_rows, spec.psi, spec.rank, spec.rtol, lam_min, lam_max, float(lmin_s.value), cond,
                        np.array([lmin_s.value, lmax_s.value]), None, converged=spec.verdict_settled,
                        estimates=est, nearest=near, lambda_min_interval=lam_iv,
                        lambda_min_scaled_interval=(float(lmin_s.lower) - slack_s, float(lmin_s.upper) + slack_s))
+    psd_intervals(cert, spec.psi)
+    return cert
+
+
+def psd_intervals(cert: Certificate, psi: int) -> None:
+    """Make the certificate's ``lambda_min`` intervals (``lambda_min_interval``, ``lambda_min_scaled_interval`` and
+    ``estimates["lambda_min"]``, ``["lambda_min_scaled"]``, ``["lambda_min_kept_scaled"]``) respect that ``G / N``
+    and ``Gs`` are positive semidefinite, in place: each lower end clamped at minus the path's round-off resolution
+    ``psi eps lambda_max``, and each upper end widened to at least it (a Ritz interval on a singular Gram lay
+    entirely below 0, ``[-1.6e-13, -1.0e-14]``, which cannot hold the truth 0)."""
+    est = cert.estimates
+
+    def top(key, fallback):
+        x = est.get(key)
+        v = fallback if x is None else max(abs(float(x.get("upper", fallback))), abs(float(x.get("value", 0.0))))
+        return float(v) if math.isfinite(float(v)) else 0.0
+
+    res = psi * EPS * top("lambda_max", cert.lambda_max)
+    spec = cert.spectrum_scaled
+    res_s = psi * EPS * top("lambda_max_scaled", 0.0 if spec is None else float(np.asarray(spec)[-1]))
+
+    def fix(lo, hi, r, widen=0.0):
+        # not below -r: G / N is semidefinite, and its stored float64 form is so to within its round-off r
+        lo = max(float(lo) - widen, -r)
+        return lo, max(float(hi) + widen, r, lo)
+
+    # the estimates' Ritz intervals carry no rounding term (the certificate's own intervals do,
+    # certificate_from_krylov): a Rayleigh quotient is computed to about psi eps lambda_max, so widen them by it
+    for key, r in (("lambda_min", res), ("lambda_min_scaled", res_s), ("lambda_min_kept_scaled", res_s)):
+        x = est.get(key)
+        if x is not None and "lower" in x and "upper" in x:
+            lo, hi = fix(x["lower"], x["upper"], r if key != "lambda_min_kept_scaled" else 0.0, r)
+            est[key] = {**x, "lower": lo, "upper": hi, "value": min(max(float(x.get("value", lo)), lo), hi)}
+    if cert.lambda_min_interval is not None:
+        cert.lambda_min_interval = fix(*cert.lambda_min_interval, res)
+    if cert.lambda_min_scaled_interval is not None:
+        cert.lambda_min_scaled_interval = fix(*cert.lambda_min_scaled_interval, res_s)
 
 
 def check_cutoff(cutoff_rtol) -> float | None:

@@ -607,7 +607,6 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         " extreme one is assumed, not proved); the only rigorous lower bound from passes is 0"
         + ("" if kw is None else f"; with probability >= {1 - failure:g} lambda_min >="
            f" {kw['lower'] / max(op.n_rows, 1):.3e} (Kuczynski-Wozniakowski, {kw['steps']} Lanczos steps)")]
-    _psd_intervals(cert, psi)
     if certify_only:
         return cert
     est.update({"cg_iterations": int(res.iterations), "backward_error": res.backward_error.tolist(),
@@ -616,40 +615,6 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     est["data_passes"] = int(op.passes + 1)
     return StreamSolution(res.coef, cert, res.null_basis, sse, res.backward_error, res.converged, op.passes + 1,
                           "stream", op.n_rows, op.yy, 0.0, float(spec.rank))
-
-
-def _psd_intervals(cert: Certificate, psi: int) -> None:
-    """Make the certificate's ``lambda_min`` intervals (``lambda_min_interval``, ``lambda_min_scaled_interval`` and
-    ``estimates["lambda_min"]``, ``["lambda_min_scaled"]``, ``["lambda_min_kept_scaled"]``) respect that ``G / N``
-    and ``Gs`` are positive semidefinite, in place: each lower end clamped at 0, and each upper end widened to at
-    least the path's round-off resolution ``psi eps lambda_max`` (a Ritz interval on a singular Gram lay entirely
-    below 0, ``[-1.6e-13, -1.0e-14]``, which cannot hold the truth 0)."""
-    est = cert.estimates
-
-    def top(key, fallback):
-        x = est.get(key)
-        v = fallback if x is None else max(abs(float(x.get("upper", fallback))), abs(float(x.get("value", 0.0))))
-        return float(v) if math.isfinite(float(v)) else 0.0
-
-    res = psi * EPS * top("lambda_max", cert.lambda_max)
-    spec = cert.spectrum_scaled
-    res_s = psi * EPS * top("lambda_max_scaled", 0.0 if spec is None else float(np.asarray(spec)[-1]))
-
-    def fix(lo, hi, r, widen=0.0):
-        lo = max(float(lo) - widen, 0.0)
-        return lo, max(float(hi) + widen, r, lo)
-
-    # the estimates' Ritz intervals carry no rounding term (the certificate's own intervals do,
-    # certificate_from_krylov): a Rayleigh quotient is computed to about psi eps lambda_max, so widen them by it
-    for key, r in (("lambda_min", res), ("lambda_min_scaled", res_s), ("lambda_min_kept_scaled", res_s)):
-        x = est.get(key)
-        if x is not None and "lower" in x and "upper" in x:
-            lo, hi = fix(x["lower"], x["upper"], r if key != "lambda_min_kept_scaled" else 0.0, r)
-            est[key] = {**x, "lower": lo, "upper": hi, "value": min(max(float(x.get("value", lo)), lo), hi)}
-    if cert.lambda_min_interval is not None:
-        cert.lambda_min_interval = fix(*cert.lambda_min_interval, res)
-    if cert.lambda_min_scaled_interval is not None:
-        cert.lambda_min_scaled_interval = fix(*cert.lambda_min_scaled_interval, res_s)
 
 
 def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,

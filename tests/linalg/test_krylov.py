@@ -448,3 +448,24 @@ def test_a_gram_whose_products_would_overflow_is_refused_in_one_line():
     with pytest.raises(DatasetError, match="krylov solver's products would overflow float64"):
         scaleattn.solve(st, solver="krylov")
     assert scaleattn.solve(st, solver="eigh").certificate.verdict == "not identifiable"
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-4])
+def test_krylov_lambda_min_intervals_are_not_below_zero_on_singular_grams(noise):
+    """G / N is positive semidefinite: the krylov path's lambda_min intervals (certificate and printed estimates)
+    never lie entirely below 0 (it printed [-1.6e-13, -1.0e-14] on collinear tokens) and hold eigvalsh's value of
+    the explicit features' Gram to round-off."""
+    from scaleattn import solve, statistics_from_arrays
+    from scaleattn.features import phi, token_features
+
+    r = np.random.default_rng(3)
+    t = r.standard_normal((400, 5, 3))
+    t[..., 2] = 0.5 * t[..., 0] + noise * r.standard_normal((400, 5))
+    y = r.standard_normal((400, 1))
+    cert = solve(statistics_from_arrays(t, y), solver="krylov").certificate
+    F = phi(*token_features(t))
+    truth = np.linalg.eigvalsh(F.T @ F / len(F))[0]
+    tol = 18 * np.finfo(float).eps * np.linalg.eigvalsh(F.T @ F / len(F))[-1] * 10
+    for lo, hi in (cert.lambda_min_interval, (cert.estimates["lambda_min"]["lower"],
+                                              cert.estimates["lambda_min"]["upper"])):
+        assert hi >= 0.0 and lo - tol <= truth <= hi + tol, (lo, hi, truth)

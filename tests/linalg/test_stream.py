@@ -413,9 +413,9 @@ def test_stream_lambda_min_intervals_contain_truth_on_singular_grams(noise):
             est = cert.estimates
             tol = 1e-6 * truth  # the SVD's own accuracy where the truth is resolved
             for lo, hi in (cert.lambda_min_interval, (est["lambda_min"]["lower"], est["lambda_min"]["upper"])):
-                assert 0.0 <= lo <= truth + tol and truth <= hi + tol, (lo, hi, truth)
+                assert hi >= 0.0 and lo <= truth + tol and truth <= hi + tol, (lo, hi, truth)
                 tol_e = F.shape[1] * np.finfo(float).eps * lam[-1]  # eigvalsh's own round-off
                 assert lo - tol_e <= max(lam[0], 0.0) <= hi + tol_e
             for lo, hi in (cert.lambda_min_scaled_interval,
                            (est["lambda_min_scaled"]["lower"], est["lambda_min_scaled"]["upper"])):
-                assert 0.0 <= lo <= truth_s * (1 + 1e-6) and truth_s <= hi * (1 + 1e-6), (lo, hi, truth_s)
+                assert hi >= 0.0 and lo <= truth_s * (1 + 1e-6) and truth_s <= hi * (1 + 1e-6), (lo, hi, truth_s)
