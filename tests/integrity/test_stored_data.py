@@ -443,3 +443,22 @@ def test_chunk_folders_behind_symbolic_links_are_read_as_zarr_reads_them(own, ba
     assert not (w / "c").exists()
     os.unlink(w / "elsewhere" / "loop")  # (the hash of the input walks the links too)
     inputs.unchanged()
+
+
+@pytest.mark.parametrize("store, rel, name", [("lens.zarr", "lengths/c/2", "lengths"),
+                                              ("own.zarr", "tokens/c/2/0/0", "tokens"),
+                                              ("sharded.zarr", "targets/c/1/0/0", "targets")])
+def test_a_read_over_many_chunks_names_the_damaged_chunk(base, tmp_path, store, rel, name):
+    """A read of all the samples (the stream path reads every length at once) that meets a chunk failing its
+    checksum names that chunk's samples, not the whole range read."""
+    from scaleattn.data._dataset import open_dataset
+    from scaleattn.errors import IntegrityError
+
+    w = tmp_path / store
+    shutil.copytree(base / store, w)
+    _flip(w / rel)
+    ds = open_dataset(str(w))
+    with pytest.raises(IntegrityError) as e:
+        ds.read_lengths(0, ds.n_samples) if name == "lengths" else ds.read(0, ds.n_samples)
+    want = "[16, 24)" if store != "sharded.zarr" else "[12, 16)"  # (the shard's middle byte: its 2nd chunk of 4)
+    assert f"{name}: samples {want} of" in str(e.value) and "damaged" in str(e.value), str(e.value)
