@@ -505,8 +505,8 @@ def stream_bytes(d: int, d_out: int, *, block_rows: int = BLOCK_ROWS, eig_column
 
 def dual_bytes(n_rows: int, d: int, d_out: int) -> int:
     """Bytes the dual path holds: the rows' features (``N (m + d + d_out)``), ``K``, the eigenvectors of the scaled
-    and the unscaled ``K`` and a work copy (``4 N^2``), ``diag G``, the moments, the coefficients and their products (``psi (3 d_out + 2)``) and the svd
-    heads (:func:`heads_bytes`)."""
+    and the unscaled ``K`` and a work copy (``4 N^2``), ``diag G``, the moments, the coefficients and their
+    products (``psi (3 d_out + 2)``) and the svd heads (:func:`heads_bytes`)."""
     m, psi = n_pairs(d), n_features(d)
     return 8 * (n_rows * (m + d + d_out) + 4 * n_rows * n_rows + psi * (3 * d_out + 2)) + heads_bytes(d, d_out)
 
