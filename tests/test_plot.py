@@ -272,6 +272,7 @@ def test_qr_cutoff_is_labelled_as_the_cli_states_it(causal_ds, tmp_path):
     assert "R" not in _by_gid(gram, "cutoff")[0].get_label() and "Jacobi" in gram.get_title()
 
 
+@pytest.mark.slow
 def test_spectrum_of_a_run_past_the_eigh_path(causal_ds, tmp_path, monkeypatch, cli):
     """psi > 2,000 (here: the switch moved below psi = 6): the fit keeps no spectrum.zarr and `plot` wrote no
     spectrum.png, silently. Now plot recomputes it (eigh) when affordable, and says why not otherwise."""
@@ -346,6 +347,7 @@ def test_predictions_show_every_output_and_say_which_rows(run, tmp_path):
     assert len(many.axes[0].collections) == 40
 
 
+@pytest.mark.slow
 def test_predictions_of_a_dataset_regenerated_since_the_fit_are_not_the_training_data(tmp_path, cli):
     """`plot RUN` drew the report's dataset path as it is now: regenerated since the fit, its predictions were
     titled "the training data" next to the report's training numbers. The report's fingerprint tells them apart:

@@ -1,7 +1,10 @@
 """scaleattn.bench.build: the build-vs-floor table has its keys and consistent ratios (tiny sizes)."""
+import pytest
+
 from scaleattn.bench.build import MAX_ROUNDS, build_table, markdown
 
 
+@pytest.mark.slow
 def test_build_table_keys_and_ratios():
     t = build_table([(2, 200, True), (3, 50, False), (2, 400, True, True)], rate=1e10, bandwidth=1e10, repeats=1)
     assert len(t) == 6 and {r["kernel"] for r in t} == {"numba", "numpy"}

@@ -1,9 +1,12 @@
 """Timings that do not mislead: a build faster than its floor (a lower bound) is said to come from a starved GEMM
 probe, in the table and in a warning, never printed as if the bound were beaten."""
 
+import pytest
+
 from scaleattn.bench import build, core
 
 
+@pytest.mark.slow
 def test_builds_below_their_floor_are_said_to_be_a_starved_probe():
     sizes = [(2, 200, True), (3, 50, False)]
     starved = build.build_table(sizes, rate=1e5, bandwidth=1e5, repeats=1, loop=False)  # a probe 1e5x too slow

@@ -296,6 +296,7 @@ def test_sigterm_after_the_write_says_the_output_is_complete(cli, tmp_path, monk
     assert f"stopped by SIGTERM after it wrote {out} in full" in r.stderr and "--resume" not in r.stderr
 
 
+@pytest.mark.slow
 def test_the_command_clock_starts_with_the_command_not_with_a_shell_it_replaced(causal_ds, tmp_path):
     """'command X s until this report' counts from when the process began importing scaleattn: a shell that runs
     the command last becomes it (exec, same process and start time), so the process's start counted the shell's

@@ -370,6 +370,7 @@ def test_a_misspelled_required_option_gets_its_suggestion(causal_ds, tmp_path, c
     assert _line(r) == line.format(out=out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink", ["closed", "full"])
 def test_a_result_that_standard_output_cannot_take_is_not_an_internal_error(causal_ds, tmp_path, sink):
     """``scaleattn fit ... | head`` (the reader leaves before the JSON) printed "internal error ... BrokenPipeError"

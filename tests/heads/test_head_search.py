@@ -368,6 +368,7 @@ def test_heads_h_exact_when_enough_else_lossy_with_its_gap():
     assert "minimal: yes, meets the bound 4 (dimension count (generic data))" in _line(r4)
 
 
+@pytest.mark.slow
 def test_with_a_ridge_the_search_measures_the_ridge_objective(causal_ds, tmp_path):
     """After a ridge fit the loss of the curve and of the gap is what the fit minimised, ||F c - Y||^2 +
     ridge sum_j (F^T F)_jj ||c_j||^2 on the explicit features: every H-head model is at or above the ridge fit's

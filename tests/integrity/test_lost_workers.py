@@ -147,6 +147,7 @@ class _Scheduler:
         return {"workers": self.workers, "limits": [2 * GIB], "deaths": 0, "stuck": 0}
 
 
+@pytest.mark.slow
 def test_the_wait_without_workers_is_bounded_by_dask_s_own_setting():
     """No live worker for ``no-workers-timeout`` seconds (dask's config; 60 s without one) is a ClusterError that
     says how long it waited and where that is set; a worker that comes back meanwhile resets the clock."""

@@ -97,6 +97,7 @@ WRITERS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read,argv,role", [w[1:] for w in WRITERS], ids=[w[0] for w in WRITERS])
 def test_overwrite_is_refused_while_another_run_reads_the_store(tmp_path, capsys, start, read, argv, role):
     dataset(tmp_path / "d.zarr")
@@ -119,6 +120,7 @@ def test_overwrite_is_refused_while_another_run_reads_the_store(tmp_path, capsys
     assert not _markers(tmp_path) and not _markers(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_save_and_fit_checkpoint_overwrite_are_refused_too(tmp_path, capsys, start):
     """The library writers (``MHLAModel.save``, ``Statistics.save``) and a fit's ``--checkpoint --overwrite``."""
     from scaleattn.model import MHLAModel
@@ -312,6 +314,7 @@ def test_generate_overwrite_never_replaces_the_dataset_a_fit_reads(tmp_path):
     assert not _markers(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["link", "local-url", "partial-name"])
 def test_every_name_of_the_store_is_protected(tmp_path, capsys, start, spelling):
     """The store a reader reads is protected whatever name reaches it, and a writer through any name is seen by
@@ -354,6 +357,7 @@ def test_a_store_directly_under_the_root_has_a_place_for_its_markers():
     assert _parent(Location("/")) is None
 
 
+@pytest.mark.slow
 def test_a_dataset_inside_another_store_is_read_without_writing_into_that_store(tmp_path, capsys):
     """A dataset that is a subgroup of another Zarr store (``outer.zarr/ds``): the place next to it is inside
     that store, so the reader leaves no marker there (it wrote ``outer.zarr/.ds.read-*.lock``)."""
@@ -389,6 +393,7 @@ def test_a_store_whose_name_extends_another_s_is_not_taken_for_it(tmp_path, caps
     expect(error_line(err), rf"x\.zarr\.read-old\.zarr is being read by the scaleattn run of pid {reader.pid}")
 
 
+@pytest.mark.slow
 def test_plot_marks_the_dataset_it_reads_for_its_predictions(tmp_path, capsys, monkeypatch, start):
     """plot read the report's dataset (or --dataset) for the predictions without a marker: the dataset could be
     replaced under it. It keeps one while it reads, as fit and evaluate do, and is refused while a run writes it."""

@@ -398,6 +398,7 @@ def test_metadata_edited_after_opening_is_refused_by_the_next_read(tmp_path, whe
                                                                    r" client checked"))
 
 
+@pytest.mark.slow
 def test_a_replaced_store_is_refused_after_its_cached_group_was_evicted(tmp_path):
     """The open group is cached per process (a few entries) with its fingerprint check: a store replaced after
     opening by another scaleattn store (its own consistent manifest) stays refused after many other datasets

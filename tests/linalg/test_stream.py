@@ -394,6 +394,7 @@ def test_dual_well_scaled_still_min_norm(causal):
     assert _agrees(sol.coef, F, Y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noise", [0.0, 1e-4, 1e-2])
 def test_stream_lambda_min_intervals_contain_truth_on_singular_grams(noise):
     """G / N is positive semidefinite: no reported lambda_min interval may lie below 0 (it was [-1.6e-13, -1e-14]
