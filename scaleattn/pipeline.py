@@ -29,6 +29,7 @@ from .distributed.evaluate import evaluate
 from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
 from .distributed.operator import remote_build
 from .distributed.reduction import check_client, check_reachable
+from .distributed.stream import stream_operator
 from .distributed.tsqr import check_qr_memory, compute_r
 from .errors import ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
@@ -281,7 +282,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     path, why = _stream_path(train, solver, heads, ridge, certificate)
     if path is not None:
         return _fit_streaming(ds, train, run_locations(ds, out, None, storage_options)[0], out_label, path, why,
-                              cutoff_rtol, overwrite, reporter, t0)
+                              cutoff_rtol, overwrite, reporter, t0, client)
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
@@ -416,18 +417,40 @@ def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tupl
     return path, why
 
 
-def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0) -> FitResult:
-    """A fit by :mod:`scaleattn.linalg._stream` in this process (DESIGN §4b): the ``train`` samples of ``ds`` read
-    chunk by chunk in every pass, no statistics (no ``stats.zarr``), svd heads, the training MSE from the path's
-    own pass; the held-out samples (``validation``) measured by :func:`_validate`."""
+def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False):
+    """The streaming or dual solve of ``ds`` (DESIGN §4b): ``(solution or certificate, cluster summary or None,
+    a note for the report's reason or "")``. The streaming CG's passes run on the cluster of ``client``
+    (:mod:`scaleattn.distributed.stream`; in this process without one: the same row groups and tree, the same
+    bits); the dual needs all rows at once (one N x N kernel) and runs in this process."""
+    if path == "dual":
+        note = "" if client is None else ("; in this process, not on the cluster: the dual holds all rows at once"
+                                          " (one N x N kernel)")
+        src = rows_from_dataset(ds, targets=not certify_only)
+        return dual_solve(src, cutoff_rtol=cutoff_rtol, certify_only=certify_only), None, note
+    op = stream_operator(ds, client, targets=not certify_only)
+    try:
+        sol = stream_solve(op.source, cutoff_rtol=cutoff_rtol, op=op, certify_only=certify_only)
+    finally:  # the token features kept on the workers are freed as the solve ends, failed or not
+        if client is not None:
+            op.release()
+    if client is None:
+        return sol, None, ""
+    return sol, op.summary(), f"; its passes on the Dask cluster ({op.workers} workers, {len(op.groups)} row groups)"
+
+
+def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0,
+                   client=None) -> FitResult:
+    """A fit by :mod:`scaleattn.linalg._stream` (DESIGN §4b), its passes on the cluster of ``client`` or in this
+    process: the ``train`` samples of ``ds`` read chunk by chunk in every pass (or kept as token features when they
+    fit), no statistics (no ``stats.zarr``), svd heads, the training MSE from the path's own pass; the held-out
+    samples (``validation``) measured by :func:`_validate`."""
     full, ds = ds, train
     with holding(full, out, None):
         preflight(full, out, overwrite)
         times = {}
         t = time.perf_counter()
         with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
-            src = rows_from_dataset(ds)
-            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol)
+            sol, cluster, note = _streamed(ds, path, client, cutoff_rtol)
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
         model = model_from_heads(sol, h, ds.d, ds.causal)
@@ -441,7 +464,8 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
                   "target_mean_square": ms, "n_heads": model.n_heads, "heads_method": h.method,
                   "heads_residual": h.residual, "head_singular_values": h.spectrum.tolist(), "loss_vs_heads": [],
                   "ridge": 0.0, "effective_dof": sol.effective_dof,
-                  "solver_path": {"path": path, "reason": why, "statistics_written": False}}
+                  "solver_path": {"path": path, "reason": why + note, "statistics_written": False,
+                                  **({} if cluster is None else {"cluster": cluster})}}
         teacher = full.teacher()
         if teacher is not None:
             report["teacher_heads"] = int(teacher[0].shape[0])
@@ -451,7 +475,7 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
                       dataset_fingerprint=full.fingerprint, checkpoint=None, seconds=time.perf_counter() - t0)
         result = FitResult(model, None, sol, h, report)
         if train.n_samples < full.n_samples:
-            _validate(result, full, train.n_samples, None, reporter, times)
+            _validate(result, full, train.n_samples, client, reporter, times)
         if out is not None:
             with reporter.phase("write", out_label):
                 result.files = write_run(result, out, overwrite=overwrite)
@@ -623,8 +647,7 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
     if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
         with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
-            src = rows_from_dataset(ds, targets=False)
-            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
+            return _streamed(ds, path, client, cutoff_rtol, certify_only=True)[0]
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":

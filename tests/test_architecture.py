@@ -20,6 +20,7 @@ ORDER = [
     ("_testing", []),  # the two fault injections an injected callback cannot reach (Dask workers, the store read)
     ("_startup", []),  # imported first by the package root: the scaleattn command's Ctrl-C while the package imports
     ("_jit", []),  # numba's options and the host's full vector width, for the compiled kernels
+    ("_tree", []),  # the fixed-order tree reduction: the cluster's and the in-process sums (same bits)
     # tensor attention: base only
     ("tensor", ["_common", "exact", "bounds", "poly", "weights"]),
     ("store", ["_formats", "_bounds", "_location", "_names", "_integrity", "_locks", "_outputs"]),
@@ -31,8 +32,8 @@ ORDER = [
                 "_solver", "_qr"]),
     ("heads", ["_algebra", "_fit", "_bounds", "_search"]),
     ("model", []),
-    ("distributed", ["reduction", "partition", "checkpoint", "memory", "build", "operator", "evaluate", "tsqr",
-                     "cluster"]),
+    ("distributed", ["reduction", "partition", "checkpoint", "memory", "build", "operator", "stream", "evaluate",
+                     "tsqr", "cluster"]),
     ("run", []), ("preflight", []), ("plot", []), ("pipeline", []),
     ("estimator", []), ("importers", []), ("generate", []),
     ("submit", ["manifest", "follow", "command"]),

@@ -18,7 +18,8 @@ SUITES = {
                                        " d = 32 factorisation with OpenBLAS's own kernel choice (numpy's, scipy's"
                                        " and ours, each in a fresh process)"),
     "stream": ("scaleattn.bench.stream", "the streaming path (passes over the tokens, K-FAC CG) against the Gram route"
-                                         " at d = 16, 24, 32 and the time of a pass at d = 64"),
+                                         " at d = 16, 24, 32, the time of a pass at d = 64, and its passes on"
+                                         " 1 and 2 Dask workers at d = 24 (speed-up, bit-identity)"),
     "certified": ("scaleattn.bench.certified", "the certified dense solve (a shifted Cholesky proves the verdict)"
                                                " against cho_factor + cho_solve, and the whole fit against numpy's"
                                                " normal equations on a ready phi (d = 16, 24, 32)"),

@@ -12,8 +12,13 @@
   the time of passes with 1 and 7 columns (a CG step with the eigenvalue runs beside it carries about 7), the
   token features recomputed in each pass (they do not fit the cache), and the peak RSS.
 
-Quick mode: d = 8 and 12 and the pass timing at d = 24 (a smoke test, under a minute). The machine may be shared:
-the load average is recorded with every figure.
+- :func:`workers_timing` at d = 24 (``workers_d``), d_out = d, 3 rows per feature, causal: the same streaming fit
+  of a Zarr dataset in this process and on an embedded LocalCluster of 1 and of 2 worker processes (one thread
+  each; :mod:`scaleattn.distributed.stream`): wall, passes, whether the token features stayed on the workers, the
+  speed-up of 2 workers over 1, and whether the three answers (coefficients, SSE, certificate) are bit-identical.
+
+Quick mode: d = 8 and 12, the pass timing at d = 24 and the workers at d = 8 (a smoke test). The machine may be
+shared: the load average is recorded with every figure.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import multiprocessing
 import os
 import time
 
-__all__ = ["run", "compare", "pass_timing", "markdown", "ROWS_PER_FEATURE"]
+__all__ = ["run", "compare", "pass_timing", "workers_timing", "markdown", "ROWS_PER_FEATURE"]
 
 #: causal rows per feature of the data fitted
 ROWS_PER_FEATURE = 3
@@ -117,7 +122,7 @@ def _timing(args):
     t = time.perf_counter()
     op = StreamOperator(rows_from_arrays(tok, y, causal=True))
     out["sweep_s"] = time.perf_counter() - t
-    out["cached"] = op.source._cache is not None
+    out["cached"] = all(k is not None for k in op.source._kept)
     rng = np.random.default_rng(0)
     for k in (1, 7):
         W = rng.standard_normal((op.psi, k))
@@ -132,6 +137,68 @@ def _timing(args):
 def pass_timing(d: int = 64, d_out: int = 1, rows_per_feature: float = ROWS_PER_FEATURE, passes: int = 1) -> dict:
     """Time of the first sweep and of one pass with 1 and 7 columns at ``d`` (fresh process; module notes)."""
     return _fresh(_timing, (d, d_out, rows_per_feature, passes))
+
+
+def _workers_fit(args):
+    """One streaming fit of the dataset at ``url``: in this process (``workers`` 0) or on a fresh LocalCluster of
+    ``workers`` processes. ``(figures, coef, sse, certificate numbers)``."""
+    url, workers = args
+    import json
+
+    import numpy as np
+
+    from scaleattn.data import open_dataset
+    from scaleattn.distributed.stream import stream_operator
+    from scaleattn.linalg._stream import stream_solve
+
+    ds = open_dataset(url)
+    out = {"workers": workers, "load_before": os.getloadavg()[0]}
+    if workers:
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=None)
+        client = Client(cluster)
+    else:
+        cluster = client = None
+    try:
+        t = time.perf_counter()
+        op = stream_operator(ds, client)
+        out["sweep_s"] = time.perf_counter() - t
+        sol = stream_solve(op.source, op=op)
+        out["wall_s"] = time.perf_counter() - t
+        out["features_kept"] = bool(getattr(op, "features_kept", all(k is not None for k in op.source._kept)))
+    finally:
+        if client is not None:
+            client.close()
+            cluster.close()
+    cert = sol.certificate
+    out.update(passes=int(sol.passes), verdict=cert.verdict, load_after=os.getloadavg()[0])
+    numbers = json.dumps([cert.rank, cert.lambda_min, cert.lambda_max, cert.estimates], sort_keys=True, default=str)
+    return out, np.asarray(sol.coef), float(sol.sse), numbers
+
+
+def workers_timing(d: int = 24, rows_per_feature: float = ROWS_PER_FEATURE, out_dir=None) -> dict:
+    """The same streaming fit in this process and on 1 and 2 worker processes (module notes), each run in a fresh
+    process; the dataset (d_out = d, causal, a 2-head teacher) written under ``out_dir`` (a temporary folder)."""
+    import tempfile
+
+    import numpy as np
+
+    from scaleattn.features import n_features
+    from scaleattn.generate import generate_mhla
+
+    length = 50
+    samples = max(int(rows_per_feature * n_features(d)) // length, 1)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        url = os.path.join(tmp, "workers.zarr")
+        generate_mhla(url, d=d, heads=2, length=length, samples=samples, causal=True, d_out=d, seed=0)
+        runs = {n: _fresh(_workers_fit, (url, n)) for n in (0, 1, 2)}
+    ref = runs[0]
+    same = {n: bool(np.array_equal(r[1], ref[1]) and r[2] == ref[2] and r[3] == ref[3]) for n, r in runs.items()}
+    return {"d": d, "rows": samples * length, "rows_per_feature": rows_per_feature, "cores": os.cpu_count(),
+            "runs": [r[0] for r in runs.values()], "bit_identical": all(same.values()),
+            "speedup_2_over_1": runs[1][0]["wall_s"] / runs[2][0]["wall_s"]}
 
 
 def markdown(result: dict) -> str:
@@ -152,15 +219,27 @@ def markdown(result: dict) -> str:
                       f" {'cached' if t['cached'] else 'recomputed each pass'}): first sweep {t['sweep_s']:.1f} s,"
                       f" a pass with 1 column {t['pass_1_s']:.1f} s, with 7 columns {t['pass_7_s']:.1f} s;"
                       f" peak RSS {t['peak_rss_gib']:.2f} GiB."]
+    w = result.get("workers")
+    if w:
+        lines += ["", f"Workers at d = {w['d']} ({w['rows']:,} causal rows, d_out = d, the same Zarr dataset; answers"
+                      f" {'bit-identical' if w['bit_identical'] else 'NOT bit-identical'}; 2 workers"
+                      f" {w['speedup_2_over_1']:.2f}x faster than 1):", "",
+                  "| where | passes | first sweep (s) | wall (s) | features kept | load avg before / after |",
+                  "|---|---|---|---|---|---|"]
+        for r in w["runs"]:
+            where = f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}" if r["workers"] else "in process"
+            lines.append(f"| {where} | {r['passes']} | {r['sweep_s']:.1f} | {r['wall_s']:.1f} |"
+                         f" {'yes' if r['features_kept'] else 'no'} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def run(out_dir, quick: bool = False, dims=None, timing_d: int | None = None) -> dict:
-    """Both parts (module notes); writes ``bench-stream.json`` and ``bench-stream.md`` into ``out_dir``."""
+def run(out_dir, quick: bool = False, dims=None, timing_d: int | None = None, workers_d: int | None = None) -> dict:
+    """The three parts (module notes); writes ``bench-stream.json`` and ``bench-stream.md`` into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     dims = dims or ((8, 12) if quick else (16, 24, 32))
     result = {"compare": [compare(d) for d in dims]}
     result["pass_timing"] = pass_timing(timing_d or (24 if quick else 64))
+    result["workers"] = workers_timing(workers_d or (8 if quick else 24), out_dir=out_dir)
     with open(os.path.join(out_dir, "bench-stream.json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
     with open(os.path.join(out_dir, "bench-stream.md"), "w") as f:

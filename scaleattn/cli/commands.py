@@ -26,10 +26,8 @@ def _cluster(args, reporter=None):
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
-    if getattr(args, "solver", None) == "stream":  # passes over the tokens in this process: no cluster to start
-        if getattr(args, "scheduler", None):
-            warnings.warn("--solver stream runs in this process: --scheduler is not used", Note, stacklevel=1)
-        return contextlib.nullcontext(None)
+    if getattr(args, "solver", None) == "stream" and not (args.scheduler or args.workers):
+        return contextlib.nullcontext(None)  # passes over the tokens in this process unless a cluster is asked for
     from ..distributed.cluster import connect, tls_security
 
     security = tls_security(args.tls_ca_file, args.tls_cert, args.tls_key)

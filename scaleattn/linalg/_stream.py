@@ -44,20 +44,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .._backend import get_xp, to_numpy
+from .._tree import TreeReducer
 from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs, row_targets, token_features
 from ._certificate import Certificate, certificate_from_krylov
-from ._gram import _blas_controller
+from ._gram import _blas_controller, blas_single_thread
 from ._krylov import MAXITER, krylov_solve, lockstep
 from ._lanczos import EPS
 from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
-           "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
+           "StreamSolution", "stream_solve", "cut_blocks", "block_bytes", "group_sweep", "group_gw", "group_sse",
+           "add_parts", "c_order", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
            "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
            "KW_FAILURE"]
 
@@ -87,70 +91,111 @@ def _blas_threads():
 
 
 class RowSource:
-    """The rows of a data set as blocks ``(s, x, y)`` in a fixed order, recomputed at every pass.
+    """The rows of a data set as blocks ``(s, x, y)`` in a fixed order, in row groups, recomputed at every pass.
 
-    ``chunks()`` returns an iterator of ``(tokens (n, T, d), lengths (n,) or None, targets or None)`` over the
-    whole data, in order (the Dataset's Zarr chunks, or slices of arrays); each is cut into blocks of about
-    ``block_rows`` rows and turned into token features (:func:`scaleattn.features.token_features`). After the first
-    full pass the blocks are kept when they take at most ``cache_bytes``.
+    ``chunks`` returns an iterator of ``(tokens (n, T, d), lengths (n,) or None, targets or None)``: without
+    ``groups``, ``chunks()`` over the whole data (one group); with ``groups`` (sample ranges ``[a, b)``, e.g.
+    :func:`scaleattn.distributed.partition.row_groups`), ``chunks(a, b)`` over each group in turn. Each chunk is cut
+    into blocks of about ``block_rows`` rows (:func:`cut_blocks`) and turned into token features
+    (:func:`scaleattn.features.token_features`). A group's blocks are kept after its first pass while all kept
+    groups take at most ``cache_bytes``. The row groups fix the order of every sum of a pass (each group's
+    partial over its blocks in order, then the groups' partials in the fixed-order tree of :mod:`scaleattn._tree`),
+    so the bits are those of the same pass on a Dask cluster (:mod:`scaleattn.distributed.stream`).
     """
 
     def __init__(self, chunks, d: int, d_out: int, causal: bool, *, block_rows: int = BLOCK_ROWS,
-                 cache_bytes: float = CACHE_BYTES):
+                 cache_bytes: float = CACHE_BYTES, groups=None):
         self.chunks, self.d, self.d_out, self.causal = chunks, int(d), int(d_out), bool(causal)
         self.block_rows, self.cache_bytes = max(1, int(block_rows)), float(cache_bytes)
+        self.groups = None if groups is None else [(int(a), int(b)) for a, b in groups]
+        self.n_groups = 1 if self.groups is None else len(self.groups)
         self.n_rows: int | None = None
-        self._cache: list | None = None
+        self._kept: list = [None] * self.n_groups
+        self._rows: list = [None] * self.n_groups
+        self._held = 0.0
+        self._lock = threading.Lock()
+
+    def group_blocks(self, gi: int):
+        """Yields group ``gi``'s blocks ``(s (rows, m), x (rows, d), y (rows, d_out) or None)``, float64, in the
+        tokens' namespace (thread-safe: the groups of a pass may be read at once)."""
+        kept = self._kept[gi]
+        if kept is not None:
+            yield from kept
+            return
+        chunks = self.chunks() if self.groups is None else self.chunks(*self.groups[gi])
+        keep, size, rows = [], 0, 0
+        for blk in cut_blocks(chunks, self.block_rows, self.causal):
+            rows += blk[0].shape[0]
+            if keep is not None:
+                nb = block_bytes(blk)
+                with self._lock:  # reserve its bytes in the budget, or give the group's reservation back
+                    if self._held + nb <= self.cache_bytes:
+                        self._held += nb
+                        size += nb
+                        keep.append(blk)
+                    else:
+                        self._held -= size
+                        keep = None
+            yield blk
+        with self._lock:
+            self._rows[gi] = rows
+            if keep is not None:
+                self._kept[gi] = keep
+            if all(r is not None for r in self._rows):
+                self.n_rows = int(sum(self._rows))
 
     def blocks(self):
-        """Yields ``(s (rows, m), x (rows, d), y (rows, d_out) or None)``, float64, in the tokens' namespace."""
-        if self._cache is not None:
-            yield from self._cache
-            return
-        keep, size, rows = [], 0, 0
-        for tok, lens, y in self.chunks():
-            n, T = tok.shape[0], tok.shape[1]
-            step = max(1, self.block_rows // (T if self.causal else 1))
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                ln = None if lens is None else lens[a:b]
-                s, x = token_features(tok[a:b], ln, causal=self.causal)
-                yt = None if y is None else row_targets(y[a:b], ln, causal=self.causal)
-                rows += s.shape[0]
-                size += 8 * s.shape[0] * (s.shape[1] + x.shape[1] + (0 if yt is None else yt.shape[1]))
-                if keep is not None:
-                    keep = keep if size <= self.cache_bytes else None
-                    if keep is not None:
-                        keep.append((s, x, yt))
-                yield s, x, yt
-        self.n_rows = rows
-        self._cache = keep
+        """Every group's blocks in order (:meth:`group_blocks`)."""
+        for gi in range(self.n_groups):
+            yield from self.group_blocks(gi)
+
+
+def cut_blocks(chunks, block_rows: int, causal: bool):
+    """Blocks ``(s, x, y)`` of about ``block_rows`` rows cut from ``(tokens, lengths, targets)`` chunks, in order:
+    the one cut a pass uses in process and on a cluster's workers (the same blocks, the same bits)."""
+    for tok, lens, y in chunks:
+        n, T = tok.shape[0], tok.shape[1]
+        step = max(1, int(block_rows) // (T if causal else 1))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            ln = None if lens is None else lens[a:b]
+            s, x = token_features(tok[a:b], ln, causal=causal)
+            yt = None if y is None else row_targets(y[a:b], ln, causal=causal)
+            yield s, x, yt
+
+
+def block_bytes(block) -> int:
+    """Bytes of one block ``(s, x, y)``."""
+    return sum(8 * int(np.prod(a.shape)) for a in block if a is not None)
 
 
 def rows_from_arrays(tokens, targets=None, lengths=None, causal: bool = False, *, block_rows: int = BLOCK_ROWS,
-                     cache_bytes: float = CACHE_BYTES) -> RowSource:
+                     cache_bytes: float = CACHE_BYTES, groups=None) -> RowSource:
     """A :class:`RowSource` over arrays: ``tokens`` (n, T, d), ``targets`` (n, d_out) or (n, T, d_out) for
-    ``causal``, ``lengths`` (n,) optional (as :func:`scaleattn.features.token_features`)."""
+    ``causal``, ``lengths`` (n,) optional (as :func:`scaleattn.features.token_features`); ``groups``: sample ranges
+    (default one group)."""
     d_out = 0 if targets is None else int(targets.shape[-1])
 
-    def chunks():
-        yield tokens, lengths, targets
+    def chunks(a=0, b=tokens.shape[0]):
+        yield (tokens[a:b], None if lengths is None else lengths[a:b], None if targets is None else targets[a:b])
 
-    return RowSource(chunks, tokens.shape[2], d_out, causal, block_rows=block_rows, cache_bytes=cache_bytes)
+    return RowSource(chunks, tokens.shape[2], d_out, causal, block_rows=block_rows, cache_bytes=cache_bytes,
+                     groups=groups)
 
 
 def rows_from_dataset(ds, *, targets: bool = True, block_rows: int = BLOCK_ROWS,
-                      cache_bytes: float = CACHE_BYTES) -> RowSource:
+                      cache_bytes: float = CACHE_BYTES, groups=None) -> RowSource:
     """A :class:`RowSource` reading a :class:`scaleattn.data.Dataset` chunk by chunk, in order (every read checked
     against its manifest as the statistics build's reads are); the dataset is never modified. ``targets=False``:
-    the tokens only (a certificate)."""
+    the tokens only (a certificate). ``groups``: its row groups (:func:`scaleattn.distributed.partition.row_groups`:
+    then the sums are those of the same pass on a cluster); default one group."""
     with_y = bool(targets) and ds.d_out > 0
 
-    def chunks():
-        yield from ds.read_chunks(0, ds.n_samples, targets=with_y)
+    def chunks(a=0, b=ds.n_samples):
+        yield from ds.read_chunks(a, b, targets=with_y)
 
     return RowSource(chunks, ds.d, ds.d_out if with_y else 0, ds.causal, block_rows=block_rows,
-                     cache_bytes=cache_bytes)
+                     cache_bytes=cache_bytes, groups=groups)
 
 
 def _phi_w(s, x, W3, k: int):
@@ -167,6 +212,66 @@ def _phi_t_r(s, x, R):
     return xp.matmul(s.T, XR)
 
 
+def group_sweep(blocks, d: int, k: int):
+    """One row group's part of the first sweep: ``(diag G as (m, d), S^T S, X^T X, Phi^T Y as (m, d k), sum y^2,
+    rows)``, its blocks added in order (None for a group without rows)."""
+    m = n_pairs(d)
+    out = None
+    for s, x, y in blocks:
+        if out is None:
+            xp = get_xp(s)
+            out = [xp.zeros((m, d), dtype=xp.float64), xp.zeros((m, m), dtype=xp.float64),
+                   xp.zeros((d, d), dtype=xp.float64), xp.zeros((m, d * k), dtype=xp.float64), 0.0, 0]
+        out[0] += xp.matmul((s * s).T, x * x)
+        out[1] += xp.matmul(s.T, s)
+        out[2] += xp.matmul(x.T, x)
+        if k:
+            out[3] += _phi_t_r(s, x, y)
+            out[4] += float(xp.sum(y * y))
+        out[5] += s.shape[0]
+    return None if out is None else tuple(out)
+
+
+def group_gw(blocks, W3, k: int):
+    """One row group's partial ``G W`` as (m, d k): ``sum Phi_b^T (Phi_b W)`` over its blocks in order."""
+    out = None
+    for s, x, _ in blocks:
+        part = _phi_t_r(s, x, _phi_w(s, x, W3, k))
+        out = part if out is None else out + part
+    return out
+
+
+def group_sse(blocks, W3, k: int) -> float:
+    """One row group's ``sum ||y_i - c^T phi_i||^2`` (``W3``: the coefficients as (m, d k))."""
+    xp, sse = None, 0.0
+    for s, x, y in blocks:
+        xp = xp or get_xp(s)
+        r = y - _phi_w(s, x, W3, k)
+        sse += float(xp.sum(r * r))
+    return sse
+
+
+def c_order(a):
+    """``a`` in C order and aligned (a copy only if it is not). A GEMM's bits depend on its operands' layout, and
+    numpy multiplies a misaligned array (as Dask may deserialise one) in its own loop, not BLAS: a pass must give
+    the same bits in process and on any worker, whatever layout its arrays arrive in."""
+    if a is None:
+        return None
+    xp = get_xp(a)
+    if isinstance(a, np.ndarray):
+        return np.require(a, requirements=["C", "A"])
+    return xp.ascontiguousarray(a) if hasattr(xp, "ascontiguousarray") else a
+
+
+def add_parts(a, b):
+    """The tree's combine of two groups' partials (arrays, floats, or tuples of them; None is no rows)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, tuple):
+        return tuple(add_parts(p, q) for p, q in zip(a, b))
+    return a + b
+
+
 class StreamOperator:
     """``G W`` by a pass over the rows, ``G`` never formed (DESIGN §4b): the operator of
     :func:`scaleattn.linalg._krylov.krylov_solve` for the streaming path.
@@ -175,6 +280,11 @@ class StreamOperator:
     (``(S o S)^T (X o X)``), the K-FAC factors ``A = S^T S`` (m x m) and ``B = X^T X`` (d x d) (sums, not
     means), with targets ``Phi^T Y`` (psi, d_out) and ``sum ||y||^2``. ``passes`` counts the products ``G W``
     since then (the sweep is not one).
+
+    Every sum is taken per row group of the source (its blocks in order), then over the groups in the fixed-order
+    tree of :mod:`scaleattn._tree` (:meth:`map_groups`): the bits of :class:`scaleattn.distributed.stream.
+    DistributedStreamOperator` on any number of workers. With several groups they run on a pool of the process's
+    BLAS threads, each product on one BLAS thread (as on a worker: the thread count changes a GEMM's bits).
 
     Parameters
     ----------
@@ -186,32 +296,38 @@ class StreamOperator:
         self.d = source.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
-        m, d, k = self.m, self.d, source.d_out
-        diag = A = Bx = mom = xp = None
-        yy, rows = 0.0, 0
-        with _blas_threads():
-            for s, x, y in source.blocks():
-                if xp is None:
-                    xp = get_xp(s)
-                    diag = xp.zeros((m, d), dtype=xp.float64)
-                    A = xp.zeros((m, m), dtype=xp.float64)
-                    Bx = xp.zeros((d, d), dtype=xp.float64)
-                    mom = xp.zeros((m, d * k), dtype=xp.float64)
-                diag += xp.matmul((s * s).T, x * x)
-                A += xp.matmul(s.T, s)
-                Bx += xp.matmul(x.T, x)
-                if k:
-                    mom += _phi_t_r(s, x, y)
-                    yy += float(xp.sum(y * y))
-                rows += s.shape[0]
-        if xp is None:
+        self._finish_sweep(self.map_groups(group_sweep, self.d, source.d_out))
+
+    def _finish_sweep(self, total) -> None:
+        """Keep the first sweep's sums (:func:`group_sweep`'s tuple over all groups)."""
+        if total is None:
             raise DatasetError("the data have no rows: nothing to fit")
-        self.xp, self.n_rows, self.yy = xp, rows, yy
+        diag, A, Bx, mom, yy, rows = total
+        xp = get_xp(diag)
+        k = mom.shape[1] // self.d
+        self.xp, self.n_rows, self.yy = xp, int(rows), float(yy)
         self._diag = xp.reshape(diag, (self.psi,))
         self.A, self.B = A, Bx
         self.moments = xp.reshape(mom, (self.psi, k)) if k else None
         if not bool(xp.all(xp.isfinite(self._diag))):
             raise DatasetError("the features overflow float64 (token entries too large): rescale the tokens")
+
+    def map_groups(self, func, *args):
+        """``func(blocks, *args)`` of every row group, added in the fixed-order tree (:func:`add_parts`)."""
+        src = self.source
+        n = src.n_groups
+        if n == 1:
+            with _blas_threads():
+                return func(src.group_blocks(0), *args)
+        red = TreeReducer(add_parts)
+        pool = ThreadPoolExecutor(min(_threads(), n))
+        try:
+            with blas_single_thread():
+                for part in pool.map(lambda gi: func(src.group_blocks(gi), *args), range(n)):
+                    red.add(part)
+        finally:  # (Ctrl-C: the groups not started are dropped, not waited for)
+            pool.shutdown(wait=False, cancel_futures=True)
+        return red.result()
 
     def diagonal(self):
         """``diag G`` (psi,)."""
@@ -221,11 +337,7 @@ class StreamOperator:
         """``G W = Phi^T (Phi W)`` for ``W`` (psi, k): one pass over the rows."""
         xp, m, d = self.xp, self.m, self.d
         k = W.shape[1]
-        W3 = xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))
-        out = xp.zeros((m, d * k), dtype=xp.float64)
-        with _blas_threads():
-            for s, x, _ in self.source.blocks():
-                out += _phi_t_r(s, x, _phi_w(s, x, W3, k))
+        out = self.map_groups(group_gw, c_order(xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))), k)
         self.passes += 1
         return xp.reshape(out, (self.psi, k))
 
@@ -237,13 +349,7 @@ class StreamOperator:
         xp = self.xp
         c = xp.asarray(coef, dtype=xp.float64)
         k = c.shape[1]
-        W3 = xp.reshape(c, (self.m, self.d * k))
-        sse = 0.0
-        with _blas_threads():
-            for s, x, y in self.source.blocks():
-                r = y - _phi_w(s, x, W3, k)
-                sse += float(xp.sum(r * r))
-        return sse
+        return float(self.map_groups(group_sse, c_order(xp.reshape(c, (self.m, self.d * k))), k))
 
     def rows(self):
         """All rows at once: ``(S (N, m), X (N, d), Y (N, d_out) or None)`` (the dual path; N x (m + d) floats)."""

@@ -1,0 +1,274 @@
+"""The streaming path's passes on a Dask cluster (DESIGN §4b, §6): one pass = one map over row groups, no node
+holding anything of size psi^2 or N x psi.
+
+:class:`DistributedStreamOperator` is :class:`scaleattn.linalg._stream.StreamOperator` with its sums taken on
+the workers. The dataset is cut into the build's row groups (:func:`scaleattn.distributed.partition.row_groups`:
+they depend on the dataset only, never on the workers). Each pass is one task per group, run on a worker: the
+group's Zarr chunks read through the :class:`~scaleattn.data.Dataset` (every read checked against the manifest,
+as the statistics build's are), cut into the blocks of :func:`scaleattn.linalg._stream.cut_blocks`, and summed
+by the very block functions the in-process operator uses (:func:`~scaleattn.linalg._stream.group_gw`,
+``group_sweep``, ``group_sse``) into the group's partial (psi x k for ``G W``). The partials are added by the
+fixed-order tree of :func:`scaleattn.distributed.reduction.submit_tree` on the workers, and only the root comes
+back. Every product runs on one BLAS thread (a GEMM's bits depend on its thread count), so the answer is
+bit-identical for 1, 2 or 8 workers, and to the in-process operator given the same row groups (which sums in
+the same tree, :mod:`scaleattn._tree`).
+
+Traffic per pass: ``X`` (psi x k) is scattered once to every worker; each group's partial (psi x k) goes into
+the tree; the sum (psi x k) comes back. The first sweep (``diag G``, the K-FAC factors ``A`` (m x m) and ``B``
+(d x d), ``Phi^T Y``, ``sum y^2``, the row count) is one such map and tree too.
+
+The groups' token features (N x (m + d + d_out) floats in all, a share on each worker) are kept on the workers
+between passes when each worker's share fits its budget (``cache_bytes``; by default a quarter of the smallest
+worker memory limit): one task per group computes them once and stays persisted, and each pass's task of that
+group runs where they are. Otherwise every pass reads the chunks again and recomputes them. A lost worker's
+tasks are re-run by Dask (its kept features recomputed from the dataset, their lineage); a pass with no live
+worker for the watch's timeout ends with a :class:`~scaleattn.errors.ClusterError` (:mod:`.reduction`); Ctrl-C
+cancels the pass's tasks.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+from ..data._checks import expected_rows
+from ..errors import ParameterError
+from ..features import n_features, n_pairs
+from ..linalg._gram import blas_single_thread
+from ..linalg._stream import (
+    BLOCK_ROWS,
+    StreamOperator,
+    add_parts,
+    c_order,
+    cut_blocks,
+    group_gw,
+    group_sse,
+    group_sweep,
+    rows_from_dataset,
+)
+from ..store._location import with_retries
+from .partition import row_groups
+from .reduction import SPLIT_EVERY, WATCH_S, _Watch, check_reachable, leaf_places, submit_tree, wait_stopped
+
+__all__ = ["DistributedStreamOperator", "stream_operator", "feature_bytes", "CACHE_FRACTION"]
+
+#: the token features kept on a worker take at most this fraction of its memory limit (default budget)
+CACHE_FRACTION = 0.25
+
+
+class _Group:
+    """A row group to read on a worker: samples ``[a, b)`` of ``dataset``."""
+
+    def __init__(self, dataset, a: int, b: int, targets: bool, block_rows: int):
+        self.dataset, self.a, self.b, self.targets, self.block_rows = dataset, a, b, targets, block_rows
+
+    def blocks(self):
+        ds = self.dataset
+        return cut_blocks(ds.read_chunks(self.a, self.b, targets=self.targets), self.block_rows, ds.causal)
+
+
+_one_lock = threading.Lock()
+_one_state: list = [0, None]  # tasks inside _one_blas_thread in this process, and the limit they hold
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """BLAS on one thread while any task of this process is inside (the limit is process-wide: on a worker with
+    several threads, or a LocalCluster of threads, nested enter/exit pairs of :func:`blas_single_thread` from
+    tasks running at once would restore the thread count under another task's GEMM, and change its bits)."""
+    with _one_lock:
+        if _one_state[0] == 0:
+            _one_state[1] = blas_single_thread()
+            _one_state[1].__enter__()
+        _one_state[0] += 1
+    try:
+        yield
+    finally:
+        with _one_lock:
+            _one_state[0] -= 1
+            if _one_state[0] == 0:
+                _one_state[1].__exit__(None, None, None)
+                _one_state[1] = None
+
+
+def _read_group(group: _Group) -> list:
+    """A group's blocks, all of them (a task whose result stays on its worker between passes)."""
+    group.dataset.group()  # the store this worker sees is the one the client checked (else one line naming it)
+    with _one_blas_thread():
+        return with_retries(lambda: list(group.blocks()))
+
+
+def _leaf(func, src, *args):
+    """One group's partial of a pass: ``func(blocks, *args)`` over its kept blocks (a list) or over its chunks read
+    again (a :class:`_Group`), on one BLAS thread."""
+    args = tuple(c_order(a) if isinstance(a, np.ndarray) else a for a in args)  # (as deserialised: maybe misaligned)
+    with _one_blas_thread():
+        if isinstance(src, _Group):
+            src.dataset.group()
+            return with_retries(lambda: func(src.blocks(), *args))
+        return func(((c_order(s), c_order(x), c_order(y)) for s, x, y in src), *args)  # (kept blocks moved here)
+
+
+def _aligned(part):
+    """A partial as received, its arrays aligned and in C order (:func:`scaleattn.linalg._stream.c_order`: numpy
+    multiplies a misaligned array outside BLAS, with other bits, in every later product of the solve)."""
+    if isinstance(part, tuple):
+        return tuple(_aligned(p) for p in part)
+    return c_order(part) if isinstance(part, np.ndarray) else part
+
+
+def feature_bytes(n_rows: int, d: int, d_out: int) -> int:
+    """Bytes of the token features of ``n_rows`` rows: ``s``, ``x`` and ``y`` (``m + d + d_out`` floats a row)."""
+    return 8 * int(n_rows) * (n_pairs(d) + d + d_out)
+
+
+class DistributedStreamOperator(StreamOperator):
+    """``G W`` by one map over row groups on a Dask cluster and the fixed-order tree (DESIGN §4b, §6).
+
+    The operator of :func:`scaleattn.linalg._stream.stream_solve` (pass it as ``op``) with every pass on the
+    workers: bit-identical to :class:`~scaleattn.linalg._stream.StreamOperator` over
+    ``rows_from_dataset(dataset, groups=groups)`` and for any number of workers.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    dataset : Dataset
+        The rows to fit (its workers must reach its store).
+    targets : bool
+        Read the targets (False: a certificate, tokens only).
+    groups : list of (int, int), optional
+        Sample ranges; default :func:`scaleattn.distributed.partition.row_groups` of ``dataset``.
+    block_rows : int
+        Rows per block of a pass (:data:`scaleattn.linalg._stream.BLOCK_ROWS`).
+    cache_bytes : float, optional
+        Per-worker budget for the kept token features (default :data:`CACHE_FRACTION` of the smallest worker
+        memory limit, 1 GiB where the workers have none); 0 never keeps them.
+    split_every : int
+        Partials combined per reduction task.
+
+    Attributes
+    ----------
+    passes : int
+        Products ``G W`` so far (the first sweep is not one).
+    features_kept : bool
+        Whether the groups' token features stay on the workers between passes.
+    workers : int
+        Workers when the operator was made.
+
+    Raises
+    ------
+    ParameterError
+        No client.
+    DatasetError
+        No rows; features that overflow float64.
+    ClusterError
+        The cluster lost its workers (:mod:`.reduction`).
+
+    Examples
+    --------
+    >>> from distributed import Client, LocalCluster  # doctest: +SKIP
+    >>> from scaleattn.linalg._stream import stream_solve  # doctest: +SKIP
+    >>> op = DistributedStreamOperator(Client(LocalCluster(n_workers=2)), dataset)  # doctest: +SKIP
+    >>> sol = stream_solve(op.source, op=op)  # the passes on the workers  # doctest: +SKIP
+    """
+
+    def __init__(self, client, dataset, *, targets: bool = True, groups=None, block_rows: int = BLOCK_ROWS,
+                 cache_bytes: float | None = None, split_every: int = SPLIT_EVERY):
+        if client is None:
+            raise ParameterError("DistributedStreamOperator needs a Dask client (without one, StreamOperator)")
+        check_reachable(client, [("dataset", dataset.store)])
+        self.client, self.split_every = client, int(split_every)
+        self.d = dataset.d
+        self.m, self.psi = n_pairs(self.d), n_features(self.d)
+        self.passes = 0
+        with_y = bool(targets) and dataset.d_out > 0
+        self.groups = row_groups(dataset) if groups is None else [(int(a), int(b)) for a, b in groups]
+        # the same rows on the client (never read there by a pass; the dual, which needs them all, reads them)
+        self.source = rows_from_dataset(dataset, targets=with_y, block_rows=block_rows, groups=self.groups)
+        info = client.scheduler_info().get("workers", {})
+        self.workers = len(info)
+        if cache_bytes is None:
+            limits = [w.get("memory_limit") or 0 for w in info.values()]
+            cache_bytes = CACHE_FRACTION * min(limits) if limits and min(limits) > 0 else float(1 << 30)
+        need = feature_bytes(expected_rows(dataset, 0, dataset.n_samples), self.d, dataset.d_out if with_y else 0)
+        share = need * (1 + 1 / max(len(self.groups), 1)) / max(self.workers, 1)  # (a group more than its share)
+        self.features_kept, self.feature_bytes = bool(cache_bytes > 0 and share <= cache_bytes), need
+        specs = [_Group(dataset, a, b, with_y, block_rows) for a, b in self.groups]
+        self.places = leaf_places(client, len(specs))
+        self._kept = [client.submit(_read_group, g, pure=False, **p) for g, p in zip(specs, self.places)] \
+            if self.features_kept else []
+        self._srcs = self._kept or specs
+        try:
+            self._finish_sweep(self._pass(group_sweep, self.d, self.source.d_out))
+        except BaseException:
+            self.release()
+            raise
+
+    def _pass(self, func, *args):
+        """``func(blocks, *args)`` of every group on the workers, added by the fixed-order tree; the sum here.
+        Array arguments are scattered once, to one worker; each other worker fetches them once (Dask moves a
+        dependency to a worker once however many of its tasks need it). A broadcast scatter would be one message
+        less per worker, but it waits (30 s per try, for ever) on a worker that died since the last pass."""
+        client = self.client
+        args = tuple(client.scatter(a, hash=False) if isinstance(a, np.ndarray) else a for a in args)
+        leaves = [client.submit(_leaf, func, src, *args, pure=False, **({} if self._kept else p))
+                  for src, p in zip(self._srcs, self.places)]  # kept features: the task goes where they are
+        root, combines = submit_tree(client, leaves, add_parts, self.split_every)
+        keys = [f.key for f in leaves + combines]
+        watch = _Watch(client, keys + [f.key for f in self._kept])
+        from distributed import wait
+
+        try:
+            while True:
+                try:
+                    wait([root], timeout=WATCH_S)
+                    break
+                except TimeoutError:  # nothing finished for a while: is there still a worker to finish it?
+                    watch.check()
+            return _aligned(root.result())
+        except BaseException as e:
+            client.cancel(leaves + combines)
+            wait_stopped(client, keys, timeout=5.0 if isinstance(e, KeyboardInterrupt) else 30.0)
+            lost = watch.lost(e, "a streaming pass", None)
+            if lost is not None:
+                raise lost from e
+            raise
+
+    def map_groups(self, func, *args):
+        return self._pass(func, *args)
+
+    def matmat(self, W):
+        """``G W`` for ``W`` (psi, k): one map over the row groups on the workers."""
+        W = np.asarray(W, np.float64)
+        k = W.shape[1]
+        out = self._pass(group_gw, c_order(W.reshape(self.m, self.d * k)), k)
+        self.passes += 1
+        return out.reshape(self.psi, k)
+
+    def residual_sse(self, coef) -> float:
+        c = np.asarray(coef, np.float64)
+        k = c.shape[1]
+        return float(self._pass(group_sse, c_order(c.reshape(self.m, self.d * k)), k))
+
+    def release(self) -> None:
+        """Drop the kept token features from the workers (a fit does so when it ends, failed or not)."""
+        kept, self._kept = self._kept, []
+        if kept:
+            self.client.cancel(kept)
+
+    def summary(self) -> dict:
+        """What a report says of the cluster's part: workers, row groups, whether the features were kept."""
+        return {"workers": self.workers, "row_groups": len(self.groups), "features_kept": self.features_kept,
+                "feature_bytes": int(self.feature_bytes)}
+
+
+def stream_operator(dataset, client=None, *, targets: bool = True, **kwargs) -> StreamOperator:
+    """The streaming operator of ``dataset`` in its row groups: on the cluster of ``client``
+    (:class:`DistributedStreamOperator`), or in this process (``client=None``:
+    :class:`~scaleattn.linalg._stream.StreamOperator`); the same bits either way."""
+    if client is not None:
+        return DistributedStreamOperator(client, dataset, targets=targets, **kwargs)
+    with_y = bool(targets) and dataset.d_out > 0
+    return StreamOperator(rows_from_dataset(dataset, targets=with_y, groups=row_groups(dataset),
+                                            **{k: v for k, v in kwargs.items() if k == "block_rows"}))
