@@ -52,12 +52,12 @@ from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs, row_targets, token_features
 from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
-from ._krylov import MAXITER, krylov_solve, lockstep
+from ._krylov import LANCZOS_MAX, MAXITER, krylov_solve, lockstep
 from ._lanczos import EPS
 from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
-           "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
+           "StreamSolution", "stream_solve", "dual_solve", "kw_bound", "kw_lower_bound", "stream_bytes", "dual_bytes",
            "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
            "KW_FAILURE"]
 
@@ -72,6 +72,9 @@ CACHE_BYTES = 1 << 30
 FACTOR_FLOOR = 1e-10
 #: default failure probability of the probabilistic lower bound on lambda_min
 KW_FAILURE = 1e-3
+#: the probabilistic bound's run stops once the bound is this fraction of its smallest Ritz value (times
+#: lambda_min(M)); past it each halving of the gap costs about sqrt(2) times the steps
+KW_TARGET = 0.5
 
 
 @functools.lru_cache(maxsize=1)
@@ -353,6 +356,16 @@ class KFAC:
         FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
         return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
 
+    def half(self, R):
+        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L``): ``L g`` for a Gaussian ``g`` has covariance
+        ``M``, the start that makes the preconditioned Lanczos run's first vector uniform on the sphere."""
+        xp = self.xp
+        lv = xp.astype(self.live, xp.float64)[:, None]
+        root = lambda d: xp.where(d > 0, 1.0 / xp.where(d > 0, d, 1.0), 0.0)  # noqa: E731 (D^1/2 from D^-1/2)
+        FA = root(self._dA)[:, None] * self._UA * xp.sqrt(self._wA)[None, :]
+        FB = root(self._dB)[:, None] * self._UB * xp.sqrt(self._wB)[None, :]
+        return self._kron(FA, FB, R * lv) * lv / math.sqrt(self.n)
+
     def min_eigenvalues(self) -> tuple[float, float]:
         """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
         lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
@@ -382,12 +395,40 @@ class Jacobi(KFAC):
     def half_inverse(self, R, transpose: bool = False):
         return self.scale[:, None] * R
 
+    def half(self, R):
+        return self.xp.where(self.live, 1.0 / self.xp.where(self.live, self.scale, 1.0), 0.0)[:, None] * R
+
     def min_eigenvalues(self) -> tuple[float, float]:
         return 1.0, self._dmin
 
 
+def kw_bound(theta_min: float, theta_max: float, steps: int, n: int, lam_m: float, failure: float,
+             max_steps: int) -> tuple[float, float]:
+    """The Kuczynski-Wozniakowski lower bound on ``lambda_min(G)`` from ``steps`` Lanczos steps on
+    ``C = L^-1 G L^-T`` ([KW92] Theorem 4.2 on ``C`` and ``-C``; DESIGN §4b, "Eigenvalues from passes").
+
+    With ``theta_min``/``theta_max`` the extreme Ritz values after ``steps`` steps from a start uniform on the
+    sphere of the ``n`` live coordinates, each of the two one-sided events has probability at most
+    ``1.648 sqrt(n) exp(-sqrt(eps) (2 steps - 1))``, set to ``failure / (2 max_steps)`` so that the bounds of all
+    ``max_steps`` steps hold together except with probability ``failure``. Returns ``(bound, eps)``: ``bound =
+    max(theta_min - eps theta_max / (1 - eps), 0) lam_m`` (``lam_m`` a lower bound on ``lambda_min(M)``), 0 while
+    ``eps >= 1``.
+
+    Examples
+    --------
+    >>> b, eps = kw_bound(1.0, 4.0, 60, 1000, 0.5, 1e-3, 300)
+    >>> round(eps, 4), round(b, 4)
+    (0.021, 0.457)
+    """
+    log_term = math.log(1.648 * math.sqrt(n) * 2 * max(int(max_steps), 1) / failure)
+    eps = (log_term / (2 * max(int(steps), 1) - 1)) ** 2
+    if eps >= 1:
+        return 0.0, eps
+    return max(theta_min - eps * theta_max / (1 - eps), 0.0) * lam_m, eps
+
+
 def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, seed: int = 0,
-                   target: float = 0.5) -> dict:
+                   target: float = KW_TARGET) -> dict:
     """A probabilistic lower bound on ``lambda_min(G)`` from passes: Lanczos on ``C = L^-1 G L^-T`` ([KW92]).
 
     Lanczos with full reorthogonalisation from a Gaussian start (uniform direction on the live coordinates'
@@ -395,10 +436,13 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     ``C`` (n live features). By the theorem, applied to ``-C`` and to ``C``, each of
     ``(theta_1 - lambda_min) / (lambda_max - lambda_min) >= eps`` and ``(lambda_max - theta_k) / (lambda_max -
     lambda_min) >= eps`` has probability at most ``1.648 sqrt(n) exp(-sqrt(eps) (2k - 1))``; with that set to
-    ``failure / 2``, except with probability ``failure``: ``lambda_max(C) <= theta_k / (1 - eps)`` and
-    ``lambda_min(C) >= theta_1 - eps theta_k / (1 - eps)``. ``lambda_min(G) >= lambda_min(C) lambda_min(M)``
-    (``G = L C L^T``). Stops once the bound is at least ``target`` of ``theta_1 lambda_min(M)``, or after
-    ``maxiter`` steps. DESIGN §4b, "Eigenvalues from passes".
+    ``failure / 2`` divided by the steps allowed (a union bound: the run stops at a step its own Ritz values
+    choose, so every step's bound must hold at once), except with probability ``failure``: ``lambda_max(C) <=
+    theta_k / (1 - eps)`` and ``lambda_min(C) >= theta_1 - eps theta_k / (1 - eps)`` (:func:`kw_bound`).
+    ``lambda_min(G) >= lambda_min(C) lambda_min(M)`` (``G = L C L^T``). Stops once the bound is at least
+    ``target`` of ``theta_1 lambda_min(M)``, or after ``maxiter`` steps. DESIGN §4b, "Eigenvalues from passes".
+    :func:`stream_solve` reads the same bound off the preconditioned Lanczos run that shares CG's passes, and
+    runs this only when that run ended before its bound became positive.
 
     Returns
     -------
@@ -417,13 +461,12 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     if n == 0:
         return out
     lam_m = M.min_eigenvalues()[1]
-    log_term = math.log(1.648 * math.sqrt(n) / (failure / 2))
+    steps = min(int(maxiter), n)
 
     def gen():
         g = np.random.default_rng([seed, 11]).standard_normal(psi) * live
         q = xp.asarray(g / np.linalg.norm(g))
         Q, alpha, beta = [], [], []
-        steps = min(int(maxiter), n)
         for j in range(steps):
             Q.append(q)
             w = M.half_inverse((yield M.half_inverse(q[:, None], transpose=True)))[:, 0]
@@ -436,13 +479,10 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
             alpha.append(a)
             ev = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta), eigvals_only=True)
             k = j + 1
-            eps = (log_term / (2 * k - 1)) ** 2
+            out["lower"], eps = kw_bound(float(ev[0]), float(ev[-1]), k, n, lam_m, failure, steps)
             out.update(steps=k, theta_min=float(ev[0]), theta_max=float(ev[-1]), eps=eps)
-            if eps < 1:
-                lo = float(ev[0]) - eps * float(ev[-1]) / (1 - eps)
-                out["lower"] = max(lo, 0.0) * lam_m
-                if lo >= target * float(ev[0]):
-                    return
+            if out["lower"] >= target * float(ev[0]) * lam_m > 0:
+                return
             if k == n or b <= EPS * max(abs(float(ev[-1])), 1e-300):
                 # the Krylov space is invariant (or the whole space): the Ritz values are eigenvalues of C to
                 # round-off, the bound no longer probabilistic in the start (only round-off, n eps theta_k)
@@ -588,13 +628,32 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
     M = _preconditioner(op, preconditioner)
     B = None if certify_only else op.moments
+    # the preconditioned Lanczos run starts from r_0 = S L g (g Gaussian, M = L L^T): its Ritz values then give the
+    # probabilistic lower bound with no passes of its own (kw_bound); the eigenvalue runs end with the solve
+    g = xp.asarray(np.random.default_rng([seed, 11]).standard_normal((psi, 1)))
+    start = M.scale * M.half(g)[:, 0]
+    n_live, lam_m, steps_max = int(xp.sum(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
+
+    def enough(lo, hi, k, over):  # the bound reached KW_TARGET of what the run shows, or the rest is done and it holds
+        b = kw_bound(lo, hi, k, n_live, lam_m, failure, steps_max)[0]
+        return b >= KW_TARGET * lo * lam_m > 0 or (over and b > 0)
+
     res = krylov_solve(op, B, rtol=rtol, btol=btol, maxiter=maxiter, eig_budget=eig_budget, seed=seed,
-                       yy=None if certify_only else op.yy, preconditioner=M)
+                       yy=None if certify_only else op.yy, preconditioner=M, min_eig_passes=0, pre_start=start,
+                       pre_until=enough if lower_bound else None)
     spec = res if certify_only else res.spectrum
     passes = op.passes
     kw = None
     if lower_bound and spec.rank == psi and bool(xp.all(M.live)):
-        kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
+        pre = spec.preconditioned
+        if pre is not None and pre["theta_min"] is not None and pre["steps"] > 0:
+            low, eps = kw_bound(pre["theta_min"], pre["theta_max"], pre["steps"], pre["n"], lam_m, failure,
+                                steps_max)
+            kw = {"lower": low, "failure_probability": float(failure), "steps": pre["steps"],
+                  "theta_min": pre["theta_min"], "theta_max": pre["theta_max"], "eps": eps, "rigorous": False,
+                  "method": "Kuczynski-Wozniakowski", "shared_passes": True}
+        if kw is None or kw["lower"] <= 0:  # the shared run ended too early: a run of its own
+            kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
     cert = certificate_from_krylov(spec, op.n_rows)
     est = cert.estimates
     est.update({"solver": "stream", "preconditioner": getattr(M, "name", type(M).__name__),

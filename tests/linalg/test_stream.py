@@ -154,6 +154,36 @@ def test_kw_bound_below_the_truth_over_seeds():
         assert 0 < kw["lower"] <= truth
 
 
+def test_kfac_half_is_a_square_root_of_the_preconditioner():
+    """``L`` (the start of the shared Lanczos run) against the dense Kronecker product: ``L L^T = M``."""
+    rng = np.random.default_rng(4)
+    s, x = token_features(rng.standard_normal((200, 5, 3)), causal=True)
+    F = phi(s, x)
+    M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), s.shape[0])
+    eye = np.eye(F.shape[1])
+    L = M.half(eye)
+    dense = np.kron(s.T @ s, x.T @ x) / s.shape[0]
+    assert np.abs(L @ L.T - dense).max() <= 1e-12 * np.abs(dense).max()
+    assert np.abs(M.half_inverse(L) - eye).max() <= 1e-10
+
+
+def test_probabilistic_bound_shares_the_solve_passes():
+    """The Kuczynski-Wozniakowski bound is read off the preconditioned Lanczos run beside CG: no passes of its own
+    (the data passes are CG's plus the first sweep and the SSE pass, give or take the deflation's), and below
+    eigvalsh's lambda_min for every seed."""
+    rng = np.random.default_rng(9)
+    tok, y = rng.standard_normal((300, 6, 6)), rng.standard_normal((300, 6, 2))  # psi = 126: the Krylov runs
+    F, _ = _explicit(tok, y, causal=True)
+    truth = np.linalg.eigvalsh(F.T @ F / F.shape[0])[0]
+    for seed in range(4):
+        sol = stream_solve(rows_from_arrays(tok, y, causal=True), seed=seed)
+        est = sol.certificate.estimates
+        kw = est["lambda_min_lower_probabilistic"]
+        assert kw["shared_passes"] and kw["steps"] >= est["cg_iterations"] - 1
+        assert 0 < kw["lower"] <= truth
+        assert sol.passes <= est["cg_iterations"] + 4
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_dual_matches_min_norm_lstsq(causal):
     rng = np.random.default_rng(11)
