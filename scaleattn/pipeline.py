@@ -425,9 +425,9 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
         preflight(full, out, overwrite)
         times = {}
         t = time.perf_counter()
-        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
+        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
             src = rows_from_dataset(ds)
-            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol)
+            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, note=note)
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
         model = model_from_heads(sol, h, ds.d, ds.causal)
@@ -622,9 +622,10 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     check_reachable(client, [("dataset", ds.store)])
     path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
     if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
-        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
+        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})") as note:
             src = rows_from_dataset(ds, targets=False)
-            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
+            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True,
+                                                                     note=note)
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":

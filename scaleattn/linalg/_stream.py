@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import numpy as np
 
@@ -182,10 +183,12 @@ class StreamOperator:
     Parameters
     ----------
     source : RowSource
+    note : callable, optional
+        ``note(text)``: where the sweep and each pass say how far they are (a progress phase's note).
     """
 
-    def __init__(self, source: RowSource):
-        self.source = source
+    def __init__(self, source: RowSource, note=None):
+        self.source, self.note = source, note or (lambda text: None)
         self.d = source.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
@@ -207,6 +210,7 @@ class StreamOperator:
                     mom += _phi_t_r(s, x, y)
                     yy += float(xp.sum(y * y))
                 rows += s.shape[0]
+                self.note(f"first sweep (diag G, K-FAC factors, moments): {rows:,} rows")
         if xp is None:
             raise DatasetError("the data have no rows: nothing to fit")
         self.xp, self.n_rows, self.yy = xp, rows, yy
@@ -226,10 +230,12 @@ class StreamOperator:
         k = W.shape[1]
         W3 = xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))
         out = xp.zeros((m, d * k), dtype=xp.float64)
+        t = time.perf_counter()
         with _blas_threads():
             for s, x, _ in self.source.blocks():
                 out += _phi_t_r(s, x, _phi_w(s, x, W3, k))
         self.passes += 1
+        self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s)")
         return xp.reshape(out, (self.psi, k))
 
     def __matmul__(self, W):
@@ -564,7 +570,7 @@ def _preconditioner(op: StreamOperator, kind):
 def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: float | None = None,
                  maxiter: int = MAXITER, preconditioner="kfac", eig_budget: str = "solve", seed: int = 0,
                  lower_bound: bool = True, failure: float = KW_FAILURE, op: StreamOperator | None = None,
-                 certify_only: bool = False) -> StreamSolution | Certificate:
+                 certify_only: bool = False, note=None) -> StreamSolution | Certificate:
     """Min-norm least squares and the certificate from passes over the tokens ([Y25] Algorithm 1, Lemma 2.3;
     DESIGN §4b): ``G``, ``Tc`` and ``Phi`` are never formed.
 
@@ -597,6 +603,8 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         The operator of ``source`` if already made (its first sweep is then not repeated).
     certify_only : bool
         Return the :class:`Certificate` alone (no targets needed).
+    note : callable, optional
+        ``note(text)`` told of the first sweep's rows and of each pass (:class:`StreamOperator`).
 
     Returns
     -------
@@ -623,7 +631,7 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     """
     if source.d_out == 0 and not certify_only:
         raise ParameterError("the data have no targets; cannot solve (certify_only=True gives the certificate)")
-    op = StreamOperator(source) if op is None else op
+    op = StreamOperator(source, note) if op is None else op
     xp, psi = op.xp, op.psi
     rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
     M = _preconditioner(op, preconditioner)
@@ -656,6 +664,11 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
             kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
     cert = certificate_from_krylov(spec, op.n_rows)
     est = cert.estimates
+    if kw is not None and kw["lower"] > 0 and lam_m > 0:
+        # what the verdict rests on: Krylov iterates decide the rank; the same Kuczynski-Wozniakowski bound, times
+        # lambda_min(Ms) instead of lambda_min(M), bounds lambda_min(Gs) from below and clears the cutoff or not
+        low_s = kw["lower"] / lam_m * M.min_eigenvalues()[0]
+        est["identifiable_with_probability"] = (1.0 - failure) if low_s > rtol * spec.lam_max_scaled.upper else None
     est.update({"solver": "stream", "preconditioner": getattr(M, "name", type(M).__name__),
                 "data_passes": int(op.passes + 1), "krylov_passes": int(passes),
                 "lambda_min_lower_rigorous": 0.0,
@@ -677,7 +690,8 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
 
 
 def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,
-               op: StreamOperator | None = None, certify_only: bool = False) -> StreamSolution | Certificate:
+               op: StreamOperator | None = None, certify_only: bool = False,
+               note=None) -> StreamSolution | Certificate:
     """Min-norm least squares for fewer rows than features by the dual ([Y25] Algorithm 1; DESIGN §4b, "the dual").
 
     ``c = Phi^T alpha`` with ``alpha = K^+ Y`` on the eigenvectors of ``K = Phi Phi^T = (S S^T) * (X X^T)``
@@ -699,6 +713,8 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         The operator of ``source`` if already made.
     certify_only : bool
         Return the :class:`Certificate` alone (no targets needed).
+    note : callable, optional
+        ``note(text)`` told of the sweep's rows (:class:`StreamOperator`).
 
     Returns
     -------
@@ -724,7 +740,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     """
     if source.d_out == 0 and not certify_only:
         raise ParameterError("the data have no targets; cannot solve")
-    op = StreamOperator(source) if op is None else op
+    op = StreamOperator(source, note) if op is None else op
     xp, psi, m, d = op.xp, op.psi, op.m, op.d
     if op.n_rows >= psi:
         raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")

@@ -182,6 +182,10 @@ def test_probabilistic_bound_shares_the_solve_passes():
         assert kw["shared_passes"] and kw["steps"] >= est["cg_iterations"] - 1
         assert 0 < kw["lower"] <= truth
         assert sol.passes <= est["cg_iterations"] + 4
+        assert est["identifiable_with_probability"] == pytest.approx(0.999)
+    from scaleattn.display._text import verdict
+    line = verdict(sol.certificate.summary())
+    assert "with probability >= 0.999" in line and "not a proof" in line
 
 
 @pytest.mark.parametrize("causal", [True, False])
