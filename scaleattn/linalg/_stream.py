@@ -59,7 +59,8 @@ from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
            "StreamSolution", "stream_solve", "dual_solve", "kw_bound", "kw_lower_bound", "stream_bytes", "dual_bytes",
-           "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
+           "fit_path", "route_seconds", "predicted_passes", "gemm_rate", "path_bytes", "check_path_memory",
+           "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
            "KW_FAILURE"]
 
 #: rows per block of a pass (each block holds rows x (m + d k) floats: 2 MB x k at d = 64)
@@ -844,16 +845,92 @@ def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
     return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
 
 
+#: efficiencies (fractions of the DGEMM rate) of the work the cost model counts, measured on the 2-core test VM:
+#: a stream pass (its two GEMMs and the token features, 86-95 of 148 GFLOP/s at d = 32), the statistics build
+#: (the compact Gram's multiply-adds at 1.1-1.4x their floor), a dense factorisation and one column of a krylov
+#: pass over ``Tc`` (memory-bound: 0.06 s per column at d = 32, plus 0.2 s shared by the columns)
+EFFICIENCY = {"pass": 0.6, "build": 0.75, "factor": 0.5, "tc_column": 0.07}
+#: the shared part of a krylov pass over ``Tc``, in columns
+TC_FIXED_COLUMNS = 3.3
+#: CG passes against sqrt of the preconditioned condition number: measured 65 / 31 / 284 passes at 3 / 10 / 1.2
+#: rows per feature (d = 8-24), 12.9-17.4 times the Marchenko-Pastur ``(1 + sqrt g) / (1 - sqrt g)``, g = psi / N
+PASSES_PER_ROOT_CONDITION = 16.0
+#: columns the eigenvalue runs add to each pass of the streaming path (Lanczos, LOBPCG block 2, the
+#: preconditioned Lanczos, the unscaled runs; the Lanczos runs end early)
+EIG_COLUMNS = 5
+#: ``auto`` leaves the Gram route (reusable statistics, plots, every head method) for the stream path only when
+#: the model predicts it this many times faster
+STREAM_MARGIN = 1.5
+
+
+@functools.lru_cache(maxsize=1)
+def gemm_rate() -> float:
+    """This machine's float64 GEMM rate (flop/s), best of three 1024^3 products on the process's threads."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024))
+    best = float("inf")
+    with _blas_threads():
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * 1024**3 / max(best, 1e-9)
+
+
+def predicted_passes(n_rows: int, d: int) -> int:
+    """CG passes of the streaming path predicted from rows per feature (:data:`PASSES_PER_ROOT_CONDITION`)."""
+    g = min(n_features(d) / max(int(n_rows), 1), 0.999)
+    return int(math.ceil(PASSES_PER_ROOT_CONDITION * (1 + math.sqrt(g)) / (1 - math.sqrt(g)))) + 4
+
+
+def route_seconds(n_rows: int, d: int, d_out: int, *, dense: bool = True, rate: float | None = None) -> dict:
+    """Predicted seconds of a fit by the Gram route and by the streaming path on this machine (DESIGN §4b, "cost
+    model"): flops at :data:`EFFICIENCY` of the measured :func:`gemm_rate`.
+
+    Gram route: the build's ``N psi^2 / 2`` flops (the compact Gram's ``N psi^2 / 4`` multiply-adds), then a
+    dense factorisation (``psi^3 / 3``) when ``dense``, else krylov passes over ``Tc`` (as many as CG needs, at
+    least :data:`scaleattn.linalg._krylov.MIN_EIG_PASSES`, each ``2 psi^2`` flops per column). Streaming: the first
+    sweep (``2 N m^2``) and :func:`predicted_passes` passes of ``4 N psi (d_out + EIG_COLUMNS)`` flops.
+
+    Returns
+    -------
+    dict
+        ``gram``, ``stream`` (seconds), ``passes`` (predicted), ``rate`` (flop/s).
+
+    Examples
+    --------
+    >>> c = route_seconds(130_680, 44, 44, dense=False, rate=1e11)
+    >>> c["passes"], c["gram"] > 1.5 * c["stream"]
+    (64, True)
+    """
+    from ._krylov import MIN_EIG_PASSES
+
+    rate = gemm_rate() if rate is None else float(rate)
+    n, psi, m = float(n_rows), float(n_features(d)), float(n_pairs(d))
+    passes = predicted_passes(n_rows, d)
+    e = EFFICIENCY
+    build = n * psi * psi / 2 / (e["build"] * rate)
+    if dense:
+        solve = psi**3 / 3 / (e["factor"] * rate)
+    else:
+        solve = max(passes, MIN_EIG_PASSES) * 2 * psi * psi * (TC_FIXED_COLUMNS + d_out + EIG_COLUMNS) / (
+            e["tc_column"] * rate)
+    stream = (2 * n * m * m + passes * 4 * n * psi * (d_out + EIG_COLUMNS)) / (e["pass"] * rate)
+    return {"gram": build + solve, "stream": stream, "passes": passes, "rate": rate}
+
+
 def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0,
-             available: float | None = None, large_psi: int = 2_000) -> tuple[str | None, str]:
+             available: float | None = None, large_psi: int = 2_000, gram_refusal: str | None = None,
+             gram_dense: bool = True) -> tuple[str | None, str]:
     """Which path a fit from the data takes, and why: ``("stream" | "dual", reason)``, or ``(None, reason)`` for
     the Gram route (statistics, then :func:`scaleattn.solve`). DESIGN §4b.
 
     ``"stream"`` asked: the dual when ``n_rows < psi`` (the primal CG would only find the min-norm answer
-    through psi - N deflated directions), else the streaming CG. ``"auto"``: the dual when ``n_rows < psi``, psi is
-    past ``large_psi`` (where the Gram route factors or iterates on a singular psi x psi Gram) and ``K`` fits in
-    ``available`` bytes; else the Gram route. The streaming paths give the least-squares coefficients and svd
-    heads only.
+    through psi - N deflated directions), else the streaming CG. ``"auto"``, memory first, then cost: the dual
+    when ``n_rows < psi``, psi is past ``large_psi`` (where the Gram route factors or iterates on a singular
+    psi x psi Gram) and ``K`` fits in ``available`` bytes; else the streaming CG when the Gram route does not
+    fit (``gram_refusal``, its reason) and the stream path does, or when :func:`route_seconds` predicts it
+    :data:`STREAM_MARGIN` times faster (``gram_dense``: the Gram route's solver would be dense, else krylov);
+    else the Gram route. The streaming paths give the least-squares coefficients and svd heads only.
 
     Raises
     ------
@@ -864,18 +941,35 @@ def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge
     under = n_rows < psi
     if solver == "stream":
         if heads != "svd" or ridge > 0:
-            raise ParameterError("`solver='stream'` fits the least-squares coefficients with svd heads only"
-                                 f" (heads={heads!r}, ridge={ridge} need the Gram): use heads='svd', ridge=0")
+            what = ("heads " + (heads if isinstance(heads, str) else str(heads)) if heads != "svd" else
+                    f"ridge {ridge:g}")
+            raise ParameterError(f"the stream solver fits least squares with svd heads only ({what} needs the"
+                                 " Gram): use the svd heads and no ridge, or another solver")
         if under:
             return "dual", f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual (N x N kernel)"
-        return "stream", "asked for (solver='stream')"
-    if solver == "auto" and under and psi > large_psi and heads == "svd" and ridge == 0:
+        return "stream", "asked for (solver stream)"
+    capable = solver == "auto" and heads == "svd" and ridge == 0
+    if capable and under and psi > large_psi:
         need = dual_bytes(n_rows, d, d_out)
         if available is None or need <= available:
             return "dual", (f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual's N x N kernel"
                             f" ({need / 2**30:.2f} GiB with the coefficients and heads) instead of a singular"
                             " psi x psi Gram")
-    return None, "the Gram route"
+    if not capable or under:
+        return None, "the Gram route"
+    fits = available is None or stream_bytes(d, d_out) <= available
+    if gram_refusal is not None and fits:
+        return "stream", (f"the Gram route does not fit ({gram_refusal}); the stream path needs"
+                          f" {stream_bytes(d, d_out) / 2**30:.2f} GiB")
+    if gram_refusal is not None or psi <= large_psi:
+        return None, "the Gram route"
+    c = route_seconds(n_rows, d, d_out, dense=gram_dense)
+    said = (f"predicted {c['stream']:.3g} s by the stream path ({c['passes']} passes) against {c['gram']:.3g} s by"
+            f" the Gram route ({'build and dense factorisation' if gram_dense else 'build and krylov on Tc'}),"
+            f" at {c['rate'] / 1e9:.0f} GFLOP/s")
+    if fits and c["stream"] * STREAM_MARGIN < c["gram"]:
+        return "stream", said
+    return None, "the Gram route: " + said
 
 
 def path_bytes(path: str, n_rows: int, d: int, d_out: int) -> int:
