@@ -405,7 +405,7 @@ def test_fit_auto_streams_when_the_gram_route_does_not_fit(tmp_path, monkeypatch
     tok, y = rng.standard_normal((260, 6, d)), rng.standard_normal((260, 6, 1))
     ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
     gram = fit_memory(d, 1, n_rows=260 * 6)
-    limit = int((stream_bytes(d, 1) + 0.5 * gram["solver_bytes"] + 4e6))
+    limit = int(stream_bytes(d, 1) + 0.5 * gram["solver_bytes"] + 4e6)
     assert stream_bytes(d, 1) < limit < gram["solver_bytes"] + gram["worker_bytes"]
     monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", str(limit))
     res = scaleattn.fit(ds, solver="auto")
