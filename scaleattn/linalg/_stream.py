@@ -119,8 +119,8 @@ class RowSource:
             for a in range(0, n, step):
                 b = min(n, a + step)
                 ln = None if lens is None else lens[a:b]
-                s, x = token_features(tok[a:b], ln, causal=self.causal)
-                yt = None if y is None else row_targets(y[a:b], ln, causal=self.causal)
+                s, x = token_features(tok[a:b, ...], ln, causal=self.causal)
+                yt = None if y is None else row_targets(y[a:b, ...], ln, causal=self.causal)
                 rows += s.shape[0]
                 size += 8 * s.shape[0] * (s.shape[1] + x.shape[1] + (0 if yt is None else yt.shape[1]))
                 if keep is not None:
