@@ -26,7 +26,14 @@ from .display import _text as _text
 from .display._progress import as_reporter
 from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
-from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
+from .distributed.memory import (
+    available_memory,
+    check_fit_memory,
+    chunk_bytes,
+    fit_route,
+    release_large_buffers,
+    trim_heap,
+)
 from .distributed.operator import remote_build
 from .distributed.reduction import check_client, check_reachable
 from .distributed.stream import stream_operator
@@ -50,7 +57,6 @@ from .linalg._stream import (
     check_path_memory,
     count_rows,
     dual_solve,
-    fit_path,
     rows_from_dataset,
     stream_solve,
 )
@@ -197,7 +203,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         in memory (:func:`scaleattn.distributed.memory.check_fit_memory`). ``"stream"``: no statistics; CG and the
         certificate from passes over the tokens in this process (:mod:`scaleattn.linalg._stream`, K-FAC
         preconditioned), or the dual for fewer rows than features; svd heads only, no ``stats.zarr``, no plots.
-        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000, and the stream path when the
+        Gram route does not fit in memory or the cost model predicts it 1.5x faster
         (:func:`scaleattn.linalg._stream.fit_path`). The report's ``solver_path`` says which path ran and why.
     certificate : "auto" | "gram" | "qr"
         What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.linalg._qr`): ``"gram"`` the float64 Gram
@@ -406,28 +413,30 @@ def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tupl
     if solver not in ("auto", "stream"):
         return None, f"asked for (solver={solver!r})"
     n_rows = _rows_of(ds)
-    path, why = fit_path(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, available=available_memory())
+    path, why = fit_route(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, chunk_bytes=chunk_bytes(ds))
     if path is not None and certificate == "qr":
         if solver == "stream":
-            raise ParameterError("`certificate='qr'` needs the statistics build; `solver='stream'` certifies from"
-                                 " passes over the tokens (use certificate='auto' or 'gram')")
+            raise ParameterError("the QR certificate needs the statistics build, which the stream solver does not"
+                                 " make (it certifies from passes over the tokens): choose the certificate auto or"
+                                 " gram, or another solver")
         return None, "certificate='qr' asked for"
     if path is not None:
         check_path_memory(path, n_rows, ds.d, ds.d_out, available_memory(), chunk_bytes(ds))
     return path, why
 
 
-def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False):
+def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False, note=None):
     """The streaming or dual solve of ``ds`` (DESIGN §4b): ``(solution or certificate, cluster summary or None,
-    a note for the report's reason or "")``. The streaming CG's passes run on the cluster of ``client``
+    where it ran, for the report's reason, or "")``. The streaming CG's passes run on the cluster of ``client``
     (:mod:`scaleattn.distributed.stream`; in this process without one: the same row groups and tree, the same
-    bits); the dual needs all rows at once (one N x N kernel) and runs in this process."""
+    bits); the dual needs all rows at once (one N x N kernel) and runs in this process. ``note``: the progress
+    phase's note (the sweep's rows, each pass)."""
     if path == "dual":
-        note = "" if client is None else ("; in this process, not on the cluster: the dual holds all rows at once"
-                                          " (one N x N kernel)")
+        where = "" if client is None else ("; in this process, not on the cluster: the dual holds all rows at once"
+                                           " (one N x N kernel)")
         src = rows_from_dataset(ds, targets=not certify_only)
-        return dual_solve(src, cutoff_rtol=cutoff_rtol, certify_only=certify_only), None, note
-    op = stream_operator(ds, client, targets=not certify_only)
+        return dual_solve(src, cutoff_rtol=cutoff_rtol, certify_only=certify_only, note=note), None, where
+    op = stream_operator(ds, client, targets=not certify_only, note=note)
     try:
         sol = stream_solve(op.source, cutoff_rtol=cutoff_rtol, op=op, certify_only=certify_only)
     finally:  # the token features kept on the workers are freed as the solve ends, failed or not
@@ -449,8 +458,8 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
         preflight(full, out, overwrite)
         times = {}
         t = time.perf_counter()
-        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
-            sol, cluster, note = _streamed(ds, path, client, cutoff_rtol)
+        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
+            sol, cluster, where = _streamed(ds, path, client, cutoff_rtol, note=note)
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
         model = model_from_heads(sol, h, ds.d, ds.causal)
@@ -464,7 +473,7 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
                   "target_mean_square": ms, "n_heads": model.n_heads, "heads_method": h.method,
                   "heads_residual": h.residual, "head_singular_values": h.spectrum.tolist(), "loss_vs_heads": [],
                   "ridge": 0.0, "effective_dof": sol.effective_dof,
-                  "solver_path": {"path": path, "reason": why + note, "statistics_written": False,
+                  "solver_path": {"path": path, "reason": why + where, "statistics_written": False,
                                   **({} if cluster is None else {"cluster": cluster})}}
         teacher = full.teacher()
         if teacher is not None:
@@ -646,8 +655,8 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     check_reachable(client, [("dataset", ds.store)])
     path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
     if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
-        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
-            return _streamed(ds, path, client, cutoff_rtol, certify_only=True)[0]
+        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})") as note:
+            return _streamed(ds, path, client, cutoff_rtol, certify_only=True, note=note)[0]
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":

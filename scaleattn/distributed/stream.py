@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from ..linalg._stream import (
     BLOCK_ROWS,
     StreamOperator,
     add_parts,
+    aligned,
     c_order,
     cut_blocks,
     group_gw,
@@ -107,7 +109,7 @@ def _leaf(func, src, *args):
         if isinstance(src, _Group):
             src.dataset.group()
             return with_retries(lambda: func(src.blocks(), *args))
-        return func(((c_order(s), c_order(x), c_order(y)) for s, x, y in src), *args)  # (kept blocks moved here)
+        return func(((aligned(s), aligned(x), aligned(y)) for s, x, y in src), *args)  # (kept blocks moved here)
 
 
 def _aligned(part):
@@ -146,6 +148,8 @@ class DistributedStreamOperator(StreamOperator):
         memory limit, 1 GiB where the workers have none); 0 never keeps them.
     split_every : int
         Partials combined per reduction task.
+    note : callable, optional
+        ``note(text)``: told of the first sweep and of each pass (a progress phase's note).
 
     Attributes
     ----------
@@ -174,11 +178,11 @@ class DistributedStreamOperator(StreamOperator):
     """
 
     def __init__(self, client, dataset, *, targets: bool = True, groups=None, block_rows: int = BLOCK_ROWS,
-                 cache_bytes: float | None = None, split_every: int = SPLIT_EVERY):
+                 cache_bytes: float | None = None, split_every: int = SPLIT_EVERY, note=None):
         if client is None:
             raise ParameterError("DistributedStreamOperator needs a Dask client (without one, StreamOperator)")
         check_reachable(client, [("dataset", dataset.store)])
-        self.client, self.split_every = client, int(split_every)
+        self.client, self.split_every, self.note = client, int(split_every), note or (lambda text: None)
         self.d = dataset.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
@@ -201,6 +205,8 @@ class DistributedStreamOperator(StreamOperator):
         self._srcs = self._kept or specs
         try:
             self._finish_sweep(self._pass(group_sweep, self.d, self.source.d_out))
+            self.note(f"first sweep (diag G, K-FAC factors, moments): {self.n_rows:,} rows, {len(self.groups)} row"
+                      f" groups on {self.workers} workers")
         except BaseException:
             self.release()
             raise
@@ -242,8 +248,10 @@ class DistributedStreamOperator(StreamOperator):
         """``G W`` for ``W`` (psi, k): one map over the row groups on the workers."""
         W = np.asarray(W, np.float64)
         k = W.shape[1]
+        t = time.perf_counter()
         out = self._pass(group_gw, c_order(W.reshape(self.m, self.d * k)), k)
         self.passes += 1
+        self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s, {self.workers} workers)")
         return out.reshape(self.psi, k)
 
     def residual_sse(self, coef) -> float:
@@ -271,4 +279,5 @@ def stream_operator(dataset, client=None, *, targets: bool = True, **kwargs) -> 
         return DistributedStreamOperator(client, dataset, targets=targets, **kwargs)
     with_y = bool(targets) and dataset.d_out > 0
     return StreamOperator(rows_from_dataset(dataset, targets=with_y, groups=row_groups(dataset),
-                                            **{k: v for k, v in kwargs.items() if k == "block_rows"}))
+                                            **{k: v for k, v in kwargs.items() if k == "block_rows"}),
+                          kwargs.get("note"))
