@@ -5,8 +5,8 @@ holding anything of size psi^2 or N x psi.
 the workers. The dataset is cut into the build's row groups (:func:`scaleattn.distributed.partition.row_groups`:
 they depend on the dataset only, never on the workers). Each pass is one task per group, run on a worker: the
 group's Zarr chunks read through the :class:`~scaleattn.data.Dataset` (every read checked against the manifest,
-as the statistics build's are), cut into the blocks of :func:`scaleattn.linalg._stream.cut_blocks`, and summed
-by the very block functions the in-process operator uses (:func:`~scaleattn.linalg._stream.group_gw`,
+as the statistics build's are), cut into the blocks of :func:`scaleattn.linalg._passes.cut_blocks`, and summed
+by the very block functions the in-process operator uses (:func:`~scaleattn.linalg._passes.group_gw`,
 ``group_sweep``, ``group_sse``) into the group's partial (psi x k for ``G W``). The partials are added by the
 fixed-order tree of :func:`scaleattn.distributed.reduction.submit_tree` on the workers, and only the root comes
 back. Every product runs on one BLAS thread (a GEMM's bits depend on its thread count), so the answer is
@@ -37,18 +37,8 @@ from ..data._checks import expected_rows
 from ..errors import ParameterError
 from ..features import n_features, n_pairs
 from ..linalg._gram import blas_single_thread
-from ..linalg._stream import (
-    BLOCK_ROWS,
-    StreamOperator,
-    add_parts,
-    aligned,
-    c_order,
-    cut_blocks,
-    group_gw,
-    group_sse,
-    group_sweep,
-    rows_from_dataset,
-)
+from ..linalg._passes import add_parts, aligned, c_order, cut_blocks, group_gw, group_sse, group_sweep
+from ..linalg._stream import BLOCK_ROWS, StreamOperator, rows_from_dataset
 from ..store._location import with_retries
 from .partition import row_groups
 from .reduction import SPLIT_EVERY, WATCH_S, _Watch, check_reachable, leaf_places, submit_tree, wait_stopped
@@ -113,7 +103,7 @@ def _leaf(func, src, *args):
 
 
 def _aligned(part):
-    """A partial as received, its arrays aligned and in C order (:func:`scaleattn.linalg._stream.c_order`: numpy
+    """A partial as received, its arrays aligned and in C order (:func:`scaleattn.linalg._passes.c_order`: numpy
     multiplies a misaligned array outside BLAS, with other bits, in every later product of the solve)."""
     if isinstance(part, tuple):
         return tuple(_aligned(p) for p in part)
