@@ -26,7 +26,8 @@ def _cluster(args, reporter=None):
 
     if getattr(args, "local", False):
         return contextlib.nullcontext(None)
-    if getattr(args, "solver", None) == "stream" and not (args.scheduler or args.workers):
+    if getattr(args, "solver", None) == "stream" and not (getattr(args, "scheduler", None)
+                                                          or getattr(args, "workers", None)):
         return contextlib.nullcontext(None)  # passes over the tokens in this process unless a cluster is asked for
     from ..distributed.cluster import connect, tls_security
 

@@ -3,24 +3,26 @@ holding anything of size psi^2 or N x psi.
 
 :class:`DistributedStreamOperator` is :class:`scaleattn.linalg._stream.StreamOperator` with its sums taken on
 the workers. The dataset is cut into the build's row groups (:func:`scaleattn.distributed.partition.row_groups`:
-they depend on the dataset only, never on the workers). Each pass is one task per group, run on a worker: the
-group's Zarr chunks read through the :class:`~scaleattn.data.Dataset` (every read checked against the manifest,
-as the statistics build's are), cut into the blocks of :func:`scaleattn.linalg._passes.cut_blocks`, and summed
-by the very block functions the in-process operator uses (:func:`~scaleattn.linalg._passes.group_gw`,
-``group_sweep``, ``group_sse``) into the group's partial (psi x k for ``G W``). The partials are added by the
-fixed-order tree of :func:`scaleattn.distributed.reduction.submit_tree` on the workers, and only the root comes
-back. Every product runs on one BLAS thread (a GEMM's bits depend on its thread count), so the answer is
-bit-identical for 1, 2 or 8 workers, and to the in-process operator given the same row groups (which sums in
-the same tree, :mod:`scaleattn._tree`).
+they depend on the dataset only, never on the workers). On a worker, each group's Zarr chunks are read through the
+:class:`~scaleattn.data.Dataset` (every read checked against the manifest, as the statistics build's are), cut
+into the blocks of :func:`scaleattn.linalg._passes.cut_blocks`, and summed by the very block functions the
+in-process operator uses (:func:`~scaleattn.linalg._passes.group_gw`, ``group_sweep``, ``group_sse``) into the
+group's partial (psi x k for ``G W``). The partials are added by the fixed-order tree (:mod:`scaleattn._tree`,
+:func:`scaleattn.distributed.reduction.submit_tree` on the workers), and only the root comes back. A task takes a
+run of :func:`span` groups (at least two tasks per worker), which is a whole subtree of that tree: it adds its
+groups' partials itself, the tree adds the runs' sums, and the bits are those of one task per group. Every
+product runs on one BLAS thread and on aligned operands of the layout the in-process pass has (a GEMM's bits
+depend on both), so the answer is bit-identical for 1, 2 or 8 workers, and to the in-process operator given the
+same row groups.
 
-Traffic per pass: ``X`` (psi x k) is scattered once to every worker; each group's partial (psi x k) goes into
-the tree; the sum (psi x k) comes back. The first sweep (``diag G``, the K-FAC factors ``A`` (m x m) and ``B``
-(d x d), ``Phi^T Y``, ``sum y^2``, the row count) is one such map and tree too.
+Traffic per pass: ``X`` (psi x k) is scattered once, and each worker fetches it once; each task's partial
+(psi x k) goes into the tree; the sum (psi x k) comes back. The first sweep (``diag G``, the K-FAC factors ``A``
+(m x m) and ``B`` (d x d), ``Phi^T Y``, ``sum y^2``, the row count) is one such map and tree too.
 
 The groups' token features (N x (m + d + d_out) floats in all, a share on each worker) are kept on the workers
 between passes when each worker's share fits its budget (``cache_bytes``; by default a quarter of the smallest
-worker memory limit): one task per group computes them once and stays persisted, and each pass's task of that
-group runs where they are. Otherwise every pass reads the chunks again and recomputes them. A lost worker's
+worker memory limit): one task per group computes them once and stays persisted, and each pass's task of those
+groups runs where they are. Otherwise every pass reads the chunks again and recomputes them. A lost worker's
 tasks are re-run by Dask (its kept features recomputed from the dataset, their lineage); a pass with no live
 worker for the watch's timeout ends with a :class:`~scaleattn.errors.ClusterError` (:mod:`.reduction`); Ctrl-C
 cancels the pass's tasks.
@@ -33,6 +35,7 @@ import time
 
 import numpy as np
 
+from .._tree import TreeReducer
 from ..data._checks import expected_rows
 from ..errors import ParameterError
 from ..features import n_features, n_pairs
@@ -43,7 +46,7 @@ from ..store._location import with_retries
 from .partition import row_groups
 from .reduction import SPLIT_EVERY, WATCH_S, _Watch, check_reachable, leaf_places, submit_tree, wait_stopped
 
-__all__ = ["DistributedStreamOperator", "stream_operator", "feature_bytes", "CACHE_FRACTION"]
+__all__ = ["DistributedStreamOperator", "stream_operator", "feature_bytes", "span", "CACHE_FRACTION"]
 
 #: the token features kept on a worker take at most this fraction of its memory limit (default budget)
 CACHE_FRACTION = 0.25
@@ -84,22 +87,39 @@ def _one_blas_thread():
                 _one_state[1] = None
 
 
-def _read_group(group: _Group) -> list:
-    """A group's blocks, all of them (a task whose result stays on its worker between passes)."""
-    group.dataset.group()  # the store this worker sees is the one the client checked (else one line naming it)
+def _read_run(groups: list) -> list:
+    """The blocks of a run of groups, all of them, per group (a task whose result stays on its worker between
+    passes)."""
+    groups[0].dataset.group()  # the store this worker sees is the one the client checked (else one line naming it)
     with _one_blas_thread():
-        return with_retries(lambda: list(group.blocks()))
+        return [with_retries(lambda g=g: list(g.blocks())) for g in groups]
 
 
-def _leaf(func, src, *args):
-    """One group's partial of a pass: ``func(blocks, *args)`` over its kept blocks (a list) or over its chunks read
-    again (a :class:`_Group`), on one BLAS thread."""
+def _leaf(func, args, split_every: int, srcs):
+    """The partial of a run of row groups (an aligned subtree of the pass's tree): ``func(blocks, *args)`` of each
+    group, over its kept blocks (a list) or its chunks read again (a :class:`_Group`), on one BLAS thread, added
+    in the fixed-order tree."""
     args = tuple(c_order(a) if isinstance(a, np.ndarray) else a for a in args)  # (as deserialised: maybe misaligned)
+    red = TreeReducer(add_parts, split_every)
     with _one_blas_thread():
-        if isinstance(src, _Group):
-            src.dataset.group()
-            return with_retries(lambda: func(src.blocks(), *args))
-        return func(((aligned(s), aligned(x), aligned(y)) for s, x, y in src), *args)  # (kept blocks moved here)
+        for src in srcs:
+            if isinstance(src, _Group):
+                src.dataset.group()
+                red.add(with_retries(lambda g=src: func(g.blocks(), *args)))
+            else:  # (kept blocks that moved here from another worker may arrive misaligned)
+                red.add(func(((aligned(s), aligned(x), aligned(y)) for s, x, y in src), *args))
+    return red.result()
+
+
+def span(n_groups: int, workers: int, split_every: int = SPLIT_EVERY) -> int:
+    """Row groups per task of a pass: the largest power of ``split_every`` that leaves at least two tasks per
+    worker. A run of that many groups starting at a multiple of it is a whole subtree of the fixed-order tree
+    (:func:`scaleattn._tree.tree_reduce` of the runs' sums is that of the groups' partials, bit for bit), so the
+    span changes the number of tasks, never the answer; fewer tasks, fewer scheduler round trips per pass."""
+    k = 1
+    while -(-n_groups // (k * split_every)) >= 2 * max(int(workers), 1):
+        k *= split_every
+    return k
 
 
 def _aligned(part):
@@ -189,10 +209,18 @@ class DistributedStreamOperator(StreamOperator):
         share = need * (1 + 1 / max(len(self.groups), 1)) / max(self.workers, 1)  # (a group more than its share)
         self.features_kept, self.feature_bytes = bool(cache_bytes > 0 and share <= cache_bytes), need
         specs = [_Group(dataset, a, b, with_y, block_rows) for a, b in self.groups]
-        self.places = leaf_places(client, len(specs))
-        self._kept = [client.submit(_read_group, g, pure=False, **p) for g, p in zip(specs, self.places)] \
-            if self.features_kept else []
-        self._srcs = self._kept or specs
+        self.span = span(len(specs), self.workers, self.split_every)
+        self._runs = [specs[j:j + self.span] for j in range(0, len(specs), self.span)]
+        self.task_places = leaf_places(client, len(self._runs))
+        # kept features: one task per run, pinned to a worker (runs of runs per worker, as the leaves' places): a
+        # pass's task of that run then runs there and moves no features. Pinned, not preferred: Dask's work
+        # stealing moved preferred ones between the workers (measured: 8 groups each, interleaved, so that every
+        # task of a pass fetched features and one worker ran 3 of 4). A worker lost is healed (:meth:`_heal`).
+        self._kept, self._kept_on = [], []
+        if self.features_kept:
+            slots = sorted(info)
+            for j, run in enumerate(self._runs):
+                self._keep(j, run, slots[j * len(slots) // len(self._runs)] if slots else None)
         try:
             self._finish_sweep(self._pass(group_sweep, self.d, self.source.d_out))
             self.note(f"first sweep (diag G, K-FAC factors, moments): {self.n_rows:,} rows, {len(self.groups)} row"
@@ -201,35 +229,68 @@ class DistributedStreamOperator(StreamOperator):
             self.release()
             raise
 
+    def _keep(self, j: int, run: list, worker) -> None:
+        """(Re)submit run ``j``'s kept features, pinned to ``worker``."""
+        fut = self.client.submit(_read_run, run, pure=False, **({} if worker is None else {"workers": [worker]}))
+        if j < len(self._kept):
+            old, self._kept[j], self._kept_on[j] = self._kept[j], fut, worker
+            self.client.cancel([old])
+        else:
+            self._kept.append(fut)
+            self._kept_on.append(worker)
+
+    def _heal(self) -> bool:
+        """Kept features pinned to a worker that left the cluster are computed again on the live worker holding
+        the fewest (the same bits: the same reads). True when any was."""
+        if not self._kept:
+            return False
+        live = sorted(self.client.scheduler_info().get("workers", {}))
+        lost = [j for j, w in enumerate(self._kept_on) if w is not None and w not in live]
+        for j in lost if live else []:
+            w = min(live, key=lambda a: (sum(1 for x in self._kept_on if x == a), a))
+            self._keep(j, self._runs[j], w)
+        return bool(lost and live)
+
     def _pass(self, func, *args):
         """``func(blocks, *args)`` of every group on the workers, added by the fixed-order tree; the sum here.
         Array arguments are scattered once, to one worker; each other worker fetches them once (Dask moves a
         dependency to a worker once however many of its tasks need it). A broadcast scatter would be one message
-        less per worker, but it waits (30 s per try, for ever) on a worker that died since the last pass."""
-        client = self.client
-        args = tuple(client.scatter(a, hash=False) if isinstance(a, np.ndarray) else a for a in args)
-        leaves = [client.submit(_leaf, func, src, *args, pure=False, **({} if self._kept else p))
-                  for src, p in zip(self._srcs, self.places)]  # kept features: the task goes where they are
-        root, combines = submit_tree(client, leaves, add_parts, self.split_every)
-        keys = [f.key for f in leaves + combines]
-        watch = _Watch(client, keys + [f.key for f in self._kept])
+        less per worker, but it waits (30 s per try, for ever) on a worker that died since the last pass. A worker
+        lost during the pass: its kept features are computed again elsewhere and the pass submitted again."""
         from distributed import wait
 
-        try:
-            while True:
-                try:
-                    wait([root], timeout=WATCH_S)
-                    break
-                except TimeoutError:  # nothing finished for a while: is there still a worker to finish it?
-                    watch.check()
-            return _aligned(root.result())
-        except BaseException as e:
-            client.cancel(leaves + combines)
-            wait_stopped(client, keys, timeout=5.0 if isinstance(e, KeyboardInterrupt) else 30.0)
-            lost = watch.lost(e, "a streaming pass", None)
-            if lost is not None:
-                raise lost from e
-            raise
+        client = self.client
+        while True:
+            self._heal()
+            sent = tuple(client.scatter(a, hash=False) if isinstance(a, np.ndarray) else a for a in args)
+            srcs = self._kept or self._runs
+            # a task where its run's features are kept (else placed in runs): named, not left to the data's
+            # locality, which Dask's queuing of many-task groups ignores (measured: 3 of 4 tasks on one worker)
+            places = ([{"workers": [w], "allow_other_workers": True} if w else {} for w in self._kept_on]
+                      if self._kept else self.task_places if len(srcs) == len(self.task_places) else [{}] * len(srcs))
+            leaves = [client.submit(_leaf, func, list(sent), self.split_every, src, pure=False, **p)
+                      for src, p in zip(srcs, places)]
+            root, combines = submit_tree(client, leaves, add_parts, self.split_every)
+            keys = [f.key for f in leaves + combines]
+            watch = _Watch(client, keys + [f.key for f in self._kept])
+            try:
+                healed = False
+                while not healed:
+                    try:
+                        wait([root], timeout=WATCH_S)
+                        return _aligned(root.result())
+                    except TimeoutError:  # nothing finished for a while: a worker lost? still one to finish it?
+                        healed = self._heal()
+                        if not healed:
+                            watch.check()
+                client.cancel(leaves + combines)  # (healed: this pass again, on the features as they are now)
+            except BaseException as e:
+                client.cancel(leaves + combines)
+                wait_stopped(client, keys, timeout=5.0 if isinstance(e, KeyboardInterrupt) else 30.0)
+                lost = watch.lost(e, "a streaming pass", None)
+                if lost is not None:
+                    raise lost from e
+                raise
 
     def map_groups(self, func, *args):
         return self._pass(func, *args)
@@ -257,8 +318,8 @@ class DistributedStreamOperator(StreamOperator):
 
     def summary(self) -> dict:
         """What a report says of the cluster's part: workers, row groups, whether the features were kept."""
-        return {"workers": self.workers, "row_groups": len(self.groups), "features_kept": self.features_kept,
-                "feature_bytes": int(self.feature_bytes)}
+        return {"workers": self.workers, "row_groups": len(self.groups), "groups_per_task": self.span,
+                "features_kept": self.features_kept, "feature_bytes": int(self.feature_bytes)}
 
 
 def stream_operator(dataset, client=None, *, targets: bool = True, **kwargs) -> StreamOperator:
