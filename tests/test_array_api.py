@@ -660,3 +660,20 @@ def test_dual_solve_on_the_device(dev):
     assert sol.certificate.verdict == cert.verdict == "not identifiable"
     assert np.abs(F @ sol.null_basis).max() <= 1e-8 * np.abs(F).max() and np.linalg.norm(sol.null_basis) == \
         pytest.approx(1.0)
+
+
+def test_kw_lower_bound_on_the_device(dev):
+    """The probabilistic lower bound's own Lanczos run on device rows: the numpy run's numbers, below the true
+    lambda_min(G); its basis stays on the device (only the tridiagonal's numbers cross)."""
+    from scaleattn.linalg._stream import KFAC, StreamOperator, kw_lower_bound, rows_from_arrays
+
+    tok, y, lens, causal = stream_data("causal lengths")
+    F, _ = explicit(tok, y, lens, causal)
+    op = StreamOperator(rows_from_arrays(put(tok, dev), None, put(lens, dev), causal))
+    ref_op = StreamOperator(rows_from_arrays(tok, None, lens, causal))
+    with host_copies() as shapes:
+        kw = kw_lower_bound(op, KFAC(op.A, op.B, op.diagonal(), op.n_rows), maxiter=40)
+    ref = kw_lower_bound(ref_op, KFAC(ref_op.A, ref_op.B, ref_op.diagonal(), ref_op.n_rows), maxiter=40)
+    assert shapes == []
+    assert kw["steps"] == ref["steps"] and kw["lower"] == pytest.approx(ref["lower"], rel=1e-9)
+    assert 0 < kw["lower"] <= np.linalg.eigvalsh(F.T @ F)[0] and not kw["rigorous"]

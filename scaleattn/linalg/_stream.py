@@ -12,6 +12,11 @@ causal prefixes the running sum of ``z z^T``) and ``X`` (rows, d) the query toke
 so ``G W = Phi^T (Phi W)`` costs about ``4 N psi k`` flops and holds ``O(rows m + psi k)`` (:class:`StreamOperator`).
 ``S`` is recomputed from the tokens in every pass unless the rows fit in :data:`CACHE_BYTES`.
 
+Devices. The tokens may be arrays of any array API library (numpy, CuPy; :mod:`scaleattn._backend`): the first
+sweep's sums, the K-FAC factors, the krylov vectors and every pass stay on the tokens' device; per-column numbers,
+the small projected eigenproblems and the Lanczos tridiagonals go to the host, and the results (:class:`StreamSolution`,
+the certificate) are numpy whatever the device, as for numpy tokens.
+
 Three paths live here:
 
 - :func:`stream_solve` (N >= psi): CG on the normal equations ``G c = Phi^T Y`` through
