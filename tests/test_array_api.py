@@ -618,6 +618,8 @@ def test_stream_solve_on_the_device(dev, case):
         assert 0 < kw["lower"] <= lam[0]
     else:
         assert np.abs(F @ sol.null_basis).max() <= 1e-6 * np.abs(F).max()
+    if case == "causal lengths":  # (the certificate alone on the two others: this test's time)
+        return
     with host_copies() as shapes:
         cert = stream_solve(rows_from_arrays(put(tok, dev), None, None if lens is None else put(lens, dev), causal,
                                              block_rows=64), certify_only=True)

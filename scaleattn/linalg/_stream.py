@@ -17,6 +17,9 @@ sweep's sums, the K-FAC factors, the krylov vectors and every pass stay on the t
 the small projected eigenproblems and the Lanczos tridiagonals go to the host, and the results (:class:`StreamSolution`,
 the certificate) are numpy whatever the device, as for numpy tokens.
 
+It is one idea at its natural size (past 1,000 lines): the data pass, its preconditioner, the solves built on it and the
+choice of path by its cost share one operator and one cost model.
+
 Three paths live here:
 
 - :func:`stream_solve` (N >= psi): CG on the normal equations ``G c = Phi^T Y`` through
