@@ -679,3 +679,29 @@ def test_kw_lower_bound_on_the_device(dev):
     assert shapes == []
     assert kw["steps"] == ref["steps"] and kw["lower"] == pytest.approx(ref["lower"], rel=1e-9)
     assert 0 < kw["lower"] <= np.linalg.eigvalsh(F.T @ F)[0] and not kw["rigorous"]
+
+
+@pytest.mark.parametrize("samples", [80, 12])  # the stream path, and the dual (fewer rows than features)
+def test_estimator_stream_solver_on_the_device(dev, samples):
+    """``MHLARegressor(solver="stream")`` on device arrays: the numpy estimator's coefficients and path; predictions
+    on the device."""
+    from scaleattn.estimator import MHLARegressor
+
+    rng = np.random.default_rng(8)
+    tok, y, lens = rng.standard_normal((samples, 6, 3)), rng.standard_normal((samples, 6, 2)), None
+    causal = samples > 20
+    if not causal:
+        y = y[:, -1]
+    else:
+        lens = rng.integers(1, 7, samples)
+    ref = MHLARegressor(solver="stream").fit(tok, y, lens)  # causal: targets (n, T, d_out)
+    with host_copies() as shapes:
+        est = MHLARegressor(solver="stream").fit(put(tok, dev), put(y, dev), None if lens is None else put(lens, dev))
+    F, Y = explicit(tok, y, lens, causal)
+    check_copies(shapes, F.shape[1], F.shape[0])
+    assert tok.shape[0] not in [n for s in shapes for n in s]  # nor one per sample (the lengths are summed there)
+    assert est.path_["path"] == ref.path_["path"] == ("stream" if causal else "dual")
+    assert rel(est.coef_, ref.coef_) <= 1e-10
+    assert rel(est.coef_, np.linalg.lstsq(F, Y, rcond=None)[0]) <= 1e-8
+    same(est.predict(put(tok, dev), None if lens is None else put(lens, dev)), ref.predict(tok, lens), dev,
+         rtol=1e-9)

@@ -860,7 +860,10 @@ def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
     """Rows of a data set: ``n`` (last token), ``n T`` or ``sum(lengths)`` (causal)."""
     if not causal:
         return int(n_samples)
-    return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
+    if lengths is None:
+        return int(n_samples) * int(length)
+    xp = get_xp(lengths)  # device lengths are summed on their device; host array-likes (zarr, lists) through numpy
+    return int(np.sum(to_numpy(lengths))) if is_numpy(xp) else int(xp.sum(lengths))
 
 
 #: efficiencies (fractions of the DGEMM rate) of the work the cost model counts, measured on the 2-core test VM:
