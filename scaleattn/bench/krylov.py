@@ -5,12 +5,14 @@
 - d = 32 (psi = 16,896): the statistics of 20,000 causal rows (200 sequences x 100 prefixes) of a realizable
   2-head teacher with d_out = 1 are built once and saved; each solver path then runs in a fresh process
   (so that its peak RSS is its own): the Cholesky path (expand G, factor, Lanczos for the extreme
-  eigenvalues) and the krylov path twice, by default (the eigenvalue runs share the solve's passes and stop
-  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
+  eigenvalues) and the krylov path three times, by default (block-Jacobi; the eigenvalue runs share the solve's
+  passes and stop with it, reporting their intervals), with ``preconditioner="kfac"`` (the passes the preconditioner
+  choice makes) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
   RSS (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
   relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a pass over
   the rows, the certificate values side by side;
-- the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
+- the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's (both preconditioners) falls with the
+  conditioning;
 - the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
   product against the same product in process (d = 32; quick: d = 16);
 - d = 44 (psi = 43,560): the heads step on the coefficients of a 2-head teacher (d_out = 1), with the
@@ -51,14 +53,14 @@ _SOLVE_CHILD = """
 import json, os, sys, time
 import numpy as np
 from scaleattn.statistics._container import Statistics
-from scaleattn import solver
+from scaleattn.linalg import _solver as solver
 path, how, out = sys.argv[1], sys.argv[2], sys.argv[3]
 def rss(key):
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
 z = np.load(path, allow_pickle=False)
 st = Statistics(z["Tc"], z["B"], float(z["yy"]), int(z["n"]), int(z["d"]))
 base = rss("VmRSS")
-opts = {"eig_budget": "full"} if how == "krylov-full" else None
+opts = {"eig_budget": "full"} if how == "krylov-full" else {"preconditioner": "kfac"} if how == "krylov-kfac" else None
 t, c0 = time.perf_counter(), os.times()
 sol = solver.solve(st, solver="krylov" if how.startswith("krylov") else how, krylov=opts)
 dt, c1 = time.perf_counter() - t, os.times()
@@ -103,7 +105,7 @@ def _rel(a, b) -> float:
 
 
 def solver_comparison(tmp, d: int, samples: int, length: int = 100,
-                      paths=("cholesky", "krylov", "krylov-full")) -> dict:
+                      paths=("cholesky", "krylov", "krylov-kfac", "krylov-full")) -> dict:
     """Statistics once, then the Cholesky and krylov paths each in a fresh process (module docstring)."""
     from scaleattn.features import predict_rows, row_targets, token_features
     from scaleattn.generate import make_mhla
@@ -280,8 +282,9 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
         if "solvers" in want:
             res["solvers"] = solver_comparison(tmp, 16, 30) if quick else solver_comparison(tmp, 32, 200)
             # the same d with 3x the rows: krylov's cost falls with the conditioning, Cholesky's does not
-            res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
-                                        else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
+            paths = ("cholesky", "krylov", "krylov-kfac")
+            res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=paths) if quick
+                                        else solver_comparison(tmp, 32, 600, paths=paths))
         if "heads" in want:
             res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
         if "cluster" in want:
@@ -310,6 +313,7 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
 
 
 _NAMES = {"cholesky": "Cholesky + Lanczos", "krylov": "krylov (default: eigenvalue runs within the solve's passes)",
+          "krylov-kfac": "krylov, preconditioner=kfac (K-FAC from Tc's partial traces)",
           "krylov-full": "krylov, eig_budget=full (intervals to 1%)"}
 
 

@@ -227,7 +227,7 @@ def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:
     Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
     sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
     cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
-                           "solve_converged": bool(ks.converged.all())})
+                           "solve_converged": bool(ks.converged.all()), "preconditioner": ks.preconditioner})
     if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
         cert.estimates["traffic"] = op.traffic_summary()
     return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
