@@ -298,15 +298,16 @@ def tile_partial_traces(tile, c0: int, d: int, scale=None, out=None):
     T = xp.zeros(mm + nv, dtype=xp.float64) if out is None else out
     _, diag = _index(xp, d)
     I, J, _ = triu_index(d)
+    I, J = xp.asarray(I), xp.asarray(J)
     s2 = None if scale is None else xp.reshape(xp.asarray(scale, dtype=xp.float64), (m, d))
     c0, rows = int(c0), int(tile.shape[0])
     for p, q0, q1, r0 in tile_segments(d, c0, c0 + rows):
-        C = xp.take(tile[r0 : r0 + q1 - q0], diag, axis=1)  # (q, l): G[(p, l), (q, l)]
+        C = xp.take(tile[r0 : r0 + q1 - q0, :], diag, axis=1)  # (q, l): G[(p, l), (q, l)]
         if s2 is not None:
-            C = C * s2[p][None, :] * s2[q0:q1]
+            C = C * s2[p, :][None, :] * s2[q0:q1, :]
         T[c0 + r0 : c0 + r0 + q1 - q0] += xp.sum(C, axis=1)
         if q0 == p:  # row (p, p): the d x d block G[(p, .), (p, .)]
-            T[mm:] += tile[r0] if s2 is None else tile[r0] * s2[p][xp.asarray(I)] * s2[p][xp.asarray(J)]
+            T[mm:] += tile[r0, :] if s2 is None else tile[r0, :] * xp.take(s2[p, :], I) * xp.take(s2[p, :], J)
     return T
 
 
@@ -317,7 +318,8 @@ def partial_trace_factors(traces, d: int):
     mm = m * (m + 1) // 2
     _, _, ppos = triu_index(m)
     _, _, tpos = triu_index(d)
-    return traces[:mm][xp.asarray(ppos)], traces[mm:][xp.asarray(tpos)]
+    return (xp.reshape(xp.take(traces[:mm], xp.asarray(ppos.reshape(-1))), (m, m)),
+            xp.reshape(xp.take(traces[mm:], xp.asarray(tpos.reshape(-1))), (d, d)))
 
 
 class GramOperator:

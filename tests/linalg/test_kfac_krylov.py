@@ -148,3 +148,17 @@ def test_unknown_preconditioner_is_refused():
     st = statistics_from_arrays(rng.standard_normal((40, 4, 2)), rng.standard_normal((40, 1)))
     with pytest.raises(ParameterError, match="block-jacobi, kfac"):
         solver.solve(st, solver="krylov", krylov={"preconditioner": "kfca"})
+
+
+def test_partial_traces_take_the_array_api():
+    """The tile partials are array-API code: a strict array gives the numpy values (the scaled traces)."""
+    xs = pytest.importorskip("array_api_strict")
+    st = statistics_from_arrays(np.random.default_rng(0).standard_normal((50, 4, 3)))
+    s = 1 / np.sqrt(np.diag(st.gram()))
+    A, B = partial_trace_factors(tile_partial_traces(xs.asarray(st.gram_compact[3:]), 3, 3, xs.asarray(s)), 3)
+    A_ref, B_ref, _ = _scaled_traces(st.gram(), 3)
+    A0, B0 = partial_trace_factors(tile_partial_traces(st.gram_compact[3:], 3, 3, s), 3)
+    assert isinstance(A, xs._array_object.Array) and A.shape == (6, 6) and B.shape == (3, 3)
+    assert np.array_equal(np.asarray(A), A0) and np.array_equal(np.asarray(B), B0)
+    A1, B1 = partial_trace_factors(tile_partial_traces(st.gram_compact[:3], 0, 3, s), 3)
+    assert rel(A0 + A1, A_ref) <= 1e-14 and rel(B0 + B1, B_ref) <= 1e-14
