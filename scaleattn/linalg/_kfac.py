@@ -126,6 +126,16 @@ class KFAC:
         FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
         return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
 
+    def half(self, R):
+        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L``): ``L g`` for a Gaussian ``g`` has covariance
+        ``M``, the start that makes the preconditioned Lanczos run's first vector uniform on the sphere."""
+        xp = self.xp
+        lv = xp.astype(self.live, xp.float64)[:, None]
+        root = lambda d: xp.where(d > 0, 1.0 / xp.where(d > 0, d, 1.0), 0.0)  # noqa: E731 (D^1/2 from D^-1/2)
+        FA = root(self._dA)[:, None] * self._UA * xp.sqrt(self._wA)[None, :]
+        FB = root(self._dB)[:, None] * self._UB * xp.sqrt(self._wB)[None, :]
+        return self._kron(FA, FB, R * lv) * lv / math.sqrt(self.n)
+
     def min_eigenvalues(self) -> tuple[float, float]:
         """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
         lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
@@ -145,7 +155,7 @@ class TraceKFAC:
     took 296 and 355). ``Ms^-1`` is :class:`KFAC`'s on the unit diagonal; ``M = S^-1 Ms S^-1``.
 
     The interface is :class:`KFAC`'s (``scale``, ``live``, :meth:`apply`, :meth:`apply_scaled`,
-    :meth:`min_eigenvalues`, :meth:`half_inverse`), ``name`` ``"kfac"``.
+    :meth:`min_eigenvalues`, :meth:`half_inverse`, :meth:`half`), ``name`` ``"kfac"``.
 
     Parameters
     ----------
@@ -191,6 +201,11 @@ class TraceKFAC:
         """``L^-1 R`` (``L^-T R``) with ``M = L L^T``, ``L = S^-1 Ls`` (``Ms = Ls Ls^T``)."""
         s = self.scale[:, None]
         return s * self._unit.half_inverse(R, True) if transpose else self._unit.half_inverse(s * R)
+
+    def half(self, R):
+        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L = S^-1 Ls``)."""
+        xp = self.xp
+        return xp.where(self.live, 1.0 / xp.where(self.live, self.scale, 1.0), 0.0)[:, None] * self._unit.half(R)
 
     def min_eigenvalues(self) -> tuple[float, float]:
         """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: :class:`KFAC`'s bound for ``Ms``,

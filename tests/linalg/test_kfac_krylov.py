@@ -70,6 +70,8 @@ def test_partial_traces_from_tiles_match_the_dense_gram(d, causal):
     assert rel(M.apply(E), np.linalg.inv(Ms / s[:, None] / s[None, :])) <= 1e-10
     L1, LT = M.half_inverse(E), M.half_inverse(E, transpose=True)  # M = L L^T
     assert rel(LT @ L1, M.apply(E)) <= 1e-10
+    H = M.half(E)  # L itself: L L^T = M, L^-1 L = I
+    assert rel(H @ H.T, np.linalg.inv(M.apply(E))) <= 1e-9 and rel(L1 @ H, E) <= 1e-10
     lo_s, lo = M.min_eigenvalues()
     assert 0 < lo_s <= np.linalg.eigvalsh(Ms)[0] * (1 + 1e-10)
     assert 0 < lo <= np.linalg.eigvalsh(Ms / s[:, None] / s[None, :])[0] * (1 + 1e-10)
