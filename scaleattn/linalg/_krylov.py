@@ -19,8 +19,9 @@ sharing each operator pass. Why this method:
   condition number 500x larger, ~20x more iterations). ``preconditioner="kfac"`` takes instead K-FAC from the
   partial traces of ``Gs`` (:class:`scaleattn.linalg._kfac.TraceKFAC`): m^2 + d^2 numbers against block-Jacobi's
   d m^2 (35 MB against 2.2 GB at d = 64), one m x m eigendecomposition against d, and on a cluster one
-  m(m+1)/2 vector per worker back against the m(m+1)/2 x d token columns; it took 4-14 % more passes than
-  block-Jacobi on the causal data measured (docs/performance.md), so block-Jacobi stays the default.
+  m(m+1)/2 vector per worker back against the m(m+1)/2 x d token columns; it took 6-28 % more passes than
+  block-Jacobi on the causal data measured (d = 8-32, 1.2-1.4 rows per feature; docs/performance.md), so
+  block-Jacobi stays the default.
 - Independent recurrences rather than block CG: a pass over ``Tc`` costs a fixed part (the expansion of each
   segment, shared by all columns) plus ``psi^2`` multiply-adds per column (0.2 s + 0.06 s per column at
   d = 32 on this 2-core box), so sharing passes is worth doing but a column is never free; block CG would buy

@@ -288,7 +288,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         the Cholesky path then expands ``G`` into its factor's memory (one psi x psi array, not two).
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
-        ``block``, ``seed``).
+        ``block``, ``seed``, ``preconditioner``: ``"block-jacobi"``, the default, or ``"kfac"``).
 
     Returns
     -------
@@ -364,7 +364,7 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         :func:`~scaleattn.linalg._gram.gram_for`.
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
-        ``seed``).
+        ``seed``, ``preconditioner``).
 
     Returns
     -------
