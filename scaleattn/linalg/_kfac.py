@@ -151,7 +151,7 @@ class TraceKFAC:
     ``B's = sum_P Gs[(P, .), (P, .)]`` (d x d) (:meth:`scaleattn.linalg._gram.GramOperator.partial_traces`). The
     normalisation makes ``Ms`` exact on a Kronecker Gram (``Gs = A (x) B``: ``A's = A tr(B)``, ``B's = tr(A) B``,
     ``tr(Gs) = tr(A) tr(B)``); the scaled traces make it invariant, as ``Gs`` is, under a diagonal scaling of the
-    features (one token coordinate x100: 306 passes either way at d = 16, where the traces of ``G`` itself
+    features (one token coordinate x100: 306 and 304 passes at d = 16, where the traces of ``G`` itself
     took 296 and 355). ``Ms^-1`` is :class:`KFAC`'s on the unit diagonal; ``M = S^-1 Ms S^-1``.
 
     The interface is :class:`KFAC`'s (``scale``, ``live``, :meth:`apply`, :meth:`apply_scaled`,
