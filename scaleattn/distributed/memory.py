@@ -339,4 +339,4 @@ def fit_route(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridg
         except InsufficientMemoryError as e:
             refusal = str(e).split(";")[0]
     return fit_path(solver, n_rows, d, d_out, heads=heads, ridge=ridge, available=have, gram_refusal=refusal,
-                    gram_dense=dense)
+                    gram_dense=dense, extra_bytes=chunk_bytes)

@@ -804,7 +804,7 @@ def route_seconds(n_rows: int, d: int, d_out: int, *, dense: bool = True, rate: 
 
 def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0,
              available: float | None = None, large_psi: int = 2_000, gram_refusal: str | None = None,
-             gram_dense: bool = True) -> tuple[str | None, str]:
+             gram_dense: bool = True, extra_bytes: float = 0.0) -> tuple[str | None, str]:
     """Which path a fit from the data takes, and why: ``("stream" | "dual", reason)``, or ``(None, reason)`` for
     the Gram route (statistics, then :func:`scaleattn.solve`). DESIGN §4b.
 
@@ -814,7 +814,8 @@ def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge
     psi x psi Gram) and ``K`` fits in ``available`` bytes; else the streaming CG when the Gram route does not
     fit (``gram_refusal``, its reason) and the stream path does, or when :func:`route_seconds` predicts it
     :data:`STREAM_MARGIN` times faster (``gram_dense``: the Gram route's solver would be dense, else krylov);
-    else the Gram route. The streaming paths give the least-squares coefficients and svd heads only.
+    else the Gram route. ``extra_bytes``: what the stream path holds besides :func:`stream_bytes` (a chunk of the
+    dataset as read). The streaming paths give the least-squares coefficients and svd heads only.
 
     Raises
     ------
@@ -841,7 +842,7 @@ def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge
                             " psi x psi Gram")
     if not capable or under:
         return None, "the Gram route"
-    fits = available is None or stream_bytes(d, d_out) <= available
+    fits = available is None or stream_bytes(d, d_out) + extra_bytes <= available
     if gram_refusal is not None and fits:
         return "stream", (f"the Gram route does not fit ({gram_refusal}); the stream path needs"
                           f" {stream_bytes(d, d_out) / 2**30:.2f} GiB")
