@@ -585,6 +585,20 @@ def test_kfac_and_jacobi_on_the_device(dev):
     same(J.half(J.half_inverse(put(R, dev))), R, dev, rtol=1e-14)
 
 
+def test_trace_kfac_on_the_device(dev):
+    """The krylov path's K-FAC from partial traces, on device factors: exact on a Kronecker Gram (``M^-1 G = I``)."""
+    from scaleattn.linalg._kfac import TraceKFAC
+
+    rng = np.random.default_rng(0)
+    G = np.kron(np.cov(rng.standard_normal((3, 9))), np.cov(rng.standard_normal((2, 9))))
+    s = 1 / np.sqrt(np.diag(G))
+    G4 = (G * s[:, None] * s[None, :]).reshape(3, 2, 3, 2)
+    At, Bt = np.einsum("plql->pq", G4), np.einsum("plpk->lk", G4)
+    M = TraceKFAC(put(At, dev), put(Bt, dev), put(np.diag(G), dev))
+    same(M.apply(put(G, dev)), np.eye(6), dev, rtol=1e-12)
+    same(M.apply(put(G, dev)), TraceKFAC(At, Bt, np.diag(G)).apply(G), dev, rtol=1e-14)
+
+
 @pytest.mark.parametrize("case", ["causal lengths", "last token", "rank-deficient"])
 def test_stream_solve_on_the_device(dev, case):
     """``stream_solve`` on device rows (fit and certificate): numpy coefficients equal to the numpy path's and to
