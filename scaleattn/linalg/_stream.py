@@ -363,7 +363,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
 
     def gen():
         # the seeded start is made on the host (the same numbers on every device) and moved to the rows' device
-        g = from_host(np.random.default_rng([seed, 11]).standard_normal(psi), xp, op.device)
+        g = from_host(np.random.default_rng([seed, 11]).standard_normal(psi), xp, device_of(op.diagonal()))
         g = g * xp.astype(M.live, xp.float64)
         q = g / vector_norm(g, xp)
         Q, alpha, beta = [], [], []
@@ -532,7 +532,7 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     B = None if certify_only else op.moments
     # the preconditioned Lanczos run starts from r_0 = S L g (g Gaussian, M = L L^T): its Ritz values then give the
     # probabilistic lower bound with no passes of its own (kw_bound); the eigenvalue runs end with the solve
-    g = from_host(np.random.default_rng([seed, 11]).standard_normal((psi, 1)), xp, op.device)  # seeded on the host
+    g = from_host(np.random.default_rng([seed, 11]).standard_normal((psi, 1)), xp, device_of(M.scale))  # host seed
     start = M.scale * M.half(g)[:, 0]
     n_live, lam_m, steps_max = int(xp.count_nonzero(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
 
@@ -713,7 +713,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         est["min_norm_original_coordinates"] = min_norm_kept
         # the witness: a random direction without its row-space part (orthogonal to every phi_i), found in the
         # scaled coordinates (Phi v = Phi~ (fscale v)) and mapped back
-        u = from_host(np.random.default_rng([seed, 5]).standard_normal((psi, 1)), xp, op.device)  # seeded on the host
+        u = from_host(np.random.default_rng([seed, 5]).standard_normal((psi, 1)), xp, device_of(S))  # host seed
         for _ in range(2):  # twice: one projection leaves round-off of the row-space part
             u = u - phi_t(Ur @ ((Ur.T @ phi_w(u, St, Xt)) / wr[:, None]), St, Xt)
         v = u / fscale
