@@ -221,15 +221,25 @@ def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) ->
         f.L = cholesky(f.L, overwrite_a=True)  # (scaleattn.linalg._dense: LAPACK, or by blocks when large)
         f.shift = 0.0  # (the proved factor was of G - shift D)
     cs = f.solve(rhs) if f.rhs_solution is None else f.rhs_solution / f.scale[:, None]
+    sse = None
     if refine:  # the correction needs a few digits only: its error is that fraction of one at round-off already
-        cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs, REFINED_RTOL)
+        Gcs = f.scaled_matvec(cs)
+        r = rhs - Gcs - ridge * cs
+        step = f.solve(r, REFINED_RTOL)
+        if ridge == 0:
+            # the SSE from the product the step made: sse(c + d) = sse(c) - 2 d.r + d.Gs d, and Gs d = r to the
+            # correction's accuracy (an error REFINED_RTOL |d|^2 ||Gs||, second order in the small step): no pass
+            # over G of its own
+            sse = float(stats.yy - 2.0 * np.sum(cs * rhs) + np.sum(cs * Gcs) - np.sum(step * r))
+        cs += step
     dof = float(psi)
     if ridge > 0:
         Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
         # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
         dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
     c = f.scale[:, None] * cs
-    return _checked(Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof), stats, f.G)
+    sse = stats.sse(c, f.G) if sse is None else sse
+    return _checked(Solution(c, cert, np.zeros((psi, 0)), sse, float(ridge), dof), stats, f.G)
 
 
 def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:

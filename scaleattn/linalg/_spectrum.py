@@ -345,40 +345,52 @@ def rounding_shift(n: int, total: float | None = None, top: float = 1.0) -> floa
     return (alpha * (1.0 + 3 * UNIT) * total + 3 * UNIT * float(top)) * (1.0 + _gamma(8))
 
 
-def gershgorin_scaled(G: np.ndarray, scale: np.ndarray, rows: int = 128) -> float:
-    """A rigorous upper bound on ``lambda_max(Gs)``, ``Gs = diag(scale) G diag(scale)``: the smaller of its largest
-    absolute row sum (Gershgorin) and its Frobenius norm, rounded up; ``G`` read in blocks of ``rows`` rows (no
-    psi x psi temporary; :func:`gershgorin_pass`)."""
+def gershgorin_scaled(G: np.ndarray, scale: np.ndarray, rows: int = 16) -> float:
+    """A rigorous upper bound on ``lambda_max(Gs)``, ``Gs = diag(scale) G diag(scale)``: its largest absolute row
+    sum (Gershgorin), rounded up; ``G`` read in blocks of ``rows`` rows (no psi x psi temporary;
+    :func:`gershgorin_pass`)."""
     return gershgorin_pass(G, scale, None, rows)[0]
 
 
-def gershgorin_pass(G: np.ndarray, scale: np.ndarray, X: np.ndarray | None, rows: int = 128):
-    """One pass over ``G`` by blocks of ``rows`` rows: rigorous upper bounds (rounded up) on ``lambda_max`` of
-    ``Gs = diag(scale) G diag(scale)`` and of ``G``, each the smaller of the largest absolute row sum (Gershgorin)
-    and the Frobenius norm, and ``G @ X`` (None without ``X``), each block read once from memory for all of them
-    (a power step for free with the bounds)."""
+def gershgorin_pass(G: np.ndarray, scale: np.ndarray, X: np.ndarray | None, rows: int = 16):
+    """One pass over ``G``: rigorous upper bounds (rounded up) on ``lambda_max`` of ``Gs = diag(scale) G
+    diag(scale)`` and of ``G``, their largest absolute row sums (Gershgorin), and ``G @ X`` (None without ``X``).
+
+    Blocks of ``rows`` rows small enough to stay in cache while their absolute values and both products are taken
+    (each block read from memory once), on one Python thread per core with one BLAS thread each: a threaded BLAS
+    call per small block costs more in its threads' hand-offs than the block's arithmetic (measured at d = 24, 2
+    cores: 0.2 s against 1.4-8 s)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ._gram import blas_single_thread
+
     n = G.shape[0]
-    buf = np.empty((min(rows, n), n))
-    w = np.stack([scale, np.ones(n), scale * scale], axis=1)
+    w = np.stack([scale, np.ones(n)], axis=1)
     Y = None if X is None else np.empty((n, X.shape[1]), order="F")
-    top_s = top_g = fro_s = fro_g = 0.0
-    for i in range(0, n, rows):
-        blk = G[i: i + rows]
-        a = np.abs(blk, out=buf[: blk.shape[0]])
-        sums = gemm(a, w[:, :2])
-        sc = scale[i: i + rows]
-        top_s = max(top_s, float(np.max(sums[:, 0] * sc)))
-        top_g = max(top_g, float(np.max(sums[:, 1])))
-        np.multiply(a, a, out=a)
-        sq = gemm(a, w[:, 1:])
-        fro_s += float(np.sum(sq[:, 1] * sc * sc))
-        fro_g += float(np.sum(sq[:, 0]))
-        if X is not None:
-            Y[i: i + rows] = gemm(blk, X)
+    starts = list(range(0, n, rows))
+    workers = max(1, min(os.cpu_count() or 1, 8, len(starts)))
+
+    def part(k: int):
+        buf = np.empty((min(rows, n), n))
+        top_s = top_g = 0.0
+        for i in starts[k::workers]:
+            blk = G[i: i + rows]
+            sums = gemm(np.abs(blk, out=buf[: blk.shape[0]]), w)
+            top_s = max(top_s, float(np.max(sums[:, 0] * scale[i: i + rows])))
+            top_g = max(top_g, float(np.max(sums[:, 1])))
+            if X is not None:
+                Y[i: i + rows] = gemm(blk, X)
+        return top_s, top_g
+
+    with blas_single_thread():
+        if workers == 1:
+            tops = [part(0)]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                tops = list(pool.map(part, range(workers)))
     up = 1.0 + _gamma(n + 4)
-    # (the sums of squares: n^2 terms, each product and the summation rounded up; then a rounded-up root)
-    fro = 1.0 + _gamma(2 * n + 8)
-    return min(top_s, np.sqrt(fro_s * fro) * fro) * up, min(top_g, np.sqrt(fro_g * fro) * fro) * up, Y
+    return max(t[0] for t in tops) * up, max(t[1] for t in tops) * up, Y
 
 
 def _shifted_cholesky(G: np.ndarray, diag: np.ndarray, sigma: float, weights=None,
