@@ -7,8 +7,8 @@
 - **the certified solve against a plain Cholesky solve on the same G**: :func:`scaleattn.solve` on the Cholesky
   path with the caller's dense ``G`` (the shifted factorisation that proves the verdict, the eigenvalue
   intervals, the solve with one refinement step, the SSE; the factor is a copy, as ``cho_factor``'s is) against
-  ``scipy.linalg.cho_factor`` + ``cho_solve``, which certify nothing. Each side twice, interleaved (best of 2;
-  once at d = 32), so that a shared machine slows both alike. Target: at most :data:`TARGETS` ``solve_vs_cholesky``.
+  ``scipy.linalg.cho_factor`` + ``cho_solve``, which certify nothing. Each side three times, interleaved (best of
+  3; once at d = 32), so that a shared machine slows both alike. Target: at most :data:`TARGETS` ``solve_vs_cholesky``.
 - **the whole fit against numpy's normal equations on a ready phi**: our statistics from the tokens (features and
   the compact Gram) and the default solve, against ``phi^T phi``, ``phi^T y`` and ``numpy.linalg.solve`` with
   ``phi`` already formed (not timed). Target: at least :data:`TARGETS` ``fit_vs_numpy_normal_eq`` faster.
@@ -77,14 +77,15 @@ def comparison(d: int, rows: int | None = None, reps: int | None = None) -> dict
     from scaleattn.statistics._container import statistics_from_arrays
 
     rows = rows or ROWS.get(d, int(1.2 * d * d * (d + 1) / 2))
-    reps = reps or (1 if d >= 32 else 2)
+    reps = reps or (1 if d >= 32 else 3)
     D = _data(d, rows)
     tok, y3 = D["tokens"], D["targets"]
     tiny = _data(4, 400)  # warm: the compiled kernels, the Cholesky path's imports and BLAS handles
     solve(statistics_from_arrays(tiny["tokens"], tiny["targets"]), solver="cholesky")
     statistics_from_arrays(tok[:2], y3[:2])  # (the build's kernels at this d, compiled or loaded: not timed)
     load0 = os.getloadavg()[0]
-    r: dict = {"d": d, "rows": int(rows), "psi": d * d * (d + 1) // 2}
+    r: dict = {"d": d, "rows": int(rows), "psi": d * d * (d + 1) // 2,
+               "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
     t_build, st = _timed(lambda: statistics_from_arrays(tok, y3))
     r.update(_solve_comparison(st, reps))
     # the whole fit: our statistics from the tokens and the default solve (G expanded into the factor's memory)
