@@ -17,6 +17,7 @@ The coefficients of both comparisons are checked against each other (relative di
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -52,20 +53,29 @@ def _solve_comparison(st, reps: int) -> dict:
     """The certified solve against ``cho_factor`` + ``cho_solve`` on the same dense ``G``, interleaved."""
     import scipy.linalg
 
+    from scaleattn.linalg._dense import POTRF_MAX
+    from scaleattn.linalg._gram import blas_single_thread
     from scaleattn.linalg._solver import solve
 
     G, B = st.gram(), np.asarray(st.moments)
     ours, peer = [], []
+    # OpenBLAS's threaded dpotrf dies with SIGSEGV past POTRF_MAX (d = 32): there the peer runs on one thread
+    single = G.shape[0] > POTRF_MAX
+
+    def peer_solve():
+        with blas_single_thread() if single else contextlib.nullcontext():
+            return scipy.linalg.cho_solve(scipy.linalg.cho_factor(G, lower=True, check_finite=False), B,
+                                          check_finite=False)
+
     for _ in range(reps):  # interleaved, best of reps
         t, sol = _timed(lambda: solve(st, solver="cholesky", gram=G))
         ours.append(t)
-        t, c_cho = _timed(lambda: scipy.linalg.cho_solve(scipy.linalg.cho_factor(G, lower=True, check_finite=False),
-                                                          B, check_finite=False))
+        t, c_cho = _timed(peer_solve)
         peer.append(t)
     cert = sol.certificate
     return {"certified_solve_s": min(ours), "cho_factor_solve_s": min(peer),
             "solve_vs_cholesky": min(ours) / min(peer), "solve_coef_rel_diff": _rel(sol.coef, c_cho),
-            "verdict": cert.verdict, "proved": cert.proof is not None,
+            "peer_single_thread": single, "verdict": cert.verdict, "proved": cert.proof is not None,
             "lambda_min": cert.lambda_min, "lambda_min_interval": list(cert.lambda_min_interval or []),
             "condition_number": cert.condition_number}
 
