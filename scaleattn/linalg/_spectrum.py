@@ -579,9 +579,11 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         Rows behind ``G`` (``Lambda_D = G / N``).
     eig_rtol, block : float, int
         Estimated relative error at which the runs for the smallest eigenvalues (of ``Gs`` and ``G``) stop, and
-        their vectors per operator (:data:`EIG_RTOL`, :data:`EIG_BLOCK`).
+        their vectors per operator on the fall-back path (:data:`EIG_RTOL`, :data:`EIG_BLOCK`; the proved path
+        stops at ``eig_rtol`` or ``inverse_steps``).
     top_rtol, top_block : float, int
-        The same for the largest (:data:`EIG_TOP_RTOL`, :data:`EIG_TOP_BLOCK`).
+        The same for the largest on the fall-back path (:data:`EIG_TOP_RTOL`, :data:`EIG_TOP_BLOCK`; the proved
+        path stops at ``top_rtol`` or ``top_steps`` products of :data:`PROVED_TOP_BLOCK` vectors).
     overwrite_g : bool
         Factor ``G`` in place when it is a C-contiguous writeable float64 array (its memory becomes ``L``: one
         psi x psi array instead of two, and no fresh 2.3 GB at d = 32 to page in). ``G``'s values are then
@@ -597,11 +599,17 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         Tighten the rigorous lower bound on ``lambda_min(Gs)`` by more shifted factorisations (bisection) until
         the interval is at most this relative width, or 8 more factorisations. Default: one factorisation, the
         lower bound being the threshold it proved.
-    inverse_steps : int
-        Block inverse-iteration steps (solves with the factor) for the upper ends of the ``lambda_min``
-        intervals on the proved path (:data:`INVERSE_STEPS`; the fall-back path runs to ``eig_rtol``).
-    ritz_vectors : int, optional
-        Top Ritz vectors of each run for the Rayleigh-Ritz step (:data:`RITZ_VECTORS`; default: all).
+    inverse_steps, inverse_block : int
+        Block inverse-iteration steps (solves with the factor) and vectors per operator for the upper ends of the
+        ``lambda_min`` intervals on the proved path (:data:`INVERSE_STEPS`, :data:`INVERSE_BLOCK`; the fall-back
+        path runs to ``eig_rtol``). More steps tighten the upper end and the estimates.
+    top_steps : int
+        Products with ``G`` for ``lambda_max`` on the proved path (:data:`TOP_STEPS`).
+    rhs : array (psi, k), optional
+        Also solve ``G y = rhs`` (``rhs_solution``), its solves sharing the inverse iteration's calls.
+    rhs_rtol : float
+        The relative change at which that solve's Neumann steps stop (default: round-off; a caller's refinement
+        step with ``G`` after it needs far less).
 
     Returns
     -------
@@ -616,15 +624,19 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     on ``lambda_max(Gs)`` (:func:`gershgorin_scaled`); ``G - s D`` is factored with ``s = tau + rho``
     (:func:`rounding_shift`). Success proves ``lambda_min(Gs) > tau``: a settled "identifiable" with no
     iteration. The solves reuse the factor (:meth:`CholeskyFactor.gram_solve`: Neumann steps, each contracting
-    the error by ``s / (lambda_min(Gs) - s)``, the caller's refinement step with ``G`` after them). Then block
-    Krylov ([P98] §11.7; :func:`scaleattn.linalg._dense.largest_eigenvalues`) on ``(Gs - s I)^-1`` and
-    ``(G - s D)^-1`` (solves with ``L``) and one Rayleigh-Ritz step of ``Gs`` and ``G`` on their top Ritz vectors
-    with ``X^T G X`` from the factor give the estimates and rigorous upper bounds (Rayleigh quotients,
-    :func:`_rayleigh_upper`); the lower bounds are the proved ``tau`` and ``tau min(diag G)``. Where the shifted
-    factorisation fails (``lambda_min(Gs)`` near or below ``tau``), the unshifted factor and the Krylov estimates
-    decide as before (``proof`` None; the three-valued verdict, the QR settle). ``G`` itself is factored
-    (:func:`scaleattn.linalg._dense.blocked_cholesky`); the products with ``G`` (largest eigenvalues, the
-    Gershgorin bound) run before it, so that ``G`` may then become its factor (``overwrite_g``).
+    the error by ``s / (lambda_min(Gs) - s)``, the caller's refinement step with ``G`` after them). Then
+    ``inverse_steps`` of block Krylov ([P98] §11.7; :func:`scaleattn.linalg._dense.largest_eigenvalues`) on
+    ``(Gs - s I)^-1`` and ``(G - s D)^-1`` (solves with ``L``, the ``rhs`` solve's Neumann steps in the same
+    calls) and one Rayleigh-Ritz step of ``Gs`` and ``G`` on both runs' bases with ``X^T G X`` from the factor
+    give the estimates and rigorous upper bounds (Rayleigh quotients, :func:`_rayleigh_upper`); the lower bounds
+    are the proved ``tau`` and ``tau min(diag G)``: the verdict needs no iteration, the intervals' upper ends
+    a few steps (a Rayleigh quotient bounds from above however few; the estimates inside are about as loose).
+    ``lambda_max``: ``top_steps`` products with ``G``, the first in the same pass as the Gershgorin bound
+    (:func:`gershgorin_pass`): the interval [Ritz value, Gershgorin bound]. Where the shifted factorisation fails
+    (``lambda_min(Gs)`` near or below ``tau``), the unshifted factor and the Krylov estimates run to their
+    accuracy and decide as before (``proof`` None; the three-valued verdict, the QR settle). ``G`` itself is
+    factored (:func:`scaleattn.linalg._dense.cholesky`); the products with ``G`` run before it, so that ``G`` may
+    then become its factor (``overwrite_g``).
 
     References
     ----------
