@@ -146,7 +146,9 @@ def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
     w = np.linalg.eigvalsh(Gs)
     # (a few inverse and power steps: the intervals hold the truth, the estimates are within them and close)
     assert f.w_interval[0] <= w[0] <= f.w_interval[1] and f.w_min == pytest.approx(w[0], rel=0.1)
-    assert f.w_max_interval[0] <= w[-1] <= f.w_max_interval[1] and f.w_max == pytest.approx(w[-1], rel=0.25)
+    # (lambda_max from the one product of the Gershgorin pass: on this unstructured spectrum, random eigenvectors,
+    # a lower bound within 2x; on Grams of data within 25 %, test_cholesky_certificate_against_dense_eigvalsh)
+    assert f.w_max_interval[0] <= w[-1] <= f.w_max_interval[1] and w[-1] / 3 <= f.w_max <= w[-1] * (1 + 1e-12)
 
 
 def test_largest_eigenvalues_against_eigvalsh():
