@@ -9,7 +9,7 @@ import numpy as np
 from ._backend import as_float64, get_xp, is_numpy, to_numpy
 from ._params import choice, heads_spec
 from .data._checks import check_arrays, check_lengths, check_values, is_real
-from .distributed.memory import available_memory
+from .distributed.memory import available_memory, fit_route
 from .errors import DatasetError, NotFittedError
 from .linalg._certificate import check_cutoff
 from .linalg._qr import CERTIFICATE_METHODS, factor_from_arrays, needs_qr, solve_from_r
@@ -19,7 +19,6 @@ from .linalg._stream import (
     check_path_memory,
     count_rows,
     dual_solve,
-    fit_path,
     rows_from_arrays,
     stream_solve,
 )
@@ -79,7 +78,8 @@ class MHLARegressor:
         Solver path (:func:`scaleattn.linalg._spectrum.solver_path`; ``"krylov"``: matrix-free CG and Lanczos on the
         compact Gram, ``G`` never formed; ``"stream"``: CG and the certificate from passes over the tokens, no
         statistics and no psi^2 object, or the dual for fewer rows than features, :mod:`scaleattn.linalg._stream`,
-        svd heads only). ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        svd heads only). ``"auto"`` takes the dual for fewer rows than features past psi = 2,000, and the stream
+        path when the Gram route does not fit in memory or the cost model predicts it 1.5x faster
         (:func:`scaleattn.linalg._stream.fit_path`); ``path_`` says which path ran and why.
     certificate : "auto", "gram" or "qr"
         What decides the rank and solves (:func:`scaleattn.fit`): ``"auto"`` a QR of the features
@@ -160,8 +160,8 @@ class MHLARegressor:
         causal = targets.ndim == 3
         rows = count_rows(tokens.shape[0], T, causal, lengths)
         have = available_memory()
-        path, why = fit_path(params["solver"], rows, tokens.shape[2], targets.shape[-1], heads=params["heads"],
-                             ridge=params["ridge"], available=have)
+        path, why = fit_route(params["solver"], rows, tokens.shape[2], targets.shape[-1], heads=params["heads"],
+                              ridge=params["ridge"])
         if path is not None:
             check_path_memory(path, rows, tokens.shape[2], targets.shape[-1], have)
             return self._fit_streaming(path, why, params, tokens, targets, lengths, causal)

@@ -26,7 +26,14 @@ from .display import _text as _text
 from .display._progress import as_reporter
 from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
-from .distributed.memory import available_memory, check_fit_memory, chunk_bytes, release_large_buffers, trim_heap
+from .distributed.memory import (
+    available_memory,
+    check_fit_memory,
+    chunk_bytes,
+    fit_route,
+    release_large_buffers,
+    trim_heap,
+)
 from .distributed.operator import remote_build
 from .distributed.reduction import check_client, check_reachable
 from .distributed.tsqr import check_qr_memory, compute_r
@@ -49,7 +56,6 @@ from .linalg._stream import (
     check_path_memory,
     count_rows,
     dual_solve,
-    fit_path,
     rows_from_dataset,
     stream_solve,
 )
@@ -196,7 +202,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
         in memory (:func:`scaleattn.distributed.memory.check_fit_memory`). ``"stream"``: no statistics; CG and the
         certificate from passes over the tokens in this process (:mod:`scaleattn.linalg._stream`, K-FAC
         preconditioned), or the dual for fewer rows than features; svd heads only, no ``stats.zarr``, no plots.
-        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000
+        ``"auto"`` takes the dual for fewer rows than features past psi = 2,000, and the stream path when the
+        Gram route does not fit in memory or the cost model predicts it 1.5x faster
         (:func:`scaleattn.linalg._stream.fit_path`). The report's ``solver_path`` says which path ran and why.
     certificate : "auto" | "gram" | "qr"
         What decides the rank and solves ([Y25] Lemma 2.3, :mod:`scaleattn.linalg._qr`): ``"gram"`` the float64 Gram
@@ -405,11 +412,12 @@ def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tupl
     if solver not in ("auto", "stream"):
         return None, f"asked for (solver={solver!r})"
     n_rows = _rows_of(ds)
-    path, why = fit_path(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, available=available_memory())
+    path, why = fit_route(solver, n_rows, ds.d, ds.d_out, heads=heads, ridge=ridge, chunk_bytes=chunk_bytes(ds))
     if path is not None and certificate == "qr":
         if solver == "stream":
-            raise ParameterError("`certificate='qr'` needs the statistics build; `solver='stream'` certifies from"
-                                 " passes over the tokens (use certificate='auto' or 'gram')")
+            raise ParameterError("the QR certificate needs the statistics build, which the stream solver does not"
+                                 " make (it certifies from passes over the tokens): choose the certificate auto or"
+                                 " gram, or another solver")
         return None, "certificate='qr' asked for"
     if path is not None:
         check_path_memory(path, n_rows, ds.d, ds.d_out, available_memory(), chunk_bytes(ds))
@@ -425,9 +433,9 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
         preflight(full, out, overwrite)
         times = {}
         t = time.perf_counter()
-        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}"):
+        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
             src = rows_from_dataset(ds)
-            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol)
+            sol = (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, note=note)
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
         model = model_from_heads(sol, h, ds.d, ds.causal)
@@ -622,9 +630,10 @@ def certify_dataset(dataset, *, client=None, cutoff_rtol=None, progress=False, s
     check_reachable(client, [("dataset", ds.store)])
     path, _ = _stream_path(ds, solver, "svd", 0.0, certificate)
     if path is not None:  # no statistics: passes over the tokens (or the dual's kernel), targets not read
-        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})"):
+        with reading(ds.store, "dataset"), reporter.phase(f"certificate ({path}, psi {n_features(ds.d):,})") as note:
             src = rows_from_dataset(ds, targets=False)
-            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True)
+            return (dual_solve if path == "dual" else stream_solve)(src, cutoff_rtol=cutoff_rtol, certify_only=True,
+                                                                     note=note)
     solver = check_fit_memory(ds.d, 0, client=client, solver=solver, what="certificate",
                               chunk_bytes=chunk_bytes(ds, False), n_rows=_rows_of(ds))["path"]
     if certificate == "qr":

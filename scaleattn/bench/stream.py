@@ -12,7 +12,10 @@
   the time of passes with 1 and 7 columns (a CG step with the eigenvalue runs beside it carries about 7), the
   token features recomputed in each pass (they do not fit the cache), and the peak RSS.
 
-Quick mode: d = 8 and 12 and the pass timing at d = 24 (a smoke test, under a minute). The machine may be shared:
+- :func:`cli_fit` at d = 64, d_out = 1, 3 rows per feature: ``scaleattn fit DATA --solver stream`` in a child
+  process on a realizable dataset, its wall, peak RSS, passes, verdict and distance to the teacher.
+
+Quick mode: d = 8 and 12, the pass timing at d = 24 and the command at d = 12 (a smoke test, about a minute). The machine may be shared:
 the load average is recorded with every figure.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import multiprocessing
 import os
 import time
 
-__all__ = ["run", "compare", "pass_timing", "markdown", "ROWS_PER_FEATURE"]
+__all__ = ["run", "compare", "pass_timing", "cli_fit", "markdown", "ROWS_PER_FEATURE"]
 
 #: causal rows per feature of the data fitted
 ROWS_PER_FEATURE = 3
@@ -134,6 +137,61 @@ def pass_timing(d: int = 64, d_out: int = 1, rows_per_feature: float = ROWS_PER_
     return _fresh(_timing, (d, d_out, rows_per_feature, passes))
 
 
+def cli_fit(d: int = 64, d_out: int = 1, rows_per_feature: float = ROWS_PER_FEATURE, out_dir: str | None = None,
+            length: int = 50) -> dict:
+    """``scaleattn fit DATA --solver stream`` on realizable causal data (a 2-head teacher, ``d_out`` outputs,
+    ``rows_per_feature`` rows per feature), as a user runs it: the dataset written first (not timed with the fit),
+    then the command in a child process, its wall time and peak RSS (the child's ``ru_maxrss``: tokens, features
+    and solver together), and from its report the passes, the verdict, the probabilistic bound and the
+    coefficients' distance to the teacher's (absolute and relative to ``||c_teacher||``)."""
+    import resource
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    from scaleattn.data import open_dataset
+    from scaleattn.features import n_features
+    from scaleattn.generate import generate_mhla
+    from scaleattn.heads import coef_from_heads
+    from scaleattn.linalg._stream import route_seconds
+
+    where = tempfile.mkdtemp(prefix="scaleattn-bench-stream-", dir=out_dir)
+    try:
+        samples = max(int(rows_per_feature * n_features(d)) // length, 1)
+        t = time.perf_counter()
+        data = os.path.join(where, "data.zarr")
+        generate_mhla(data, d=d, heads=2, length=length, samples=samples, d_out=d_out, causal=True, seed=1)
+        out = {"d": d, "d_out": d_out, "rows": samples * length, "generate_s": time.perf_counter() - t,
+               "load_before": os.getloadavg()[0]}
+        run_dir = os.path.join(where, "run")
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "scaleattn", "fit", data, "--out", run_dir, "--solver", "stream"],
+                              capture_output=True, text=True)
+        out["wall_s"] = time.perf_counter() - t
+        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024.0 / 2**30
+        out["load_after"] = os.getloadavg()[0]
+        if proc.returncode != 0:
+            out["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+            return out
+        with open(os.path.join(run_dir, "report.json")) as f:
+            rep = json.load(f)
+        est = rep.get("estimates") or {}
+        kw = est.get("lambda_min_lower_probabilistic") or {}
+        ct = coef_from_heads(*open_dataset(data).teacher())
+        out.update(passes=est.get("data_passes"), cg_iterations=est.get("cg_iterations"), verdict=rep["verdict"],
+                   identifiable_with_probability=est.get("identifiable_with_probability"),
+                   kw_lower=kw.get("lower"), lambda_min=rep.get("lambda_min"), solve_s=rep["timings"]["solve"],
+                   teacher_coef_distance=rep.get("teacher_coef_distance"),
+                   teacher_coef_relative=rep.get("teacher_coef_distance", float("nan")) / float(np.linalg.norm(ct)),
+                   predicted_s=route_seconds(samples * length, d, d_out)["stream"])
+        return out
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def markdown(result: dict) -> str:
     """The tables of ``bench-stream.md``."""
     lines = ["| d | psi | rows | route | passes (CG) | wall (s) | peak RSS (GiB) | verdict | coef rel. diff |",
@@ -152,6 +210,18 @@ def markdown(result: dict) -> str:
                       f" {'cached' if t['cached'] else 'recomputed each pass'}): first sweep {t['sweep_s']:.1f} s,"
                       f" a pass with 1 column {t['pass_1_s']:.1f} s, with 7 columns {t['pass_7_s']:.1f} s;"
                       f" peak RSS {t['peak_rss_gib']:.2f} GiB."]
+    f = result.get("cli_fit")
+    if f and "error" not in f:
+        lines += ["", f"`scaleattn fit DATA --solver stream` at d = {f['d']}, d_out = {f['d_out']} ({f['rows']:,} causal"
+                      f" rows of a 2-head teacher): wall {f['wall_s']:.0f} s (solve {f['solve_s']:.0f} s; the model"
+                      f" predicted {f['predicted_s']:.0f} s), {f['passes']} data passes (CG {f['cg_iterations']}),"
+                      f" peak RSS {f['peak_rss_gib']:.2f} GiB, {f['verdict']}"
+                      + (f" with probability >= {f['identifiable_with_probability']:g}"
+                         if f.get("identifiable_with_probability") else "")
+                      + f", ||c - c_teacher|| = {f['teacher_coef_distance']:.1e}"
+                        f" ({f['teacher_coef_relative']:.1e} relative); load {f['load_before']:.1f}-{f['load_after']:.1f}."]
+    elif f:
+        lines += ["", f"`scaleattn fit --solver stream` at d = {f['d']} failed: {f['error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +231,7 @@ def run(out_dir, quick: bool = False, dims=None, timing_d: int | None = None) ->
     dims = dims or ((8, 12) if quick else (16, 24, 32))
     result = {"compare": [compare(d) for d in dims]}
     result["pass_timing"] = pass_timing(timing_d or (24 if quick else 64))
+    result["cli_fit"] = cli_fit(12 if quick else 64, out_dir=out_dir)
     with open(os.path.join(out_dir, "bench-stream.json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
     with open(os.path.join(out_dir, "bench-stream.md"), "w") as f:

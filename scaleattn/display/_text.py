@@ -39,6 +39,13 @@ def verdict(r: dict) -> str:
     method = r.get("certificate_method", "gram")
     at = "" if method == "qr" else " at the precision of the float64 Gram"
     margin, near = r.get("margin"), r.get("settle_factor")
+    if (r.get("estimates") or {}).get("solver") == "stream" and v == "identifiable" and margin is not None:
+        # passes decide by Krylov iterates: a proof is never claimed, a probabilistic bound is named as such
+        p = r["estimates"].get("identifiable_with_probability")
+        return ("IDENTIFIABLE: every least-squares fit computes the same function [Krylov iterates over the data"
+                f" passes, margin {_margin(margin)}; "
+                + (f"with probability >= {p:g} by the Kuczynski-Wozniakowski bound, not a proof]" if p else
+                   "an estimate: no bound from the passes clears the cutoff]"))
     # a settled verdict barely past the settle factor is flagged: another draw of the data may land either side
     close = v != "not settled" and near and margin is not None and margin < CLOSE_FACTOR * near
     how = "" if margin is None else (f" [{METHOD_WORDS.get(method, method)}, margin {_margin(margin)}"

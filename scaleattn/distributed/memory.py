@@ -25,12 +25,13 @@ from ..features import n_features, n_pairs
 from ..linalg._gram import DENSE_GRAM_MAX_PSI
 from ..linalg._krylov import BLOCK, LANCZOS_MAX
 from ..linalg._spectrum import solver_path
+from ..linalg._stream import fit_path
 from ..statistics._container import BLOCK_BYTES, block_bytes_per_sample
 from ..statistics._kernel import PANEL_COLS, PANEL_ROWS
 from .partition import MAX_TILE_BYTES, tile_bounds
 from .reduction import NO_WORKER_S
 
-__all__ = ["fit_memory", "check_fit_memory", "krylov_null_bytes", "available_memory", "parse_bytes",
+__all__ = ["fit_memory", "check_fit_memory", "fit_route", "krylov_null_bytes", "available_memory", "parse_bytes",
            "release_large_buffers",
            "trim_heap", "worker_config", "chunk_bytes", "krylov_bytes", "InsufficientMemoryError", "SOLVER_ARRAYS",
            "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PROFILE_INTERVAL", "TICK_INTERVAL", "MONITOR_INTERVAL"]
@@ -320,3 +321,22 @@ def check_fit_memory(d: int, d_out: int, *, client=None, memory_limit=None, what
                 f" {1.25 * est['worker_bytes'] / GIB:.1f} GiB (fewer workers per machine){fix}.")
     est["available_bytes"] = have
     return est
+
+
+def fit_route(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0, client=None,
+              chunk_bytes: float = 0.0) -> tuple[str | None, str]:
+    """:func:`scaleattn.linalg._stream.fit_path` with the Gram route's memory: memory first (the Gram route's
+    refusal by :func:`check_fit_memory`, if any, sends ``"auto"`` to the streaming path when that fits), then
+    the cost model (:func:`scaleattn.linalg._stream.route_seconds`, the Gram route's solver dense or krylov as
+    :func:`fit_memory` would choose). Returns ``(path or None, reason)``."""
+    have = available_memory()
+    refusal, dense = None, True
+    if solver == "auto":
+        try:
+            est = check_fit_memory(d, d_out, client=client, solver="auto", chunk_bytes=chunk_bytes, dense=ridge > 0,
+                                   heads=heads, n_rows=n_rows)
+            dense = est["path"] != "krylov"
+        except InsufficientMemoryError as e:
+            refusal = str(e).split(";")[0]
+    return fit_path(solver, n_rows, d, d_out, heads=heads, ridge=ridge, available=have, gram_refusal=refusal,
+                    gram_dense=dense, extra_bytes=chunk_bytes)

@@ -308,7 +308,7 @@ def _dense_smallest(op, M: BlockJacobi, chunk: int = 256) -> dict:
 def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol: float = EIG_RTOL,
                  maxiter: int = MAXITER, block: int = BLOCK, seed: int = 0, unscaled: bool = True,
                  dense_null_max: int = DENSE_NULL_MAX, eig_budget: str = "solve", yy: float | None = None,
-                 preconditioner=None):
+                 preconditioner=None, min_eig_passes: int = MIN_EIG_PASSES, pre_start=None, pre_until=None):
     """Certificate quantities and, with ``B``, min-norm coefficients ``G^+ B`` from products ``G X`` only.
 
     Parameters
@@ -336,7 +336,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Also estimate ``lambda_min``/``lambda_max`` of ``G`` itself (for ``Lambda_D = G / N``).
     eig_budget : {"solve", "full"}
         ``"solve"``: the smallest-eigenvalue runs stop when the solve has converged (for a certificate alone:
-        when the preconditioned Lanczos has) and they have run :data:`MIN_EIG_PASSES` passes, once the rank decision is
+        when the preconditioned Lanczos has) and they have run ``min_eig_passes`` passes, once the rank decision is
         settled; their intervals are then reported as they are (``converged`` False where wider than ``eig_rtol``).
         ``"full"``: they run until ``eig_rtol`` or ``maxiter``. The smallest eigenvalues of Grams with few rows per
         feature crowd together and converge several times slower than the solve (d = 32, 1.2 rows per feature: 600-900
@@ -349,6 +349,17 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         With ``scale``, ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
         :class:`~scaleattn.linalg._gram.BlockJacobi` (the default, from ``op.token_columns()``); the streaming
         path passes its K-FAC preconditioner (:class:`scaleattn.linalg._stream.KFAC`, DESIGN §4b).
+    min_eig_passes : int
+        The least passes of the eigenvalue runs with ``eig_budget="solve"`` (:data:`MIN_EIG_PASSES`: cheap on a
+        small Gram; the streaming path, where a pass reads all the data, asks for 0).
+    pre_start : array (psi,), optional
+        The preconditioned Lanczos run's start ``r_0`` in scaled coordinates
+        (:func:`scaleattn.linalg._lanczos.lanczos_preconditioned_smallest`); its final Ritz values are returned in
+        ``spectrum.preconditioned`` (the streaming path's probabilistic lower bound reads them).
+    pre_until : callable, optional
+        ``pre_until(theta_min, theta_max, steps, over) -> bool``, ``over`` True once the other runs' budget is
+        over: when the preconditioned run ends, instead of its own convergence
+        (:func:`~scaleattn.linalg._lanczos.lanczos_preconditioned_smallest`'s ``until``).
 
     Returns
     -------
@@ -401,7 +412,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     floor = 32 * EPS
 
     def budget_over(it):
-        return eig_budget == "solve" and it >= MIN_EIG_PASSES and (
+        return eig_budget == "solve" and it >= min_eig_passes and (
             state.solve_done if B is not None else state.lam_min_pre.done)
 
     def pre_lower():
@@ -459,7 +470,9 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         gens["small_s"] = lobpcg_smallest(rand(k0), scale, M.apply_scaled, stop=stop_s, maxiter=maxiter)
         gens["pre"] = lanczos_preconditioned_smallest(psi, scale, M.apply_scaled, xp=xp, rtol=eig_rtol, maxiter=lan,
                                                       seed=seed, live=livef[:, 0], state=state.lam_min_pre,
-                                                      halt=budget_over)
+                                                      halt=budget_over, start=pre_start,
+                                                      until=None if pre_until is None else
+                                                      lambda lo, hi, k: pre_until(lo, hi, k, budget_over(k)))
     if unscaled:
         gens["lmax_g"] = lanczos_largest(psi, None, xp=xp, rtol=1e-8, maxiter=lan, seed=seed + 1,
                                          live=livef[:, 0], state=state.lam_max_g)
@@ -492,6 +505,9 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         bounds = (res["pre"].lower * bmin[0], res["pre"].lower * bmin[1])  # lambda_min of Gs and of G, from below
     spec = spectrum_from_runs(small, lmax_s, res.get("lmax_g"), res.get("small_g"), M, diag, rtol, eig_rtol, nlive,
                               psi, notes, bounds)
+    if "pre" in res:  # the preconditioned run's last Ritz values (a probabilistic bound from a random start)
+        pre = state.lam_min_pre
+        spec.preconditioned = {"theta_min": pre.value, "theta_max": pre.top, "steps": pre.steps, "n": nlive}
     if B is None:
         spec.passes = getattr(op, "passes", 0) - passes0
         return spec

@@ -36,6 +36,8 @@ SIAM J. Sci. Comput. 40 (2018) (SVQB orthonormalisation, basis selection).
 [HL06] U. Hetmaniuk, R. Lehoucq, "Basis selection in LOBPCG", J. Comput. Phys. 218 (2006).
 [GVL13] G. H. Golub, C. F. Van Loan, "Matrix Computations", 4th ed. (2013), §10.1.
 [P98] B. N. Parlett, "The Symmetric Eigenvalue Problem", SIAM (1998).
+[KW92] J. Kuczynski, H. Wozniakowski, "Estimating the largest eigenvalue by the power and Lanczos algorithms
+with a random start", SIAM J. Matrix Anal. Appl. 13 (1992) 1094-1122.
 """
 from __future__ import annotations
 
@@ -82,12 +84,16 @@ class EigenEstimate:
 class RunningEstimate:
     """A Lanczos run's estimate while it runs, for the generators in lockstep with it that need it: ``value`` the
     current Ritz value, ``lower`` the lower end of its interval (the preconditioned smallest only), ``converged``
-    at its accuracy, ``done`` once the run ended."""
+    at its accuracy, ``done`` once the run ended; the preconditioned smallest also keeps ``top`` (its largest
+    Ritz value) and ``steps`` (Lanczos steps so far), what a Kuczynski-Wozniakowski bound reads
+    (:func:`scaleattn.linalg._stream.kw_bound`)."""
 
     value: float | None = None
     lower: float | None = None
     converged: bool = False
     done: bool = False
+    top: float | None = None
+    steps: int = 0
 
     @property
     def ready(self) -> bool:
@@ -182,7 +188,7 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
 
 def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol: float = 1e-2,
                                     maxiter: int = 300, seed: int = 0, live=None,
-                                    state: RunningEstimate | None = None, halt=None):
+                                    state: RunningEstimate | None = None, halt=None, start=None, until=None):
     """Generator: the smallest eigenvalue of ``C = M^-1/2 A M^-1/2`` (``A = S G S``, ``M^-1`` = ``precondition``)
     by Lanczos in the ``M^-1`` inner product, full reorthogonalisation.
 
@@ -206,6 +212,15 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
     halt : callable, optional
         ``halt(steps) -> bool``, asked after every step: True ends the run (the budget of the runs it serves is
         over).
+    start : array (n,), optional
+        The first ``r_0`` (``q_0 = M^-1/2 r_0``); default a Gaussian vector on the live coordinates. ``r_0 = F g``
+        with ``F F^T = M`` and ``g`` Gaussian makes ``q_0`` uniformly distributed on the sphere (``M^-1/2 F`` is
+        orthogonal), the start [KW92] Theorem 4.2 assumes: the run's Ritz values then bound ``lambda_min(C)``
+        from below with a known failure probability (:func:`scaleattn.linalg._stream.kw_bound`).
+    until : callable, optional
+        ``until(theta_min, theta_max, steps) -> bool`` replaces the stopping rule (``rtol`` and ``halt``): the run
+        ends when it returns True (or after ``maxiter`` steps), for a caller that needs more of the run than the
+        bottom Ritz pair's convergence (the probabilistic bound's steps).
 
     Returns
     -------
@@ -227,7 +242,7 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
     """
     import scipy.linalg
 
-    r = xp.asarray(np.random.default_rng([seed, 7]).standard_normal(n))
+    r = xp.asarray(np.random.default_rng([seed, 7]).standard_normal(n)) if start is None else start
     if live is not None:
         r = r * live
     z = precondition(r[:, None])[:, 0]
@@ -255,7 +270,11 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
         conv = res <= rtol * abs(theta) or b <= EPS * max(abs(float(ev[-1])), 1e-300)
         if state is not None:
             state.value, state.lower, state.converged = theta, theta - res, conv
-        if conv or (halt is not None and halt(j + 1)):
+            state.top, state.steps = float(ev[-1]), j + 1
+        if until is not None:
+            if until(theta, float(ev[-1]), j + 1):
+                break
+        elif conv or (halt is not None and halt(j + 1)):
             break
         r, z = w / b, zw / b
     if state is not None:
@@ -424,6 +443,9 @@ class KrylovSpectrum:
     #: largest Ritz value below it (an upper bound on the largest dropped eigenvalue; 0 when none)
     lam_min_kept: EigenEstimate | None = None
     dropped_max: float = 0.0
+    #: the preconditioned Lanczos run's last extreme Ritz values of ``C`` and its steps (``theta_min``,
+    #: ``theta_max``, ``steps``, ``n`` live features); None without that run
+    preconditioned: dict | None = None
 
     @property
     def verdict_settled(self) -> bool:

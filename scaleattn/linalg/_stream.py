@@ -44,21 +44,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import numpy as np
 
-from .._backend import get_xp, to_numpy
+from .._backend import get_xp, is_numpy, to_numpy
 from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs, row_targets, token_features
+from ..statistics._compiled import features_t
 from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
-from ._krylov import MAXITER, krylov_solve, lockstep
+from ._krylov import LANCZOS_MAX, MAXITER, MIN_EIG_PASSES, krylov_solve, lockstep
 from ._lanczos import EPS
 from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
-           "StreamSolution", "stream_solve", "dual_solve", "kw_lower_bound", "stream_bytes", "dual_bytes",
-           "fit_path", "path_bytes", "check_path_memory", "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
+           "StreamSolution", "stream_solve", "dual_solve", "kw_bound", "kw_lower_bound", "stream_bytes", "dual_bytes",
+           "fit_path", "route_seconds", "predicted_passes", "gemm_rate", "path_bytes", "check_path_memory",
+           "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
            "KW_FAILURE"]
 
 #: rows per block of a pass (each block holds rows x (m + d k) floats: 2 MB x k at d = 64)
@@ -72,6 +75,9 @@ CACHE_BYTES = 1 << 30
 FACTOR_FLOOR = 1e-10
 #: default failure probability of the probabilistic lower bound on lambda_min
 KW_FAILURE = 1e-3
+#: the probabilistic bound's run stops once the bound is this fraction of its smallest Ritz value (times
+#: lambda_min(M)); past it each halving of the gap costs about sqrt(2) times the steps
+KW_TARGET = 0.5
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,8 +120,12 @@ class RowSource:
             for a in range(0, n, step):
                 b = min(n, a + step)
                 ln = None if lens is None else lens[a:b]
-                s, x = token_features(tok[a:b], ln, causal=self.causal)
-                yt = None if y is None else row_targets(y[a:b], ln, causal=self.causal)
+                if is_numpy(get_xp(tok)):  # one compiled pass (cumsum and pair products took 1/3 of a pass)
+                    sT, xT = features_t(tok[a:b, ...], ln, causal=self.causal)
+                    s, x = sT.T, xT.T
+                else:
+                    s, x = token_features(tok[a:b, ...], ln, causal=self.causal)
+                yt = None if y is None else row_targets(y[a:b, ...], ln, causal=self.causal)
                 rows += s.shape[0]
                 size += 8 * s.shape[0] * (s.shape[1] + x.shape[1] + (0 if yt is None else yt.shape[1]))
                 if keep is not None:
@@ -179,10 +189,12 @@ class StreamOperator:
     Parameters
     ----------
     source : RowSource
+    note : callable, optional
+        ``note(text)``: where the sweep and each pass say how far they are (a progress phase's note).
     """
 
-    def __init__(self, source: RowSource):
-        self.source = source
+    def __init__(self, source: RowSource, note=None):
+        self.source, self.note = source, note or (lambda text: None)
         self.d = source.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
@@ -204,6 +216,7 @@ class StreamOperator:
                     mom += _phi_t_r(s, x, y)
                     yy += float(xp.sum(y * y))
                 rows += s.shape[0]
+                self.note(f"first sweep (diag G, K-FAC factors, moments): {rows:,} rows")
         if xp is None:
             raise DatasetError("the data have no rows: nothing to fit")
         self.xp, self.n_rows, self.yy = xp, rows, yy
@@ -223,10 +236,12 @@ class StreamOperator:
         k = W.shape[1]
         W3 = xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))
         out = xp.zeros((m, d * k), dtype=xp.float64)
+        t = time.perf_counter()
         with _blas_threads():
             for s, x, _ in self.source.blocks():
                 out += _phi_t_r(s, x, _phi_w(s, x, W3, k))
         self.passes += 1
+        self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s)")
         return xp.reshape(out, (self.psi, k))
 
     def __matmul__(self, W):
@@ -353,6 +368,16 @@ class KFAC:
         FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
         return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
 
+    def half(self, R):
+        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L``): ``L g`` for a Gaussian ``g`` has covariance
+        ``M``, the start that makes the preconditioned Lanczos run's first vector uniform on the sphere."""
+        xp = self.xp
+        lv = xp.astype(self.live, xp.float64)[:, None]
+        root = lambda d: xp.where(d > 0, 1.0 / xp.where(d > 0, d, 1.0), 0.0)  # noqa: E731 (D^1/2 from D^-1/2)
+        FA = root(self._dA)[:, None] * self._UA * xp.sqrt(self._wA)[None, :]
+        FB = root(self._dB)[:, None] * self._UB * xp.sqrt(self._wB)[None, :]
+        return self._kron(FA, FB, R * lv) * lv / math.sqrt(self.n)
+
     def min_eigenvalues(self) -> tuple[float, float]:
         """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
         lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
@@ -382,12 +407,40 @@ class Jacobi(KFAC):
     def half_inverse(self, R, transpose: bool = False):
         return self.scale[:, None] * R
 
+    def half(self, R):
+        return self.xp.where(self.live, 1.0 / self.xp.where(self.live, self.scale, 1.0), 0.0)[:, None] * R
+
     def min_eigenvalues(self) -> tuple[float, float]:
         return 1.0, self._dmin
 
 
+def kw_bound(theta_min: float, theta_max: float, steps: int, n: int, lam_m: float, failure: float,
+             max_steps: int) -> tuple[float, float]:
+    """The Kuczynski-Wozniakowski lower bound on ``lambda_min(G)`` from ``steps`` Lanczos steps on
+    ``C = L^-1 G L^-T`` ([KW92] Theorem 4.2 on ``C`` and ``-C``; DESIGN §4b, "Eigenvalues from passes").
+
+    With ``theta_min``/``theta_max`` the extreme Ritz values after ``steps`` steps from a start uniform on the
+    sphere of the ``n`` live coordinates, each of the two one-sided events has probability at most
+    ``1.648 sqrt(n) exp(-sqrt(eps) (2 steps - 1))``, set to ``failure / (2 max_steps)`` so that the bounds of all
+    ``max_steps`` steps hold together except with probability ``failure``. Returns ``(bound, eps)``: ``bound =
+    max(theta_min - eps theta_max / (1 - eps), 0) lam_m`` (``lam_m`` a lower bound on ``lambda_min(M)``), 0 while
+    ``eps >= 1``.
+
+    Examples
+    --------
+    >>> b, eps = kw_bound(1.0, 4.0, 60, 1000, 0.5, 1e-3, 300)
+    >>> round(eps, 4), round(b, 4)
+    (0.021, 0.457)
+    """
+    log_term = math.log(1.648 * math.sqrt(n) * 2 * max(int(max_steps), 1) / failure)
+    eps = (log_term / (2 * max(int(steps), 1) - 1)) ** 2
+    if eps >= 1:
+        return 0.0, eps
+    return max(theta_min - eps * theta_max / (1 - eps), 0.0) * lam_m, eps
+
+
 def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, seed: int = 0,
-                   target: float = 0.5) -> dict:
+                   target: float = KW_TARGET) -> dict:
     """A probabilistic lower bound on ``lambda_min(G)`` from passes: Lanczos on ``C = L^-1 G L^-T`` ([KW92]).
 
     Lanczos with full reorthogonalisation from a Gaussian start (uniform direction on the live coordinates'
@@ -395,10 +448,13 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     ``C`` (n live features). By the theorem, applied to ``-C`` and to ``C``, each of
     ``(theta_1 - lambda_min) / (lambda_max - lambda_min) >= eps`` and ``(lambda_max - theta_k) / (lambda_max -
     lambda_min) >= eps`` has probability at most ``1.648 sqrt(n) exp(-sqrt(eps) (2k - 1))``; with that set to
-    ``failure / 2``, except with probability ``failure``: ``lambda_max(C) <= theta_k / (1 - eps)`` and
-    ``lambda_min(C) >= theta_1 - eps theta_k / (1 - eps)``. ``lambda_min(G) >= lambda_min(C) lambda_min(M)``
-    (``G = L C L^T``). Stops once the bound is at least ``target`` of ``theta_1 lambda_min(M)``, or after
-    ``maxiter`` steps. DESIGN §4b, "Eigenvalues from passes".
+    ``failure / 2`` divided by the steps allowed (a union bound: the run stops at a step its own Ritz values
+    choose, so every step's bound must hold at once), except with probability ``failure``: ``lambda_max(C) <=
+    theta_k / (1 - eps)`` and ``lambda_min(C) >= theta_1 - eps theta_k / (1 - eps)`` (:func:`kw_bound`).
+    ``lambda_min(G) >= lambda_min(C) lambda_min(M)`` (``G = L C L^T``). Stops once the bound is at least
+    ``target`` of ``theta_1 lambda_min(M)``, or after ``maxiter`` steps. DESIGN §4b, "Eigenvalues from passes".
+    :func:`stream_solve` reads the same bound off the preconditioned Lanczos run that shares CG's passes, and
+    runs this only when that run ended before its bound became positive.
 
     Returns
     -------
@@ -417,13 +473,12 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     if n == 0:
         return out
     lam_m = M.min_eigenvalues()[1]
-    log_term = math.log(1.648 * math.sqrt(n) / (failure / 2))
+    steps = min(int(maxiter), n)
 
     def gen():
         g = np.random.default_rng([seed, 11]).standard_normal(psi) * live
         q = xp.asarray(g / np.linalg.norm(g))
         Q, alpha, beta = [], [], []
-        steps = min(int(maxiter), n)
         for j in range(steps):
             Q.append(q)
             w = M.half_inverse((yield M.half_inverse(q[:, None], transpose=True)))[:, 0]
@@ -436,13 +491,10 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
             alpha.append(a)
             ev = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta), eigvals_only=True)
             k = j + 1
-            eps = (log_term / (2 * k - 1)) ** 2
+            out["lower"], eps = kw_bound(float(ev[0]), float(ev[-1]), k, n, lam_m, failure, steps)
             out.update(steps=k, theta_min=float(ev[0]), theta_max=float(ev[-1]), eps=eps)
-            if eps < 1:
-                lo = float(ev[0]) - eps * float(ev[-1]) / (1 - eps)
-                out["lower"] = max(lo, 0.0) * lam_m
-                if lo >= target * float(ev[0]):
-                    return
+            if out["lower"] >= target * float(ev[0]) * lam_m > 0:
+                return
             if k == n or b <= EPS * max(abs(float(ev[-1])), 1e-300):
                 # the Krylov space is invariant (or the whole space): the Ritz values are eigenvalues of C to
                 # round-off, the bound no longer probabilistic in the start (only round-off, n eps theta_k)
@@ -524,7 +576,7 @@ def _preconditioner(op: StreamOperator, kind):
 def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: float | None = None,
                  maxiter: int = MAXITER, preconditioner="kfac", eig_budget: str = "solve", seed: int = 0,
                  lower_bound: bool = True, failure: float = KW_FAILURE, op: StreamOperator | None = None,
-                 certify_only: bool = False) -> StreamSolution | Certificate:
+                 certify_only: bool = False, note=None) -> StreamSolution | Certificate:
     """Min-norm least squares and the certificate from passes over the tokens ([Y25] Algorithm 1, Lemma 2.3;
     DESIGN §4b): ``G``, ``Tc`` and ``Phi`` are never formed.
 
@@ -557,6 +609,8 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         The operator of ``source`` if already made (its first sweep is then not repeated).
     certify_only : bool
         Return the :class:`Certificate` alone (no targets needed).
+    note : callable, optional
+        ``note(text)`` told of the first sweep's rows and of each pass (:class:`StreamOperator`).
 
     Returns
     -------
@@ -583,20 +637,44 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
     """
     if source.d_out == 0 and not certify_only:
         raise ParameterError("the data have no targets; cannot solve (certify_only=True gives the certificate)")
-    op = StreamOperator(source) if op is None else op
+    op = StreamOperator(source, note) if op is None else op
     xp, psi = op.xp, op.psi
     rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
     M = _preconditioner(op, preconditioner)
     B = None if certify_only else op.moments
+    # the preconditioned Lanczos run starts from r_0 = S L g (g Gaussian, M = L L^T): its Ritz values then give the
+    # probabilistic lower bound with no passes of its own (kw_bound); the eigenvalue runs end with the solve
+    g = xp.asarray(np.random.default_rng([seed, 11]).standard_normal((psi, 1)))
+    start = M.scale * M.half(g)[:, 0]
+    n_live, lam_m, steps_max = int(xp.sum(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
+
+    def enough(lo, hi, k, over):  # the bound reached KW_TARGET of what the run shows, or the rest is done and it holds
+        b = kw_bound(lo, hi, k, n_live, lam_m, failure, steps_max)[0]
+        return b >= KW_TARGET * lo * lam_m > 0 or (over and b > 0)
+
     res = krylov_solve(op, B, rtol=rtol, btol=btol, maxiter=maxiter, eig_budget=eig_budget, seed=seed,
-                       yy=None if certify_only else op.yy, preconditioner=M)
+                       yy=None if certify_only else op.yy, preconditioner=M, min_eig_passes=0, pre_start=start,
+                       pre_until=enough if lower_bound else None)
     spec = res if certify_only else res.spectrum
     passes = op.passes
     kw = None
     if lower_bound and spec.rank == psi and bool(xp.all(M.live)):
-        kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
+        pre = spec.preconditioned
+        if pre is not None and pre["theta_min"] is not None and pre["steps"] > 0:
+            low, eps = kw_bound(pre["theta_min"], pre["theta_max"], pre["steps"], pre["n"], lam_m, failure,
+                                steps_max)
+            kw = {"lower": low, "failure_probability": float(failure), "steps": pre["steps"],
+                  "theta_min": pre["theta_min"], "theta_max": pre["theta_max"], "eps": eps, "rigorous": False,
+                  "method": "Kuczynski-Wozniakowski", "shared_passes": True}
+        if kw is None or kw["lower"] <= 0:  # the shared run ended too early: a run of its own
+            kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
     cert = certificate_from_krylov(spec, op.n_rows)
     est = cert.estimates
+    if kw is not None and kw["lower"] > 0 and lam_m > 0:
+        # what the verdict rests on: Krylov iterates decide the rank; the same Kuczynski-Wozniakowski bound, times
+        # lambda_min(Ms) instead of lambda_min(M), bounds lambda_min(Gs) from below and clears the cutoff or not
+        low_s = kw["lower"] / lam_m * M.min_eigenvalues()[0]
+        est["identifiable_with_probability"] = (1.0 - failure) if low_s > rtol * spec.lam_max_scaled.upper else None
     est.update({"solver": "stream", "preconditioner": getattr(M, "name", type(M).__name__),
                 "data_passes": int(op.passes + 1), "krylov_passes": int(passes),
                 "lambda_min_lower_rigorous": 0.0,
@@ -618,7 +696,8 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
 
 
 def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int = 0,
-               op: StreamOperator | None = None, certify_only: bool = False) -> StreamSolution | Certificate:
+               op: StreamOperator | None = None, certify_only: bool = False,
+               note=None) -> StreamSolution | Certificate:
     """Min-norm least squares for fewer rows than features by the dual ([Y25] Algorithm 1; DESIGN §4b, "the dual").
 
     ``c = Phi^T alpha`` with ``alpha = K^+ Y`` on the eigenvectors of ``K = Phi Phi^T = (S S^T) * (X X^T)``
@@ -640,6 +719,8 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         The operator of ``source`` if already made.
     certify_only : bool
         Return the :class:`Certificate` alone (no targets needed).
+    note : callable, optional
+        ``note(text)`` told of the sweep's rows (:class:`StreamOperator`).
 
     Returns
     -------
@@ -665,7 +746,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     """
     if source.d_out == 0 and not certify_only:
         raise ParameterError("the data have no targets; cannot solve")
-    op = StreamOperator(source) if op is None else op
+    op = StreamOperator(source, note) if op is None else op
     xp, psi, m, d = op.xp, op.psi, op.m, op.d
     if op.n_rows >= psi:
         raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")
@@ -769,16 +850,91 @@ def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
     return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
 
 
+#: efficiencies (fractions of the DGEMM rate) of the work the cost model counts, measured on the 2-core test VM:
+#: a stream pass (its two GEMMs and the token features, 86-95 of 148 GFLOP/s at d = 32), the statistics build
+#: (the compact Gram's multiply-adds at 1.1-1.4x their floor), a dense factorisation and one column of a krylov
+#: pass over ``Tc`` (memory-bound: 0.06 s per column at d = 32, plus 0.2 s shared by the columns)
+EFFICIENCY = {"pass": 0.6, "build": 0.75, "factor": 0.5, "tc_column": 0.07}
+#: the shared part of a krylov pass over ``Tc``, in columns
+TC_FIXED_COLUMNS = 3.3
+#: CG passes against sqrt of the preconditioned condition number: measured 65 / 31 / 284 passes at 3 / 10 / 1.2
+#: rows per feature (d = 8-24), 12.9-17.4 times the Marchenko-Pastur ``(1 + sqrt g) / (1 - sqrt g)``, g = psi / N
+PASSES_PER_ROOT_CONDITION = 16.0
+#: columns the eigenvalue runs add to each pass of the streaming path (Lanczos, LOBPCG block 2, the
+#: preconditioned Lanczos, the unscaled runs; the Lanczos runs end early)
+EIG_COLUMNS = 5
+#: ``auto`` leaves the Gram route (reusable statistics, plots, every head method) for the stream path only when
+#: the model predicts it this many times faster
+STREAM_MARGIN = 1.5
+
+
+@functools.lru_cache(maxsize=1)
+def gemm_rate() -> float:
+    """This machine's float64 GEMM rate (flop/s), best of three 1024^3 products on the process's threads."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024))
+    best = float("inf")
+    with _blas_threads():
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t)
+    return 2.0 * 1024**3 / max(best, 1e-9)
+
+
+def predicted_passes(n_rows: int, d: int) -> int:
+    """CG passes of the streaming path predicted from rows per feature (:data:`PASSES_PER_ROOT_CONDITION`)."""
+    g = min(n_features(d) / max(int(n_rows), 1), 0.999)
+    return int(math.ceil(PASSES_PER_ROOT_CONDITION * (1 + math.sqrt(g)) / (1 - math.sqrt(g)))) + 4
+
+
+def route_seconds(n_rows: int, d: int, d_out: int, *, dense: bool = True, rate: float | None = None) -> dict:
+    """Predicted seconds of a fit by the Gram route and by the streaming path on this machine (DESIGN §4b, "cost
+    model"): flops at :data:`EFFICIENCY` of the measured :func:`gemm_rate`.
+
+    Gram route: the build's ``N psi^2 / 2`` flops (the compact Gram's ``N psi^2 / 4`` multiply-adds), then a
+    dense factorisation (``psi^3 / 3``) when ``dense``, else krylov passes over ``Tc`` (as many as CG needs, at
+    least :data:`scaleattn.linalg._krylov.MIN_EIG_PASSES`, each ``2 psi^2`` flops per column). Streaming: the first
+    sweep (``2 N m^2``) and :func:`predicted_passes` passes of ``4 N psi (d_out + EIG_COLUMNS)`` flops.
+
+    Returns
+    -------
+    dict
+        ``gram``, ``stream`` (seconds), ``passes`` (predicted), ``rate`` (flop/s).
+
+    Examples
+    --------
+    >>> c = route_seconds(130_680, 44, 44, dense=False, rate=1e11)
+    >>> c["passes"], c["gram"] > 1.5 * c["stream"]
+    (64, True)
+    """
+    rate = gemm_rate() if rate is None else float(rate)
+    n, psi, m = float(n_rows), float(n_features(d)), float(n_pairs(d))
+    passes = predicted_passes(n_rows, d)
+    e = EFFICIENCY
+    build = n * psi * psi / 2 / (e["build"] * rate)
+    if dense:
+        solve = psi**3 / 3 / (e["factor"] * rate)
+    else:
+        solve = max(passes, MIN_EIG_PASSES) * 2 * psi * psi * (TC_FIXED_COLUMNS + d_out + EIG_COLUMNS) / (
+            e["tc_column"] * rate)
+    stream = (2 * n * m * m + passes * 4 * n * psi * (d_out + EIG_COLUMNS)) / (e["pass"] * rate)
+    return {"gram": build + solve, "stream": stream, "passes": passes, "rate": rate}
+
+
 def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge: float = 0.0,
-             available: float | None = None, large_psi: int = 2_000) -> tuple[str | None, str]:
+             available: float | None = None, large_psi: int = 2_000, gram_refusal: str | None = None,
+             gram_dense: bool = True, extra_bytes: float = 0.0) -> tuple[str | None, str]:
     """Which path a fit from the data takes, and why: ``("stream" | "dual", reason)``, or ``(None, reason)`` for
     the Gram route (statistics, then :func:`scaleattn.solve`). DESIGN §4b.
 
     ``"stream"`` asked: the dual when ``n_rows < psi`` (the primal CG would only find the min-norm answer
-    through psi - N deflated directions), else the streaming CG. ``"auto"``: the dual when ``n_rows < psi``, psi is
-    past ``large_psi`` (where the Gram route factors or iterates on a singular psi x psi Gram) and ``K`` fits in
-    ``available`` bytes; else the Gram route. The streaming paths give the least-squares coefficients and svd
-    heads only.
+    through psi - N deflated directions), else the streaming CG. ``"auto"``, memory first, then cost: the dual
+    when ``n_rows < psi``, psi is past ``large_psi`` (where the Gram route factors or iterates on a singular
+    psi x psi Gram) and ``K`` fits in ``available`` bytes; else the streaming CG when the Gram route does not
+    fit (``gram_refusal``, its reason) and the stream path does, or when :func:`route_seconds` predicts it
+    :data:`STREAM_MARGIN` times faster (``gram_dense``: the Gram route's solver would be dense, else krylov);
+    else the Gram route. ``extra_bytes``: what the stream path holds besides :func:`stream_bytes` (a chunk of the
+    dataset as read). The streaming paths give the least-squares coefficients and svd heads only.
 
     Raises
     ------
@@ -789,18 +945,35 @@ def fit_path(solver: str, n_rows: int, d: int, d_out: int, *, heads="svd", ridge
     under = n_rows < psi
     if solver == "stream":
         if heads != "svd" or ridge > 0:
-            raise ParameterError("`solver='stream'` fits the least-squares coefficients with svd heads only"
-                                 f" (heads={heads!r}, ridge={ridge} need the Gram): use heads='svd', ridge=0")
+            what = ("heads " + (heads if isinstance(heads, str) else str(heads)) if heads != "svd" else
+                    f"ridge {ridge:g}")
+            raise ParameterError(f"the stream solver fits least squares with svd heads only ({what} needs the"
+                                 " Gram): use the svd heads and no ridge, or another solver")
         if under:
             return "dual", f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual (N x N kernel)"
         return "stream", "asked for (solver='stream')"
-    if solver == "auto" and under and psi > large_psi and heads == "svd" and ridge == 0:
+    capable = solver == "auto" and heads == "svd" and ridge == 0
+    if capable and under and psi > large_psi:
         need = dual_bytes(n_rows, d, d_out)
         if available is None or need <= available:
             return "dual", (f"fewer rows ({n_rows:,}) than features ({psi:,}): the dual's N x N kernel"
                             f" ({need / 2**30:.2f} GiB with the coefficients and heads) instead of a singular"
                             " psi x psi Gram")
-    return None, "the Gram route"
+    if not capable or under:
+        return None, "the Gram route"
+    fits = available is None or stream_bytes(d, d_out) + extra_bytes <= available
+    if gram_refusal is not None and fits:
+        return "stream", (f"the Gram route does not fit ({gram_refusal}); the stream path needs"
+                          f" {stream_bytes(d, d_out) / 2**30:.2f} GiB")
+    if gram_refusal is not None or psi <= large_psi:
+        return None, "the Gram route"
+    c = route_seconds(n_rows, d, d_out, dense=gram_dense)
+    said = (f"predicted {c['stream']:.3g} s by the stream path ({c['passes']} passes) against {c['gram']:.3g} s by"
+            f" the Gram route ({'build and dense factorisation' if gram_dense else 'build and krylov on Tc'}),"
+            f" at {c['rate'] / 1e9:.0f} GFLOP/s")
+    if fits and c["stream"] * STREAM_MARGIN < c["gram"]:
+        return "stream", said
+    return None, "the Gram route: " + said
 
 
 def path_bytes(path: str, n_rows: int, d: int, d_out: int) -> int:

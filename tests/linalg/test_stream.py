@@ -154,6 +154,40 @@ def test_kw_bound_below_the_truth_over_seeds():
         assert 0 < kw["lower"] <= truth
 
 
+def test_kfac_half_is_a_square_root_of_the_preconditioner():
+    """``L`` (the start of the shared Lanczos run) against the dense Kronecker product: ``L L^T = M``."""
+    rng = np.random.default_rng(4)
+    s, x = token_features(rng.standard_normal((200, 5, 3)), causal=True)
+    F = phi(s, x)
+    M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), s.shape[0])
+    eye = np.eye(F.shape[1])
+    L = M.half(eye)
+    dense = np.kron(s.T @ s, x.T @ x) / s.shape[0]
+    assert np.abs(L @ L.T - dense).max() <= 1e-12 * np.abs(dense).max()
+    assert np.abs(M.half_inverse(L) - eye).max() <= 1e-10
+
+
+def test_probabilistic_bound_shares_the_solve_passes():
+    """The Kuczynski-Wozniakowski bound is read off the preconditioned Lanczos run beside CG: no passes of its own
+    (the data passes are CG's plus the first sweep and the SSE pass, give or take the deflation's), and below
+    eigvalsh's lambda_min for every seed."""
+    rng = np.random.default_rng(9)
+    tok, y = rng.standard_normal((200, 6, 4)), rng.standard_normal((200, 6, 2))  # psi = 40: the Krylov runs
+    F, _ = _explicit(tok, y, causal=True)
+    truth = np.linalg.eigvalsh(F.T @ F / F.shape[0])[0]
+    for seed in range(4):
+        sol = stream_solve(rows_from_arrays(tok, y, causal=True), seed=seed)
+        est = sol.certificate.estimates
+        kw = est["lambda_min_lower_probabilistic"]
+        assert kw["shared_passes"] and kw["steps"] >= est["cg_iterations"] - 1
+        assert 0 < kw["lower"] <= truth
+        assert sol.passes <= est["cg_iterations"] + 4
+        assert est["identifiable_with_probability"] == pytest.approx(0.999)
+    from scaleattn.display._text import verdict
+    line = verdict(sol.certificate.summary())
+    assert "with probability >= 0.999" in line and "not a proof" in line
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_dual_matches_min_norm_lstsq(causal):
     rng = np.random.default_rng(11)
@@ -333,6 +367,51 @@ def test_streaming_paths_refuse_what_they_cannot_hold():
     with pytest.raises(InsufficientMemoryError, match=r"a stream fit with d = 64"):
         check_path_memory("stream", 400_000, 64, 64, 1e9)
     check_path_memory("stream", 400_000, 64, 1, 3e9)  # d = 64, d_out = 1 fits in 3 GB (tokens aside)
+
+
+def test_auto_takes_the_stream_path_by_memory_then_by_cost():
+    """'auto' takes the stream path when the Gram route is refused for memory, or when the cost model predicts it
+    1.5x faster (d = 44, 3 rows per feature: the build alone is N psi^2 / 2 flops against about 64 passes of
+    4 N psi (d_out + 5)); at d = 16 the Gram route wins; never with heads other than svd or a ridge."""
+    from scaleattn.features import n_features
+    from scaleattn.linalg._stream import fit_path, predicted_passes, route_seconds
+
+    n16, n44 = 3 * n_features(16), 3 * n_features(44)
+    path, why = fit_path("auto", n16, 16, 1, available=16e9, gram_refusal="needs 30 GiB")
+    assert path == "stream" and "needs 30 GiB" in why
+    assert fit_path("auto", n16, 16, 1, available=1e6, gram_refusal="needs 30 GiB")[0] is None  # neither fits
+    assert fit_path("auto", n16, 16, 16, available=16e9)[0] is None
+    path, why = fit_path("auto", n44, 44, 44, available=16e9, gram_dense=False)
+    assert path == "stream" and "passes" in why and "Gram route" in why
+    assert fit_path("auto", n44, 44, 44, available=16e9, heads="minimal")[0] is None
+    assert fit_path("auto", n44, 44, 44, available=16e9, ridge=1e-3)[0] is None
+    # the model's pieces: flops independent of the rate; passes grow as rows per feature fall (65 / 31 / 284
+    # measured at 3 / 10 / 1.2)
+    assert predicted_passes(3 * 100, 4) < predicted_passes(100 * 12 // 10, 4) and predicted_passes(10 * 40, 2) < 40
+    a, b = route_seconds(n44, 44, 44, dense=False, rate=1e11), route_seconds(n44, 44, 44, dense=False, rate=2e11)
+    assert a["gram"] / a["stream"] == pytest.approx(b["gram"] / b["stream"])
+    psi = n_features(44)
+    assert a["gram"] * 0.75 * 1e11 >= n44 * psi * psi / 2  # at least the build's flops
+
+
+def test_fit_auto_streams_when_the_gram_route_does_not_fit(tmp_path, monkeypatch):
+    """Through scaleattn.fit: with a memory limit below the Gram route's need and above the stream path's, 'auto'
+    streams, the report says why, and the answer is lstsq's on the explicit features."""
+    from scaleattn.distributed.memory import fit_memory
+    from scaleattn.linalg._stream import stream_bytes
+
+    rng = np.random.default_rng(21)
+    d = 10  # psi = 550
+    tok, y = rng.standard_normal((260, 6, d)), rng.standard_normal((260, 6, 1))
+    ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y)
+    gram = fit_memory(d, 1, n_rows=260 * 6)
+    limit = int(stream_bytes(d, 1) + 0.5 * gram["solver_bytes"] + 4e6)
+    assert stream_bytes(d, 1) < limit < gram["solver_bytes"] + gram["worker_bytes"]
+    monkeypatch.setenv("SCALEATTN_MEMORY_LIMIT", str(limit))
+    res = scaleattn.fit(ds, solver="auto")
+    assert res.report["solver_path"]["path"] == "stream"
+    assert "does not fit" in res.report["solver_path"]["reason"]
+    assert _agrees(res.model.coef, *_explicit(tok, y, causal=True))
 
 
 def test_fit_stream_holds_out_validation_samples(tmp_path):
