@@ -123,7 +123,9 @@ def krylov_line(r: dict) -> str:
                 + ("" if kw is None else f"; lambda_min >= {kw['lower']:.4g} with probability"
                    f" {1 - kw['failure_probability']:g} (not a proof)"))
     else:
-        line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+        pre = " (K-FAC preconditioner)" if e.get("preconditioner") == "kfac" else ""  # block-Jacobi: the default
+        line = (f"krylov: {e['passes']} passes over Tc{pre}; lambda_min {iv('lambda_min')}, lambda_max"
+                f" {iv('lambda_max')}")
     if "backward_error" in e:
         line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
                  + ("" if e["solve_converged"] else " (target NOT reached)"))

@@ -16,7 +16,12 @@ sharing each operator pass. Why this method:
 - The preconditioner: the Gram's ill-conditioning sits in the vech(S) part of the features (prefix Grams of
   one sequence are strongly correlated), which the d token blocks of m x m capture: iterations ~ 160 at d = 16
   and ~ 280 at d = 32 to a backward error of ``psi eps`` on 1.2-1.4 psi causal rows (Jacobi alone: a
-  condition number 500x larger, ~20x more iterations).
+  condition number 500x larger, ~20x more iterations). ``preconditioner="kfac"`` takes instead K-FAC from the
+  partial traces of ``Gs`` (:class:`scaleattn.linalg._kfac.TraceKFAC`): m^2 + d^2 numbers against block-Jacobi's
+  d m^2 (35 MB against 2.2 GB at d = 64), one m x m eigendecomposition against d, and on a cluster one
+  m(m+1)/2 vector per worker back against the m(m+1)/2 x d token columns; it took 6-28 % more passes than
+  block-Jacobi on the causal data measured (d = 8-32, 1.2-1.4 rows per feature; docs/performance.md), so
+  block-Jacobi stays the default.
 - Independent recurrences rather than block CG: a pass over ``Tc`` costs a fixed part (the expansion of each
   segment, shared by all columns) plus ``psi^2`` multiply-adds per column (0.2 s + 0.06 s per column at
   d = 32 on this 2-core box), so sharing passes is worth doing but a column is never free; block CG would buy
@@ -74,6 +79,7 @@ import numpy as np
 from .._backend import get_xp, to_numpy
 from ..errors import DatasetError, ParameterError
 from ._gram import BlockJacobi, blas_single_thread
+from ._kfac import TraceKFAC
 from ._lanczos import (
     EPS,
     EigenEstimate,
@@ -87,7 +93,8 @@ from ._lanczos import (
 )
 from ._spectrum import default_rtol, min_norm
 
-__all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
+__all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "preconditioner_for", "PRECONDITIONERS",
+           "DEFAULT_PRECONDITIONER", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
 
 #: default budget of operator passes for each Krylov part (solve, each eigenvalue estimate)
 MAXITER = 2000
@@ -105,6 +112,10 @@ MAX_DIAG = 1e150
 NULL_RTOL = 1e-10
 #: first LOBPCG block (grown 4x while it holds only null Ritz values); 2 needs the fewest products at d = 16
 BLOCK = 2
+#: the preconditioners of the krylov path on ``Tc`` (:func:`preconditioner_for`)
+PRECONDITIONERS = ("block-jacobi", "kfac")
+#: the default one (docs/performance.md, "K-FAC on the krylov path": block-Jacobi took fewer passes wherever measured)
+DEFAULT_PRECONDITIONER = "block-jacobi"
 #: up to this psi a null space of more than a quarter of the features is found from the assembled scaled Gram
 DENSE_NULL_MAX = 4096
 
@@ -266,6 +277,26 @@ class KrylovSolution:
     backward_error: np.ndarray
     converged: np.ndarray
     iterations: int
+    preconditioner: str = DEFAULT_PRECONDITIONER
+
+
+def preconditioner_for(op, kind=None, diagonal=None):
+    """The preconditioner of :func:`krylov_solve` on ``op``: ``"block-jacobi"`` (the d token blocks of m x m,
+    :class:`~scaleattn.linalg._gram.BlockJacobi`, from ``op.token_columns()``), ``"kfac"`` (``A's (x) B's / tr Gs``
+    from the partial traces of the Jacobi-scaled ``Gs``, :class:`~scaleattn.linalg._kfac.TraceKFAC`, from
+    ``op.partial_traces(scale)``), None for :data:`DEFAULT_PRECONDITIONER`, or an object with their interface (used
+    as given). ``diagonal``: ``diag G`` when already at hand. Raises :class:`ParameterError` for another name."""
+    kind = DEFAULT_PRECONDITIONER if kind is None else kind
+    if not isinstance(kind, str):
+        return kind
+    if kind not in PRECONDITIONERS:
+        raise ParameterError(f"the krylov preconditioner must be one of {', '.join(PRECONDITIONERS)}; got {kind!r}")
+    diag = op.diagonal() if diagonal is None else diagonal
+    if kind == "kfac":
+        xp = get_xp(diag)
+        live = diag > 0
+        return TraceKFAC(*op.partial_traces(xp.where(live, 1.0 / xp.sqrt(xp.where(live, diag, 1.0)), 0.0)), diag)
+    return BlockJacobi(op.token_columns(), diag, op.d)
 
 
 @dataclasses.dataclass
@@ -286,7 +317,7 @@ def _then_solve_done(gen, state: _LockstepState):
     return out
 
 
-def _dense_smallest(op, M: BlockJacobi, chunk: int = 256) -> dict:
+def _dense_smallest(op, M, chunk: int = 256) -> dict:
     """All eigenpairs of ``Gs``, assembled column by column through the operator (small psi only)."""
     xp, psi = op.xp, op.psi
     s = M.scale
@@ -314,8 +345,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     Parameters
     ----------
     op : GramOperator
-        Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns``
-        (:mod:`scaleattn.linalg._gram`).
+        Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns`` (block-Jacobi)
+        or ``partial_traces`` (K-FAC) (:mod:`scaleattn.linalg._gram`).
     B : array (psi, d_out), optional
         ``sum_i phi_i y_i^T``; None for the certificate alone. With ``yy`` (``sum ||y_i||^2``) the min-norm step
         moves predictions by ``MIN_NORM_RTOL`` of the residual at most, else of their norm (``spectrum.min_norm``).
@@ -345,10 +376,11 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Once a null direction shows up, a Gram with at most this many features has its smallest eigenpairs
         computed from the assembled scaled Gram (exact, and cheaper than growing LOBPCG blocks there); above
         it, or with 0, LOBPCG blocks grow 4x until a Ritz value above the cutoff settles.
-    preconditioner : object, optional
-        With ``scale``, ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
-        :class:`~scaleattn.linalg._gram.BlockJacobi` (the default, from ``op.token_columns()``); the streaming
-        path passes its K-FAC preconditioner (:class:`scaleattn.linalg._stream.KFAC`, DESIGN §4b).
+    preconditioner : {"block-jacobi", "kfac"} or object, optional
+        :func:`preconditioner_for`: by name (default :data:`DEFAULT_PRECONDITIONER`), or an object with ``scale``,
+        ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
+        :class:`~scaleattn.linalg._gram.BlockJacobi` (the streaming path passes its K-FAC preconditioner,
+        :class:`scaleattn.linalg._kfac.KFAC`, DESIGN §4b).
     min_eig_passes : int
         The least passes of the eigenvalue runs with ``eig_budget="solve"`` (:data:`MIN_EIG_PASSES`: cheap on a
         small Gram; the streaming path, where a pass reads all the data, asks for 0).
@@ -397,7 +429,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     if float(xp.max(diag)) > MAX_DIAG:  # the unscaled runs' norms square G's entries: refused, not NaN
         raise DatasetError(f"the Gram's diagonal reaches {float(xp.max(diag)):.1e}: the krylov solver's products"
                            " would overflow float64; rescale the tokens, or use solver='cholesky' or 'eigh'")
-    M = BlockJacobi(op.token_columns(), diag, op.d) if preconditioner is None else preconditioner
+    M = preconditioner_for(op, preconditioner, diag)
+    pname = getattr(M, "name", type(M).__name__)
     scale, live = M.scale, M.live
     nlive = int(live.sum())
     rng = np.random.default_rng(seed)
@@ -457,7 +490,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         if B is None:
             return spec
         return KrylovSolution(np.zeros((psi, B.shape[1])), spec, spec.null_basis(scale), np.zeros(B.shape[1]),
-                              np.ones(B.shape[1], bool), 0)
+                              np.ones(B.shape[1], bool), 0, pname)
     lan = min(int(maxiter), LANCZOS_MAX)
     gens = {"lmax_s": lanczos_largest(psi, scale, xp=xp, rtol=1e-8, maxiter=lan, seed=seed, live=livef[:, 0],
                                       state=state.lam_max_s)}
@@ -528,4 +561,5 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         notes.append(f"CG: {int((~cg['converged']).sum())} of {coef.shape[1]} outputs did not reach the backward"
                      f" error {btol:.1e} in {maxiter} passes (worst {float(np.max(cg['backward_error'])):.2e})")
     spec.passes = getattr(op, "passes", 0) - passes0
-    return KrylovSolution(coef, spec, Nb, np.asarray(cg["backward_error"]), np.asarray(cg["converged"]), iters)
+    return KrylovSolution(coef, spec, Nb, np.asarray(cg["backward_error"]), np.asarray(cg["converged"]), iters,
+                          pname)

@@ -251,7 +251,7 @@ def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:
     Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
     sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
     cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
-                           "solve_converged": bool(ks.converged.all())})
+                           "solve_converged": bool(ks.converged.all()), "preconditioner": ks.preconditioner})
     if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
         cert.estimates["traffic"] = op.traffic_summary()
     return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
@@ -312,7 +312,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         the Cholesky path then expands ``G`` into its factor's memory (one psi x psi array, not two).
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
-        ``block``, ``seed``).
+        ``block``, ``seed``, ``preconditioner``: ``"block-jacobi"``, the default, or ``"kfac"``).
 
     Returns
     -------
@@ -388,7 +388,7 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         :func:`~scaleattn.linalg._gram.gram_for`.
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
-        ``seed``).
+        ``seed``, ``preconditioner``).
 
     Returns
     -------

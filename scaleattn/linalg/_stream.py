@@ -54,6 +54,7 @@ from ..features import n_features, n_pairs, row_targets, token_features
 from ..statistics._compiled import features_t
 from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
+from ._kfac import FACTOR_FLOOR, KFAC  # noqa: F401  (KFAC and its floor are re-exported here)
 from ._krylov import LANCZOS_MAX, MAXITER, MIN_EIG_PASSES, krylov_solve, lockstep
 from ._lanczos import EPS
 from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
@@ -68,11 +69,6 @@ __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", 
 BLOCK_ROWS = 2048
 #: the rows' token features are kept between passes when they take at most this many bytes (else recomputed)
 CACHE_BYTES = 1 << 30
-#: the K-FAC factors' eigenvalues are clipped at this fraction of their largest (Jacobi-scaled). Rank-deficient
-#: data make a factor singular; a floor at its round-off (1e-13) lets the preconditioner amplify the 1e-10 error
-#: of the deflated null vectors (:data:`scaleattn.linalg._krylov.NULL_RTOL`) past the residual: CG then stalled
-#: at a backward error of 1e-13 for 2,000 passes on tokens in a 3-dimensional subspace of R^4, where 1e-10 takes 47
-FACTOR_FLOOR = 1e-10
 #: default failure probability of the probabilistic lower bound on lambda_min
 KW_FAILURE = 1e-3
 #: the probabilistic bound's run stops once the bound is this fraction of its smallest Ritz value (times
@@ -268,121 +264,6 @@ class StreamOperator:
         X = xp.concatenate([p[1] for p in parts], axis=0)
         Y = None if parts[0][2] is None else xp.concatenate([p[2] for p in parts], axis=0)
         return S, X, Y
-
-
-def _clipped_inverse(F, rel: float):
-    """``(F_s)^-1`` pieces of an SPD factor ``F``: Jacobi-scaled eigendecomposition with eigenvalues clipped at
-    ``rel`` times the largest. Returns ``(D^-1/2, U, w)`` with ``F ~ D^1/2 U diag(w) U^T D^1/2`` and a lower bound
-    on the smallest eigenvalue of that (the applied) matrix."""
-    xp = get_xp(F)
-    dg = xp.linalg.diagonal(F) if hasattr(xp, "linalg") and hasattr(xp.linalg, "diagonal") else xp.diagonal(F)
-    live = dg > 0
-    dinv = xp.where(live, 1.0 / xp.sqrt(xp.where(live, dg, 1.0)), 0.0)
-    Fs = F * dinv[:, None] * dinv[None, :]
-    Fs = (Fs + Fs.T) / 2 + xp.diag(xp.where(live, 0.0, 1.0))  # all-zero coordinates: identity (never used)
-    w, U = xp.linalg.eigh(Fs)
-    w = xp.maximum(w, rel * max(float(w[-1]), 1.0))
-    dmin = float(xp.min(xp.where(live, dg, xp.inf))) if bool(xp.any(live)) else 0.0
-    return dinv, U, w, float(w[0]) * dmin
-
-
-class KFAC:
-    """The Kronecker-factored preconditioner ``M = (A (x) B) / N`` of the feature Gram [MG15] (DESIGN §4b).
-
-    ``G = sum_i (s_i s_i^T) (x) (x_i x_i^T)`` and ``N E[s s^T] (x) E[x x^T] = (A (x) B) / N`` with the sums
-    ``A = S^T S`` (m x m), ``B = X^T X`` (d x d). ``M^-1 W`` is ``N A^-1 W_(m, d k)`` then ``B^-1`` on the d axis:
-    two small dense products per application. Each factor is inverted through the eigendecomposition of its
-    Jacobi-scaled form, eigenvalues clipped at :data:`FACTOR_FLOOR` of the largest, so ``M`` is SPD
-    however singular the data; ``lambda_min(M)`` is bounded from below exactly for the ``M`` applied.
-
-    The interface is :class:`scaleattn.linalg._gram.BlockJacobi`'s: ``scale`` (``diag(G)^-1/2``, 0 for all-zero
-    features), ``live``, :meth:`apply` (``M^-1``), :meth:`apply_scaled` (``Ms^-1`` with ``Ms = S M S``),
-    :meth:`min_eigenvalues`; plus :meth:`half_inverse` (``L^-1`` and ``L^-T`` with ``M = L L^T``).
-
-    Parameters
-    ----------
-    A : array (m, m)
-    B : array (d, d)
-        The sums ``S^T S`` and ``X^T X`` (:class:`StreamOperator`).
-    diagonal : array (psi,)
-        ``diag G``.
-    n_rows : int
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from scaleattn.features import token_features, phi
-    >>> s, x = token_features(np.random.default_rng(0).standard_normal((300, 4, 2)))
-    >>> F = phi(s, x)
-    >>> M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), 300)
-    >>> Mdense = np.kron(s.T @ s, x.T @ x) / 300
-    >>> bool(np.allclose(M.apply(np.eye(6)), np.linalg.inv(Mdense)))
-    True
-    """
-
-    name = "kfac"
-
-    def __init__(self, A, B, diagonal, n_rows: int):
-        xp = get_xp(A, B, diagonal)
-        self.xp, self.m, self.d = xp, A.shape[0], B.shape[0]
-        self.psi, self.n = self.m * self.d, max(int(n_rows), 1)
-        self.live = diagonal > 0
-        self.scale = xp.where(self.live, 1.0 / xp.sqrt(xp.where(self.live, diagonal, 1.0)), 0.0)
-        self._root = xp.where(self.live, xp.sqrt(xp.where(self.live, diagonal, 0.0)), 0.0)  # S^-1 on live
-        self._dA, self._UA, self._wA, lowA = _clipped_inverse(A, FACTOR_FLOOR)
-        self._dB, self._UB, self._wB, lowB = _clipped_inverse(B, FACTOR_FLOOR)
-        self._lam_min = lowA * lowB / self.n
-        dmax = float(xp.max(xp.where(self.live, diagonal, 0.0)))
-        self._lam_min_s = self._lam_min / dmax if dmax > 0 else 0.0
-        # F^-1 = D^-1/2 U diag(1/w) U^T D^-1/2, formed once: each application is then two GEMMs
-        self._Ainv = (self._dA[:, None] * self._UA / self._wA[None, :]) @ (self._UA.T * self._dA[None, :])
-        self._Binv = (self._dB[:, None] * self._UB / self._wB[None, :]) @ (self._UB.T * self._dB[None, :])
-
-    def _kron(self, FA, FB, R):
-        """``(FA (x) FB) R`` for R (psi, k), feature order P-major (P d + l)."""
-        xp, m, d = self.xp, self.m, self.d
-        k = R.shape[1]
-        T = xp.reshape(xp.matmul(FA, xp.reshape(R, (m, d * k))), (m, d, k))
-        return xp.reshape(xp.matmul(FB, T), (self.psi, k))
-
-    def apply(self, R):
-        """``M^-1 R`` (original coordinates; zero on all-zero features)."""
-        lv = self.xp.astype(self.live, self.xp.float64)[:, None]
-        return self.n * self._kron(self._Ainv, self._Binv, R * lv) * lv
-
-    def apply_scaled(self, R):
-        """``Ms^-1 R = S^-1 M^-1 S^-1 R`` (Jacobi-scaled coordinates, ``S = diag(G)^-1/2``)."""
-        r = self._root[:, None]
-        return r * self.apply(r * R)
-
-    def half_inverse(self, R, transpose: bool = False):
-        """``L^-1 R`` (or ``L^-T R``) with ``M = L L^T``, ``L = sqrt(N)^-1 (D_A^1/2 U_A w_A^1/2) (x) (D_B^1/2 U_B
-        w_B^1/2)``: ``C = L^-1 G L^-T`` has the eigenvalues of ``M^-1 G``."""
-        xp = self.xp
-        lv = xp.astype(self.live, xp.float64)[:, None]
-        if transpose:  # L^-T = sqrt(N) (D^-1/2 U w^-1/2) (x) ...
-            FA = self._dA[:, None] * self._UA / xp.sqrt(self._wA)[None, :]
-            FB = self._dB[:, None] * self._UB / xp.sqrt(self._wB)[None, :]
-            return math.sqrt(self.n) * self._kron(FA, FB, R) * lv
-        FA = (self._UA / xp.sqrt(self._wA)[None, :]).T * self._dA[None, :]
-        FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
-        return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
-
-    def half(self, R):
-        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L``): ``L g`` for a Gaussian ``g`` has covariance
-        ``M``, the start that makes the preconditioned Lanczos run's first vector uniform on the sphere."""
-        xp = self.xp
-        lv = xp.astype(self.live, xp.float64)[:, None]
-        root = lambda d: xp.where(d > 0, 1.0 / xp.where(d > 0, d, 1.0), 0.0)  # noqa: E731 (D^1/2 from D^-1/2)
-        FA = root(self._dA)[:, None] * self._UA * xp.sqrt(self._wA)[None, :]
-        FB = root(self._dB)[:, None] * self._UB * xp.sqrt(self._wB)[None, :]
-        return self._kron(FA, FB, R * lv) * lv / math.sqrt(self.n)
-
-    def min_eigenvalues(self) -> tuple[float, float]:
-        """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
-        lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
-        ``lambda_min(Ms) >= lambda_min(M) / max(diag G)``."""
-        return self._lam_min_s, self._lam_min
 
 
 class Jacobi(KFAC):
