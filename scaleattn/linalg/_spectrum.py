@@ -13,13 +13,16 @@ units of the features; eigenvalues at or below ``cutoff_rtol * lambda_max(Gs)`` 
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .._params import choice
 from ..errors import ParameterError
 from ._dense import blocked_cholesky, cholesky, gemm, largest_eigenvalues, symmetric_product, triangular_product
-from ._gram import operator_of
+from ._gram import blas_single_thread, operator_of
+from ._lanczos import EigenEstimate
 
 __all__ = ["Spectrum", "scaled_spectrum", "eigvalsh", "CholeskyFactor", "cholesky_factor", "factor_gram",
            "solver_path", "default_rtol", "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI",
@@ -360,11 +363,6 @@ def gershgorin_pass(G: np.ndarray, scale: np.ndarray, X: np.ndarray | None, rows
     (each block read from memory once), on one Python thread per core with one BLAS thread each: a threaded BLAS
     call per small block costs more in its threads' hand-offs than the block's arithmetic (measured at d = 24, 2
     cores: 0.2 s against 1.4-8 s)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ._gram import blas_single_thread
-
     n = G.shape[0]
     w = np.stack([scale, np.ones(n)], axis=1)
     Y = None if X is None else np.empty((n, X.shape[1]), order="F")
@@ -751,8 +749,6 @@ def _top_one_pass(G: np.ndarray, scale: np.ndarray, diag: np.ndarray, block: int
     vectors gave). Returns the two bounds and the two :class:`scaleattn.linalg._lanczos.EigenEstimate`
     ([value, bound], one product)."""
     import scipy.linalg
-
-    from ._lanczos import EigenEstimate
 
     n = diag.shape[0]
     k = max(1, min(int(block), n))
