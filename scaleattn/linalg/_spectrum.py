@@ -48,7 +48,9 @@ EIGH_FALLBACK_PSI = 8_000
 #: at d = 32 on 1.2 rows per feature (``scaleattn bench krylov``) Cholesky is the faster, so it stays the
 #: default wherever it fits, up to d = 32
 KRYLOV_PSI = 20_000
-#: the Cholesky path's extreme eigenvalues (:func:`cholesky_factor`): the estimated relative error of the
+#: the Cholesky path's extreme eigenvalues where the shifted factorisation proves nothing (the fall-back path of
+#: :func:`cholesky_factor`; the proved path takes :data:`INVERSE_STEPS` and :data:`TOP_STEPS`): the estimated
+#: relative error of the
 #: smallest (``residual^2 / gap`` of its Ritz pair, [P98] §11.7), the vectors per operator of their block Krylov
 #: runs and the products at most. What needs them: the verdict (``w_min / w_max`` against the cutoff with a
 #: factor-10 margin, :data:`scaleattn.linalg._certificate.SETTLE_FACTOR`) and the printed 4-digit ``lambda_min``.
