@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from .._backend import get_xp
+from .._backend import device_of, get_xp
 
 __all__ = ["KFAC", "TraceKFAC", "FACTOR_FLOOR"]
 
@@ -37,7 +37,9 @@ def _clipped_inverse(F, rel: float):
     live = dg > 0
     dinv = xp.where(live, 1.0 / xp.sqrt(xp.where(live, dg, 1.0)), 0.0)
     Fs = F * dinv[:, None] * dinv[None, :]
-    Fs = (Fs + Fs.T) / 2 + xp.diag(xp.where(live, 0.0, 1.0))  # all-zero coordinates: identity (never used)
+    # all-zero coordinates: identity (never used); the standard has no diag(v): eye times v (the same bits)
+    eye = xp.eye(F.shape[0], dtype=F.dtype, device=device_of(F))
+    Fs = (Fs + Fs.T) / 2 + eye * (1.0 - xp.astype(live, F.dtype))[None, :]
     w, U = xp.linalg.eigh(Fs)
     w = xp.maximum(w, rel * max(float(w[-1]), 1.0))
     dmin = float(xp.min(xp.where(live, dg, xp.inf))) if bool(xp.any(live)) else 0.0

@@ -12,6 +12,11 @@ causal prefixes the running sum of ``z z^T``) and ``X`` (rows, d) the query toke
 so ``G W = Phi^T (Phi W)`` costs about ``4 N psi k`` flops and holds ``O(rows m + psi k)`` (:class:`StreamOperator`).
 ``S`` is recomputed from the tokens in every pass unless the rows fit in :data:`CACHE_BYTES`.
 
+Devices. The tokens may be arrays of any array API library (numpy, CuPy; :mod:`scaleattn._backend`): the first
+sweep's sums, the K-FAC factors, the krylov vectors and every pass stay on the tokens' device; per-column numbers,
+the small projected eigenproblems and the Lanczos tridiagonals go to the host, and the results (:class:`StreamSolution`,
+the certificate) are numpy whatever the device, as for numpy tokens.
+
 Three paths live here:
 
 - :func:`stream_solve` (N >= psi): CG on the normal equations ``G c = Phi^T Y`` through
@@ -48,7 +53,7 @@ import time
 
 import numpy as np
 
-from .._backend import get_xp, is_numpy, to_numpy
+from .._backend import device_of, from_host, get_xp, is_numpy, on_device, to_numpy, vector_norm
 from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs, row_targets, token_features
 from ..statistics._compiled import features_t
@@ -56,7 +61,7 @@ from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller
 from ._kfac import FACTOR_FLOOR, KFAC  # noqa: F401  (KFAC and its floor are re-exported here)
 from ._krylov import LANCZOS_MAX, MAXITER, MIN_EIG_PASSES, krylov_solve, lockstep
-from ._lanczos import EPS
+from ._lanczos import EPS, _cols
 from ._spectrum import MIN_NORM_RTOL, SSE_SLACK, default_rtol
 
 __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", "StreamOperator", "KFAC", "Jacobi",
@@ -199,12 +204,12 @@ class StreamOperator:
         yy, rows = 0.0, 0
         with _blas_threads():
             for s, x, y in source.blocks():
-                if xp is None:
-                    xp = get_xp(s)
-                    diag = xp.zeros((m, d), dtype=xp.float64)
-                    A = xp.zeros((m, m), dtype=xp.float64)
-                    Bx = xp.zeros((d, d), dtype=xp.float64)
-                    mom = xp.zeros((m, d * k), dtype=xp.float64)
+                if xp is None:  # everything the sweep gathers stays on the rows' device
+                    xp, dev = get_xp(s), device_of(s)
+                    diag = xp.zeros((m, d), dtype=xp.float64, device=dev)
+                    A = xp.zeros((m, m), dtype=xp.float64, device=dev)
+                    Bx = xp.zeros((d, d), dtype=xp.float64, device=dev)
+                    mom = xp.zeros((m, d * k), dtype=xp.float64, device=dev)
                 diag += xp.matmul((s * s).T, x * x)
                 A += xp.matmul(s.T, s)
                 Bx += xp.matmul(x.T, x)
@@ -215,7 +220,7 @@ class StreamOperator:
                 self.note(f"first sweep (diag G, K-FAC factors, moments): {rows:,} rows")
         if xp is None:
             raise DatasetError("the data have no rows: nothing to fit")
-        self.xp, self.n_rows, self.yy = xp, rows, yy
+        self.xp, self.device, self.n_rows, self.yy = xp, dev, rows, yy
         self._diag = xp.reshape(diag, (self.psi,))
         self.A, self.B = A, Bx
         self.moments = xp.reshape(mom, (self.psi, k)) if k else None
@@ -227,11 +232,12 @@ class StreamOperator:
         return self._diag
 
     def matmat(self, W):
-        """``G W = Phi^T (Phi W)`` for ``W`` (psi, k): one pass over the rows."""
+        """``G W = Phi^T (Phi W)`` for ``W`` (psi, k) on the rows' device (a host ``W`` is moved there): one pass
+        over the rows."""
         xp, m, d = self.xp, self.m, self.d
         k = W.shape[1]
-        W3 = xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))
-        out = xp.zeros((m, d * k), dtype=xp.float64)
+        W3 = xp.reshape(xp.asarray(on_device(W, xp, self.device), dtype=xp.float64), (m, d * k))
+        out = xp.zeros((m, d * k), dtype=xp.float64, device=self.device)
         t = time.perf_counter()
         with _blas_threads():
             for s, x, _ in self.source.blocks():
@@ -246,7 +252,7 @@ class StreamOperator:
     def residual_sse(self, coef) -> float:
         """``sum_i ||y_i - c^T phi_i||^2`` by a pass (exact to round-off; no cancellation against ``yy``)."""
         xp = self.xp
-        c = xp.asarray(coef, dtype=xp.float64)
+        c = xp.asarray(on_device(coef, xp, self.device), dtype=xp.float64)  # host coefficients moved to the rows
         k = c.shape[1]
         W3 = xp.reshape(c, (self.m, self.d * k))
         sse = 0.0
@@ -260,9 +266,9 @@ class StreamOperator:
         """All rows at once: ``(S (N, m), X (N, d), Y (N, d_out) or None)`` (the dual path; N x (m + d) floats)."""
         xp = self.xp
         parts = list(self.source.blocks())
-        S = xp.concatenate([p[0] for p in parts], axis=0)
-        X = xp.concatenate([p[1] for p in parts], axis=0)
-        Y = None if parts[0][2] is None else xp.concatenate([p[2] for p in parts], axis=0)
+        S = xp.concat([p[0] for p in parts], axis=0)
+        X = xp.concat([p[1] for p in parts], axis=0)
+        Y = None if parts[0][2] is None else xp.concat([p[2] for p in parts], axis=0)
         return S, X, Y
 
 
@@ -347,8 +353,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     import scipy.linalg
 
     xp, psi = op.xp, op.psi
-    live = to_numpy(M.live)
-    n = int(live.sum())
+    n = int(xp.count_nonzero(M.live))
     out = {"lower": 0.0, "failure_probability": float(failure), "steps": 0, "theta_min": float("nan"),
            "theta_max": float("nan"), "eps": float("nan"), "rigorous": False, "method": "Kuczynski-Wozniakowski"}
     if n == 0:
@@ -357,8 +362,10 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     steps = min(int(maxiter), n)
 
     def gen():
-        g = np.random.default_rng([seed, 11]).standard_normal(psi) * live
-        q = xp.asarray(g / np.linalg.norm(g))
+        # the seeded start is made on the host (the same numbers on every device) and moved to the rows' device
+        g = from_host(np.random.default_rng([seed, 11]).standard_normal(psi), xp, device_of(op.diagonal()))
+        g = g * xp.astype(M.live, xp.float64)
+        q = g / vector_norm(g, xp)
         Q, alpha, beta = [], [], []
         for j in range(steps):
             Q.append(q)
@@ -368,7 +375,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
             Qm = xp.stack(Q, axis=1)
             for _ in range(2):
                 w = w - Qm @ (Qm.T @ w)
-            b = float(xp.linalg.norm(w))
+            b = float(vector_norm(w, xp))
             alpha.append(a)
             ev = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta), eigvals_only=True)
             k = j + 1
@@ -520,14 +527,14 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         raise ParameterError("the data have no targets; cannot solve (certify_only=True gives the certificate)")
     op = StreamOperator(source, note) if op is None else op
     xp, psi = op.xp, op.psi
-    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    rtol = float(default_rtol(psi)) if cutoff_rtol is None else float(cutoff_rtol)
     M = _preconditioner(op, preconditioner)
     B = None if certify_only else op.moments
     # the preconditioned Lanczos run starts from r_0 = S L g (g Gaussian, M = L L^T): its Ritz values then give the
     # probabilistic lower bound with no passes of its own (kw_bound); the eigenvalue runs end with the solve
-    g = xp.asarray(np.random.default_rng([seed, 11]).standard_normal((psi, 1)))
+    g = from_host(np.random.default_rng([seed, 11]).standard_normal((psi, 1)), xp, device_of(M.scale))  # host seed
     start = M.scale * M.half(g)[:, 0]
-    n_live, lam_m, steps_max = int(xp.sum(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
+    n_live, lam_m, steps_max = int(xp.count_nonzero(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
 
     def enough(lo, hi, k, over):  # the bound reached KW_TARGET of what the run shows, or the rest is done and it holds
         b = kw_bound(lo, hi, k, n_live, lam_m, failure, steps_max)[0]
@@ -631,7 +638,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     xp, psi, m, d = op.xp, op.psi, op.m, op.d
     if op.n_rows >= psi:
         raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")
-    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    rtol = float(default_rtol(psi)) if cutoff_rtol is None else float(cutoff_rtol)
     S, X, Y = op.rows()
     # Jacobi-like scaling that keeps the Kronecker structure: S's columns by their RMS, X's by theirs. A rescaling
     # of the token coordinates scales phi's columns by exactly such a product, so K~ = (S~ S~^T) * (X~ X~^T) does not
@@ -652,13 +659,13 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     top = max(float(w0[-1]), 0.0)  # lambda_max(G) = lambda_max(K), unscaled
     top_s = max(float(w[-1]), 0.0)
     keep = w > rtol * top_s
-    rank = int(xp.sum(keep))
-    wk = to_numpy(w)
+    rank = int(xp.count_nonzero(keep))
     n = max(op.n_rows, 1)
-    kept = wk[to_numpy(keep)]
-    cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
+    ki = xp.nonzero(keep)[0]  # the eigenvalues stay on the device: only the scalars below come to the host
+    wr = xp.take(w, ki)
+    cond = float(wr[-1] / wr[0]) if rank else float("inf")
     est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
-           "kernel_eigenvalues_relative": [float(wk[0] / top_s) if top_s else 0.0, 1.0],
+           "kernel_eigenvalues_relative": [float(w[0] / top_s) if top_s else 0.0, 1.0],
            "kernel_scaled": True,
            "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
            "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
@@ -669,7 +676,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     if certify_only:
         del K
         return cert
-    Ur, wr = U[:, keep], w[keep]
+    Ur = _cols(U, ki)
     del U
 
     def phi_t(R, s=S, x=X):  # Phi^T R (psi, k) from the rows held
@@ -690,8 +697,8 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         # is the scaled answer's to round-off (as scaleattn.linalg._spectrum.min_norm decides for the Gram path)
         w0, U0 = xp.linalg.eigh(K)
         del K
-        keep0 = w0 > rtol * top
-        U0r, w0r = U0[:, keep0], w0[keep0]
+        k0 = xp.nonzero(w0 > rtol * top)[0]
+        U0r, w0r = _cols(U0, k0), xp.take(w0, k0)
         del U0
         c0 = phi_t(U0r @ ((U0r.T @ pred) / w0r[:, None]))
         pred0 = phi_w(c0 * fscale, St, Xt)
@@ -706,16 +713,17 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         est["min_norm_original_coordinates"] = min_norm_kept
         # the witness: a random direction without its row-space part (orthogonal to every phi_i), found in the
         # scaled coordinates (Phi v = Phi~ (fscale v)) and mapped back
-        u = xp.asarray(np.random.default_rng([seed, 5]).standard_normal((psi, 1)))
+        u = from_host(np.random.default_rng([seed, 5]).standard_normal((psi, 1)), xp, device_of(S))  # host seed
         for _ in range(2):  # twice: one projection leaves round-off of the row-space part
             u = u - phi_t(Ur @ ((Ur.T @ phi_w(u, St, Xt)) / wr[:, None]), St, Xt)
         v = u / fscale
-        v = v / xp.linalg.norm(v)
-        # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K)
+        v = v / vector_norm(v, xp)
+        # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K) (d_out numbers)
         g = phi_t(pred - Y)
-        be = to_numpy(xp.linalg.norm(g, axis=0)) / np.maximum(
-            to_numpy(top * xp.linalg.norm(coef, axis=0) + xp.linalg.norm(op.moments, axis=0)), 1e-300)
+        be = to_numpy(vector_norm(g, xp, axis=0)) / np.maximum(
+            to_numpy(top * vector_norm(coef, xp, axis=0) + vector_norm(op.moments, xp, axis=0)), 1e-300)
     est.update(backward_error=be.tolist(), solve_converged=True)
+    # the results (coef, the witness: psi x d_out and psi x 1) come to the host once: the solution is host-side
     return StreamSolution(to_numpy(coef), cert, to_numpy(v), sse, be, np.ones(be.shape[0], bool), 1, "dual",
                           op.n_rows, op.yy, 0.0, float(rank))
 
@@ -728,7 +736,10 @@ def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
     """Rows of a data set: ``n`` (last token), ``n T`` or ``sum(lengths)`` (causal)."""
     if not causal:
         return int(n_samples)
-    return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
+    if lengths is None:
+        return int(n_samples) * int(length)
+    xp = get_xp(lengths)  # device lengths are summed on their device; host array-likes (zarr, lists) through numpy
+    return int(np.sum(to_numpy(lengths))) if is_numpy(xp) else int(xp.sum(lengths))
 
 
 #: efficiencies (fractions of the DGEMM rate) of the work the cost model counts, measured on the 2-core test VM:
