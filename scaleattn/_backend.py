@@ -20,7 +20,8 @@ import numpy as np
 from .errors import DeviceMismatchError, MissingDependencyError, ParameterError
 
 __all__ = ["get_xp", "is_numpy", "numpy_or_cupy", "device_of", "on_accelerator", "from_host", "on_device",
-           "as_float64", "contiguous", "to_numpy", "have_cupy", "array_module", "check_device", "DEVICES"]
+           "as_float64", "contiguous", "to_numpy", "vector_norm", "have_cupy", "array_module", "check_device",
+           "DEVICES"]
 
 #: the devices a statistics build can run on (``--device``)
 DEVICES = ("auto", "cpu", "gpu")
@@ -168,6 +169,13 @@ def to_numpy(a):
     if array_api_compat.is_torch_array(a):
         return a.detach().cpu().numpy()
     return np.from_dlpack(a)
+
+
+def vector_norm(a, xp, axis=None):
+    """The 2-norm of ``a`` (all of it, or along ``axis``) in its namespace: ``linalg.norm`` where the library has it
+    (numpy, CuPy: their bits, a 1-d norm by ``sqrt(dot)``), else the standard's ``linalg.vector_norm``."""
+    norm = getattr(xp.linalg, "norm", None)
+    return norm(a, axis=axis) if norm is not None else xp.linalg.vector_norm(a, axis=axis)
 
 
 def have_cupy() -> bool:

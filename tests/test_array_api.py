@@ -482,3 +482,240 @@ def test_torch_tensors_take_the_same_path():
     out = attention(*(torch.asarray(A[k]) for k in NAMES), causal=True)
     ref_o = attention(*(A[k] for k in NAMES), causal=True)
     assert np.abs(to_numpy(out) - ref_o).max() <= 1e-14 * np.abs(ref_o).max()
+
+
+# ---- the streaming path: passes over device rows, K-FAC, the krylov driver, the dual -----------------------------
+@contextlib.contextmanager
+def host_copies():
+    """Like :func:`host_allowed`, recording the shape of every device array copied to the host: the streaming path
+    may copy per-column numbers and projected problems every pass, but psi-sized arrays only a fixed number of
+    times per solve (its results, the per-feature flags, the small dense eigenproblem's eigenvalues)."""
+    shapes = []
+
+    def record(a, *args, **kwargs):
+        if isinstance(a, xs._array_object.Array):
+            shapes.append(tuple(a.shape))
+        return _FROM_DLPACK(a, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(np, "from_dlpack", record)
+        yield shapes
+
+
+def check_copies(shapes, psi, n_rows, most=10):
+    """No copy has the rows' length; a copy with an axis of psi or more is one of at most ``most`` (a fit on
+    singular data: the coefficients, the null basis, the per-feature flags, diag G and three products ``G n`` of
+    the host's min-norm step, the dense null eigenproblem's eigenvalues and residuals: 9)."""
+    assert all(n_rows not in s for s in shapes), shapes
+    big = [s for s in shapes if max(s, default=0) >= psi]
+    assert len(big) <= most, big
+
+
+def stream_data(case, seed=11):
+    """Tokens, targets, lengths, causal: d = 4 (psi 40, so LOBPCG and the preconditioned Lanczos run, not the
+    small dense eigenproblem), several blocks of rows."""
+    rng = np.random.default_rng(seed)
+    if case == "causal lengths":
+        return rng.standard_normal((70, 6, 4)), rng.standard_normal((70, 6, 2)), rng.integers(1, 7, 70), True
+    if case == "last token":
+        return rng.standard_normal((130, 5, 4)), rng.standard_normal((130, 1)), rng.integers(1, 6, 130), False
+    Q = np.linalg.qr(rng.standard_normal((4, 4)))[0][:, :3]  # tokens in a 3-dim subspace: G singular
+    return rng.standard_normal((60, 6, 3)) @ Q.T, rng.standard_normal((60, 6, 2)), None, True
+
+
+def explicit(tok, y, lens, causal):
+    s, x = token_features(tok, lens, causal)
+    return phi(s, x), row_targets(y, lens, causal)
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max()) / float(np.abs(b).max())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_stream_operator_sweep_and_matmat(dev, causal):
+    """The first sweep (diag G, the K-FAC sums, the moments) and a pass ``G W`` on device rows: on the rows' device,
+    equal to the numpy operator's and to the dense ``phi^T phi W`` of the explicit features."""
+    from scaleattn.linalg._stream import StreamOperator, rows_from_arrays
+
+    tok, y, lens, _ = stream_data("causal lengths")
+    yc = y if causal else y[:, -1]
+    F, Y = explicit(tok, yc, lens, causal)
+    s, x = token_features(tok, lens, causal)
+    src = rows_from_arrays(put(tok, dev), put(yc, dev), put(lens, dev), causal, block_rows=40)  # several blocks
+    op, ref = StreamOperator(src), StreamOperator(rows_from_arrays(tok, yc, lens, causal, block_rows=40))
+    assert op.n_rows == ref.n_rows == F.shape[0]
+    for got, want, dense in ((op.diagonal(), ref.diagonal(), np.sum(F * F, axis=0)), (op.A, ref.A, s.T @ s),
+                             (op.B, ref.B, x.T @ x), (op.moments, ref.moments, F.T @ Y)):
+        same(got, want, dev, rtol=1e-14)
+        same(got, dense, dev, rtol=1e-13)
+    assert op.yy == pytest.approx(float(np.sum(Y * Y)), rel=1e-13)
+    W = np.random.default_rng(5).standard_normal((F.shape[1], 3))
+    same(op.matmat(put(W, dev)), ref.matmat(W), dev, rtol=1e-14)
+    same(op @ put(W, dev), F.T @ (F @ W), dev, rtol=1e-13)
+    same(op.matmat(W), F.T @ (F @ W), dev, rtol=1e-13)  # a host block is moved to the rows' device
+    assert op.passes == 3
+    assert op.residual_sse(W[:, :2]) == pytest.approx(float(np.sum((Y - F @ W[:, :2]) ** 2)), rel=1e-12)
+
+
+def test_kfac_and_jacobi_on_the_device(dev):
+    """K-FAC from device factors: ``M^-1`` against the inverse of the dense ``kron(A, B) / N``, its scaled form, its
+    halves (``L L^T = M``) and its eigenvalue bound against numpy's; Jacobi against ``1 / diag``."""
+    from scaleattn.linalg._stream import KFAC, Jacobi
+
+    s, x = token_features(np.random.default_rng(2).standard_normal((300, 4, 3)))
+    F = phi(s, x)
+    A, B, dg, N = s.T @ s, x.T @ x, np.sum(F * F, axis=0), 300
+    M, Mr = KFAC(put(A, dev), put(B, dev), put(dg, dev), N), KFAC(A, B, dg, N)
+    Mdense = np.kron(A, B) / N
+    R = np.random.default_rng(3).standard_normal((F.shape[1], 2))
+    same(M.apply(put(R, dev)), np.linalg.inv(Mdense) @ R, dev, rtol=1e-10)
+    same(M.apply(put(R, dev)), Mr.apply(R), dev, rtol=1e-14)
+    same(M.apply_scaled(put(R, dev)), np.sqrt(dg)[:, None] * (np.linalg.inv(Mdense) @ (np.sqrt(dg)[:, None] * R)),
+         dev, rtol=1e-10)
+    L = host(M.half(put(np.eye(F.shape[1]), dev)))
+    np.testing.assert_allclose(L @ L.T, Mdense, rtol=0, atol=1e-10 * np.abs(Mdense).max())
+    same(M.half_inverse(put(L @ R, dev)), R, dev, rtol=1e-10)
+    same(M.half_inverse(put(R, dev), transpose=True), np.linalg.solve(L.T, R), dev, rtol=1e-10)
+    low_s, low = M.min_eigenvalues()
+    assert (low_s, low) == pytest.approx(Mr.min_eigenvalues(), rel=1e-12)
+    assert 0 < low <= np.linalg.eigvalsh(Mdense)[0] * (1 + 1e-12)
+    J = Jacobi(put(dg, dev), N)
+    same(J.apply(put(R, dev)), R / dg[:, None], dev, rtol=1e-14)
+    same(J.half(J.half_inverse(put(R, dev))), R, dev, rtol=1e-14)
+
+
+def test_trace_kfac_on_the_device(dev):
+    """The krylov path's K-FAC from partial traces, on device factors: exact on a Kronecker Gram (``M^-1 G = I``)."""
+    from scaleattn.linalg._kfac import TraceKFAC
+
+    rng = np.random.default_rng(0)
+    G = np.kron(np.cov(rng.standard_normal((3, 9))), np.cov(rng.standard_normal((2, 9))))
+    s = 1 / np.sqrt(np.diag(G))
+    G4 = (G * s[:, None] * s[None, :]).reshape(3, 2, 3, 2)
+    At, Bt = np.einsum("plql->pq", G4), np.einsum("plpk->lk", G4)
+    M = TraceKFAC(put(At, dev), put(Bt, dev), put(np.diag(G), dev))
+    same(M.apply(put(G, dev)), np.eye(6), dev, rtol=1e-12)
+    same(M.apply(put(G, dev)), TraceKFAC(At, Bt, np.diag(G)).apply(G), dev, rtol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["causal lengths", "last token", "rank-deficient"])
+def test_stream_solve_on_the_device(dev, case):
+    """``stream_solve`` on device rows (fit and certificate): numpy coefficients equal to the numpy path's and to
+    lstsq on the explicit features (min-norm on singular data), the same verdict, rank and eigenvalues; the vectors
+    stay on the device (only a fixed number of psi-sized copies, whatever the passes)."""
+    from scaleattn.linalg._stream import rows_from_arrays, stream_solve
+
+    tok, y, lens, causal = stream_data(case)
+    F, Y = explicit(tok, y, lens, causal)
+    ref = stream_solve(rows_from_arrays(tok, y, lens, causal, block_rows=64))
+    with host_copies() as shapes:
+        sol = stream_solve(rows_from_arrays(put(tok, dev), put(y, dev), None if lens is None else put(lens, dev),
+                                            causal, block_rows=64))
+    assert isinstance(sol.coef, np.ndarray) and isinstance(sol.null_basis, np.ndarray)  # a host-side solution
+    assert sol.passes > 20 and sol.converged.all()
+    check_copies(shapes, F.shape[1], F.shape[0])
+    assert rel(sol.coef, ref.coef) <= 1e-12
+    assert rel(sol.coef, np.linalg.lstsq(F, Y, rcond=None)[0]) <= 1e-8
+    rank = np.linalg.matrix_rank(F)
+    c, c_ref = sol.certificate, ref.certificate
+    assert sol.rank == ref.rank == rank and c.verdict == c_ref.verdict
+    assert c.verdict == ("identifiable" if rank == F.shape[1] else "not identifiable")
+    assert sol.sse == pytest.approx(float(np.sum((Y - F @ sol.coef) ** 2)), rel=1e-9)
+    lam = np.linalg.eigvalsh(F.T @ F / F.shape[0])
+    assert c.lambda_max == pytest.approx(c_ref.lambda_max, rel=1e-10)
+    assert c.lambda_max == pytest.approx(lam[-1], rel=1e-6)
+    if rank == F.shape[1]:  # the interval holds the truth (the runs end with the solve: its width depends on when)
+        lo, hi = c.estimates["lambda_min"]["lower"], c.estimates["lambda_min"]["upper"]
+        assert lo * (1 - 1e-9) <= lam[0] <= hi * (1 + 1e-9) and hi <= 1.1 * lam[0]
+        kw = c.estimates["lambda_min_lower_probabilistic"]
+        assert 0 < kw["lower"] <= lam[0]
+    else:
+        assert np.abs(F @ sol.null_basis).max() <= 1e-6 * np.abs(F).max()
+    if case == "causal lengths":  # (the certificate alone on the two others: this test's time)
+        return
+    with host_copies() as shapes:
+        cert = stream_solve(rows_from_arrays(put(tok, dev), None, None if lens is None else put(lens, dev), causal,
+                                             block_rows=64), certify_only=True)
+    check_copies(shapes, F.shape[1], F.shape[0], most=3)
+    assert cert.verdict == c.verdict and cert.rank == rank
+
+
+def test_stream_solve_jacobi_on_the_device(dev):
+    """The diagonal preconditioner in K-FAC's interface on device rows: lstsq's answer, copies as K-FAC's."""
+    from scaleattn.linalg._stream import rows_from_arrays, stream_solve
+
+    tok, y, lens, causal = stream_data("causal lengths", seed=4)
+    F, Y = explicit(tok, y, lens, causal)
+    with host_copies() as shapes:
+        sol = stream_solve(rows_from_arrays(put(tok, dev), put(y, dev), put(lens, dev), causal),
+                           preconditioner="jacobi")
+    check_copies(shapes, F.shape[1], F.shape[0])
+    assert sol.certificate.estimates["preconditioner"] == "jacobi"
+    assert rel(sol.coef, np.linalg.lstsq(F, Y, rcond=None)[0]) <= 1e-8
+
+
+def test_dual_solve_on_the_device(dev):
+    """Fewer rows than features: the dual on device rows equals the numpy dual and the min-norm lstsq; the witness
+    is a null direction; the certificate alone says not identifiable with rank N."""
+    from scaleattn.linalg._stream import dual_solve, rows_from_arrays
+
+    rng = np.random.default_rng(6)
+    tok, y, lens = rng.standard_normal((20, 5, 4)), rng.standard_normal((20, 5, 2)), rng.integers(1, 3, 20)
+    F, Y = explicit(tok, y, lens, True)
+    assert F.shape[0] < F.shape[1]
+    ref = dual_solve(rows_from_arrays(tok, y, lens, True))
+    with host_copies() as shapes:
+        sol = dual_solve(rows_from_arrays(put(tok, dev), put(y, dev), put(lens, dev), True))
+        cert = dual_solve(rows_from_arrays(put(tok, dev), None, put(lens, dev), True), certify_only=True)
+    check_copies(shapes, F.shape[1], F.shape[0] + 1, most=2)
+    assert isinstance(sol.coef, np.ndarray)
+    assert rel(sol.coef, ref.coef) <= 1e-10
+    assert rel(sol.coef, np.linalg.lstsq(F, Y, rcond=None)[0]) <= 1e-8
+    assert sol.rank == cert.rank == np.linalg.matrix_rank(F) == F.shape[0]
+    assert sol.certificate.verdict == cert.verdict == "not identifiable"
+    assert np.abs(F @ sol.null_basis).max() <= 1e-8 * np.abs(F).max() and np.linalg.norm(sol.null_basis) == \
+        pytest.approx(1.0)
+
+
+def test_kw_lower_bound_on_the_device(dev):
+    """The probabilistic lower bound's own Lanczos run on device rows: the numpy run's numbers, below the true
+    lambda_min(G); its basis stays on the device (only the tridiagonal's numbers cross)."""
+    from scaleattn.linalg._stream import KFAC, StreamOperator, kw_lower_bound, rows_from_arrays
+
+    tok, y, lens, causal = stream_data("causal lengths")
+    F, _ = explicit(tok, y, lens, causal)
+    op = StreamOperator(rows_from_arrays(put(tok, dev), None, put(lens, dev), causal))
+    ref_op = StreamOperator(rows_from_arrays(tok, None, lens, causal))
+    with host_copies() as shapes:
+        kw = kw_lower_bound(op, KFAC(op.A, op.B, op.diagonal(), op.n_rows), maxiter=40)
+    ref = kw_lower_bound(ref_op, KFAC(ref_op.A, ref_op.B, ref_op.diagonal(), ref_op.n_rows), maxiter=40)
+    assert shapes == []
+    assert kw["steps"] == ref["steps"] and kw["lower"] == pytest.approx(ref["lower"], rel=1e-9)
+    assert 0 < kw["lower"] <= np.linalg.eigvalsh(F.T @ F)[0] and not kw["rigorous"]
+
+
+@pytest.mark.parametrize("samples", [80, 12])  # the stream path, and the dual (fewer rows than features)
+def test_estimator_stream_solver_on_the_device(dev, samples):
+    """``MHLARegressor(solver="stream")`` on device arrays: the numpy estimator's coefficients and path; predictions
+    on the device."""
+    from scaleattn.estimator import MHLARegressor
+
+    rng = np.random.default_rng(8)
+    tok, y, lens = rng.standard_normal((samples, 6, 3)), rng.standard_normal((samples, 6, 2)), None
+    causal = samples > 20
+    if not causal:
+        y = y[:, -1]
+    else:
+        lens = rng.integers(1, 7, samples)
+    ref = MHLARegressor(solver="stream").fit(tok, y, lens)  # causal: targets (n, T, d_out)
+    with host_copies() as shapes:
+        est = MHLARegressor(solver="stream").fit(put(tok, dev), put(y, dev), None if lens is None else put(lens, dev))
+    F, Y = explicit(tok, y, lens, causal)
+    check_copies(shapes, F.shape[1], F.shape[0])
+    assert tok.shape[0] not in [n for s in shapes for n in s]  # nor one per sample (the lengths are summed there)
+    assert est.path_["path"] == ref.path_["path"] == ("stream" if causal else "dual")
+    assert rel(est.coef_, ref.coef_) <= 1e-10
+    assert rel(est.coef_, np.linalg.lstsq(F, Y, rcond=None)[0]) <= 1e-8
+    same(est.predict(put(tok, dev), None if lens is None else put(lens, dev)), ref.predict(tok, lens), dev,
+         rtol=1e-9)

@@ -7,8 +7,8 @@
 - **the certified solve against a plain Cholesky solve on the same G**: :func:`scaleattn.solve` on the Cholesky
   path with the caller's dense ``G`` (the shifted factorisation that proves the verdict, the eigenvalue
   intervals, the solve with one refinement step, the SSE; the factor is a copy, as ``cho_factor``'s is) against
-  ``scipy.linalg.cho_factor`` + ``cho_solve``, which certify nothing. Each side twice, interleaved (best of 2;
-  once at d = 32), so that a shared machine slows both alike. Target: at most :data:`TARGETS` ``solve_vs_cholesky``.
+  ``scipy.linalg.cho_factor`` + ``cho_solve``, which certify nothing. Each side three times, interleaved (best of
+  3; once at d = 32), so that a shared machine slows both alike. Target: at most :data:`TARGETS` ``solve_vs_cholesky``.
 - **the whole fit against numpy's normal equations on a ready phi**: our statistics from the tokens (features and
   the compact Gram) and the default solve, against ``phi^T phi``, ``phi^T y`` and ``numpy.linalg.solve`` with
   ``phi`` already formed (not timed). Target: at least :data:`TARGETS` ``fit_vs_numpy_normal_eq`` faster.
@@ -17,6 +17,7 @@ The coefficients of both comparisons are checked against each other (relative di
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -52,20 +53,29 @@ def _solve_comparison(st, reps: int) -> dict:
     """The certified solve against ``cho_factor`` + ``cho_solve`` on the same dense ``G``, interleaved."""
     import scipy.linalg
 
+    from scaleattn.linalg._dense import POTRF_MAX
+    from scaleattn.linalg._gram import blas_single_thread
     from scaleattn.linalg._solver import solve
 
     G, B = st.gram(), np.asarray(st.moments)
     ours, peer = [], []
+    # OpenBLAS's threaded dpotrf dies with SIGSEGV past POTRF_MAX (d = 32): there the peer runs on one thread
+    single = G.shape[0] > POTRF_MAX
+
+    def peer_solve():
+        with blas_single_thread() if single else contextlib.nullcontext():
+            return scipy.linalg.cho_solve(scipy.linalg.cho_factor(G, lower=True, check_finite=False), B,
+                                          check_finite=False)
+
     for _ in range(reps):  # interleaved, best of reps
         t, sol = _timed(lambda: solve(st, solver="cholesky", gram=G))
         ours.append(t)
-        t, c_cho = _timed(lambda: scipy.linalg.cho_solve(scipy.linalg.cho_factor(G, lower=True, check_finite=False),
-                                                          B, check_finite=False))
+        t, c_cho = _timed(peer_solve)
         peer.append(t)
     cert = sol.certificate
     return {"certified_solve_s": min(ours), "cho_factor_solve_s": min(peer),
             "solve_vs_cholesky": min(ours) / min(peer), "solve_coef_rel_diff": _rel(sol.coef, c_cho),
-            "verdict": cert.verdict, "proved": cert.proof is not None,
+            "peer_single_thread": single, "verdict": cert.verdict, "proved": cert.proof is not None,
             "lambda_min": cert.lambda_min, "lambda_min_interval": list(cert.lambda_min_interval or []),
             "condition_number": cert.condition_number}
 
@@ -77,14 +87,15 @@ def comparison(d: int, rows: int | None = None, reps: int | None = None) -> dict
     from scaleattn.statistics._container import statistics_from_arrays
 
     rows = rows or ROWS.get(d, int(1.2 * d * d * (d + 1) / 2))
-    reps = reps or (1 if d >= 32 else 2)
+    reps = reps or (1 if d >= 32 else 3)
     D = _data(d, rows)
     tok, y3 = D["tokens"], D["targets"]
     tiny = _data(4, 400)  # warm: the compiled kernels, the Cholesky path's imports and BLAS handles
     solve(statistics_from_arrays(tiny["tokens"], tiny["targets"]), solver="cholesky")
     statistics_from_arrays(tok[:2], y3[:2])  # (the build's kernels at this d, compiled or loaded: not timed)
     load0 = os.getloadavg()[0]
-    r: dict = {"d": d, "rows": int(rows), "psi": d * d * (d + 1) // 2}
+    r: dict = {"d": d, "rows": int(rows), "psi": d * d * (d + 1) // 2,
+               "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
     t_build, st = _timed(lambda: statistics_from_arrays(tok, y3))
     r.update(_solve_comparison(st, reps))
     # the whole fit: our statistics from the tokens and the default solve (G expanded into the factor's memory)

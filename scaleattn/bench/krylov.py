@@ -5,12 +5,14 @@
 - d = 32 (psi = 16,896): the statistics of 20,000 causal rows (200 sequences x 100 prefixes) of a realizable
   2-head teacher with d_out = 1 are built once and saved; each solver path then runs in a fresh process
   (so that its peak RSS is its own): the Cholesky path (expand G, factor, Lanczos for the extreme
-  eigenvalues) and the krylov path twice, by default (the eigenvalue runs share the solve's passes and stop
-  with it, reporting their intervals) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
+  eigenvalues) and the krylov path three times, by default (block-Jacobi; the eigenvalue runs share the solve's
+  passes and stop with it, reporting their intervals), with ``preconditioner="kfac"`` (the passes the preconditioner
+  choice makes) and with ``eig_budget="full"`` (intervals closed to 1%). Reported: wall time, peak
   RSS (``VmHWM``) and the RSS with only the statistics loaded, operator passes, and the accuracy of each answer:
   relative distance to the teacher's coefficients and to the Cholesky answer, the relative training MSE by a pass over
   the rows, the certificate values side by side;
-- the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's falls with the conditioning;
+- the same d with 3x the rows (60,000): Cholesky's cost is the same, krylov's (both preconditioners) falls with the
+  conditioning;
 - the cluster-side operator on a 2-worker LocalCluster (Tc left on the workers): seconds and bytes moved per
   product against the same product in process (d = 32; quick: d = 16);
 - d = 44 (psi = 43,560): the heads step on the coefficients of a 2-head teacher (d_out = 1), with the
@@ -20,10 +22,16 @@
   realizable 2-head teacher with d_out = 1, one ``scaleattn fit --local --solver krylov`` process: its wall
   time, peak RSS against ``Tc + one data block`` and the coefficients' distance to the teacher's.
 
+- the preconditioners of the krylov path (``preconditioner_passes``): operator passes and CG iterations of block-Jacobi,
+  K-FAC from ``Tc``'s partial traces and (for comparison, from the rows) K-FAC with the plain factors ``S^T S``,
+  ``X^T X`` to the same backward error, on causal data of a 2-head teacher with 1.19 rows per feature at d = 16, 24,
+  32, and with one token coordinate x100 at d = 16, 24 (quick: d = 8);
+
 - one product ``G X`` of the operator at d = 32 and d = 44 (k = 1, 7, 16; random ``Tc``, 0.6 and 3.9 GB):
   the numpy path (np.take expansion + BLAS) against the compiled kernel, seconds and G-multiply-adds per second.
 
-``only`` (``scaleattn bench krylov --only PART``) runs one part: solvers, heads, cluster, fit or products.
+``only`` (``scaleattn bench krylov --only PART``) runs one part: solvers, heads, cluster, fit, products or
+preconditioners.
 
 Quick mode: d = 16 (3,000 and 9,000 rows), d = 20 heads and a d = 12 fit in their place (a smoke test of the benchmark, a minute or
 two). Ratios are taken within the run, but the machine may be shared: the load average is recorded at the start
@@ -51,14 +59,14 @@ _SOLVE_CHILD = """
 import json, os, sys, time
 import numpy as np
 from scaleattn.statistics._container import Statistics
-from scaleattn import solver
+from scaleattn.linalg import _solver as solver
 path, how, out = sys.argv[1], sys.argv[2], sys.argv[3]
 def rss(key):
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
 z = np.load(path, allow_pickle=False)
 st = Statistics(z["Tc"], z["B"], float(z["yy"]), int(z["n"]), int(z["d"]))
 base = rss("VmRSS")
-opts = {"eig_budget": "full"} if how == "krylov-full" else None
+opts = {"eig_budget": "full"} if how == "krylov-full" else {"preconditioner": "kfac"} if how == "krylov-kfac" else None
 t, c0 = time.perf_counter(), os.times()
 sol = solver.solve(st, solver="krylov" if how.startswith("krylov") else how, krylov=opts)
 dt, c1 = time.perf_counter() - t, os.times()
@@ -103,7 +111,7 @@ def _rel(a, b) -> float:
 
 
 def solver_comparison(tmp, d: int, samples: int, length: int = 100,
-                      paths=("cholesky", "krylov", "krylov-full")) -> dict:
+                      paths=("cholesky", "krylov", "krylov-kfac", "krylov-full")) -> dict:
     """Statistics once, then the Cholesky and krylov paths each in a fresh process (module docstring)."""
     from scaleattn.features import predict_rows, row_targets, token_features
     from scaleattn.generate import make_mhla
@@ -262,8 +270,47 @@ def operator_products(d: int, ks=(1, 7, 16), repeats: int = 3) -> dict:
     return r
 
 
+def preconditioner_passes(d: int, samples: int, scaled_coordinate: bool = False, length: int = 100) -> dict:
+    """Passes of :func:`~scaleattn.linalg._krylov.krylov_solve` (d_out = 1, default tolerances) with each
+    preconditioner on the statistics of ``samples`` causal sequences of a realizable 2-head teacher (token
+    coordinate 0 x100 with ``scaled_coordinate``): ``"block-jacobi"``, ``"kfac"`` (partial traces of ``Tc``) and
+    ``"rows-kfac"`` (:class:`~scaleattn.linalg._kfac.KFAC` on ``S^T S``, ``X^T X``, which ``Tc`` does not hold).
+    Passes and iterations do not depend on the machine; seconds are after one warm-up product."""
+    from scaleattn.features import token_features
+    from scaleattn.generate import make_mhla
+    from scaleattn.linalg._certificate import certificate_from_krylov
+    from scaleattn.linalg._gram import GramOperator
+    from scaleattn.linalg._kfac import KFAC
+    from scaleattn.linalg._krylov import krylov_solve
+    from scaleattn.linalg._spectrum import default_rtol
+    from scaleattn.statistics._container import statistics_from_arrays
+
+    D = make_mhla(d=d, heads=2, length=length, samples=samples, causal=True, d_out=1, seed=0)
+    tok = D["tokens"] * np.where(np.arange(d) == 0, 100.0, 1.0) if scaled_coordinate else D["tokens"]
+    t = time.perf_counter()
+    st = statistics_from_arrays(tok, D["targets"])
+    r = {"d": d, "psi": st.psi, "rows": st.n_rows, "rows_per_feature": st.n_rows / st.psi,
+         "scaled_coordinate": scaled_coordinate, "stats_build_s": time.perf_counter() - t}
+    _say(f"preconditioners at d = {d}, {st.n_rows:,} rows{', coordinate 0 x100' if scaled_coordinate else ''} ...")
+    s, x = token_features(tok, None, True)
+    op = GramOperator.from_compact(st.gram_compact, d)
+    op @ np.ones((st.psi, 1))  # compile the kernel before anything is timed
+    ref = None
+    for name in ("block-jacobi", "kfac", "rows-kfac"):
+        p0, t = op.passes, time.perf_counter()
+        M = KFAC(s.T @ s, x.T @ x, op.diagonal(), s.shape[0]) if name == "rows-kfac" else name
+        sol = krylov_solve(op, st.moments, rtol=default_rtol(st.psi), yy=float(st.yy), preconditioner=M)
+        ref = sol.coef if ref is None else ref
+        r[name] = {"passes": op.passes - p0, "cg_iterations": int(sol.iterations), "seconds": time.perf_counter() - t,
+                   "backward_error": float(np.max(sol.backward_error)), "converged": bool(sol.converged.all()),
+                   "rank": int(sol.spectrum.rank), "coef_vs_block_jacobi": _rel(sol.coef, ref),
+                   "verdict": certificate_from_krylov(sol.spectrum, st.n_rows).verdict}
+        _say(f"  {name}: {r[name]['passes']} passes ({r[name]['cg_iterations']} CG), {r[name]['seconds']:.1f} s")
+    return r
+
+
 #: the parts of the benchmark, for ``--only``
-PARTS = ("solvers", "heads", "cluster", "fit", "products")
+PARTS = ("solvers", "heads", "cluster", "fit", "products", "preconditioners")
 
 
 def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
@@ -280,8 +327,9 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
         if "solvers" in want:
             res["solvers"] = solver_comparison(tmp, 16, 30) if quick else solver_comparison(tmp, 32, 200)
             # the same d with 3x the rows: krylov's cost falls with the conditioning, Cholesky's does not
-            res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=("cholesky", "krylov")) if quick
-                                        else solver_comparison(tmp, 32, 600, paths=("cholesky", "krylov")))
+            paths = ("cholesky", "krylov", "krylov-kfac")
+            res["solvers_more_rows"] = (solver_comparison(tmp, 16, 90, paths=paths) if quick
+                                        else solver_comparison(tmp, 32, 600, paths=paths))
         if "heads" in want:
             res["heads"] = heads_step(20, 2) if quick else heads_step(44, 3)
         if "cluster" in want:
@@ -289,6 +337,10 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
         if "products" in want:  # one product of the operator, numpy path vs compiled kernel
             res["products"] = [operator_products(16, repeats=2)] if quick else [operator_products(32),
                                                                                 operator_products(44)]
+        if "preconditioners" in want:  # passes of block-Jacobi and K-FAC on 1.19 rows per feature
+            cases = ([(8, 4, False), (8, 4, True)] if quick else
+                     [(16, 26, False), (16, 26, True), (24, 86, False), (24, 86, True), (32, 200, False)])
+            res["preconditioners"] = [preconditioner_passes(d, n, sc) for d, n, sc in cases]
         if "fit" in want:  # the d = 44 fit: about 60,000 causal rows of a realizable teacher, d_out = 1
             res["fit"] = whole_fit(tmp, 12, 40) if quick else whole_fit(tmp, 44, 600)
     res["load_avg_end"] = os.getloadavg()
@@ -310,6 +362,7 @@ def run(out_dir, quick: bool = False, only: str | None = None) -> dict:
 
 
 _NAMES = {"cholesky": "Cholesky + Lanczos", "krylov": "krylov (default: eigenvalue runs within the solve's passes)",
+          "krylov-kfac": "krylov, preconditioner=kfac (K-FAC from Tc's partial traces)",
           "krylov-full": "krylov, eig_budget=full (intervals to 1%)"}
 
 
@@ -397,6 +450,17 @@ def markdown(res) -> str:
               f"Targets: certified {_yn(met['fit_certified'])}, coefficients within 1e-6 of the teacher"
               f" {_yn(met['fit_coef_err'])}, peak RSS <= 1.5 x (Tc + one block) {_yn(met['fit_peak_rss'])}."
               f" Phases: {rep.get('timings')}"]
+    if res.get("preconditioners"):
+        L += ["", "## Preconditioners of the krylov path: operator passes (CG iterations) to the same backward error", "",
+              "| d | psi | rows (per feature) | data | block-Jacobi | K-FAC (Tc's partial traces) |"
+              " K-FAC (rows' S^T S, X^T X) | verdicts | max coef diff vs block-Jacobi |", "|---|---|---|---|---|---|---|---|---|"]
+        for p in res["preconditioners"]:
+            names = ("block-jacobi", "kfac", "rows-kfac")
+            L.append(f"| {p['d']} | {p['psi']:,} | {p['rows']:,} ({p['rows_per_feature']:.2f}) |"
+                     f" {'coordinate 0 x100' if p['scaled_coordinate'] else 'as generated'} |"
+                     + "".join(f" {p[n]['passes']} ({p[n]['cg_iterations']}) |" for n in names)
+                     + f" {', '.join(sorted({p[n]['verdict'] for n in names}))} |"
+                     f" {max(p[n]['coef_vs_block_jacobi'] for n in names):.1e} |")
     c = res.get("cluster")
     if c:
         L += ["", f"## Cluster-side operator, d = {c['d']} (psi = {c['psi']:,}), 2 workers", "",

@@ -247,10 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=bench.suite_help())
     b.add_argument("--out", default="bench-out", help="directory for the JSON and markdown results (default bench-out)")
     b.add_argument("--quick", action="store_true", help=bench.QUICK_HELP)
-    b.add_argument("--only", choices=["solvers", "heads", "cluster", "fit", "products"], default=None,
+    b.add_argument("--only", default=None,
+                   choices=["solvers", "heads", "cluster", "fit", "products", "preconditioners"],
                    help="krylov suite: one part (solvers: krylov vs Cholesky at d = 32; heads: the heads step at"
                         " d = 44; cluster: the cluster-side operator; fit: the whole certified fit at d = 44;"
-                        " products: one product G X of the operator, numpy path vs compiled kernel, d = 32 and 44)")
+                        " products: one product G X of the operator, numpy path vs compiled kernel, d = 32 and 44;"
+                        " preconditioners: passes of block-Jacobi and K-FAC, d = 16, 24, 32)")
     b.add_argument("--vs", choices=list(bench.VERSUS), default=None,
                    help="; ".join(f"{name}: {what}" for name, (_, what) in bench.VERSUS.items()))
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..store._formats import loss_curve
 
-__all__ = ["fit_summary", "heads_line", "validation_line", "interval_text", "lambda_min_text", "lambda_resolution",
+__all__ = ["fit_summary", "heads_line", "validation_line", "interval_text", "lambda_min_text",
+           "lambda_max_text", "lambda_resolution",
            "krylov_line", "certificate_summary", "evaluation_summary", "comparison_summary", "verdict",
            "minimal_heads", "fewer_heads_suffice", "teacher_distance_label", "METHOD_WORDS"]
 
@@ -122,7 +123,9 @@ def krylov_line(r: dict) -> str:
                 + ("" if kw is None else f"; lambda_min >= {kw['lower']:.4g} with probability"
                    f" {1 - kw['failure_probability']:g} (not a proof)"))
     else:
-        line = f"krylov: {e['passes']} passes over Tc; lambda_min {iv('lambda_min')}, lambda_max {iv('lambda_max')}"
+        pre = " (K-FAC preconditioner)" if e.get("preconditioner") == "kfac" else ""  # block-Jacobi: the default
+        line = (f"krylov: {e['passes']} passes over Tc{pre}; lambda_min {iv('lambda_min')}, lambda_max"
+                f" {iv('lambda_max')}")
     if "backward_error" in e:
         line += (f"; CG {e['cg_iterations']} iterations, backward error {max(e['backward_error']):.2g}"
                  + ("" if e["solve_converged"] else " (target NOT reached)"))
@@ -193,6 +196,23 @@ def lambda_min_text(r: dict) -> str:
                                      else "")
 
 
+def lambda_max_text(r: dict) -> str:
+    """``lambda_max`` as printed: to 4 digits, or the digits its ``lambda_max_interval`` holds where it has one
+    (:func:`interval_text`; the Cholesky path's few power steps).
+
+    Examples
+    --------
+    >>> lambda_max_text({"lambda_max": 0.09046})
+    '0.09046'
+    >>> lambda_max_text({"lambda_max": 0.0861, "lambda_max_interval": [0.0861, 0.0922]})
+    '0.09'
+    >>> lambda_max_text({"lambda_max": 0.0861, "lambda_max_interval": [0.0861, 0.31]})
+    'in [0.086, 0.31]'
+
+    """
+    return interval_text(r["lambda_max"], r.get("lambda_max_interval"))
+
+
 def _times(x: float) -> str:
     """A ratio as ``1.0x``, ``12.3x``, ``0.031x``.
 
@@ -214,7 +234,7 @@ def fit_summary(r: dict, command: dict | None = None) -> str:
         f"rows {r['n_rows']:,}  (samples {_samples(r)}, T {r['length']},"
         f" {'causal prefixes' if r['causal'] else 'last token'})",
         f"d {r['d']}  d_out {r['d_out']}  psi {r['psi']:,}  rank {r['rank']:,}  " + _cutoff(r),
-        f"lambda_min {lambda_min_text(r)}  lambda_max {r['lambda_max']:.4g}  (Lambda_D = G/N)",
+        f"lambda_min {lambda_min_text(r)}  lambda_max {lambda_max_text(r)}  (Lambda_D = G/N)",
         f"certificate: {verdict(r)}",
         *([_settled_by(r)] if _settled_by(r) else []),
         *([krylov_line(r)] if krylov_line(r) else []),
@@ -335,7 +355,7 @@ def certificate_summary(s: dict) -> str:
     """Two lines (three when a QR settled, confirmed or overruled the Gram's verdict) for ``Certificate.summary()``
     (``scaleattn certify``)."""
     return (f"rows {s['n_rows']:,}  psi {s['psi']:,}  rank {s['rank']:,}  lambda_min {lambda_min_text(s)}"
-            f"  lambda_max {s['lambda_max']:.4g}\ncertificate: {verdict(s)}"
+            f"  lambda_max {lambda_max_text(s)}\ncertificate: {verdict(s)}"
             + (f"\n{_settled_by(s)}" if _settled_by(s) else "") + (f"\n{krylov_line(s)}" if krylov_line(s) else ""))
 
 

@@ -11,8 +11,9 @@ tree of :mod:`.reduction`; the sum comes back to the client. Traffic per product
 ``2 x 8 psi k`` bytes per worker (``X`` out, one partial back into the tree), never a tile; the operator counts
 it (:attr:`DistributedGramOperator.traffic`).
 
-The preconditioner's inputs come back once: the diagonal of ``G`` (psi) and the token-diagonal columns of
-``Tc`` (m(m+1)/2 x d, a fraction 2 / (d + 1) of ``Tc``), both assembled from per-tile partials.
+The preconditioner's inputs come back once: the diagonal of ``G`` (psi) and, for block-Jacobi, the token-diagonal
+columns of ``Tc`` (m(m+1)/2 x d, a fraction 2 / (d + 1) of ``Tc``), or, for K-FAC, the partial traces of the
+scaled ``G`` (one m(m+1)/2 + d(d+1)/2 vector per worker, tree-summed), all assembled from per-tile partials.
 """
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ import numpy as np
 from .._backend import check_device
 from ..errors import ParameterError
 from ..features import n_features, n_pairs
-from ..linalg._gram import GramOperator, tile_diagonal, tile_matmat, tile_token_columns
+from ..linalg._gram import (
+    GramOperator,
+    partial_trace_factors,
+    tile_diagonal,
+    tile_matmat,
+    tile_partial_traces,
+    tile_token_columns,
+)
 from ..statistics._container import Statistics
 from .build import Build, build_statistics
 from .reduction import SPLIT_EVERY, check_reachable, submit_tree
@@ -44,6 +52,15 @@ def _worker_diagonal(d: int, c0s: tuple, *tiles) -> np.ndarray:
     for c0, t in zip(c0s, tiles):
         tile_diagonal(t.gram_compact, c0, d, out=D)
     return D
+
+
+def _worker_traces(d: int, c0s: tuple, scale, *tiles) -> np.ndarray:
+    """One worker's partial of the (scaled) partial traces of ``G``: :func:`tile_partial_traces` over its tiles."""
+    m = n_pairs(d)
+    T = np.zeros(m * (m + 1) // 2 + d * (d + 1) // 2)
+    for c0, t in zip(c0s, tiles):
+        tile_partial_traces(t.gram_compact, c0, d, scale, out=T)
+    return T
 
 
 def _tile_columns(d: int, c0: int, tile) -> np.ndarray:
@@ -158,6 +175,14 @@ class DistributedGramOperator(GramOperator):
         if not hasattr(self, "_diag"):
             self._diag = self._map(_worker_diagonal)[0].result()
         return self._diag
+
+    def partial_traces(self, scale=None):
+        """``(A', B')`` of :meth:`GramOperator.partial_traces`: one small partial per worker, tree-summed."""
+        if not self.tiles:
+            raise ParameterError("the compact-Gram tiles of this operator were released from the cluster")
+        sf = None if scale is None else self.client.scatter(np.asarray(scale, np.float64), broadcast=True, hash=False,
+                                                            workers=sorted(self.by_worker))
+        return partial_trace_factors(self._map(_worker_traces, sf)[0].result(), self.d)
 
     def token_columns(self):
         futs = [self.client.submit(_tile_columns, self.d, c0, f, pure=False) for c0, f in self.tiles]

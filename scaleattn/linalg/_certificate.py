@@ -96,6 +96,10 @@ class Certificate:
         The Cholesky path's proof (:func:`~scaleattn.linalg._spectrum.cholesky_factor`, DESIGN §4b): the
         ``threshold`` ``lambda_min(Gs)`` is proved above, the ``shift`` factored, its ``rounding`` term, the
         ``gershgorin`` bound on ``lambda_max(Gs)`` and the ``factorisations`` it took; None elsewhere.
+    lambda_max_interval : tuple or None
+        ``(lower, upper)`` holding ``lambda_max(Lambda_D)`` where ``lambda_max`` is an estimate (the Cholesky
+        path: a Ritz value below, the smaller of its residual bound and the Gershgorin bound above); None where it
+        is settled to round-off.
 
     See Also
     --------
@@ -130,6 +134,7 @@ class Certificate:
     lambda_min_interval: tuple | None = None
     lambda_min_scaled_interval: tuple | None = None
     proof: dict | None = None
+    lambda_max_interval: tuple | None = None
 
     def _nearest(self) -> tuple[float, float | None]:
         """``(smallest kept, largest dropped in magnitude)`` relative to the largest value, in the method's own
@@ -213,6 +218,7 @@ class Certificate:
                 "gram_margin": g.margin, "certificate_converged": bool(self.converged),
                 "lambda_min_interval": _pair(self.lambda_min_interval),
                 "lambda_min_scaled_interval": _pair(self.lambda_min_scaled_interval),
+                **({"lambda_max_interval": _pair(self.lambda_max_interval)} if self.lambda_max_interval else {}),
                 **({"certificate_proof": {k: float(v) for k, v in self.proof.items()}} if self.proof else {}),
                 **({"estimates": self.estimates} if self.estimates is not None else {})}
 
@@ -249,7 +255,7 @@ def certificate_from_factor(f: CholeskyFactor, cutoff_rtol: float, n_rows: int) 
     return Certificate(n_rows, psi, psi, cutoff_rtol, f.lam_min, f.lam_max, f.w_min, f.w_max / f.w_min,
                        np.array([f.w_min, f.w_max]), None, converged=f.settled(SETTLE_FACTOR * cutoff_rtol),
                        lambda_min_interval=f.lam_interval, lambda_min_scaled_interval=f.w_interval,
-                       proof=None if f.proof is None else dict(f.proof))
+                       proof=None if f.proof is None else dict(f.proof), lambda_max_interval=f.lam_max_interval)
 
 
 def certificate_from_krylov(spec, n_rows: int) -> Certificate:

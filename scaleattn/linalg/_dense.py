@@ -37,7 +37,8 @@ import numpy as np
 from ._gram import blas_single_thread
 from ._lanczos import EPS, EigenEstimate
 
-__all__ = ["blocked_cholesky", "gemm", "symmetric_product", "largest_eigenvalues", "CHOLESKY_BLOCK", "NARROW"]
+__all__ = ["blocked_cholesky", "cholesky", "gemm", "symmetric_product", "largest_eigenvalues", "CHOLESKY_BLOCK",
+           "NARROW", "POTRF_MAX"]
 
 #: width of the diagonal blocks :func:`blocked_cholesky` hands to LAPACK: far below the orders at which OpenBLAS's
 #: threaded dpotrf fails (16,896 and up), wide enough that the GEMM updates run at their full rate. Measured at
@@ -159,6 +160,52 @@ def blocked_cholesky(a, *, overwrite_a: bool = False, block: int = CHOLESKY_BLOC
     return L
 
 
+#: up to this order :func:`cholesky` hands the whole array to LAPACK ``dpotrf`` (in place, on the transposed
+#: view), above it to :func:`blocked_cholesky`. Measured on 2 cores at psi = 7,200 (d = 24): dpotrf 1.05 s against
+#: 2.0 s blocked with 2 threads (1.94 / 2.5 s with one). OpenBLAS 0.3.30's threaded dpotrf (AVX-512 kernels) dies
+#: with SIGSEGV at psi = 16,896 (d = 32) and ran at 9,126, 11,368 and 13,000 (2 threads, random SPD matrices)
+POTRF_MAX = 13_000
+
+
+def cholesky(a, *, overwrite_a: bool = False) -> np.ndarray:
+    """Lower Cholesky factor ``L`` (C-ordered, strict upper triangle 0) of a symmetric positive definite ``a``:
+    LAPACK ``dpotrf`` on the Fortran view of ``a``'s memory up to :data:`POTRF_MAX`, :func:`blocked_cholesky`
+    above (same arguments, result and errors as :func:`blocked_cholesky`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).standard_normal((300, 200))
+    >>> bool(np.allclose(cholesky(x.T @ x), np.linalg.cholesky(x.T @ x)))
+    True
+    """
+    a = np.asarray(a)
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"cholesky needs a square matrix, got shape {a.shape}")
+    if a.shape[0] > POTRF_MAX:
+        return blocked_cholesky(a, overwrite_a=overwrite_a)
+    from scipy.linalg import lapack
+
+    inplace = overwrite_a and a.dtype == np.float64 and a.flags.c_contiguous and a.flags.writeable
+    L = a if inplace else np.array(a, dtype=np.float64, order="C")
+    # the C array's lower triangle is the Fortran view's upper one: dpotrf("U") there gives U = L^T in place
+    # (clean: the other triangle zeroed, as the products with L need)
+    _, info = lapack.dpotrf(L.T, lower=0, clean=1, overwrite_a=1)
+    if info > 0:
+        raise np.linalg.LinAlgError(f"{info}-th leading minor of the array is not positive definite")
+    if info < 0:  # pragma: no cover - an argument error of ours
+        raise ValueError(f"dpotrf: illegal value in argument {-info}")
+    return L
+
+
+def triangular_product(L: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``L^T x`` for a C-ordered lower triangular ``L`` (BLAS ``dtrmm`` on its triangle only: half the memory
+    traffic of a GEMM with the whole array); ``x`` (n, k) float64."""
+    from scipy.linalg import blas
+
+    return blas.dtrmm(1.0, L.T, np.asfortranarray(x, dtype=np.float64), lower=0)
+
+
 #: at most this many columns, :func:`gemm` hands ``a`` to BLAS as Fortran's ``A`` operand (the one OpenBLAS packs
 #: in blocks down its columns), not as ``B``. Measured at psi = 7,200 on 2 cores: ``gemm(G, X, trans=True)`` (``A``
 #: untransposed; ``G X`` for the symmetric Gram) with 32 columns 81 ms against 96 ms the other way (16: 65 / 78,
@@ -224,7 +271,8 @@ def symmetric_product(a: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float = 1e-10, maxiter: int = 40,
-                        seed: int = 0, vectors: list | None = None, ritz: int = 0) -> list[EigenEstimate]:
+                        seed: int = 0, vectors: list | None = None, ritz: int = 0,
+                        first_product=None) -> list[EigenEstimate]:
     """Largest eigenvalue of each ``A_i = diag(s_i) M diag(s_i)`` (``M`` symmetric PSD) by block Krylov with
     Rayleigh-Ritz, all of them sharing one product with ``M`` per step.
 
@@ -254,6 +302,9 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         Rayleigh-Ritz step of the caller's, :func:`scaleattn.linalg._spectrum.cholesky_factor`).
     ritz : int
         How many (default 0: none).
+    first_product : callable, optional
+        Used instead of ``matmat`` for the first step (a pass over ``M`` that computes more besides, such as
+        :func:`scaleattn.linalg._spectrum.gershgorin_scaled`'s bound).
 
     Returns
     -------
@@ -280,7 +331,7 @@ def largest_eigenvalues(matmat, n: int, scales, *, block: int = 8, rtol: float =
         if not live:
             break
         X = np.concatenate([r.request() for r in live], axis=1)
-        Y = matmat(X)  # the one pass over the psi x psi array: all threads
+        Y = (first_product if steps == 0 and first_product is not None else matmat)(X)  # the one pass: all threads
         steps += 1
         c = 0
         with blas_single_thread():  # the runs' own work is on (n, k) and (m, m) blocks: threads would only contend

@@ -36,8 +36,9 @@ from ..features import n_features, n_pairs, triu_index
 from ..statistics._kernel import kernel_name
 from . import _gram_compiled
 
-__all__ = ["GramOperator", "BlockJacobi", "tile_matmat", "tile_diagonal", "tile_token_columns", "tile_segments",
-           "blas_single_thread", "gram_for", "operator_of", "DENSE_GRAM_MAX_PSI"]
+__all__ = ["GramOperator", "BlockJacobi", "tile_matmat", "tile_diagonal", "tile_token_columns", "tile_partial_traces",
+           "partial_trace_factors", "tile_segments", "blas_single_thread", "gram_for", "operator_of",
+           "DENSE_GRAM_MAX_PSI"]
 
 #: above this psi the heads step and the witness take ``G @ c`` from the matrix-free operator (:func:`gram_for`)
 DENSE_GRAM_MAX_PSI = 4_096
@@ -257,6 +258,70 @@ def tile_token_columns(tile, c0: int, d: int):
     return xp.take(tile, diag, axis=1)
 
 
+def tile_partial_traces(tile, c0: int, d: int, scale=None, out=None):
+    """The tile's part of the partial traces of ``G`` (or of ``Gs = S G S``): ``vech A'`` then ``vech B'`` in one
+    (m(m+1)/2 + d(d+1)/2,) vector; partials of a partition of ``Tc`` add up to the whole (DESIGN §4b).
+
+    ``A'[P, Q] = sum_l G[(P,l),(Q,l)]`` (m x m; from the token-diagonal columns, so the tile's rows ``[c0, c1)``
+    give ``vech A'`` at those positions) and ``B'[l, l'] = sum_P G[(P,l),(P,l')]`` (d x d; from the tile's rows
+    ``(P, P)``). For ``G = A (x) B`` they are ``A tr(B)`` and ``tr(A) B``: the factors of
+    :class:`scaleattn.linalg._kfac.TraceKFAC` (from the traces of ``S G S``).
+
+    Parameters
+    ----------
+    tile : array (rows, d(d+1)/2); c0 : int; d : int
+        As :func:`tile_matmat`.
+    scale : array (psi,), optional
+        ``S = diag(G)^-1/2`` (0 for all-zero features): the partial traces of ``S G S`` instead of ``G``.
+    out : array (m(m+1)/2 + d(d+1)/2,), optional
+        Accumulate into it.
+
+    Returns
+    -------
+    array (m(m+1)/2 + d(d+1)/2,) float64
+        Unpack with :func:`partial_trace_factors`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from scaleattn.statistics._container import statistics_from_arrays
+    >>> st = statistics_from_arrays(np.random.default_rng(0).standard_normal((50, 4, 2)))
+    >>> A, B = partial_trace_factors(tile_partial_traces(st.gram_compact, 0, 2), 2)
+    >>> G4 = st.gram().reshape(3, 2, 3, 2)
+    >>> bool(np.allclose(A, np.einsum("plql->pq", G4)) and np.allclose(B, np.einsum("plpk->lk", G4)))
+    True
+    """
+    xp = get_xp(tile)
+    _check_tile(tile, c0, d)
+    m, nv = n_pairs(d), d * (d + 1) // 2
+    mm = m * (m + 1) // 2
+    T = xp.zeros(mm + nv, dtype=xp.float64) if out is None else out
+    _, diag = _index(xp, d)
+    I, J, _ = triu_index(d)
+    I, J = xp.asarray(I), xp.asarray(J)
+    s2 = None if scale is None else xp.reshape(xp.asarray(scale, dtype=xp.float64), (m, d))
+    c0, rows = int(c0), int(tile.shape[0])
+    for p, q0, q1, r0 in tile_segments(d, c0, c0 + rows):
+        C = xp.take(tile[r0 : r0 + q1 - q0, :], diag, axis=1)  # (q, l): G[(p, l), (q, l)]
+        if s2 is not None:
+            C = C * s2[p, :][None, :] * s2[q0:q1, :]
+        T[c0 + r0 : c0 + r0 + q1 - q0] += xp.sum(C, axis=1)
+        if q0 == p:  # row (p, p): the d x d block G[(p, .), (p, .)]
+            T[mm:] += tile[r0, :] if s2 is None else tile[r0, :] * xp.take(s2[p, :], I) * xp.take(s2[p, :], J)
+    return T
+
+
+def partial_trace_factors(traces, d: int):
+    """``(A' (m, m), B' (d, d))`` from the vector of :func:`tile_partial_traces` (summed over a partition)."""
+    xp = get_xp(traces)
+    m = n_pairs(d)
+    mm = m * (m + 1) // 2
+    _, _, ppos = triu_index(m)
+    _, _, tpos = triu_index(d)
+    return (xp.reshape(xp.take(traces[:mm], xp.asarray(ppos.reshape(-1))), (m, m)),
+            xp.reshape(xp.take(traces[mm:], xp.asarray(tpos.reshape(-1))), (d, d)))
+
+
 class GramOperator:
     """``G`` (psi x psi, never formed) from compact-Gram tiles held in this process (DESIGN §3, §6).
 
@@ -390,6 +455,15 @@ class GramOperator:
         """``Tc[:, pair(l, l)]`` (m(m+1)/2, d) float64: the vech of the m x m blocks ``G[(., l), (., l)]``."""
         return self.xp.concatenate([tile_token_columns(t, c0, self.d) for c0, t in self.tiles], axis=0)
 
+    def partial_traces(self, scale=None):
+        """``(A', B')``: the partial traces of ``G`` (with ``scale``: of ``S G S``), (m, m) and (d, d) float64
+        (:func:`tile_partial_traces`)."""
+        m, nv = n_pairs(self.d), self.d * (self.d + 1) // 2
+        T = self.xp.zeros(m * (m + 1) // 2 + nv, dtype=self.xp.float64)
+        for c0, t in self.tiles:
+            tile_partial_traces(t, c0, self.d, scale, out=T)
+        return partial_trace_factors(T, self.d)
+
 
 class BlockJacobi:
     """Block-Jacobi preconditioner by token coordinate, straight from the compact Gram (DESIGN §3, §4).
@@ -428,6 +502,8 @@ class BlockJacobi:
     >>> M.apply(np.ones((18, 1))).shape
     (18, 1)
     """
+
+    name = "block-jacobi"
 
     def __init__(self, token_columns, diagonal, d: int, ridge: float | None = None):
         xp = get_xp(token_columns, diagonal)

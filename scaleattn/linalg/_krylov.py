@@ -16,7 +16,12 @@ sharing each operator pass. Why this method:
 - The preconditioner: the Gram's ill-conditioning sits in the vech(S) part of the features (prefix Grams of
   one sequence are strongly correlated), which the d token blocks of m x m capture: iterations ~ 160 at d = 16
   and ~ 280 at d = 32 to a backward error of ``psi eps`` on 1.2-1.4 psi causal rows (Jacobi alone: a
-  condition number 500x larger, ~20x more iterations).
+  condition number 500x larger, ~20x more iterations). ``preconditioner="kfac"`` takes instead K-FAC from the
+  partial traces of ``Gs`` (:class:`scaleattn.linalg._kfac.TraceKFAC`): m^2 + d^2 numbers against block-Jacobi's
+  d m^2 (35 MB against 2.2 GB at d = 64), one m x m eigendecomposition against d, and on a cluster one
+  m(m+1)/2 vector per worker back against the m(m+1)/2 x d token columns; it took 6-28 % more passes than
+  block-Jacobi on the causal data measured (d = 8-32, 1.2-1.4 rows per feature; docs/performance.md), so
+  block-Jacobi stays the default.
 - Independent recurrences rather than block CG: a pass over ``Tc`` costs a fixed part (the expansion of each
   segment, shared by all columns) plus ``psi^2`` multiply-adds per column (0.2 s + 0.06 s per column at
   d = 32 on this 2-core box), so sharing passes is worth doing but a column is never free; block CG would buy
@@ -71,14 +76,17 @@ import dataclasses
 
 import numpy as np
 
-from .._backend import get_xp, to_numpy
+from .._backend import device_of, from_host, get_xp, to_numpy, vector_norm
 from ..errors import DatasetError, ParameterError
 from ._gram import BlockJacobi, blas_single_thread
+from ._kfac import TraceKFAC
 from ._lanczos import (
     EPS,
     EigenEstimate,
     KrylovSpectrum,
     RunningEstimate,
+    _cols,
+    _set_cols,
     lanczos_largest,
     lanczos_preconditioned_smallest,
     lobpcg_smallest,
@@ -87,7 +95,8 @@ from ._lanczos import (
 )
 from ._spectrum import default_rtol, min_norm
 
-__all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
+__all__ = ["krylov_solve", "KrylovSolution", "lockstep", "pcg", "preconditioner_for", "PRECONDITIONERS",
+           "DEFAULT_PRECONDITIONER", "MAXITER", "LANCZOS_MAX", "BLOCK", "EIG_RTOL"]
 
 #: default budget of operator passes for each Krylov part (solve, each eigenvalue estimate)
 MAXITER = 2000
@@ -105,6 +114,10 @@ MAX_DIAG = 1e150
 NULL_RTOL = 1e-10
 #: first LOBPCG block (grown 4x while it holds only null Ritz values); 2 needs the fewest products at d = 16
 BLOCK = 2
+#: the preconditioners of the krylov path on ``Tc`` (:func:`preconditioner_for`)
+PRECONDITIONERS = ("block-jacobi", "kfac")
+#: the default one (docs/performance.md, "K-FAC on the krylov path": block-Jacobi took fewer passes wherever measured)
+DEFAULT_PRECONDITIONER = "block-jacobi"
 #: up to this psi a null space of more than a quarter of the features is found from the assembled scaled Gram
 DENSE_NULL_MAX = 4096
 
@@ -140,7 +153,7 @@ def _lockstep(matmat, generators: dict) -> dict:
         names = list(pending)
         blocks = [pending[n][1] for n in names]
         xp = get_xp(*blocks)
-        Y = matmat(xp.concatenate(blocks, axis=1))
+        Y = matmat(xp.concat(blocks, axis=1))
         at = 0
         for n, X in zip(names, blocks):
             g, k = pending[n][0], X.shape[1]
@@ -186,6 +199,7 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, lam_max:
         ``x`` (psi, k), ``backward_error`` (k,), ``converged`` (k,) bool, ``iterations`` (passes).
     """
     xp = get_xp(b)
+    dev = device_of(b)
     W = deflate if deflate is not None and deflate.shape[1] else None
 
     def proj(v):
@@ -194,12 +208,14 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, lam_max:
     def lam():
         return max(float(1.0 if lam_max is None or lam_max.value is None else lam_max.value), 1.0)
 
+    # the vectors stay on b's device; per-column numbers (norms, inner products: k each) come to the host, where
+    # the recurrences' scalars and the stopping decisions live
     k = b.shape[1]
-    bn = to_numpy(xp.linalg.norm(b, axis=0))
-    x = xp.zeros_like(b) if x0 is None else proj(xp.array(x0, dtype=xp.float64))
+    bn = to_numpy(vector_norm(b, xp, axis=0))
+    x = xp.zeros_like(b) if x0 is None else proj(xp.asarray(x0, dtype=xp.float64, copy=True))
     it = 0
     if x0 is None:
-        r = proj(b.copy())
+        r = proj(xp.asarray(b, copy=True))
     else:
         r = proj(b - (yield from product(x, scale)))
         it += 1
@@ -207,19 +223,19 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, lam_max:
     done = bn == 0  # zero right-hand side: x = 0 exactly
     fails = np.zeros(k, dtype=int)  # true-residual checks that failed: the attainable accuracy is above btol
     z = proj(precondition(r))
-    p = z.copy()
+    p = xp.asarray(z, copy=True)
     rz = to_numpy(xp.sum(r * z, axis=0))
     while True:
-        xn = to_numpy(xp.linalg.norm(x, axis=0))
-        eta = np.where(done & (bn == 0), 0.0, to_numpy(xp.linalg.norm(r, axis=0)) / np.maximum(lam() * xn + bn, 1e-300))
+        xn = to_numpy(vector_norm(x, xp, axis=0))
+        rn = to_numpy(vector_norm(r, xp, axis=0))
+        eta = np.where(done & (bn == 0), 0.0, rn / np.maximum(lam() * xn + bn, 1e-300))
         check = ~done & (eta <= btol)
         if check.any() and it < maxiter:  # confirm with the true residual before a column stops
             idx = np.flatnonzero(check)
-            ii = xp.asarray(idx)
-            rt = proj(b[:, ii] - (yield from product(x[:, ii], scale)))
+            rt = proj(_cols(b, idx) - (yield from product(_cols(x, idx), scale)))
             it += 1
-            r[:, ii] = rt
-            eta_t = to_numpy(xp.linalg.norm(rt, axis=0)) / np.maximum(lam() * xn[idx] + bn[idx], 1e-300)
+            r = _set_cols(r, idx, rt)
+            eta_t = to_numpy(vector_norm(rt, xp, axis=0)) / np.maximum(lam() * xn[idx] + bn[idx], 1e-300)
             eta[idx] = eta_t
             ok = eta_t <= btol
             done[idx[ok]] = True
@@ -227,27 +243,27 @@ def pcg(b, scale, precondition, *, btol: float, maxiter: int = MAXITER, lam_max:
             done[idx[~ok & (fails[idx] >= 3)]] = True  # at its floor: stop, reported as not converged
             redo = idx[~ok & (fails[idx] < 3)]  # drifted: restart these columns from the true residual
             if redo.size:
-                jj = xp.asarray(redo)
-                z[:, jj] = proj(precondition(r[:, jj]))
-                p[:, jj] = z[:, jj]
-                rz[redo] = to_numpy(xp.sum(r[:, jj] * z[:, jj], axis=0))
+                z = _set_cols(z, redo, proj(precondition(_cols(r, redo))))
+                p = _set_cols(p, redo, _cols(z, redo))
+                rz[redo] = to_numpy(xp.sum(_cols(r, redo) * _cols(z, redo), axis=0))
         act = np.flatnonzero(~done)
         if act.size == 0 or it >= maxiter or (interrupt is not None and interrupt()):
             break
-        ja = xp.asarray(act)
-        q = proj((yield from product(p[:, ja], scale)))
+        p_a = _cols(p, act)
+        q = proj((yield from product(p_a, scale)))
         it += 1
-        pq = to_numpy(xp.sum(p[:, ja] * q, axis=0))
+        pq = to_numpy(xp.sum(p_a * q, axis=0))
         alpha = np.where(pq > 0, rz[act] / np.where(pq > 0, pq, 1.0), 0.0)
         broke = act[pq <= 0]  # no curvature left along p: the column is solved as far as this space allows
-        a = xp.asarray(alpha)[None, :]
-        x[:, ja] += a * p[:, ja]
-        r[:, ja] -= a * q
-        z_a = proj(precondition(r[:, ja]))
-        rz_new = to_numpy(xp.sum(r[:, ja] * z_a, axis=0))
-        beta = xp.asarray(np.where(rz[act] > 0, rz_new / np.where(rz[act] > 0, rz[act], 1.0), 0.0))[None, :]
-        z[:, ja] = z_a
-        p[:, ja] = z_a + beta * p[:, ja]
+        a = from_host(alpha, xp, dev)[None, :]
+        x = _set_cols(x, act, _cols(x, act) + a * p_a)
+        r = _set_cols(r, act, _cols(r, act) - a * q)
+        r_a = _cols(r, act)  # gathered again: numpy's layout of the gather sets the bits of the sums below
+        z_a = proj(precondition(r_a))
+        rz_new = to_numpy(xp.sum(r_a * z_a, axis=0))
+        beta = from_host(np.where(rz[act] > 0, rz_new / np.where(rz[act] > 0, rz[act], 1.0), 0.0), xp, dev)[None, :]
+        z = _set_cols(z, act, z_a)
+        p = _set_cols(p, act, z_a + beta * p_a)
         rz[act] = rz_new
         if broke.size:
             done[broke] = True
@@ -266,6 +282,26 @@ class KrylovSolution:
     backward_error: np.ndarray
     converged: np.ndarray
     iterations: int
+    preconditioner: str = DEFAULT_PRECONDITIONER
+
+
+def preconditioner_for(op, kind=None, diagonal=None):
+    """The preconditioner of :func:`krylov_solve` on ``op``: ``"block-jacobi"`` (the d token blocks of m x m,
+    :class:`~scaleattn.linalg._gram.BlockJacobi`, from ``op.token_columns()``), ``"kfac"`` (``A's (x) B's / tr Gs``
+    from the partial traces of the Jacobi-scaled ``Gs``, :class:`~scaleattn.linalg._kfac.TraceKFAC`, from
+    ``op.partial_traces(scale)``), None for :data:`DEFAULT_PRECONDITIONER`, or an object with their interface (used
+    as given). ``diagonal``: ``diag G`` when already at hand. Raises :class:`ParameterError` for another name."""
+    kind = DEFAULT_PRECONDITIONER if kind is None else kind
+    if not isinstance(kind, str):
+        return kind
+    if kind not in PRECONDITIONERS:
+        raise ParameterError(f"the krylov preconditioner must be one of {', '.join(PRECONDITIONERS)}; got {kind!r}")
+    diag = op.diagonal() if diagonal is None else diagonal
+    if kind == "kfac":
+        xp = get_xp(diag)
+        live = diag > 0
+        return TraceKFAC(*op.partial_traces(xp.where(live, 1.0 / xp.sqrt(xp.where(live, diag, 1.0)), 0.0)), diag)
+    return BlockJacobi(op.token_columns(), diag, op.d)
 
 
 @dataclasses.dataclass
@@ -286,23 +322,26 @@ def _then_solve_done(gen, state: _LockstepState):
     return out
 
 
-def _dense_smallest(op, M: BlockJacobi, chunk: int = 256) -> dict:
-    """All eigenpairs of ``Gs``, assembled column by column through the operator (small psi only)."""
+def _dense_smallest(op, M, chunk: int = 256) -> dict:
+    """All eigenpairs of ``Gs``, assembled column by column through the operator (small psi only), on the operator's
+    device; the eigenvalues and residual norms (psi numbers, psi <= :data:`DENSE_NULL_MAX`) come to the host."""
     xp, psi = op.xp, op.psi
     s = M.scale
+    dev = device_of(s)
     cols = []
     for a in range(0, psi, chunk):
-        E = xp.zeros((psi, min(psi, a + chunk) - a))
-        E[xp.arange(a, a + E.shape[1]), xp.arange(E.shape[1])] = 1.0
+        E = xp.eye(psi, min(psi, a + chunk) - a, k=-a, dtype=xp.float64, device=dev)  # identity columns a, a + 1, ..
         cols.append(s[:, None] * op.matmat(s[:, None] * E))
-    Gs = to_numpy(xp.concatenate(cols, axis=1))
+    Gs = xp.concat(cols, axis=1)
     Gs = (Gs + Gs.T) / 2
-    live = to_numpy(M.live)
-    w, U = np.linalg.eigh(Gs[np.ix_(live, live)])
-    X = np.zeros((psi, w.size))
-    X[live] = U
-    rn = np.linalg.norm(Gs @ X - X * w[None, :], axis=0)
-    return {"theta": w, "X": xp.asarray(X), "residuals": rn, "iterations": -(-psi // chunk), "status": "dense"}
+    li = xp.nonzero(M.live)[0]
+    w, U = xp.linalg.eigh(xp.take(xp.take(Gs, li, axis=0), li, axis=1))
+    # X: U's rows at the live features, zero rows at the others (a gather from U with a zero row appended)
+    pos = xp.where(M.live, xp.cumulative_sum(xp.astype(M.live, xp.int64)) - 1, w.shape[0])
+    X = xp.take(xp.concat([U, xp.zeros((1, w.shape[0]), dtype=U.dtype, device=dev)], axis=0), pos, axis=0)
+    rn = vector_norm(Gs @ X - X * w[None, :], xp, axis=0)
+    return {"theta": to_numpy(w), "X": X, "residuals": to_numpy(rn), "iterations": -(-psi // chunk),
+            "status": "dense"}
 
 
 def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol: float = EIG_RTOL,
@@ -314,8 +353,8 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     Parameters
     ----------
     op : GramOperator
-        Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns``
-        (:mod:`scaleattn.linalg._gram`).
+        Or any object with ``d``, ``psi``, ``xp``, ``matmat``, ``diagonal`` and ``token_columns`` (block-Jacobi)
+        or ``partial_traces`` (K-FAC) (:mod:`scaleattn.linalg._gram`).
     B : array (psi, d_out), optional
         ``sum_i phi_i y_i^T``; None for the certificate alone. With ``yy`` (``sum ||y_i||^2``) the min-norm step
         moves predictions by ``MIN_NORM_RTOL`` of the residual at most, else of their norm (``spectrum.min_norm``).
@@ -345,10 +384,11 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         Once a null direction shows up, a Gram with at most this many features has its smallest eigenpairs
         computed from the assembled scaled Gram (exact, and cheaper than growing LOBPCG blocks there); above
         it, or with 0, LOBPCG blocks grow 4x until a Ritz value above the cutoff settles.
-    preconditioner : object, optional
-        With ``scale``, ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
-        :class:`~scaleattn.linalg._gram.BlockJacobi` (the default, from ``op.token_columns()``); the streaming
-        path passes its K-FAC preconditioner (:class:`scaleattn.linalg._stream.KFAC`, DESIGN §4b).
+    preconditioner : {"block-jacobi", "kfac"} or object, optional
+        :func:`preconditioner_for`: by name (default :data:`DEFAULT_PRECONDITIONER`), or an object with ``scale``,
+        ``live``, ``xp``, ``apply``, ``apply_scaled`` and ``min_eigenvalues`` as
+        :class:`~scaleattn.linalg._gram.BlockJacobi` (the streaming path passes its K-FAC preconditioner,
+        :class:`scaleattn.linalg._kfac.KFAC`, DESIGN §4b).
     min_eig_passes : int
         The least passes of the eigenvalue runs with ``eig_budget="solve"`` (:data:`MIN_EIG_PASSES`: cheap on a
         small Gram; the streaming path, where a pass reads all the data, asks for 0).
@@ -397,14 +437,16 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     if float(xp.max(diag)) > MAX_DIAG:  # the unscaled runs' norms square G's entries: refused, not NaN
         raise DatasetError(f"the Gram's diagonal reaches {float(xp.max(diag)):.1e}: the krylov solver's products"
                            " would overflow float64; rescale the tokens, or use solver='cholesky' or 'eigh'")
-    M = BlockJacobi(op.token_columns(), diag, op.d) if preconditioner is None else preconditioner
+    M = preconditioner_for(op, preconditioner, diag)
+    pname = getattr(M, "name", type(M).__name__)
     scale, live = M.scale, M.live
-    nlive = int(live.sum())
+    dev = device_of(diag)
+    nlive = int(xp.count_nonzero(live))
     rng = np.random.default_rng(seed)
-    livef = live.astype(xp.float64)[:, None]
+    livef = xp.astype(live, xp.float64)[:, None]
 
-    def rand(k):
-        return xp.asarray(rng.standard_normal((psi, k))) * livef
+    def rand(k):  # seeded on the host (the same numbers on every device), moved to the operator's device
+        return from_host(rng.standard_normal((psi, k)), xp, dev) * livef
 
     state = _LockstepState()
     notes: list[str] = []
@@ -453,14 +495,14 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     zero = EigenEstimate(0.0, 0.0, 0.0, 0.0, True, 0)
     if nlive == 0:  # all-zero data: everything is null
         spec = KrylovSpectrum(psi, 0, rtol, zero, zero, zero if unscaled else None, zero if unscaled else None,
-                              xp.zeros((psi, 0)), to_numpy(~live), True, 0, [])
+                              xp.zeros((psi, 0), dtype=xp.float64, device=dev), to_numpy(~live), True, 0, [])
         if B is None:
             return spec
         return KrylovSolution(np.zeros((psi, B.shape[1])), spec, spec.null_basis(scale), np.zeros(B.shape[1]),
-                              np.ones(B.shape[1], bool), 0)
+                              np.ones(B.shape[1], bool), 0, pname)
     lan = min(int(maxiter), LANCZOS_MAX)
     gens = {"lmax_s": lanczos_largest(psi, scale, xp=xp, rtol=1e-8, maxiter=lan, seed=seed, live=livef[:, 0],
-                                      state=state.lam_max_s)}
+                                      state=state.lam_max_s, device=dev)}
     k0 = min(int(block), max(1, nlive // 4))
     dense = nlive <= 16 * k0  # a handful of features: the assembled scaled Gram is the cheaper way
     if dense:
@@ -469,13 +511,13 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
     else:
         gens["small_s"] = lobpcg_smallest(rand(k0), scale, M.apply_scaled, stop=stop_s, maxiter=maxiter)
         gens["pre"] = lanczos_preconditioned_smallest(psi, scale, M.apply_scaled, xp=xp, rtol=eig_rtol, maxiter=lan,
-                                                      seed=seed, live=livef[:, 0], state=state.lam_min_pre,
+                                                      seed=seed, live=livef[:, 0], state=state.lam_min_pre, device=dev,
                                                       halt=budget_over, start=pre_start,
                                                       until=None if pre_until is None else
                                                       lambda lo, hi, k: pre_until(lo, hi, k, budget_over(k)))
     if unscaled:
         gens["lmax_g"] = lanczos_largest(psi, None, xp=xp, rtol=1e-8, maxiter=lan, seed=seed + 1,
-                                         live=livef[:, 0], state=state.lam_max_g)
+                                         live=livef[:, 0], state=state.lam_max_g, device=dev)
         # lambda_min(Lambda_D) is reported, not decided on: one column (block 2 halves the passes, not the work)
         gens["small_g"] = lobpcg_smallest(rand(1), None, M.apply, stop=stop_g, maxiter=maxiter)
     if B is not None:
@@ -495,7 +537,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
             else:
                 notes.append(f"more than {k} numerically null directions: the null space is not complete")
             break
-        X0 = xp.concatenate([small["X"], rand(k_new - k)], axis=1)
+        X0 = xp.concat([small["X"], rand(k_new - k)], axis=1)
         small = lockstep(op.matmat, {"s": lobpcg_smallest(X0, scale, M.apply_scaled, stop=stop_s,
                                                              maxiter=maxiter)})["s"]
     lmax_s = res["lmax_s"]
@@ -517,10 +559,12 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         cg = lockstep(op.matmat, {"cg": pcg(b, scale, M.apply_scaled, btol=btol, maxiter=maxiter,
                                             lam_max=state.lam_max_s, deflate=spec.null_scaled, x0=cg["x"])})["cg"]
         iters += cg["iterations"]
+    # the results come to the host once (coef, null basis: psi x d_out and psi x (psi - rank)); the min-norm step
+    # below works there (its products with G move one psi x d_out block each way, twice, rank-deficient data only)
     coef = to_numpy(scale[:, None] * cg["x"])
     Nb = spec.null_basis(scale)
     if Nb.shape[1] and B is not None:  # min-norm in original coordinates where that keeps the fit, as the dense path
-        quad = lambda n: float(np.sum(n * to_numpy(op.matmat(xp.asarray(n)))))  # noqa: E731 (n^T G n)
+        quad = lambda n: float(np.sum(n * to_numpy(op.matmat(from_host(n, xp, dev)))))  # noqa: E731 (n^T G n)
         yy = quad(coef) if yy is None else yy  # (no yy: the predictions' own norm)
         sse = yy + quad(coef) - 2.0 * float(np.sum(coef * to_numpy(B)))
         coef = min_norm(coef, Nb, quad, np.sqrt(np.clip(to_numpy(diag), 0.0, None)), sse, yy)
@@ -528,4 +572,5 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
         notes.append(f"CG: {int((~cg['converged']).sum())} of {coef.shape[1]} outputs did not reach the backward"
                      f" error {btol:.1e} in {maxiter} passes (worst {float(np.max(cg['backward_error'])):.2e})")
     spec.passes = getattr(op, "passes", 0) - passes0
-    return KrylovSolution(coef, spec, Nb, np.asarray(cg["backward_error"]), np.asarray(cg["converged"]), iters)
+    return KrylovSolution(coef, spec, Nb, np.asarray(cg["backward_error"]), np.asarray(cg["converged"]), iters,
+                          pname)

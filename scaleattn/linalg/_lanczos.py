@@ -45,7 +45,7 @@ import dataclasses
 
 import numpy as np
 
-from .._backend import get_xp, to_numpy
+from .._backend import device_of, from_host, get_xp, numpy_or_cupy, to_numpy, vector_norm
 
 __all__ = ["EigenEstimate", "RunningEstimate", "KrylovSpectrum", "lanczos_largest", "lanczos_preconditioned_smallest",
            "lobpcg_smallest", "svqb", "spectrum_from_runs", "product", "EPS"]
@@ -101,6 +101,27 @@ class RunningEstimate:
         return self.converged or self.done
 
 
+def _cols(A, idx):
+    """Columns ``idx`` (integers, on the host or on ``A``'s device) of ``A``: numpy's and CuPy's indexing (their
+    layout, so their bits), else the standard's ``take``."""
+    xp = get_xp(A)
+    ix = from_host(idx, xp, device_of(A))
+    return A[:, ix] if numpy_or_cupy(A) else xp.take(A, ix, axis=1)
+
+
+def _set_cols(A, idx, V):
+    """``A`` with its columns ``idx`` (host integers) replaced by ``V``: in place on numpy and CuPy; else a new array
+    (the standard has no scatter: ``where`` over the columns)."""
+    xp = get_xp(A)
+    dev = device_of(A)
+    if numpy_or_cupy(A):
+        A[:, from_host(idx, xp, dev)] = V
+        return A
+    pos, sel = np.zeros(A.shape[1], dtype=np.int64), np.zeros(A.shape[1], dtype=bool)
+    pos[idx], sel[idx] = np.arange(len(idx)), True
+    return xp.where(from_host(sel, xp, dev)[None, :], xp.take(V, from_host(pos, xp, dev), axis=1), A)
+
+
 def product(X, scale=None):
     """Sub-generator: ``A X`` for ``A = G`` (``scale`` None) or ``A = S G S`` with ``S = diag(scale)``."""
     if scale is None:
@@ -109,7 +130,7 @@ def product(X, scale=None):
 
 
 def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: int = 300, seed: int = 0,
-                    live=None, state: dict | None = None, key: str = "lam_max"):
+                    live=None, state: dict | None = None, key: str = "lam_max", device=None):
     """Generator: the largest eigenvalue of ``A`` (``G``, or ``S G S``) by Lanczos, full reorthogonalisation.
 
     Parameters
@@ -119,7 +140,7 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
     scale : array (n,), optional
         Jacobi scaling ``S`` (see :func:`product`).
     xp : module
-        Array module of the operator (numpy or cupy).
+        Array namespace of the operator (numpy, CuPy, any array API library).
     rtol : float
         Stop when the residual bound ``|beta_j s_j|`` of the top Ritz pair is at most ``rtol * theta``.
     maxiter : int
@@ -131,6 +152,9 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
     state : RunningEstimate, optional
         Updated after every step (``value``, ``converged``; ``done`` at the end), for generators running in
         lockstep that need the estimate.
+    device : optional
+        The operator's device (default ``live``'s): the seeded start is made on the host and moved there, the
+        Lanczos basis is kept there; only the tridiagonal's numbers come to the host.
 
     Returns
     -------
@@ -152,27 +176,29 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
     """
     import scipy.linalg
 
-    v = xp.asarray(np.random.default_rng(seed).standard_normal(n))
+    dev = device if device is not None or live is None else device_of(live)
+    v = from_host(np.random.default_rng(seed).standard_normal(n), xp, dev)
     if live is not None:
         v = v * live
-    nv = float(xp.linalg.norm(v))
+    nv = float(vector_norm(v, xp))
     if nv == 0:
         return EigenEstimate(0.0, 0.0, 0.0, 0.0, True, 0)
     maxiter = max(1, min(int(maxiter), n))
-    V = xp.empty((maxiter, n))
+    V = xp.empty((maxiter, n), dtype=xp.float64, device=dev)
     q = v / nv
     alpha, beta = [], []
     theta, res, conv = 0.0, float("inf"), False
     for j in range(maxiter):
-        V[j] = q
+        V[j, ...] = q
         w = (yield from product(q[:, None], scale))[:, 0]
         a = float(q @ w)
-        w = w - a * q - (beta[-1] * V[j - 1] if j else 0.0)
+        w = w - a * q - (beta[-1] * V[j - 1, ...] if j else 0.0)
         for _ in range(2):  # full reorthogonalisation, twice is enough [GVL13 §10.1.5]
-            w = w - V[: j + 1].T @ (V[: j + 1] @ w)
-        b = float(xp.linalg.norm(w))
+            w = w - V[: j + 1, ...].T @ (V[: j + 1, ...] @ w)
+        b = float(vector_norm(w, xp))
         alpha.append(a)
         beta.append(b)
+        # the tridiagonal is host floats (alpha, beta): its eigenproblem is j x j, solved on the host
         ev, evec = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta[:-1]))
         theta, res = float(ev[-1]), abs(b * float(evec[-1, -1]))
         conv = res <= rtol * max(abs(theta), 1e-300) or b <= EPS * max(abs(theta), 1e-300)
@@ -188,7 +214,8 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
 
 def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol: float = 1e-2,
                                     maxiter: int = 300, seed: int = 0, live=None,
-                                    state: RunningEstimate | None = None, halt=None, start=None, until=None):
+                                    state: RunningEstimate | None = None, halt=None, start=None, until=None,
+                                    device=None):
     """Generator: the smallest eigenvalue of ``C = M^-1/2 A M^-1/2`` (``A = S G S``, ``M^-1`` = ``precondition``)
     by Lanczos in the ``M^-1`` inner product, full reorthogonalisation.
 
@@ -202,7 +229,7 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
 
     Parameters
     ----------
-    n, scale, xp, maxiter, seed, live, state
+    n, scale, xp, maxiter, seed, live, state, device
         As :func:`lanczos_largest` (``state.value`` is the current smallest Ritz value, ``state.lower`` the
         lower end of its interval).
     precondition : callable
@@ -242,7 +269,8 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
     """
     import scipy.linalg
 
-    r = xp.asarray(np.random.default_rng([seed, 7]).standard_normal(n)) if start is None else start
+    dev = device if device is not None or live is None else device_of(live)
+    r = from_host(np.random.default_rng([seed, 7]).standard_normal(n), xp, dev) if start is None else start
     if live is not None:
         r = r * live
     z = precondition(r[:, None])[:, 0]
@@ -250,17 +278,18 @@ def lanczos_preconditioned_smallest(n: int, scale, precondition, *, xp=np, rtol:
     if not nr > 0:
         return EigenEstimate(0.0, 0.0, 0.0, 0.0, True, 0)
     maxiter = max(1, min(int(maxiter), n))
-    R, Z = xp.empty((maxiter, n)), xp.empty((maxiter, n))
-    r, z = r / np.sqrt(nr), z / np.sqrt(nr)
+    R = xp.empty((maxiter, n), dtype=xp.float64, device=device_of(r))
+    Z = xp.empty((maxiter, n), dtype=xp.float64, device=device_of(r))
+    r, z = r / float(np.sqrt(nr)), z / float(np.sqrt(nr))  # (a Python float: the standard takes no numpy scalar)
     alpha, beta = [], []
     theta, res, conv = 0.0, float("inf"), False
     for j in range(maxiter):
-        R[j], Z[j] = r, z
+        R[j, ...], Z[j, ...] = r, z
         w = (yield from product(z[:, None], scale))[:, 0]  # A z_j = M^1/2 C q_j
         a = float(z @ w)
-        w = w - a * r - (beta[-1] * R[j - 1] if j else 0.0)
+        w = w - a * r - (beta[-1] * R[j - 1, ...] if j else 0.0)
         for _ in range(2):  # reorthogonalise q against the basis: r -= R (Z^T r)
-            w = w - R[: j + 1].T @ (Z[: j + 1] @ w)
+            w = w - R[: j + 1, ...].T @ (Z[: j + 1, ...] @ w)
         zw = precondition(w[:, None])[:, 0]
         b = float(np.sqrt(max(float(w @ zw), 0.0)))
         alpha.append(a)
@@ -297,13 +326,13 @@ def svqb(V, AV=None, drop: float = 1e-12):
     xp = get_xp(V)
     if V.shape[1] == 0:
         return V, AV
-    Gm = to_numpy(V.T @ V)
+    Gm = to_numpy(V.T @ V)  # k x k (the block's columns): small, decomposed on the host
     d = np.sqrt(np.maximum(np.diag(Gm), 0.0))
     ok = d > 0
     d = np.where(ok, d, 1.0)
     w, U = np.linalg.eigh(Gm / d[:, None] / d[None, :] * ok[:, None] * ok[None, :])
     keep = w > drop * max(w.max(), 0.0)
-    T = xp.asarray((U[:, keep] / np.sqrt(w[keep])[None, :]) / d[:, None])
+    T = from_host((U[:, keep] / np.sqrt(w[keep])[None, :]) / d[:, None], xp, device_of(V))
     return V @ T, (None if AV is None else AV @ T)
 
 
@@ -363,21 +392,23 @@ def lobpcg_smallest(X0, scale=None, precondition=None, *, stop, maxiter: int = 5
     ([1.0, 2.0], 'done')
     """
     xp = get_xp(X0)
+    dev = device_of(X0)
     X, _ = svqb(X0)
     k = X.shape[1]
     AX = yield from product(X, scale)
+    # the projected problems (k x k here, 3k x 3k below) and the residual norms (k) are small: on the host
     theta, C = np.linalg.eigh(_sym(to_numpy(X.T @ AX)))
-    C = xp.asarray(C)
+    C = from_host(C, xp, dev)
     X, AX = X @ C, AX @ C
     P = AP = None
     it, status = 1, "budget"
     while True:
         if it % REFRESH == 0:  # fresh A X and A P (one extra product per REFRESH iterations)
-            XP = X if P is None or not P.shape[1] else xp.concatenate([X, P], axis=1)
+            XP = X if P is None or not P.shape[1] else xp.concat([X, P], axis=1)
             AXP = yield from product(XP, scale)
             AX, AP = AXP[:, :k], (AXP[:, k:] if XP.shape[1] > k else AP)
-        R = AX - X * xp.asarray(theta)[None, :]
-        rn = to_numpy(xp.linalg.norm(R, axis=0))
+        R = AX - X * from_host(theta, xp, dev)[None, :]
+        rn = to_numpy(vector_norm(R, xp, axis=0))
         s = stop(theta, rn, it)
         if s is not None:
             status = s
@@ -385,7 +416,8 @@ def lobpcg_smallest(X0, scale=None, precondition=None, *, stop, maxiter: int = 5
         if it >= maxiter:
             break
         act = rn > lock
-        W = R[:, act] if precondition is None else precondition(R[:, act])
+        Ra = _cols(R, np.flatnonzero(act))
+        W = Ra if precondition is None else precondition(Ra)
         blocks = [X] + ([P] if P is not None and P.shape[1] else [])
         for Q in blocks:
             W, _ = _orth_against(W, Q)
@@ -396,14 +428,14 @@ def lobpcg_smallest(X0, scale=None, precondition=None, *, stop, maxiter: int = 5
         AW = yield from product(W, scale)
         it += 1
         # S = [X, W, P] is orthonormal by construction (no mixing of the blocks: [HL06])
-        S = xp.concatenate(blocks + [W], axis=1)
-        AS = xp.concatenate([AX] + ([AP] if len(blocks) > 1 else []) + [AW], axis=1)
+        S = xp.concat(blocks + [W], axis=1)
+        AS = xp.concat([AX] + ([AP] if len(blocks) > 1 else []) + [AW], axis=1)
         theta_all, Q = np.linalg.eigh(_sym(to_numpy(S.T @ AS)))
-        Cx = xp.asarray(Q[:, :k])
+        Cx = from_host(Q[:, :k], xp, dev)
         Xn, AXn = S @ Cx, AS @ Cx
         # the new P: the W and P part of the step, as combinations of orthonormal vectors (no cancellation),
         # then made orthogonal to the new X (a correction of the order of its square) [HL06 §3]
-        Pn, APn = S[:, k:] @ Cx[k:], AS[:, k:] @ Cx[k:]
+        Pn, APn = S[:, k:] @ Cx[k:, ...], AS[:, k:] @ Cx[k:, ...]
         Pn, APn = _orth_against(Pn, Xn, APn, AXn)
         P, AP = svqb(Pn, APn, drop=1e-10)
         X, AX, theta = Xn, AXn, theta_all[:k]
@@ -459,18 +491,17 @@ class KrylovSpectrum:
         return self.verdict_settled and all(p.converged for p in parts if p is not None)
 
     def null_basis(self, scale):
-        """Orthonormal basis (psi, psi - rank) of ``null(G)`` in original coordinates (numpy)."""
-        xp = get_xp(scale)
-        dead = xp.asarray(self.dead)
-        cols = [scale[:, None] * self.null_scaled] if self.null_scaled.shape[1] else []
-        idx = xp.flatnonzero(dead)
+        """Orthonormal basis (psi, psi - rank) of ``null(G)`` in original coordinates (numpy: a result, copied to
+        the host once)."""
+        cols = [to_numpy(scale[:, None] * self.null_scaled)] if self.null_scaled.shape[1] else []
+        idx = np.flatnonzero(self.dead)
         if idx.size:
-            E = xp.zeros((scale.shape[0], int(idx.size)))
-            E[idx, xp.arange(int(idx.size))] = 1.0
+            E = np.zeros((scale.shape[0], int(idx.size)))
+            E[idx, np.arange(int(idx.size))] = 1.0
             cols.append(E)
         if not cols:
             return np.zeros((scale.shape[0], 0))
-        q, _ = np.linalg.qr(to_numpy(xp.concatenate(cols, axis=1)))
+        q, _ = np.linalg.qr(np.concatenate(cols, axis=1))
         return q
 
 
@@ -510,7 +541,8 @@ def spectrum_from_runs(small, lmax_s, lmax_g, small_g, M, diag, rtol, eig_rtol, 
     # dropped side of the margin: the largest magnitude below the cutoff, as on the dense path
     W, dropped = X[:, :j], float(np.max(np.abs(theta[:j]))) if j else 0.0
     if j:
-        W, _ = svqb(W * M.live.astype(xp.float64)[:, None])
+        W, _ = svqb(W * xp.astype(M.live, xp.float64)[:, None])
+    # dead: one flag per feature, on the host with the certificate (psi bytes, once per solve)
     spec = KrylovSpectrum(psi, rank, rtol, lmax_s, kept if j == 0 and nlive == psi else first, lmax_g, None, W,
                           to_numpy(~M.live), bool(settled), 0, notes, kept, dropped)
     if small_g is not None:
@@ -537,21 +569,21 @@ def _unscaled_min(small_g, kept, lmax_g, diag, M, rtol, full_rank, notes, eig_rt
     t, r, it = float(small_g["theta"][0]), float(small_g["residuals"][0]), int(small_g["iterations"])
     if not full_rank and (dead or first is None):  # all-zero features: G is exactly singular
         return EigenEstimate(0.0, 0.0, 0.0, 0.0, True, it)
+    xp = M.xp
     if not full_rank:  # null directions of Gs below the cutoff, but G itself may well be nonsingular
-        live = to_numpy(M.live)
-        dl = to_numpy(diag)[live]
-        v = to_numpy(vector)[:, 0]
-        q = float(np.sum(v[live] ** 2 / dl))  # ||D^-1/2 v||^2 on the live coordinates (the others are 0)
+        dl = diag[M.live]  # (on the device: only the scalars below come to the host)
+        v = vector[:, 0][M.live]
+        q = float(xp.sum(v**2 / dl))  # ||D^-1/2 v||^2 on the live coordinates (the others are 0)
         up = first.value / q if q > 0 else float("inf")
         up = min(up, t)  # (a Ritz value of G: a Rayleigh quotient, whatever the run's status)
-        lo = first.lower * (float(dl.min()) if first.lower >= 0 else float(dl.max()))
+        lo = first.lower * (float(xp.min(dl)) if first.lower >= 0 else float(xp.max(dl)))
         up = max(up, lo)
         return EigenEstimate(up, float(first.residual), lo, up, bool(up - lo <= eig_rtol * abs(up)), it)
     if small_g["status"] in ("done", "solve-budget", "budget") and t > rtol * lmax_g.value:
         lo = max(t - r, 0.0, min(lower or 0.0, t))
         return EigenEstimate(t, r, lo, t, bool(t - lo <= eig_rtol * t), it)
-    dl = to_numpy(diag)[to_numpy(M.live)]
-    lo, hi = kept.lower * float(dl.min()), min(t, kept.upper * float(dl.max()))
+    dl = diag[M.live]
+    lo, hi = kept.lower * float(xp.min(dl)), min(t, kept.upper * float(xp.max(dl)))
     notes.append(f"lambda_min(G) not resolved by products with G ({small_g['status']}): it lies in"
                  f" [{lo:.3e}, {hi:.3e}] (from lambda_min of the scaled Gram)")
     return EigenEstimate(hi, r, lo, hi, False, it)

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .._backend import get_xp, is_numpy
+from .._backend import device_of, get_xp, is_numpy
 from ..features import n_pairs, row_targets, token_features
 from ..statistics._compiled import features_t
 
@@ -159,10 +159,11 @@ def group_sweep(blocks, d: int, k: int):
     m = n_pairs(d)
     out = None
     for s, x, y in blocks:
-        if out is None:
-            xp = get_xp(s)
-            out = [xp.zeros((m, d), dtype=xp.float64), xp.zeros((m, m), dtype=xp.float64),
-                   xp.zeros((d, d), dtype=xp.float64), xp.zeros((m, d * k), dtype=xp.float64), 0.0, 0]
+        if out is None:  # the sums stay on the rows' device
+            xp, dev = get_xp(s), device_of(s)
+            out = [xp.zeros((m, d), dtype=xp.float64, device=dev), xp.zeros((m, m), dtype=xp.float64, device=dev),
+                   xp.zeros((d, d), dtype=xp.float64, device=dev), xp.zeros((m, d * k), dtype=xp.float64, device=dev),
+                   0.0, 0]
         out[0] += xp.matmul((s * s).T, x * x)
         out[1] += xp.matmul(s.T, s)
         out[2] += xp.matmul(x.T, x)

@@ -38,10 +38,10 @@ from ._certificate import (
     certificate_from_spectrum,
     check_cutoff,
 )
-from ._dense import blocked_cholesky
+from ._dense import cholesky
 from ._gram import gram_for, operator_of
 from ._krylov import krylov_solve
-from ._spectrum import EIGH_FALLBACK_PSI, default_rtol, factor_gram, min_norm, scaled_spectrum, solver_path
+from ._spectrum import EIGH_FALLBACK_PSI, UNIT, default_rtol, factor_gram, min_norm, scaled_spectrum, solver_path
 
 __all__ = ["Solution", "solve", "solve_validated", "certify", "certify_validated", "route", "shared_gram",
            "check_ridge", "check_no_worse_than_zero", "MAX_RIDGE"]
@@ -183,6 +183,15 @@ def _solve_eigh(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> 
     return _checked(Solution(c, cert, null, stats.sse(c, G), float(ridge), spec.effective_dof(ridge)), stats, G)
 
 
+#: the relative accuracy of the Cholesky path's refinement correction (Neumann steps with the shifted factor stop
+#: there; one solve when the factor's contraction is below it): the correction's own error is that fraction of the
+#: solution's error, at round-off already
+REFINED_RTOL = 1e-3
+#: the relative change at which the Neumann steps of the solve itself stop before the refinement step: its error
+#: times the correction's (at most REFINED_RTOL, ~1e-5 typically) is below round-off
+REFINED_MAIN_RTOL = 1e-12
+
+
 def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) -> Solution | None:
     """[Y25] Alg. 1 by Cholesky of the Jacobi-scaled Gram (full rank only): ``c = D^-1/2 Gs^-1 D^-1/2 B``
     with one refinement step; ridge: ``(Gs + lambda I)``, effective dof ``psi - lambda tr (Gs + lambda I)^-1``.
@@ -192,30 +201,45 @@ def _solve_large(stats, gram, cutoff_rtol: float, refine: bool, ridge: float) ->
     None when ``G`` is not positive definite beyond the cutoff."""
     import scipy.linalg
 
-    f = factor_gram(stats, gram, cutoff_rtol)
+    moments = np.asarray(stats.moments, np.float64)
+    # the solve of B rides on the factorisation's inverse iteration (one call per pass over the factor); before a
+    # refinement step it needs REFINED_MAIN_RTOL only (the step multiplies its error by the correction's accuracy,
+    # the shifted factor's contraction: below REFINED_RTOL)
+    f = factor_gram(stats, gram, cutoff_rtol, rhs=None if ridge > 0 else moments,
+                    rhs_rtol=REFINED_MAIN_RTOL if refine else UNIT)
     if f is None:
         return None
     cert = certificate_from_factor(f, cutoff_rtol, stats.n_rows)
     psi = f.L.shape[0]
-    rhs = f.scale[:, None] * np.asarray(stats.moments)
+    rhs = f.scale[:, None] * moments
     if ridge > 0:  # D^-1/2 chol(G + ridge diag G) is the factor of Gs + ridge I; it reuses the factor's memory
         if isinstance(f.G, np.ndarray):
             f.L[...] = f.G
         else:  # the factor took G's memory: expand it again
             stats.gram(out=f.L)
         f.L[np.diag_indices(psi)] += ridge * f.diag
-        f.L = blocked_cholesky(f.L, overwrite_a=True)  # LAPACK on small blocks only (scaleattn.linalg._dense)
+        f.L = cholesky(f.L, overwrite_a=True)  # (scaleattn.linalg._dense: LAPACK, or by blocks when large)
         f.shift = 0.0  # (the proved factor was of G - shift D)
-    cs = f.solve(rhs)
-    if refine:
-        cs += f.solve(rhs - f.scaled_matvec(cs) - ridge * cs)
+    cs = f.solve(rhs) if f.rhs_solution is None else f.rhs_solution / f.scale[:, None]
+    sse = None
+    if refine:  # the correction needs a few digits only: its error is that fraction of one at round-off already
+        Gcs = f.scaled_matvec(cs)
+        r = rhs - Gcs - ridge * cs
+        step = f.solve(r, REFINED_RTOL)
+        if ridge == 0:
+            # the SSE from the product the step made: sse(c + d) = sse(c) - 2 d.r + d.Gs d, and Gs d = r to the
+            # correction's accuracy (an error REFINED_RTOL |d|^2 ||Gs||, second order in the small step): no pass
+            # over G of its own
+            sse = float(stats.yy - 2.0 * np.sum(cs * rhs) + np.sum(cs * Gcs) - np.sum(step * r))
+        cs += step
     dof = float(psi)
     if ridge > 0:
         Linv, info = scipy.linalg.lapack.dtrtri(f.L.T, lower=0, overwrite_c=1)  # L^-T, in place (F view)
         # tr (Gs + lambda I)^-1 = tr D^1/2 L^-T L^-1 D^1/2 = sum_ij (L^-T)_ji^2 D_j (L L^T = G + lambda D)
         dof = float(psi - ridge * np.einsum("ji,ji,j->", Linv, Linv, f.diag))
     c = f.scale[:, None] * cs
-    return _checked(Solution(c, cert, np.zeros((psi, 0)), stats.sse(c, f.G), float(ridge), dof), stats, f.G)
+    sse = stats.sse(c, f.G) if sse is None else sse
+    return _checked(Solution(c, cert, np.zeros((psi, 0)), sse, float(ridge), dof), stats, f.G)
 
 
 def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:
@@ -227,7 +251,7 @@ def _solve_krylov(stats, cutoff_rtol: float, options: dict | None) -> Solution:
     Gc = to_numpy(op.matmat(op.xp.asarray(ks.coef)))
     sse = float(stats.yy - 2 * np.sum(ks.coef * to_numpy(stats.moments)) + np.sum(ks.coef * Gc))
     cert.estimates.update({"cg_iterations": int(ks.iterations), "backward_error": ks.backward_error.tolist(),
-                           "solve_converged": bool(ks.converged.all())})
+                           "solve_converged": bool(ks.converged.all()), "preconditioner": ks.preconditioner})
     if hasattr(op, "traffic_summary"):  # Tc on the workers: what each pass moved
         cert.estimates["traffic"] = op.traffic_summary()
     return _checked(Solution(ks.coef, cert, ks.null_basis, sse, 0.0, float(ks.spectrum.rank)), stats, op)
@@ -288,7 +312,7 @@ def solve(stats, cutoff_rtol: float | None = None, refine: bool = True, ridge: f
         the Cholesky path then expands ``G`` into its factor's memory (one psi x psi array, not two).
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``btol``, ``maxiter``, ``eig_rtol``, ``eig_budget``,
-        ``block``, ``seed``).
+        ``block``, ``seed``, ``preconditioner``: ``"block-jacobi"``, the default, or ``"kfac"``).
 
     Returns
     -------
@@ -364,7 +388,7 @@ def certify(stats, cutoff_rtol: float | None = None, solver: str = "auto", large
         :func:`~scaleattn.linalg._gram.gram_for`.
     krylov : dict, optional
         Options of :func:`scaleattn.linalg._krylov.krylov_solve` (``maxiter``, ``eig_rtol``, ``eig_budget``, ``block``,
-        ``seed``).
+        ``seed``, ``preconditioner``).
 
     Returns
     -------

@@ -13,13 +13,16 @@ units of the features; eigenvalues at or below ``cutoff_rtol * lambda_max(Gs)`` 
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .._params import choice
 from ..errors import ParameterError
-from ._dense import blocked_cholesky, gemm, largest_eigenvalues, symmetric_product
-from ._gram import operator_of
+from ._dense import blocked_cholesky, cholesky, gemm, largest_eigenvalues, symmetric_product, triangular_product
+from ._gram import blas_single_thread, operator_of
+from ._lanczos import EigenEstimate
 
 __all__ = ["Spectrum", "scaled_spectrum", "eigvalsh", "CholeskyFactor", "cholesky_factor", "factor_gram",
            "solver_path", "default_rtol", "syevd_workspace", "SOLVERS", "LARGE_PSI", "KRYLOV_PSI",
@@ -45,7 +48,9 @@ EIGH_FALLBACK_PSI = 8_000
 #: at d = 32 on 1.2 rows per feature (``scaleattn bench krylov``) Cholesky is the faster, so it stays the
 #: default wherever it fits, up to d = 32
 KRYLOV_PSI = 20_000
-#: the Cholesky path's extreme eigenvalues (:func:`cholesky_factor`): the estimated relative error of the
+#: the Cholesky path's extreme eigenvalues where the shifted factorisation proves nothing (the fall-back path of
+#: :func:`cholesky_factor`; the proved path takes :data:`INVERSE_STEPS` and :data:`TOP_STEPS`): the estimated
+#: relative error of the
 #: smallest (``residual^2 / gap`` of its Ritz pair, [P98] §11.7), the vectors per operator of their block Krylov
 #: runs and the products at most. What needs them: the verdict (``w_min / w_max`` against the cutoff with a
 #: factor-10 margin, :data:`scaleattn.linalg._certificate.SETTLE_FACTOR`) and the printed 4-digit ``lambda_min``.
@@ -286,14 +291,20 @@ PROOF_MIN_DIAG = 1e-250
 #: Neumann steps at most that :meth:`CholeskyFactor.gram_solve` takes with a shifted factor (each contracts the
 #: error by ``shift / (lambda_min(Gs) - shift)``); where more would be needed the solves take an unshifted factor
 NEUMANN_MAX = 40
-#: block inverse-iteration steps (solves with the shifted factor) for the upper ends of the ``lambda_min``
-#: intervals on the proved path: the verdict needs none (the factorisation proved it), the printed interval's
-#: upper end a few; a run stops earlier when its estimate meets ``eig_rtol``
-INVERSE_STEPS = 14
-#: the top Ritz vectors of each inverse run that the Rayleigh-Ritz step of ``G`` and ``Gs`` takes (their product
-#: with the factor costs ``2 psi^2`` flops per vector): None, the whole bases (both runs' bases together give
-#: lambda_min(G) to 2e-8 and 5e-7 at d = 16, last-token and causal rows; their top 16 vectors each to 8e-7 and 2e-5)
-RITZ_VECTORS = None
+#: block inverse-iteration steps (solves with the shifted factor) and vectors per operator for the upper ends of
+#: the ``lambda_min`` intervals on the proved path: the verdict needs none (the factorisation proved it), the
+#: upper end a few (a Rayleigh quotient is an upper bound however few the steps; ``bound_rtol`` tightens the lower
+#: end when more digits are wanted). The solve of the right-hand side rides on these solves (:class:`_FusedSolve`:
+#: a solve reads the factor twice whatever the columns up to ~16), so 3 steps cost about what the solve's own
+#: Neumann steps do
+INVERSE_STEPS = 3
+INVERSE_BLOCK = 4
+#: products with ``G`` and vectors per operator for ``lambda_max`` on the proved path: a Rayleigh quotient (a lower
+#: bound) with the Gershgorin bound above it. One: the product in the pass that takes the Gershgorin bound
+#: (:func:`_top_one_pass`), 6 % below the value at d = 24 (3 products of 4 random vectors by block Krylov: 6 % and
+#: 4 %); the report prints the digits the interval holds
+TOP_STEPS = 1
+PROVED_TOP_BLOCK = 4
 
 
 def _gamma(k: int) -> float:
@@ -339,14 +350,47 @@ def rounding_shift(n: int, total: float | None = None, top: float = 1.0) -> floa
     return (alpha * (1.0 + 3 * UNIT) * total + 3 * UNIT * float(top)) * (1.0 + _gamma(8))
 
 
-def gershgorin_scaled(G: np.ndarray, scale: np.ndarray, rows: int = 256) -> float:
+def gershgorin_scaled(G: np.ndarray, scale: np.ndarray, rows: int = 16) -> float:
     """A rigorous upper bound on ``lambda_max(Gs)``, ``Gs = diag(scale) G diag(scale)``: its largest absolute row
-    sum (Gershgorin), rounded up; ``G`` read in blocks of ``rows`` rows (no psi x psi temporary)."""
+    sum (Gershgorin), rounded up; ``G`` read in blocks of ``rows`` rows (no psi x psi temporary;
+    :func:`gershgorin_pass`)."""
+    return gershgorin_pass(G, scale, None, rows)[0]
+
+
+def gershgorin_pass(G: np.ndarray, scale: np.ndarray, X: np.ndarray | None, rows: int = 16):
+    """One pass over ``G``: rigorous upper bounds (rounded up) on ``lambda_max`` of ``Gs = diag(scale) G
+    diag(scale)`` and of ``G``, their largest absolute row sums (Gershgorin), and ``G @ X`` (None without ``X``).
+
+    Blocks of ``rows`` rows small enough to stay in cache while their absolute values and both products are taken
+    (each block read from memory once), on one Python thread per core with one BLAS thread each: a threaded BLAS
+    call per small block costs more in its threads' hand-offs than the block's arithmetic (measured at d = 24, 2
+    cores: 0.2 s against 1.4-8 s)."""
     n = G.shape[0]
-    top = 0.0
-    for i in range(0, n, rows):
-        top = max(top, float(np.max(gemm(np.abs(G[i: i + rows]), scale[:, None])[:, 0] * scale[i: i + rows])))
-    return top * (1.0 + _gamma(n + 4))
+    w = np.stack([scale, np.ones(n)], axis=1)
+    Y = None if X is None else np.empty((n, X.shape[1]), order="F")
+    starts = list(range(0, n, rows))
+    workers = max(1, min(os.cpu_count() or 1, 8, len(starts)))
+
+    def part(k: int):
+        buf = np.empty((min(rows, n), n))
+        top_s = top_g = 0.0
+        for i in starts[k::workers]:
+            blk = G[i: i + rows]
+            sums = gemm(np.abs(blk, out=buf[: blk.shape[0]]), w)
+            top_s = max(top_s, float(np.max(sums[:, 0] * scale[i: i + rows])))
+            top_g = max(top_g, float(np.max(sums[:, 1])))
+            if X is not None:
+                Y[i: i + rows] = gemm(blk, X)
+        return top_s, top_g
+
+    with blas_single_thread():
+        if workers == 1:
+            tops = [part(0)]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                tops = list(pool.map(part, range(workers)))
+    up = 1.0 + _gamma(n + 4)
+    return max(t[0] for t in tops) * up, max(t[1] for t in tops) * up, Y
 
 
 def _shifted_cholesky(G: np.ndarray, diag: np.ndarray, sigma: float, weights=None,
@@ -358,7 +402,7 @@ def _shifted_cholesky(G: np.ndarray, diag: np.ndarray, sigma: float, weights=Non
     idx = np.diag_indices(M.shape[0])
     M[idx] = diag * (1.0 - sigma) if weights is None else diag - sigma * np.asarray(weights, np.float64)
     try:
-        return blocked_cholesky(M, overwrite_a=True)
+        return cholesky(M, overwrite_a=True)
     except np.linalg.LinAlgError:
         return None
 
@@ -368,20 +412,22 @@ def _rayleigh_upper(L: np.ndarray, X: np.ndarray, diag: np.ndarray, shift: float
     coordinates) and the factor ``L L^T = fl(G - shift D) + E`` (:func:`rounding_shift`): for each column ``x``,
     ``x^T G x <= ||L^T x||^2 + (shift + rho) x^T D x``, and the rounding of ``||L^T x||^2`` is at most
     ``rho x^T D x`` (``|L^T| |x|`` by Cauchy-Schwarz with weights ``D``, ``sum_i ||l_i||^2 / g_ii <= psi / (1 -
-    gamma)``). Returns the two bounds (the smallest over the columns) and the column reaching each."""
-    P = gemm(L, X, trans=True)  # L^T X (L lower, C-ordered)
+    gamma)``). Returns the two bounds (the smallest over the columns) and the two Rayleigh quotients of the first
+    column for ``Gs`` and of the second for ``G`` (estimates, not bounds)."""
+    P = triangular_product(L, X)  # L^T X on L's triangle only
     num = np.sum(P * P, axis=0)
     xdx = np.sum(diag[:, None] * X * X, axis=0)
     xx = np.sum(X * X, axis=0)
     up = 1.0 + _gamma(X.shape[0] + 8)  # the sums and the division, rounded up
     top = (num * up + (shift + 2.0 * rho) * xdx * up) * up
     s_up, g_up = top / (xdx / up), top / (xx / up)
-    return float(np.min(s_up)), float(np.min(g_up))
+    rq = num + shift * xdx
+    return float(np.min(s_up)), float(np.min(g_up)), float(rq[0] / xdx[0]), float(rq[-1] / xx[-1])
 
 
 def _ritz_smallest(L: np.ndarray, X: np.ndarray, diag: np.ndarray, shift: float) -> np.ndarray:
     """Rayleigh-Ritz for the smallest eigenvalues of ``Gs`` and of ``G`` on the span of ``X`` (psi, k) (original
-    coordinates), with ``X^T G X = (L^T X)^T (L^T X) + shift X^T D X`` from the factor (one product with ``L``):
+    coordinates), with ``X^T G X = (L^T X)^T (L^T X) + shift X^T D X`` from the factor (one product with its triangle):
     the two Ritz vectors (psi, 2). Every product goes to scipy's BLAS (:func:`gemm`)."""
     import scipy.linalg
 
@@ -390,7 +436,7 @@ def _ritz_smallest(L: np.ndarray, X: np.ndarray, diag: np.ndarray, shift: float)
     w, U = np.linalg.eigh(C / c[:, None] / c[None, :])
     keep = w > 1e-10 * w[-1]  # an orthonormal basis of the span (SVQB), dependent directions dropped
     X = gemm(np.ascontiguousarray(X.T), np.asarray(U[:, keep] / np.sqrt(w[keep]) / c[:, None]), trans=True)
-    P = gemm(L, X, trans=True)
+    P = triangular_product(L, X)
     DX = diag[:, None] * X
     XtDX = gemm(np.ascontiguousarray(X.T), DX)
     H = gemm(np.ascontiguousarray(P.T), P) + shift * XtDX
@@ -403,6 +449,7 @@ def _ritz_smallest(L: np.ndarray, X: np.ndarray, diag: np.ndarray, shift: float)
             y = np.eye(X.shape[1])[:, :1]
         out.append(y)
     return gemm(np.ascontiguousarray(X.T), np.concatenate(out, axis=1), trans=True)
+
 
 
 @dataclasses.dataclass
@@ -440,8 +487,16 @@ class CholeskyFactor:
     proof: dict | None = None
     w_interval: tuple | None = None
     lam_interval: tuple | None = None
-    #: Neumann steps per solve with a shifted factor (:meth:`gram_solve`)
+    #: Neumann steps at most per solve with a shifted factor (:meth:`gram_solve`), and the error contraction
+    #: estimated for each (``2 shift / (w_min - shift)``; 0 unshifted)
     neumann: int = 0
+    contraction: float = 0.0
+    #: ``G^-1 rhs`` for the ``rhs`` given to :func:`cholesky_factor` (its solves ride on the inverse iteration's)
+    rhs_solution: np.ndarray | None = None
+    #: rigorous-ended intervals for ``lambda_max(Gs)`` and ``lambda_max(Lambda_D)``: the Ritz value (a Rayleigh
+    #: quotient) below, the Gershgorin bound or the Ritz residual bound above
+    w_max_interval: tuple | None = None
+    lam_max_interval: tuple | None = None
 
     @property
     def converged(self) -> bool:
@@ -466,19 +521,31 @@ class CholeskyFactor:
         return self.scale[:, None] * (symmetric_product(self.G, y) if isinstance(self.G, np.ndarray)
                                       else np.asarray(self.G @ y))
 
-    def solve(self, rhs: np.ndarray) -> np.ndarray:
+    def solve(self, rhs: np.ndarray, rtol: float = UNIT) -> np.ndarray:
         """``Gs^-1 rhs = D^1/2 G^-1 D^1/2 rhs`` through the factor (:meth:`gram_solve`)."""
         root = (1.0 / self.scale)[:, None] if rhs.ndim == 2 else 1.0 / self.scale
-        return root * self.gram_solve(root * rhs)
+        return root * self.gram_solve(root * rhs, rtol)
 
-    def gram_solve(self, rhs: np.ndarray) -> np.ndarray:
-        """``G^-1 rhs``: two triangular solves, and with a shifted factor ``neumann`` more pairs of them, the
-        fixed point of ``(G - shift D) y = rhs - shift D y`` (no product with ``G``)."""
-        y = self.shifted_solve(rhs)
-        if self.shift:
-            dd = self.shift * (self.diag[:, None] if rhs.ndim == 2 else self.diag)
-            for _ in range(self.neumann):
-                y = self.shifted_solve(rhs - dd * y)
+    def gram_solve(self, rhs: np.ndarray, rtol: float = UNIT) -> np.ndarray:
+        """``G^-1 rhs``: two triangular solves, and with a shifted factor up to ``neumann`` more pairs of them, the
+        fixed point of ``(G - shift D) y = rhs - shift D y`` (no product with ``G``), to a relative change of
+        ``rtol`` (a caller's refinement step with ``G`` after it needs far less than round-off)."""
+        return self.neumann_steps(rhs, self.shifted_solve(rhs), rtol)
+
+    def neumann_steps(self, rhs: np.ndarray, y: np.ndarray, rtol: float = UNIT, last: float | None = None):
+        """The Neumann steps of :meth:`gram_solve` from ``y``: each contracts the error by about ``contraction``;
+        they stop when the next change is predicted below ``rtol`` (this one times the contraction measured), when
+        the change is, or when it stops shrinking (round-off)."""
+        if not self.shift or self.contraction <= rtol:
+            return y
+        dd = self.shift * (self.diag[:, None] if rhs.ndim == 2 else self.diag)
+        for _ in range(self.neumann):
+            new = self.shifted_solve(rhs - dd * y)
+            change = float(np.max(np.abs(new - y))) / max(float(np.max(np.abs(new))), 1e-300)
+            y = new
+            if change <= rtol or (last is not None and (change * change <= rtol * last or change > 0.5 * last)):
+                break
+            last = change
         return y
 
     def shifted_solve(self, rhs: np.ndarray) -> np.ndarray:
@@ -494,7 +561,9 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
                     block: int = EIG_BLOCK, top_rtol: float = EIG_TOP_RTOL,
                     top_block: int = EIG_TOP_BLOCK, overwrite_g: bool = False,
                     gram=None, regram=None, bound_rtol: float | None = None,
-                    inverse_steps: int = INVERSE_STEPS, ritz_vectors: int | None = None) -> CholeskyFactor | None:
+                    inverse_steps: int = INVERSE_STEPS, inverse_block: int = INVERSE_BLOCK,
+                    top_steps: int = TOP_STEPS, rhs: np.ndarray | None = None,
+                    rhs_rtol: float = UNIT) -> CholeskyFactor | None:
     """Prove ``lambda_min(Gs)`` above the identifiability threshold by one shifted factorisation, factor the Gram
     and estimate the extreme eigenvalues the certificate needs (DESIGN §4b, "a verdict proved by one
     factorisation"); None when ``G`` is not numerically positive definite beyond the cutoff (the caller then
@@ -510,9 +579,11 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         Rows behind ``G`` (``Lambda_D = G / N``).
     eig_rtol, block : float, int
         Estimated relative error at which the runs for the smallest eigenvalues (of ``Gs`` and ``G``) stop, and
-        their vectors per operator (:data:`EIG_RTOL`, :data:`EIG_BLOCK`).
+        their vectors per operator on the fall-back path (:data:`EIG_RTOL`, :data:`EIG_BLOCK`; the proved path
+        stops at ``eig_rtol`` or ``inverse_steps``).
     top_rtol, top_block : float, int
-        The same for the largest (:data:`EIG_TOP_RTOL`, :data:`EIG_TOP_BLOCK`).
+        The same for the largest on the fall-back path (:data:`EIG_TOP_RTOL`, :data:`EIG_TOP_BLOCK`; the proved
+        path stops at ``top_rtol`` or ``top_steps`` products of :data:`PROVED_TOP_BLOCK` vectors).
     overwrite_g : bool
         Factor ``G`` in place when it is a C-contiguous writeable float64 array (its memory becomes ``L``: one
         psi x psi array instead of two, and no fresh 2.3 GB at d = 32 to page in). ``G``'s values are then
@@ -528,11 +599,17 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         Tighten the rigorous lower bound on ``lambda_min(Gs)`` by more shifted factorisations (bisection) until
         the interval is at most this relative width, or 8 more factorisations. Default: one factorisation, the
         lower bound being the threshold it proved.
-    inverse_steps : int
-        Block inverse-iteration steps (solves with the factor) for the upper ends of the ``lambda_min``
-        intervals on the proved path (:data:`INVERSE_STEPS`; the fall-back path runs to ``eig_rtol``).
-    ritz_vectors : int, optional
-        Top Ritz vectors of each run for the Rayleigh-Ritz step (:data:`RITZ_VECTORS`; default: all).
+    inverse_steps, inverse_block : int
+        Block inverse-iteration steps (solves with the factor) and vectors per operator for the upper ends of the
+        ``lambda_min`` intervals on the proved path (:data:`INVERSE_STEPS`, :data:`INVERSE_BLOCK`; the fall-back
+        path runs to ``eig_rtol``). More steps tighten the upper end and the estimates.
+    top_steps : int
+        Products with ``G`` for ``lambda_max`` on the proved path (:data:`TOP_STEPS`).
+    rhs : array (psi, k), optional
+        Also solve ``G y = rhs`` (``rhs_solution``), its solves sharing the inverse iteration's calls.
+    rhs_rtol : float
+        The relative change at which that solve's Neumann steps stop (default: round-off; a caller's refinement
+        step with ``G`` after it needs far less).
 
     Returns
     -------
@@ -547,15 +624,19 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     on ``lambda_max(Gs)`` (:func:`gershgorin_scaled`); ``G - s D`` is factored with ``s = tau + rho``
     (:func:`rounding_shift`). Success proves ``lambda_min(Gs) > tau``: a settled "identifiable" with no
     iteration. The solves reuse the factor (:meth:`CholeskyFactor.gram_solve`: Neumann steps, each contracting
-    the error by ``s / (lambda_min(Gs) - s)``, the caller's refinement step with ``G`` after them). Then block
-    Krylov ([P98] §11.7; :func:`scaleattn.linalg._dense.largest_eigenvalues`) on ``(Gs - s I)^-1`` and
-    ``(G - s D)^-1`` (solves with ``L``) and one Rayleigh-Ritz step of ``Gs`` and ``G`` on their top Ritz vectors
-    with ``X^T G X`` from the factor give the estimates and rigorous upper bounds (Rayleigh quotients,
-    :func:`_rayleigh_upper`); the lower bounds are the proved ``tau`` and ``tau min(diag G)``. Where the shifted
-    factorisation fails (``lambda_min(Gs)`` near or below ``tau``), the unshifted factor and the Krylov estimates
-    decide as before (``proof`` None; the three-valued verdict, the QR settle). ``G`` itself is factored
-    (:func:`scaleattn.linalg._dense.blocked_cholesky`); the products with ``G`` (largest eigenvalues, the
-    Gershgorin bound) run before it, so that ``G`` may then become its factor (``overwrite_g``).
+    the error by ``s / (lambda_min(Gs) - s)``, the caller's refinement step with ``G`` after them). Then
+    ``inverse_steps`` of block Krylov ([P98] §11.7; :func:`scaleattn.linalg._dense.largest_eigenvalues`) on
+    ``(Gs - s I)^-1`` and ``(G - s D)^-1`` (solves with ``L``, the ``rhs`` solve's Neumann steps in the same
+    calls) and one Rayleigh-Ritz step of ``Gs`` and ``G`` on both runs' bases with ``X^T G X`` from the factor
+    give the estimates and rigorous upper bounds (Rayleigh quotients, :func:`_rayleigh_upper`); the lower bounds
+    are the proved ``tau`` and ``tau min(diag G)``: the verdict needs no iteration, the intervals' upper ends
+    a few steps (a Rayleigh quotient bounds from above however few; the estimates inside are about as loose).
+    ``lambda_max``: ``top_steps`` products with ``G``, the first in the same pass as the Gershgorin bound
+    (:func:`gershgorin_pass`): the interval [Ritz value, Gershgorin bound]. Where the shifted factorisation fails
+    (``lambda_min(Gs)`` near or below ``tau``), the unshifted factor and the Krylov estimates run to their
+    accuracy and decide as before (``proof`` None; the three-valued verdict, the QR settle). ``G`` itself is
+    factored (:func:`scaleattn.linalg._dense.cholesky`); the products with ``G`` run before it, so that ``G`` may
+    then become its factor (``overwrite_g``).
 
     References
     ----------
@@ -577,9 +658,19 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
     if not np.all(diag > 0):
         return None  # an all-zero feature: G is singular
     scale = 1.0 / np.sqrt(diag)
-    w_max, g_max = largest_eigenvalues(lambda X: symmetric_product(G, X), psi, [scale, None], rtol=top_rtol,
-                                       block=top_block, maxiter=EIG_MAXITER)
-    w_hi = gershgorin_scaled(G, scale)
+    if top_steps <= 1:
+        w_hi, g_hi, w_top, g_top = _top_one_pass(G, scale, diag, PROVED_TOP_BLOCK)
+    else:
+        bounds: list = []
+
+        def first(X):  # the Gershgorin bounds in the same pass over G as the first power step
+            w_hi, g_hi, Y = gershgorin_pass(G, scale, X)
+            bounds.extend([w_hi, g_hi])
+            return Y
+
+        w_top, g_top = largest_eigenvalues(lambda X: symmetric_product(G, X), psi, [scale, None], rtol=top_rtol,
+                                           block=PROVED_TOP_BLOCK, maxiter=top_steps, first_product=first)
+        w_hi, g_hi = bounds
     tau = PROOF_FACTOR * cutoff_rtol * w_hi
     rho = rounding_shift(psi)
     shift = (tau + rho) * (1.0 + _gamma(4))  # shift - rho >= tau, rounded up
@@ -591,34 +682,44 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
             if regram is None:
                 return None
             regram(G)
-        return _unshifted(G, diag, scale, w_max, g_max, cutoff_rtol, n_rows, eig_rtol, block, overwrite_g, gram)
+        return _unshifted(G, diag, scale, cutoff_rtol, n_rows, eig_rtol, block, top_rtol, top_block, overwrite_g,
+                          gram, rhs)
     f = CholeskyFactor(G if gram is None else gram, L, scale, diag, shift=shift,
                        proof={"threshold": tau, "shift": shift, "rounding": rho, "gershgorin": w_hi,
                               "factorisations": 1})
+    # the contraction of the Neumann steps before lambda_min is estimated: the proof's margin (lambda_min(Gs) >
+    # tau); the fused solve below measures the real one as it goes
+    f.contraction, f.neumann = shift / max(tau - rho, 1e-300), NEUMANN_MAX
     vecs: list = []
-    ritz = ritz_vectors or RITZ_VECTORS or block * inverse_steps
-    # (Gs - s I)^-1 = D^1/2 (G - s D)^-1 D^1/2: the scale goes to the vectors (O(psi) each), not to the factor
-    w_inv, g_inv = largest_eigenvalues(f.shifted_solve, psi, [np.sqrt(diag), None], rtol=eig_rtol, block=block,
-                                       maxiter=inverse_steps, vectors=vecs, ritz=ritz)
-    f.estimates = {"lambda_max_scaled": w_max, "lambda_min_scaled_inverse": w_inv, "lambda_max": g_max,
+    fused = _FusedSolve(f, rhs, rhs_rtol) if rhs is not None else None
+    # (Gs - s I)^-1 = D^1/2 (G - s D)^-1 D^1/2: the scale goes to the vectors (O(psi) each), not to the factor; the
+    # rhs's first solves ride along (a solve with the factor reads it twice whatever the columns, up to ~16)
+    w_inv, g_inv = largest_eigenvalues(f.shifted_solve if fused is None else fused.matmat, psi,
+                                       [np.sqrt(diag), None], rtol=eig_rtol, block=inverse_block,
+                                       maxiter=inverse_steps, vectors=vecs, ritz=inverse_steps * inverse_block)
+    # a few power steps: the Ritz value is a lower bound; the upper end the rigorous bound (that of the Ritz residual
+    # holds only once the Krylov space has found the top eigenvalue)
+    w_top = dataclasses.replace(w_top, upper=max(w_hi, w_top.lower))
+    g_top = dataclasses.replace(g_top, upper=max(g_hi, g_top.lower))
+    f.estimates = {"lambda_max_scaled": w_top, "lambda_min_scaled_inverse": w_inv, "lambda_max": g_top,
                    "lambda_min_inverse": g_inv}
+    # rigorous upper ends: the Rayleigh quotients of the two runs' top Ritz vectors, bounded with the factor
     # one Rayleigh-Ritz step of Gs and of G on both runs' bases together (the G - s D run's are near G's own)
     X = _ritz_smallest(L, np.concatenate([scale[:, None] * vecs[0], vecs[1]], axis=1), diag, shift)
-    w_up, g_up = _rayleigh_upper(L, X, diag, shift, rho)
-    P = gemm(L, X, trans=True)
-    rq = np.sum(P * P, axis=0) + shift * np.sum(diag[:, None] * X * X, axis=0)
-    f.w_min = max(min(float(rq[0] / np.sum(diag * X[:, 0] ** 2)), w_up), tau)
-    g_est = min(float(rq[1] / np.sum(X[:, 1] ** 2)), g_up)
+    w_up, g_up, w_rq, g_rq = _rayleigh_upper(L, X, diag, shift, rho)
     low = tau
     if bound_rtol is not None:
         low = _tighten(f, G, regram, low, w_up, float(bound_rtol), overwrite_g)
-    f.w_max = w_max.value
+    f.w_min = min(max(w_rq, low), w_up)
+    f.w_max = w_top.value
     f.w_interval = (low, w_up)
+    f.w_max_interval = (w_top.lower, w_top.upper)
     n = max(n_rows, 1)
     g_low = low * float(diag.min()) * (1.0 - _gamma(2))  # lambda_min(G) >= lambda_min(Gs) min(diag G)
     f.lam_interval = (g_low / n * (1.0 - _gamma(1)), g_up / n * (1.0 + _gamma(1)))
-    f.lam_min = max(g_est, g_low) / n
-    f.lam_max = g_max.value / n
+    f.lam_min = min(max(g_rq, g_low), g_up) / n
+    f.lam_max = g_top.value / n
+    f.lam_max_interval = (g_top.lower / n, g_top.upper / n)
     if not f.w_min > cutoff_rtol * f.w_max:  # (cannot happen: proved above PROOF_FACTOR times the cutoff)
         return None
     q = 2.0 * shift / max(f.w_min - shift, 1e-300)  # the Neumann contraction, with a factor 2 for the estimate
@@ -628,14 +729,80 @@ def cholesky_factor(G: np.ndarray, cutoff_rtol: float, n_rows: int, *, eig_rtol:
         M = f.L
         L = _refactor(f, regram, 0.0, M)
         if L is not None:
-            f.L, f.shift = L, 0.0
+            f.L, f.shift, f.contraction = L, 0.0, 0.0
+            f.rhs_solution = None if rhs is None else f.gram_solve(rhs)
             return f
         f.L = _refactor(f, regram, shift, M)  # (G is positive definite but its Cholesky failed: the shifted one)
         if f.L is None:  # pragma: no cover - it succeeded a moment ago on the same numbers
             return None
-    steps = min(steps, NEUMANN_MAX)
-    f.neumann = max(steps, 1)
+        fused = None
+    f.contraction = min(q, 1.0)
+    f.neumann = max(min(steps, NEUMANN_MAX), 1)
+    if rhs is not None:
+        f.rhs_solution = f.gram_solve(rhs, rhs_rtol) if fused is None else fused.finish()
     return f
+
+
+def _top_one_pass(G: np.ndarray, scale: np.ndarray, diag: np.ndarray, block: int, seed: int = 0):
+    """``lambda_max`` of ``Gs`` and of ``G`` from the one pass over ``G`` that takes the Gershgorin bounds
+    (:func:`gershgorin_pass`): with ``Y = A V`` for ``block`` start vectors ``V`` (``diag G`` and random ones),
+    Rayleigh-Ritz on the span of ``A^1/2 V``, the pencil ``(Y^T Y, V^T Y)``: its top value is the Rayleigh quotient
+    of ``A`` at a vector of that span (a lower bound; measured 6 % below at d = 24, what 3 products of 4 random
+    vectors gave). Returns the two bounds and the two :class:`scaleattn.linalg._lanczos.EigenEstimate`
+    ([value, bound], one product)."""
+    import scipy.linalg
+
+    n = diag.shape[0]
+    k = max(1, min(int(block), n))
+    V = np.random.default_rng(seed).standard_normal((n, 2 * k))
+    V[:, 0] = V[:, k] = diag  # (the best of a few simple starts measured: the top of a Gram leans on the big features)
+    X = V.copy()
+    X[:, :k] *= scale[:, None]  # Gs v = S G S v
+    w_hi, g_hi, Y = gershgorin_pass(G, scale, X)
+    out = []
+    for sl, sc, hi in ((slice(0, k), scale, w_hi), (slice(k, 2 * k), None, g_hi)):
+        v, y = V[:, sl], Y[:, sl] if sc is None else sc[:, None] * Y[:, sl]
+        A, B = v.T @ y, y.T @ y
+        wa, ua = np.linalg.eigh((A + A.T) / 2)
+        keep = wa > 1e-10 * max(wa[-1], 1e-300)
+        t = ua[:, keep] / np.sqrt(wa[keep])
+        theta = float(scipy.linalg.eigvalsh(t.T @ B @ t, subset_by_index=[int(keep.sum()) - 1] * 2)[-1]) \
+            if keep.any() else 0.0
+        # (a Rayleigh quotient of the computed products: its rounding is within gamma_n of the bound's scale)
+        low = max(min(theta, hi) - _gamma(n + 8) * hi, 0.0)
+        out.append(EigenEstimate(low, hi - low, low, hi, False, 1))
+    return w_hi, g_hi, out[0], out[1]
+
+
+class _FusedSolve:
+    """``G^-1 rhs`` by the Neumann steps of :meth:`CholeskyFactor.gram_solve`, each step's solve sharing the call
+    (and so the two passes over the factor) with the inverse iteration's block, ``matmat``; :meth:`finish` takes
+    the steps still needed after the iteration stops."""
+
+    def __init__(self, f: CholeskyFactor, rhs: np.ndarray, rtol: float):
+        self.f, self.rhs, self.rtol = f, np.asarray(rhs, np.float64), rtol
+        self.y, self.last, self.done = None, None, False
+
+    def matmat(self, X: np.ndarray) -> np.ndarray:
+        f, k = self.f, X.shape[1]
+        if self.done:
+            return f.shifted_solve(X)
+        r = self.rhs if self.y is None else self.rhs - f.shift * f.diag[:, None] * self.y
+        Z = f.shifted_solve(np.concatenate([X, r], axis=1))
+        new = Z[:, k:]
+        if self.y is not None:
+            change = float(np.max(np.abs(new - self.y))) / max(float(np.max(np.abs(new))), 1e-300)
+            last = self.last
+            self.done = change <= self.rtol or (last is not None and (change * change <= self.rtol * last
+                                                                      or change > 0.5 * last))
+            self.last = change
+        self.y = new
+        return Z[:, :k]
+
+    def finish(self) -> np.ndarray:
+        if self.y is None:
+            return self.f.gram_solve(self.rhs, self.rtol)
+        return self.y if self.done else self.f.neumann_steps(self.rhs, self.y, self.rtol, self.last)
 
 
 def _refactor(f: CholeskyFactor, regram, shift: float, M: np.ndarray) -> np.ndarray | None:
@@ -679,13 +846,16 @@ def _tighten(f: CholeskyFactor, G, regram, low: float, high: float, rtol: float,
     return low
 
 
-def _unshifted(G, diag, scale, w_max, g_max, cutoff_rtol, n_rows, eig_rtol, block, overwrite_g,
-               gram) -> CholeskyFactor | None:
-    """The fall-back path: the factor of ``G`` itself and the Krylov estimates of ``lambda_max`` of ``Gs^-1`` and
-    ``G^-1`` (no proof: the verdict is the estimates', three-valued)."""
+def _unshifted(G, diag, scale, cutoff_rtol, n_rows, eig_rtol, block, top_rtol, top_block, overwrite_g, gram,
+               rhs) -> CholeskyFactor | None:
+    """The fall-back path: the largest eigenvalues to ``top_rtol`` (products with ``G``, before it may become its
+    factor), the factor of ``G`` itself and the Krylov estimates of ``lambda_max`` of ``Gs^-1`` and ``G^-1`` (no
+    proof: the verdict is the estimates', three-valued, so every estimate runs to its accuracy)."""
     psi = G.shape[0]
+    w_max, g_max = largest_eigenvalues(lambda X: symmetric_product(G, X), psi, [scale, None], rtol=top_rtol,
+                                       block=top_block, maxiter=EIG_MAXITER)
     try:
-        L = blocked_cholesky(G, overwrite_a=overwrite_g)
+        L = cholesky(G, overwrite_a=overwrite_g)
     except np.linalg.LinAlgError:
         return None
     f = CholeskyFactor(G if gram is None else gram, L, scale, diag)
@@ -705,16 +875,21 @@ def _unshifted(G, diag, scale, w_max, g_max, cutoff_rtol, n_rows, eig_rtol, bloc
     ss, sg = psi * EPS * w_max.upper, psi * EPS * g_max.upper
     f.w_interval = (1.0 / w_inv.upper - ss, (1.0 / w_inv.lower if w_inv.lower > 0 else float("inf")) + ss)
     f.lam_interval = ((1.0 / g_inv.upper - sg) / n, ((1.0 / g_inv.lower if g_inv.lower > 0 else float("inf")) + sg) / n)
+    f.w_max_interval = (w_max.lower, w_max.upper)
+    f.lam_max_interval = (g_max.lower / n, g_max.upper / n)
+    if rhs is not None:
+        f.rhs_solution = f.gram_solve(rhs)
     return f
 
 
-def factor_gram(stats, gram, cutoff_rtol: float) -> CholeskyFactor | None:
+def factor_gram(stats, gram, cutoff_rtol: float, rhs=None, rhs_rtol: float = UNIT) -> CholeskyFactor | None:
     """:func:`cholesky_factor` of host statistics' Gram: a caller's dense ``gram`` is kept (the factor is a
     copy); else ``G`` is expanded and factored in place, later products on ``Tc`` (``gram`` or
-    :func:`~scaleattn.linalg._gram.operator_of`): one psi x psi array, not two (DESIGN §4)."""
+    :func:`~scaleattn.linalg._gram.operator_of`): one psi x psi array, not two (DESIGN §4). ``rhs``: solved
+    along (``rhs_solution``)."""
     if isinstance(gram, np.ndarray):
-        return cholesky_factor(gram, cutoff_rtol, stats.n_rows)
+        return cholesky_factor(gram, cutoff_rtol, stats.n_rows, rhs=rhs, rhs_rtol=rhs_rtol)
     op = gram if gram is not None else operator_of(stats)
     # regram: a failed shifted factorisation took G's memory; the fall-back path expands it again there
     return cholesky_factor(stats.gram(), cutoff_rtol, stats.n_rows, overwrite_g=True, gram=op,
-                           regram=lambda out: stats.gram(out=out))
+                           regram=lambda out: stats.gram(out=out), rhs=rhs, rhs_rtol=rhs_rtol)

@@ -12,6 +12,11 @@ causal prefixes the running sum of ``z z^T``) and ``X`` (rows, d) the query toke
 so ``G W = Phi^T (Phi W)`` costs about ``4 N psi k`` flops and holds ``O(rows m + psi k)`` (:class:`StreamOperator`).
 ``S`` is recomputed from the tokens in every pass unless the rows fit in :data:`CACHE_BYTES`.
 
+Devices. The tokens may be arrays of any array API library (numpy, CuPy; :mod:`scaleattn._backend`): the first
+sweep's sums, the K-FAC factors, the krylov vectors and every pass stay on the tokens' device; per-column numbers,
+the small projected eigenproblems and the Lanczos tridiagonals go to the host, and the results (:class:`StreamSolution`,
+the certificate) are numpy whatever the device, as for numpy tokens.
+
 Three paths live here:
 
 - :func:`stream_solve` (N >= psi): CG on the normal equations ``G c = Phi^T Y`` through
@@ -49,14 +54,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._backend import get_xp, to_numpy
+from .._backend import device_of, from_host, get_xp, is_numpy, on_device, to_numpy, vector_norm
 from .._tree import TreeReducer
 from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
 from ._certificate import Certificate, certificate_from_krylov
 from ._gram import _blas_controller, blas_single_thread
+from ._kfac import FACTOR_FLOOR, KFAC  # noqa: F401  (KFAC and its floor are re-exported here)
 from ._krylov import LANCZOS_MAX, MAXITER, MIN_EIG_PASSES, krylov_solve, lockstep
-from ._lanczos import EPS
+from ._lanczos import EPS, _cols
 from ._passes import (
     BLOCK_ROWS,
     CACHE_BYTES,
@@ -79,11 +85,6 @@ __all__ = ["heads_bytes", "RowSource", "rows_from_arrays", "rows_from_dataset", 
            "count_rows", "FIT_SOLVERS", "BLOCK_ROWS", "CACHE_BYTES",
            "KW_FAILURE"]
 
-#: the K-FAC factors' eigenvalues are clipped at this fraction of their largest (Jacobi-scaled). Rank-deficient
-#: data make a factor singular; a floor at its round-off (1e-13) lets the preconditioner amplify the 1e-10 error
-#: of the deflated null vectors (:data:`scaleattn.linalg._krylov.NULL_RTOL`) past the residual: CG then stalled
-#: at a backward error of 1e-13 for 2,000 passes on tokens in a 3-dimensional subspace of R^4, where 1e-10 takes 47
-FACTOR_FLOOR = 1e-10
 #: default failure probability of the probabilistic lower bound on lambda_min
 KW_FAILURE = 1e-3
 #: the probabilistic bound's run stops once the bound is this fraction of its smallest Ritz value (times
@@ -144,7 +145,7 @@ class StreamOperator:
         diag, A, Bx, mom, yy, rows = total
         xp = get_xp(diag)
         k = mom.shape[1] // self.d
-        self.xp, self.n_rows, self.yy = xp, int(rows), float(yy)
+        self.xp, self.device, self.n_rows, self.yy = xp, device_of(diag), int(rows), float(yy)
         self._diag = xp.reshape(diag, (self.psi,))
         self.A, self.B = A, Bx
         self.moments = xp.reshape(mom, (self.psi, k)) if k else None
@@ -178,11 +179,13 @@ class StreamOperator:
         return self._diag
 
     def matmat(self, W):
-        """``G W = Phi^T (Phi W)`` for ``W`` (psi, k): one pass over the rows."""
+        """``G W = Phi^T (Phi W)`` for ``W`` (psi, k) on the rows' device (a host ``W`` is moved there): one pass
+        over the rows."""
         xp, m, d = self.xp, self.m, self.d
         k = W.shape[1]
+        W3 = xp.reshape(xp.asarray(on_device(W, xp, self.device), dtype=xp.float64), (m, d * k))
         t = time.perf_counter()
-        out = self.map_groups(group_gw, c_order(xp.reshape(xp.asarray(W, dtype=xp.float64), (m, d * k))), k)
+        out = self.map_groups(group_gw, c_order(W3), k)
         self.passes += 1
         self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s)")
         return xp.reshape(out, (self.psi, k))
@@ -193,7 +196,7 @@ class StreamOperator:
     def residual_sse(self, coef) -> float:
         """``sum_i ||y_i - c^T phi_i||^2`` by a pass (exact to round-off; no cancellation against ``yy``)."""
         xp = self.xp
-        c = xp.asarray(coef, dtype=xp.float64)
+        c = xp.asarray(on_device(coef, xp, self.device), dtype=xp.float64)  # host coefficients moved to the rows
         k = c.shape[1]
         return float(self.map_groups(group_sse, c_order(xp.reshape(c, (self.m, self.d * k))), k))
 
@@ -201,125 +204,10 @@ class StreamOperator:
         """All rows at once: ``(S (N, m), X (N, d), Y (N, d_out) or None)`` (the dual path; N x (m + d) floats)."""
         xp = self.xp
         parts = list(self.source.blocks())
-        S = xp.concatenate([p[0] for p in parts], axis=0)
-        X = xp.concatenate([p[1] for p in parts], axis=0)
-        Y = None if parts[0][2] is None else xp.concatenate([p[2] for p in parts], axis=0)
+        S = xp.concat([p[0] for p in parts], axis=0)
+        X = xp.concat([p[1] for p in parts], axis=0)
+        Y = None if parts[0][2] is None else xp.concat([p[2] for p in parts], axis=0)
         return S, X, Y
-
-
-def _clipped_inverse(F, rel: float):
-    """``(F_s)^-1`` pieces of an SPD factor ``F``: Jacobi-scaled eigendecomposition with eigenvalues clipped at
-    ``rel`` times the largest. Returns ``(D^-1/2, U, w)`` with ``F ~ D^1/2 U diag(w) U^T D^1/2`` and a lower bound
-    on the smallest eigenvalue of that (the applied) matrix."""
-    xp = get_xp(F)
-    dg = xp.linalg.diagonal(F) if hasattr(xp, "linalg") and hasattr(xp.linalg, "diagonal") else xp.diagonal(F)
-    live = dg > 0
-    dinv = xp.where(live, 1.0 / xp.sqrt(xp.where(live, dg, 1.0)), 0.0)
-    Fs = F * dinv[:, None] * dinv[None, :]
-    Fs = (Fs + Fs.T) / 2 + xp.diag(xp.where(live, 0.0, 1.0))  # all-zero coordinates: identity (never used)
-    w, U = xp.linalg.eigh(Fs)
-    w = xp.maximum(w, rel * max(float(w[-1]), 1.0))
-    dmin = float(xp.min(xp.where(live, dg, xp.inf))) if bool(xp.any(live)) else 0.0
-    return dinv, U, w, float(w[0]) * dmin
-
-
-class KFAC:
-    """The Kronecker-factored preconditioner ``M = (A (x) B) / N`` of the feature Gram [MG15] (DESIGN §4b).
-
-    ``G = sum_i (s_i s_i^T) (x) (x_i x_i^T)`` and ``N E[s s^T] (x) E[x x^T] = (A (x) B) / N`` with the sums
-    ``A = S^T S`` (m x m), ``B = X^T X`` (d x d). ``M^-1 W`` is ``N A^-1 W_(m, d k)`` then ``B^-1`` on the d axis:
-    two small dense products per application. Each factor is inverted through the eigendecomposition of its
-    Jacobi-scaled form, eigenvalues clipped at :data:`FACTOR_FLOOR` of the largest, so ``M`` is SPD
-    however singular the data; ``lambda_min(M)`` is bounded from below exactly for the ``M`` applied.
-
-    The interface is :class:`scaleattn.linalg._gram.BlockJacobi`'s: ``scale`` (``diag(G)^-1/2``, 0 for all-zero
-    features), ``live``, :meth:`apply` (``M^-1``), :meth:`apply_scaled` (``Ms^-1`` with ``Ms = S M S``),
-    :meth:`min_eigenvalues`; plus :meth:`half_inverse` (``L^-1`` and ``L^-T`` with ``M = L L^T``).
-
-    Parameters
-    ----------
-    A : array (m, m)
-    B : array (d, d)
-        The sums ``S^T S`` and ``X^T X`` (:class:`StreamOperator`).
-    diagonal : array (psi,)
-        ``diag G``.
-    n_rows : int
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from scaleattn.features import token_features, phi
-    >>> s, x = token_features(np.random.default_rng(0).standard_normal((300, 4, 2)))
-    >>> F = phi(s, x)
-    >>> M = KFAC(s.T @ s, x.T @ x, np.sum(F * F, axis=0), 300)
-    >>> Mdense = np.kron(s.T @ s, x.T @ x) / 300
-    >>> bool(np.allclose(M.apply(np.eye(6)), np.linalg.inv(Mdense)))
-    True
-    """
-
-    name = "kfac"
-
-    def __init__(self, A, B, diagonal, n_rows: int):
-        xp = get_xp(A, B, diagonal)
-        self.xp, self.m, self.d = xp, A.shape[0], B.shape[0]
-        self.psi, self.n = self.m * self.d, max(int(n_rows), 1)
-        self.live = diagonal > 0
-        self.scale = xp.where(self.live, 1.0 / xp.sqrt(xp.where(self.live, diagonal, 1.0)), 0.0)
-        self._root = xp.where(self.live, xp.sqrt(xp.where(self.live, diagonal, 0.0)), 0.0)  # S^-1 on live
-        self._dA, self._UA, self._wA, lowA = _clipped_inverse(A, FACTOR_FLOOR)
-        self._dB, self._UB, self._wB, lowB = _clipped_inverse(B, FACTOR_FLOOR)
-        self._lam_min = lowA * lowB / self.n
-        dmax = float(xp.max(xp.where(self.live, diagonal, 0.0)))
-        self._lam_min_s = self._lam_min / dmax if dmax > 0 else 0.0
-        # F^-1 = D^-1/2 U diag(1/w) U^T D^-1/2, formed once: each application is then two GEMMs
-        self._Ainv = (self._dA[:, None] * self._UA / self._wA[None, :]) @ (self._UA.T * self._dA[None, :])
-        self._Binv = (self._dB[:, None] * self._UB / self._wB[None, :]) @ (self._UB.T * self._dB[None, :])
-
-    def _kron(self, FA, FB, R):
-        """``(FA (x) FB) R`` for R (psi, k), feature order P-major (P d + l)."""
-        xp, m, d = self.xp, self.m, self.d
-        k = R.shape[1]
-        T = xp.reshape(xp.matmul(FA, xp.reshape(R, (m, d * k))), (m, d, k))
-        return xp.reshape(xp.matmul(FB, T), (self.psi, k))
-
-    def apply(self, R):
-        """``M^-1 R`` (original coordinates; zero on all-zero features)."""
-        lv = self.xp.astype(self.live, self.xp.float64)[:, None]
-        return self.n * self._kron(self._Ainv, self._Binv, R * lv) * lv
-
-    def apply_scaled(self, R):
-        """``Ms^-1 R = S^-1 M^-1 S^-1 R`` (Jacobi-scaled coordinates, ``S = diag(G)^-1/2``)."""
-        r = self._root[:, None]
-        return r * self.apply(r * R)
-
-    def half_inverse(self, R, transpose: bool = False):
-        """``L^-1 R`` (or ``L^-T R``) with ``M = L L^T``, ``L = sqrt(N)^-1 (D_A^1/2 U_A w_A^1/2) (x) (D_B^1/2 U_B
-        w_B^1/2)``: ``C = L^-1 G L^-T`` has the eigenvalues of ``M^-1 G``."""
-        xp = self.xp
-        lv = xp.astype(self.live, xp.float64)[:, None]
-        if transpose:  # L^-T = sqrt(N) (D^-1/2 U w^-1/2) (x) ...
-            FA = self._dA[:, None] * self._UA / xp.sqrt(self._wA)[None, :]
-            FB = self._dB[:, None] * self._UB / xp.sqrt(self._wB)[None, :]
-            return math.sqrt(self.n) * self._kron(FA, FB, R) * lv
-        FA = (self._UA / xp.sqrt(self._wA)[None, :]).T * self._dA[None, :]
-        FB = (self._UB / xp.sqrt(self._wB)[None, :]).T * self._dB[None, :]
-        return math.sqrt(self.n) * self._kron(FA, FB, R * lv)
-
-    def half(self, R):
-        """``L R`` with ``M = L L^T`` (:meth:`half_inverse`'s ``L``): ``L g`` for a Gaussian ``g`` has covariance
-        ``M``, the start that makes the preconditioned Lanczos run's first vector uniform on the sphere."""
-        xp = self.xp
-        lv = xp.astype(self.live, xp.float64)[:, None]
-        root = lambda d: xp.where(d > 0, 1.0 / xp.where(d > 0, d, 1.0), 0.0)  # noqa: E731 (D^1/2 from D^-1/2)
-        FA = root(self._dA)[:, None] * self._UA * xp.sqrt(self._wA)[None, :]
-        FB = root(self._dB)[:, None] * self._UB * xp.sqrt(self._wB)[None, :]
-        return self._kron(FA, FB, R * lv) * lv / math.sqrt(self.n)
-
-    def min_eigenvalues(self) -> tuple[float, float]:
-        """``(lower bound on lambda_min(Ms), lower bound on lambda_min(M))``: ``lambda_min(M) >=
-        lambda_min(A_s) min(diag A) lambda_min(B_s) min(diag B) / N`` for the factors applied, and
-        ``lambda_min(Ms) >= lambda_min(M) / max(diag G)``."""
-        return self._lam_min_s, self._lam_min
 
 
 class Jacobi(KFAC):
@@ -403,8 +291,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     import scipy.linalg
 
     xp, psi = op.xp, op.psi
-    live = to_numpy(M.live)
-    n = int(live.sum())
+    n = int(xp.count_nonzero(M.live))
     out = {"lower": 0.0, "failure_probability": float(failure), "steps": 0, "theta_min": float("nan"),
            "theta_max": float("nan"), "eps": float("nan"), "rigorous": False, "method": "Kuczynski-Wozniakowski"}
     if n == 0:
@@ -413,8 +300,10 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
     steps = min(int(maxiter), n)
 
     def gen():
-        g = np.random.default_rng([seed, 11]).standard_normal(psi) * live
-        q = xp.asarray(g / np.linalg.norm(g))
+        # the seeded start is made on the host (the same numbers on every device) and moved to the rows' device
+        g = from_host(np.random.default_rng([seed, 11]).standard_normal(psi), xp, device_of(op.diagonal()))
+        g = g * xp.astype(M.live, xp.float64)
+        q = g / vector_norm(g, xp)
         Q, alpha, beta = [], [], []
         for j in range(steps):
             Q.append(q)
@@ -424,7 +313,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
             Qm = xp.stack(Q, axis=1)
             for _ in range(2):
                 w = w - Qm @ (Qm.T @ w)
-            b = float(xp.linalg.norm(w))
+            b = float(vector_norm(w, xp))
             alpha.append(a)
             ev = scipy.linalg.eigh_tridiagonal(np.array(alpha), np.array(beta), eigvals_only=True)
             k = j + 1
@@ -576,14 +465,14 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         raise ParameterError("the data have no targets; cannot solve (certify_only=True gives the certificate)")
     op = StreamOperator(source, note) if op is None else op
     xp, psi = op.xp, op.psi
-    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    rtol = float(default_rtol(psi)) if cutoff_rtol is None else float(cutoff_rtol)
     M = _preconditioner(op, preconditioner)
     B = None if certify_only else op.moments
     # the preconditioned Lanczos run starts from r_0 = S L g (g Gaussian, M = L L^T): its Ritz values then give the
     # probabilistic lower bound with no passes of its own (kw_bound); the eigenvalue runs end with the solve
-    g = xp.asarray(np.random.default_rng([seed, 11]).standard_normal((psi, 1)))
+    g = from_host(np.random.default_rng([seed, 11]).standard_normal((psi, 1)), xp, device_of(M.scale))  # host seed
     start = M.scale * M.half(g)[:, 0]
-    n_live, lam_m, steps_max = int(xp.sum(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
+    n_live, lam_m, steps_max = int(xp.count_nonzero(M.live)), M.min_eigenvalues()[1], min(maxiter, LANCZOS_MAX)
 
     def enough(lo, hi, k, over):  # the bound reached KW_TARGET of what the run shows, or the rest is done and it holds
         b = kw_bound(lo, hi, k, n_live, lam_m, failure, steps_max)[0]
@@ -687,7 +576,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     xp, psi, m, d = op.xp, op.psi, op.m, op.d
     if op.n_rows >= psi:
         raise ParameterError(f"the dual path needs fewer rows than features ({op.n_rows} rows, psi = {psi})")
-    rtol = default_rtol(psi) if cutoff_rtol is None else float(cutoff_rtol)
+    rtol = float(default_rtol(psi)) if cutoff_rtol is None else float(cutoff_rtol)
     S, X, Y = op.rows()
     # Jacobi-like scaling that keeps the Kronecker structure: S's columns by their RMS, X's by theirs. A rescaling
     # of the token coordinates scales phi's columns by exactly such a product, so K~ = (S~ S~^T) * (X~ X~^T) does not
@@ -708,13 +597,13 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     top = max(float(w0[-1]), 0.0)  # lambda_max(G) = lambda_max(K), unscaled
     top_s = max(float(w[-1]), 0.0)
     keep = w > rtol * top_s
-    rank = int(xp.sum(keep))
-    wk = to_numpy(w)
+    rank = int(xp.count_nonzero(keep))
     n = max(op.n_rows, 1)
-    kept = wk[to_numpy(keep)]
-    cond = float(kept[-1] / kept[0]) if kept.size else float("inf")
+    ki = xp.nonzero(keep)[0]  # the eigenvalues stay on the device: only the scalars below come to the host
+    wr = xp.take(w, ki)
+    cond = float(wr[-1] / wr[0]) if rank else float("inf")
     est = {"solver": "dual", "kernel_rows": int(op.n_rows), "kernel_rank": rank,
-           "kernel_eigenvalues_relative": [float(wk[0] / top_s) if top_s else 0.0, 1.0],
+           "kernel_eigenvalues_relative": [float(w[0] / top_s) if top_s else 0.0, 1.0],
            "kernel_scaled": True,
            "data_passes": 1, "lambda_min_lower_rigorous": 0.0, "lambda_min_lower_probabilistic": None,
            "notes": [f"fewer rows ({op.n_rows}) than features ({psi}): rank(G) = rank(K) = {rank} < psi, not"
@@ -725,7 +614,7 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     if certify_only:
         del K
         return cert
-    Ur, wr = U[:, keep], w[keep]
+    Ur = _cols(U, ki)
     del U
 
     def phi_t(R, s=S, x=X):  # Phi^T R (psi, k) from the rows held
@@ -746,8 +635,8 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         # is the scaled answer's to round-off (as scaleattn.linalg._spectrum.min_norm decides for the Gram path)
         w0, U0 = xp.linalg.eigh(K)
         del K
-        keep0 = w0 > rtol * top
-        U0r, w0r = U0[:, keep0], w0[keep0]
+        k0 = xp.nonzero(w0 > rtol * top)[0]
+        U0r, w0r = _cols(U0, k0), xp.take(w0, k0)
         del U0
         c0 = phi_t(U0r @ ((U0r.T @ pred) / w0r[:, None]))
         pred0 = phi_w(c0 * fscale, St, Xt)
@@ -762,16 +651,17 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
         est["min_norm_original_coordinates"] = min_norm_kept
         # the witness: a random direction without its row-space part (orthogonal to every phi_i), found in the
         # scaled coordinates (Phi v = Phi~ (fscale v)) and mapped back
-        u = xp.asarray(np.random.default_rng([seed, 5]).standard_normal((psi, 1)))
+        u = from_host(np.random.default_rng([seed, 5]).standard_normal((psi, 1)), xp, device_of(S))  # host seed
         for _ in range(2):  # twice: one projection leaves round-off of the row-space part
             u = u - phi_t(Ur @ ((Ur.T @ phi_w(u, St, Xt)) / wr[:, None]), St, Xt)
         v = u / fscale
-        v = v / xp.linalg.norm(v)
-        # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K)
+        v = v / vector_norm(v, xp)
+        # normwise backward error [RG67] of the normal equations G c = B, ||G||_2 = lambda_max(K) (d_out numbers)
         g = phi_t(pred - Y)
-        be = to_numpy(xp.linalg.norm(g, axis=0)) / np.maximum(
-            to_numpy(top * xp.linalg.norm(coef, axis=0) + xp.linalg.norm(op.moments, axis=0)), 1e-300)
+        be = to_numpy(vector_norm(g, xp, axis=0)) / np.maximum(
+            to_numpy(top * vector_norm(coef, xp, axis=0) + vector_norm(op.moments, xp, axis=0)), 1e-300)
     est.update(backward_error=be.tolist(), solve_converged=True)
+    # the results (coef, the witness: psi x d_out and psi x 1) come to the host once: the solution is host-side
     return StreamSolution(to_numpy(coef), cert, to_numpy(v), sse, be, np.ones(be.shape[0], bool), 1, "dual",
                           op.n_rows, op.yy, 0.0, float(rank))
 
@@ -784,7 +674,10 @@ def count_rows(n_samples: int, length: int, causal: bool, lengths=None) -> int:
     """Rows of a data set: ``n`` (last token), ``n T`` or ``sum(lengths)`` (causal)."""
     if not causal:
         return int(n_samples)
-    return int(n_samples) * int(length) if lengths is None else int(np.sum(to_numpy(lengths)))
+    if lengths is None:
+        return int(n_samples) * int(length)
+    xp = get_xp(lengths)  # device lengths are summed on their device; host array-likes (zarr, lists) through numpy
+    return int(np.sum(to_numpy(lengths))) if is_numpy(xp) else int(xp.sum(lengths))
 
 
 #: efficiencies (fractions of the DGEMM rate) of the work the cost model counts, measured on the 2-core test VM:

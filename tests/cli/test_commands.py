@@ -7,7 +7,6 @@ import pytest
 
 from scaleattn.data._dataset import open_dataset
 from scaleattn.features import phi, token_features
-from scaleattn.linalg._spectrum import EIG_TOP_RTOL
 from scaleattn.model import MHLAModel
 
 
@@ -105,11 +104,18 @@ def test_solver_paths_agree_at_d16(cli, tmp_path):
     tok, _, _ = open_dataset(data).read(0, 3000)
     P = phi(*token_features(tok))
     lam = np.linalg.eigvalsh(P.T @ P / len(P))
-    # the Cholesky path stops its largest eigenvalues at an estimated EIG_TOP_RTOL; eigh is exact to round-off
-    for cert, top_rtol in ((chol, EIG_TOP_RTOL), (eigh, 1e-8)):
+    # eigh is exact to round-off; the Cholesky path proves the verdict and takes a few steps for the extreme
+    # eigenvalues: its intervals (lambda_min: proved lower end, Rayleigh-quotient upper end; lambda_max: Ritz value,
+    # Gershgorin bound) hold the dense values, with its estimates inside them
+    for cert in (chol, eigh):
         assert cert["psi"] == 2176 and cert["identifiable"]
-        assert cert["lambda_max"] == pytest.approx(lam[-1], rel=top_rtol)
-        assert cert["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
+    assert eigh["lambda_max"] == pytest.approx(lam[-1], rel=1e-8)
+    assert eigh["lambda_min"] == pytest.approx(lam[0], rel=1e-6)
+    assert chol["certificate_proof"]["factorisations"] == 1
+    for key, truth in (("lambda_min", lam[0]), ("lambda_max", lam[-1])):
+        lo, hi = chol[f"{key}_interval"]
+        assert lo <= truth * (1 + 1e-9) and truth * (1 - 1e-9) <= hi and lo <= chol[key] <= hi, key
+        assert chol[key] == pytest.approx(truth, rel=0.5), key
 
 
 def test_compare_answers_as_diff_does_and_a_bug_says_so(cli, tmp_path, monkeypatch):

@@ -144,8 +144,11 @@ def test_cholesky_factor_is_of_G_and_solves_with_the_scaled_gram():
                      (f.gram_solve(rhs), np.linalg.solve(G, rhs))):
         assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
     w = np.linalg.eigvalsh(Gs)
-    assert f.w_interval[0] <= w[0] <= f.w_interval[1] and f.w_min == pytest.approx(w[0], rel=1e-3)
-    assert f.w_max == pytest.approx(w[-1], rel=EIG_RTOL)
+    # (a few inverse and power steps: the intervals hold the truth, the estimates are within them and close)
+    assert f.w_interval[0] <= w[0] <= f.w_interval[1] and f.w_min == pytest.approx(w[0], rel=0.1)
+    # (lambda_max from the one product of the Gershgorin pass: on this unstructured spectrum, random eigenvectors,
+    # a lower bound within 2x; on Grams of data within 25 %, test_cholesky_certificate_against_dense_eigvalsh)
+    assert f.w_max_interval[0] <= w[-1] <= f.w_max_interval[1] and w[-1] / 3 <= f.w_max <= w[-1] * (1 + 1e-12)
 
 
 def test_largest_eigenvalues_against_eigvalsh():
@@ -169,18 +172,19 @@ def test_cholesky_certificate_against_dense_eigvalsh(d):
     c = certify(st, solver="cholesky")
     assert c.rank == st.psi and c.converged and c.eigenvalues is None
     assert c.proof is not None and c.verdict == "identifiable"  # proved by the shifted factorisation
-    tol = 100 * EIG_RTOL  # the estimated error is ~100x the measured one: this bounds it with room
-    assert c.lambda_max == pytest.approx(lam[-1], rel=tol)
-    # lambda_min: a few inverse-iteration steps (an upper bound, 3 digits or so), rigorous intervals around it
-    assert c.lambda_min == pytest.approx(lam[0], rel=1e-3)  # eigvalsh(G) resolves it to eps * lambda_max
-    assert c.lambda_min_scaled == pytest.approx(w[0], rel=1e-3) and c.lambda_min_scaled >= w[0] * (1 - 1e-12)
+    # lambda_max: a few power steps (a Ritz value, a lower bound) in an interval that holds the truth
+    lo, hi = c.lambda_max_interval
+    assert lo <= lam[-1] * (1 + 1e-12) and lam[-1] <= hi and c.lambda_max == pytest.approx(lam[-1], rel=0.25)
+    # lambda_min: a few inverse-iteration steps (an upper bound, a digit or so), rigorous intervals around it
+    assert c.lambda_min == pytest.approx(lam[0], rel=0.5)  # eigvalsh(G) resolves it to eps * lambda_max
+    assert c.lambda_min_scaled == pytest.approx(w[0], rel=0.5) and c.lambda_min_scaled >= w[0] * (1 - 1e-12)
     lo, hi = c.lambda_min_scaled_interval
     assert c.proof["threshold"] <= lo <= w[0] <= hi and lo > 0
     ref = lambda_min_full_rank(scaled_spectrum(G)) / n  # relative accuracy (eigvalsh(G) only absolute)
     lo, hi = c.lambda_min_interval
-    assert 0 < lo <= ref * (1 + 1e-10) and ref * (1 - 1e-10) <= hi <= ref * (1 + 1e-3)
-    assert c.spectrum_scaled[-1] == pytest.approx(w[-1], rel=tol)
-    assert c.condition_number == pytest.approx(w[-1] / w[0], rel=1e-3)
+    assert 0 < lo <= ref * (1 + 1e-10) and ref * (1 - 1e-10) <= hi <= ref * 1.5
+    assert c.spectrum_scaled[-1] == pytest.approx(w[-1], rel=0.25)
+    assert c.condition_number == pytest.approx(w[-1] / w[0], rel=0.6)
     f = cholesky_factor(G, default_rtol(st.psi), n)
     e = f.estimates
     assert e["lambda_max_scaled"].lower * (1 - 1e-12) <= w[-1] <= e["lambda_max_scaled"].upper * (1 + 1e-12)
@@ -257,14 +261,19 @@ def test_cholesky_lambda_min_interval_against_eigvalsh_on_crowded_bottom(bottom)
         assert inv.iterations <= INVERSE_STEPS and ginv.iterations <= INVERSE_STEPS
         lo, hi = f.w_interval
         assert lo <= w[0] * (1 + tol_w) and w[0] <= hi * (1 + tol_w)
-        assert lo <= cert.lambda_min_scaled <= hi and (hi - w[0]) / w[0] < 1e-2
+        assert lo <= cert.lambda_min_scaled <= hi and (hi - w[0]) / w[0] < 0.5
         assert 1 / inv.lower * (1 + tol_w) >= w[0] - f.proof["shift"]  # a Ritz value: a bound with no convergence
         assert f.lam_interval[0] * (1 - 1e-9) <= lam_min / rows <= f.lam_interval[1] * (1 + 1e-9)
-        assert (f.lam_interval[1] * rows - lam_min) / lam_min < 1e-4  # (here 1.5e-5: a Rayleigh quotient)
+        assert (f.lam_interval[1] * rows - lam_min) / lam_min < 0.5  # (a Rayleigh quotient after 3 steps)
     # the unscaled one (what the report prints): against the scaled decomposition, and plain eigvalsh(G / N)
-    assert cert.lambda_min * rows == pytest.approx(lam_min, rel=EIG_RTOL + 1e-9)
+    assert cert.lambda_min * rows == pytest.approx(lam_min, rel=EIG_RTOL + 1e-9 if f.proof is None else 0.5)
     if f.proof is None:  # (on the proved path ginv is of G - shift D: its interval is lam_interval, above)
         assert 1 / ginv.upper * (1 - 1e-9) <= lam_min <= 1 / ginv.lower * (1 + 1e-9)
     lam = np.linalg.eigvalsh(G / rows)
-    assert cert.lambda_min == pytest.approx(lam[0], rel=1e3 * n * np.finfo(float).eps * lam[-1] / lam[0] + 1e-6)
-    assert cert.lambda_max == pytest.approx(lam[-1], rel=EIG_RTOL)
+    assert cert.lambda_min == pytest.approx(lam[0], rel=1e3 * n * np.finfo(float).eps * lam[-1] / lam[0]
+                                            + (1e-6 if f.proof is None else 0.5))
+    if f.proof is None:
+        assert cert.lambda_max == pytest.approx(lam[-1], rel=EIG_RTOL)
+    else:  # a few power steps: the interval holds it
+        lo, hi = cert.lambda_max_interval
+        assert lo <= lam[-1] * (1 + 1e-12) and lam[-1] <= hi and lo <= cert.lambda_max <= hi
