@@ -95,7 +95,8 @@ def rows_from_arrays(tokens, targets=None, lengths=None, causal: bool = False, *
     d_out = 0 if targets is None else int(targets.shape[-1])
 
     def chunks(a=0, b=tokens.shape[0]):
-        yield (tokens[a:b], None if lengths is None else lengths[a:b], None if targets is None else targets[a:b])
+        yield (tokens[a:b, ...], None if lengths is None else lengths[a:b],
+               None if targets is None else targets[a:b, ...])
 
     return RowSource(chunks, tokens.shape[2], d_out, causal, block_rows=block_rows, cache_bytes=cache_bytes,
                      groups=groups)
