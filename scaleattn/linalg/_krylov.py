@@ -502,7 +502,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
                               np.ones(B.shape[1], bool), 0, pname)
     lan = min(int(maxiter), LANCZOS_MAX)
     gens = {"lmax_s": lanczos_largest(psi, scale, xp=xp, rtol=1e-8, maxiter=lan, seed=seed, live=livef[:, 0],
-                                      state=state.lam_max_s, device=dev)}
+                                      state=state.lam_max_s, device=dev, halt=budget_over)}
     k0 = min(int(block), max(1, nlive // 4))
     dense = nlive <= 16 * k0  # a handful of features: the assembled scaled Gram is the cheaper way
     if dense:
@@ -517,7 +517,7 @@ def krylov_solve(op, B=None, *, rtol: float, btol: float | None = None, eig_rtol
                                                       lambda lo, hi, k: pre_until(lo, hi, k, budget_over(k)))
     if unscaled:
         gens["lmax_g"] = lanczos_largest(psi, None, xp=xp, rtol=1e-8, maxiter=lan, seed=seed + 1,
-                                         live=livef[:, 0], state=state.lam_max_g, device=dev)
+                                         live=livef[:, 0], state=state.lam_max_g, device=dev, halt=budget_over)
         # lambda_min(Lambda_D) is reported, not decided on: one column (block 2 halves the passes, not the work)
         gens["small_g"] = lobpcg_smallest(rand(1), None, M.apply, stop=stop_g, maxiter=maxiter)
     if B is not None:

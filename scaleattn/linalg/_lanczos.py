@@ -129,8 +129,12 @@ def product(X, scale=None):
     return scale[:, None] * (yield scale[:, None] * X)
 
 
+#: the relative width at which a largest-eigenvalue run may end when the runs it serves are over
+HALT_RTOL = 1e-4
+
+
 def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: int = 300, seed: int = 0,
-                    live=None, state: dict | None = None, key: str = "lam_max", device=None):
+                    live=None, state: dict | None = None, key: str = "lam_max", device=None, halt=None):
     """Generator: the largest eigenvalue of ``A`` (``G``, or ``S G S``) by Lanczos, full reorthogonalisation.
 
     Parameters
@@ -155,6 +159,10 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
     device : optional
         The operator's device (default ``live``'s): the seeded start is made on the host and moved there, the
         Lanczos basis is kept there; only the tridiagonal's numbers come to the host.
+    halt : callable, optional
+        ``halt(steps) -> bool``: True ends the run before ``rtol`` once its interval is :data:`HALT_RTOL` narrow
+        (the runs it serves are over and a cutoff needs no more digits: at d = 64 the run went on alone, a pass
+        of the data each step, long after CG and the rank decision had finished).
 
     Returns
     -------
@@ -204,7 +212,7 @@ def lanczos_largest(n: int, scale=None, *, xp=np, rtol: float = 1e-10, maxiter: 
         conv = res <= rtol * max(abs(theta), 1e-300) or b <= EPS * max(abs(theta), 1e-300)
         if state is not None:
             state.value, state.converged = theta, conv
-        if conv:
+        if conv or (halt is not None and res <= HALT_RTOL * abs(theta) and halt(j + 1)):
             break
         q = w / b
     if state is not None:
