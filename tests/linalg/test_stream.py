@@ -501,3 +501,17 @@ def test_stream_lambda_min_intervals_contain_truth_on_singular_grams(noise):
             for lo, hi in (cert.lambda_min_scaled_interval,
                            (est["lambda_min_scaled"]["lower"], est["lambda_min_scaled"]["upper"])):
                 assert hi >= 0.0 and lo <= truth_s * (1 + 1e-6) and truth_s <= hi * (1 + 1e-6), (lo, hi, truth_s)
+
+
+def test_a_largest_eigenvalue_run_ended_with_the_solve_settles_the_verdict():
+    """lambda_max(Gs) sets the cutoff: known to HALT_RTOL (a run ended with the solve) it settles the rank decision;
+    a wider one does not (at d = 64 the verdict read 'not settled' for a run halted at 1e-4 short of its 1e-8)."""
+    from scaleattn.linalg._lanczos import HALT_RTOL, EigenEstimate, KrylovSpectrum
+
+    def spec(res):
+        top = EigenEstimate(2.0, res, 2.0, 2.0 + res, False, 60)
+        low = EigenEstimate(0.5, 0.01, 0.49, 0.5, False, 60)
+        return KrylovSpectrum(40, 40, 1e-12, top, low, None, None, np.zeros((40, 0)), np.zeros(40, bool), True)
+
+    assert spec(0.5 * HALT_RTOL * 2.0).verdict_settled
+    assert not spec(4 * HALT_RTOL * 2.0).verdict_settled
