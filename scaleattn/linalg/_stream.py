@@ -264,6 +264,13 @@ def kw_bound(theta_min: float, theta_max: float, steps: int, n: int, lam_m: floa
     return max(theta_min - eps * theta_max / (1 - eps), 0.0) * lam_m, eps
 
 
+def _kw_record(failure: float, **values) -> dict:
+    """What the report keeps of a probabilistic lower bound (:func:`kw_lower_bound`'s keys), ``values`` set."""
+    return {"lower": 0.0, "failure_probability": float(failure), "steps": 0, "theta_min": float("nan"),
+            "theta_max": float("nan"), "eps": float("nan"), "rigorous": False, "method": "Kuczynski-Wozniakowski",
+            **values}
+
+
 def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, seed: int = 0,
                    target: float = KW_TARGET) -> dict:
     """A probabilistic lower bound on ``lambda_min(G)`` from passes: Lanczos on ``C = L^-1 G L^-T`` ([KW92]).
@@ -292,8 +299,7 @@ def kw_lower_bound(op, M, *, failure: float = KW_FAILURE, maxiter: int = 300, se
 
     xp, psi = op.xp, op.psi
     n = int(xp.count_nonzero(M.live))
-    out = {"lower": 0.0, "failure_probability": float(failure), "steps": 0, "theta_min": float("nan"),
-           "theta_max": float("nan"), "eps": float("nan"), "rigorous": False, "method": "Kuczynski-Wozniakowski"}
+    out = _kw_record(failure)
     if n == 0:
         return out
     lam_m = M.min_eigenvalues()[1]
@@ -489,9 +495,8 @@ def stream_solve(source: RowSource, *, cutoff_rtol: float | None = None, btol: f
         if pre is not None and pre["theta_min"] is not None and pre["steps"] > 0:
             low, eps = kw_bound(pre["theta_min"], pre["theta_max"], pre["steps"], pre["n"], lam_m, failure,
                                 steps_max)
-            kw = {"lower": low, "failure_probability": float(failure), "steps": pre["steps"],
-                  "theta_min": pre["theta_min"], "theta_max": pre["theta_max"], "eps": eps, "rigorous": False,
-                  "method": "Kuczynski-Wozniakowski", "shared_passes": True}
+            kw = _kw_record(failure, lower=low, steps=pre["steps"], theta_min=pre["theta_min"],
+                            theta_max=pre["theta_max"], eps=eps, shared_passes=True)
         if kw is None or kw["lower"] <= 0:  # the shared run ended too early: a run of its own
             kw = kw_lower_bound(op, M, failure=failure, maxiter=min(maxiter, 300), seed=seed)
     cert = certificate_from_krylov(spec, op.n_rows)
