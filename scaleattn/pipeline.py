@@ -193,11 +193,16 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     plots : bool
         With ``out``, also write the PNG plots of :mod:`scaleattn.plot` next to the report.
     resume : bool
-        Continue from the checkpoint: finished row groups are not recomputed (bit-identical statistics).
+        Continue from the checkpoint: finished row groups are not recomputed (bit-identical statistics); a
+        ``"stream"`` fit reads back its first sweep and every finished data pass and computes the rest, its
+        answer bit-identical to a fit never interrupted (:mod:`scaleattn.distributed.journal`).
     checkpoint : str, path-like or Location, optional
-        Checkpoint store of the statistics build (DESIGN §6); default ``out + ".checkpoint.zarr"`` when
-        ``out`` is given. Written while running, removed after success unless ``keep_checkpoint``. An existing
-        one is refused unless ``resume`` or ``overwrite`` (start over).
+        Checkpoint store of the statistics build (DESIGN §6), or of a ``"stream"`` fit its pass journal
+        (DESIGN §4b; psi k floats per pass, about 6 MB at d = 64, d_out = 1; the dual keeps none); default
+        ``out + ".checkpoint.zarr"`` when ``out`` is given. Written while running, removed after success unless
+        ``keep_checkpoint``. An existing one is refused unless ``resume`` or ``overwrite`` (start over); one of
+        the other kind, or made from another dataset, d or grouping, is refused
+        (:class:`~scaleattn.errors.CheckpointError`).
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
     solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
@@ -253,7 +258,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     IntegrityError
         Absent, changed or damaged chunks (naming the array and the samples), or a store a worker sees differently.
     CheckpointError
-        The checkpoint was made from another dataset, chunking or version.
+        The checkpoint was made from another dataset, chunking or version, or is of the other kind (a statistics
+        build's where a ``"stream"`` fit resumes, or a pass journal where the Gram route does).
     InsufficientMemoryError
         The solve cannot fit in the memory of this process (or of the workers).
 

@@ -20,7 +20,7 @@ Layout of a journal (Zarr v3, every array with the crc32c codec)::
     sweep/moments   float64 (m, d d_out)  Phi^T Y                     (only with targets)
     sweep/yy        float64 (1,)          sum of y^2
     sweep/rows      int64   (1,)          rows
-    passes/000000   float64 (psi, k)      the output of pass 0 (G W), or (1,): the residual's sum of squares
+    passes/000000   float64 (m, d k)      the output of pass 0 (G W, psi x k), or (1,): the residual's sum of squares
     passes/000001   ...
 
 The sweep group's ``checksum`` (of its values) and an entry's ``kind``, ``source`` (the digest of its input) and
@@ -108,6 +108,21 @@ class PassJournal:
         The first sweep was read back.
     resumed, computed : int
         Passes read back, passes computed and appended (by this run).
+
+    Examples
+    --------
+    >>> import numpy as np, scaleattn
+    >>> from scaleattn.distributed.partition import row_groups
+    >>> from scaleattn.store._location import resolve
+    >>> ds = scaleattn.write_dataset("_doc_journal.zarr", np.ones((8, 3, 2)), np.ones((8, 2)), overwrite=True)
+    >>> store = resolve("_doc_journal_ck.zarr")
+    >>> store.remove()
+    >>> j = PassJournal.open(store, ds, row_groups(ds), block_rows=2048)
+    >>> W = np.arange(6.0).reshape(3, 2)  # a pass's input (m, d k): d = 2, k = 1
+    >>> j.record("gw", W, 2 * W)
+    >>> again = PassJournal.open(store, ds, row_groups(ds), block_rows=2048)  # a resumed fit
+    >>> again.replay("gw", W)[0], again.replay("gw", W) is None  # the next entry was this very pass; then none
+    (array([0., 2.]), True)
     """
 
     def __init__(self, store: Location, d: int, d_out: int):
