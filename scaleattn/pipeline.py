@@ -300,7 +300,7 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     if path is not None:
         out, ckpt = run_locations(ds, out, checkpoint, storage_options)
         return _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0, client,
-                              _Resume(ckpt, resume, keep_checkpoint, checkpoint is not None))
+                              _Resume(ckpt, resume, keep_checkpoint))
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
@@ -463,27 +463,28 @@ def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False, no
 @dataclasses.dataclass(frozen=True)
 class _Resume:
     """A streaming fit's checkpoint options: the journal's location (None: none kept), ``resume``,
-    ``keep_checkpoint``, and whether the location was given (the rerun command names it then)."""
+    ``keep_checkpoint``."""
 
     store: Location | None
     resume: bool = False
     keep: bool = False
-    given: bool = False
 
 
-def _open_journal(ds, path: str, r: _Resume, overwrite: bool):
+def _open_journal(ds, path: str, r: _Resume):
     """The pass journal of a streaming fit (:mod:`scaleattn.distributed.journal`), after the locks are held:
     ``(journal or None, created now?)``. Without ``resume`` an existing one (``overwrite``: preflight checked it
     is scaleattn's) is removed first: the fit starts over."""
-    if r.store is None or path == "dual":  # (the dual reads the rows in one sweep and one more read: no passes)
+    if r.store is None:
         return None, False
     if not r.resume and r.store.exists():
         r.store.remove()
+    if path == "dual":  # (the dual reads the rows in one sweep and one more read: no passes to keep)
+        return None, False
     new = not r.store.exists()
     return PassJournal.open(r.store, ds, row_groups(ds), targets=True, block_rows=BLOCK_ROWS), new
 
 
-def _after_failed_stream(e: BaseException, journal, r: _Resume, new: bool, out_label) -> None:
+def _after_failed_stream(e: BaseException, journal, r: _Resume, new: bool) -> None:
     """After a streaming fit failed or was interrupted: remove a journal this fit created that holds nothing
     worth resuming (bad data, or no finished first sweep), else attach the resume hint to ``e``."""
     if journal is None or isinstance(e, CheckpointError):  # (someone else's store: never touched)
@@ -511,14 +512,14 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
     full, ds = ds, train
     with holding(full, out, r.store):
         preflight(full, out, overwrite, checkpoint=r.store, resume=r.resume)
-        journal, new = _open_journal(ds, path, r, overwrite)
+        journal, new = _open_journal(ds, path, r)
         times = {}
         t = time.perf_counter()
         try:
             with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
                 sol, cluster, where = _streamed(ds, path, client, cutoff_rtol, note=note, journal=journal)
         except BaseException as e:
-            _after_failed_stream(e, journal, r, new, out_label)
+            _after_failed_stream(e, journal, r, new)
             raise
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
@@ -556,7 +557,7 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
                     result.files = write_run(result, out, overwrite=overwrite)
                     result.out = out_label
         except BaseException as e:
-            _after_failed_stream(e, journal, r, False, out_label)
+            _after_failed_stream(e, journal, r, False)
             raise
         if journal is not None and not r.keep:
             try:

@@ -190,7 +190,7 @@ def test_changed_rows_refuse_the_journal(tmp_path):
     g = zarr.open_group(str(tmp_path / "d.zarr"), mode="r+")
     tok = g["tokens"]
     tok[0:1] = tok[0:1] * 1.0  # the same values written again: a new chunk object (size, time)
-    with pytest.raises(CheckpointError, match="rows changed|different fit"):
+    with pytest.raises(CheckpointError, match=r"different fit \(the dataset.s rows changed since\) \(rows:"):
         scaleattn.fit(str(tmp_path / "d.zarr"), tmp_path / "x", solver="stream", checkpoint=ck, resume=True)
 
 
@@ -251,23 +251,45 @@ def test_other_options_take_another_path_from_the_pass_they_differ(tmp_path):
 
 
 @pytest.mark.slow
-def test_journal_resumes_on_a_cluster(tmp_path, monkeypatch):
-    """A journal written in this process is read back by a fit whose passes run on a Dask cluster (the client
-    keeps it; the workers only compute the rest): the same bits as the uninterrupted fit in process."""
+@pytest.mark.parametrize("stopped_on", ["process", "cluster"])
+def test_journal_moves_between_process_and_cluster(tmp_path, monkeypatch, stopped_on):
+    """A fit stopped by Ctrl-C in its 6th pass, in this process or on a Dask cluster, resumed the other way: the
+    client kept the journal (the workers only compute), and the answer is the uninterrupted in-process fit's."""
     from distributed import Client, LocalCluster
+
+    from scaleattn.distributed.stream import DistributedStreamOperator
 
     ds = _data(tmp_path / "d.zarr")
     ref = _reference(tmp_path, ds)
-    _Stop(monkeypatch, 6)
-    with pytest.raises(KeyboardInterrupt):
-        scaleattn.fit(ds, tmp_path / "run", solver="stream")
-    monkeypatch.undo()
+    calls = [0]
+    real = DistributedStreamOperator._pass
+
+    def _pass(op, *args):  # (0: the first sweep)
+        if calls[0] == 6:
+            raise KeyboardInterrupt("injected")
+        calls[0] += 1
+        return real(op, *args)
+
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
-        res = scaleattn.fit(ds, tmp_path / "run", solver="stream", resume=True, client=client)
-    sp = res.report["solver_path"]
-    assert sp["passes_resumed"] == 5 and sp["cluster"]["workers"] == 2
+        if stopped_on == "process":
+            _Stop(monkeypatch, 6)
+            with pytest.raises(KeyboardInterrupt):
+                scaleattn.fit(ds, tmp_path / "run", solver="stream")
+            monkeypatch.undo()
+            res = scaleattn.fit(ds, tmp_path / "run", solver="stream", resume=True, client=client)
+            assert res.report["solver_path"]["cluster"]["workers"] == 2
+        else:
+            monkeypatch.setattr(DistributedStreamOperator, "_pass", _pass)
+            with pytest.raises(KeyboardInterrupt) as e:
+                scaleattn.fit(ds, tmp_path / "run", solver="stream", client=client)
+            assert "keeps the first sweep and 5 data passes" in e.value.scaleattn_hint
+            monkeypatch.undo()
+    if stopped_on == "cluster":
+        res = scaleattn.fit(ds, tmp_path / "run", solver="stream", resume=True)
+    assert res.report["solver_path"]["passes_resumed"] == 5
     assert np.array_equal(res.solution.coef, ref.solution.coef) and res.solution.sse == ref.solution.sse
+    assert res.certificate.lambda_min == ref.certificate.lambda_min
 
 
 def test_dual_path_keeps_no_journal(tmp_path):
@@ -277,6 +299,12 @@ def test_dual_path_keeps_no_journal(tmp_path):
     res = scaleattn.fit(ds, tmp_path / "run", solver="stream", keep_checkpoint=True)
     assert res.report["solver_path"]["path"] == "dual" and res.report["checkpoint"] is None
     assert sorted(os.listdir(tmp_path)) == ["d.zarr", "run"]
+    # a journal left at its checkpoint is refused as any checkpoint is, and removed by overwrite (start over)
+    _journal(tmp_path, _data(tmp_path / "e.zarr"), name="other.checkpoint.zarr")
+    with pytest.raises(OutputExistsError, match="resume=True"):
+        scaleattn.fit(ds, tmp_path / "other", solver="stream")
+    scaleattn.fit(ds, tmp_path / "other", solver="stream", overwrite=True)
+    assert not (tmp_path / "other.checkpoint.zarr").exists() and (tmp_path / "other").exists()
 
 
 @pytest.mark.slow
