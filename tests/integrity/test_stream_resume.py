@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from scaleattn.errors import CheckpointError, OutputExistsError
 from scaleattn.generate import generate_mhla
 from scaleattn.linalg._stream import StreamOperator
 
-from .conftest import FIT, error_line, expect, run_cli, run_main
+from .conftest import FIT, error_line, expect, popen_cli, run_cli, run_main
 
 STREAM = ["--solver", "stream"]
 
@@ -332,3 +334,42 @@ def test_sigkilled_fit_resumes_bit_identically(tmp_path, where):
     a, b = zarr.open_group(str(tmp_path / "run" / "model.zarr")), zarr.open_group(str(tmp_path / "ref" / "model.zarr"))
     assert np.array_equal(a["coef"][...], b["coef"][...])
     assert sorted(os.listdir(tmp_path)) == ["copy.zarr", "d.zarr", "ref", "run"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGKILL", "SIGTERM"])
+def test_signalled_from_outside_mid_fit_resumes_bit_identically(tmp_path, signame):
+    """A signal from outside at whatever point the fit is (a pass being computed or written): SIGKILL leaves the
+    journal as it was (an entry cut short is recomputed), SIGTERM ends with exit 143 and the line saying what the
+    journal keeps and --resume; the resumed fit reads back at least the entries seen done and writes the run of
+    an uninterrupted fit."""
+    _data(tmp_path / "d.zarr", d=8, samples=500, seed=4)
+    args = ["fit", "d.zarr", "--out", "run", *STREAM, *FIT]
+    proc = popen_cli(args, cwd=tmp_path)
+    passes = tmp_path / "run.checkpoint.zarr" / "passes"
+    seen = 0
+    try:
+        while proc.poll() is None and seen < 12:
+            time.sleep(0.01)
+            seen = len(_entries(tmp_path / "run.checkpoint.zarr")) if passes.exists() else 0
+        assert proc.poll() is None, "the fit ended before it could be stopped"
+        proc.send_signal(getattr(signal, signame))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if signame == "SIGKILL":
+        assert proc.returncode == -9
+    else:
+        assert proc.returncode == 143, err
+        expect(err.strip().splitlines()[-1], r"stopped by SIGTERM; the checkpoint \S*run\.checkpoint\.zarr keeps the"
+                                             r" first sweep and \d+ data passes: .*--resume to continue")
+    r = run_cli(args + ["--resume", "--json"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["solver_path"]["passes_resumed"] >= seen - 1 >= 11
+    r = run_cli(["fit", "d.zarr", "--out", "ref", *STREAM, *FIT, "--json"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert _comparable(rep) == _comparable(json.loads(r.stdout))
+    a, b = zarr.open_group(str(tmp_path / "run" / "model.zarr")), zarr.open_group(str(tmp_path / "ref" / "model.zarr"))
+    assert np.array_equal(a["coef"][...], b["coef"][...])
