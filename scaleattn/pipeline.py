@@ -40,7 +40,7 @@ from .distributed.partition import row_groups
 from .distributed.reduction import check_client, check_reachable
 from .distributed.stream import stream_operator
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import CheckpointError, DatasetError, ParameterError, ScaleattnError, with_hint
+from .errors import CheckpointError, DatasetError, IntegrityError, ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
 from .heads._algebra import Heads, coef_from_heads
 from .heads._search import DEFAULT_BUDGET
@@ -494,6 +494,9 @@ def _after_failed_stream(e: BaseException, journal, r: _Resume, new: bool) -> No
         if new and not worth and r.store.exists():
             r.store.remove()
             with_hint(e, "no checkpoint was kept")
+        elif isinstance(e, IntegrityError) and r.store.exists():  # (a resume would be refused: the rows changed)
+            with_hint(e, f"the checkpoint {r.store.url} holds passes over the data as it was before: once nothing"
+                         " writes to the input, run again with `overwrite=True` instead of `resume=True`")
         elif r.store.exists():
             with_hint(e, f"the checkpoint {r.store.url} keeps {journal.held()}: repeat the fit with `resume=True`"
                          " to continue")

@@ -120,6 +120,22 @@ def test_interrupted_in_the_sweep_keeps_nothing(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["d.zarr"]
 
 
+def test_data_changed_mid_fit_says_to_start_over(tmp_path, monkeypatch):
+    """A resumed fit whose data changed under it (an IntegrityError of a live pass): the journal is kept, and the
+    hint says a resume would be refused and to start over once nothing writes to the input."""
+    from scaleattn.errors import IntegrityError
+
+    ds = _data(tmp_path / "d.zarr")
+    stop = _Stop(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        scaleattn.fit(ds, tmp_path / "run", solver="stream")
+    stop.calls, stop.at, stop.exc = 0, 2, IntegrityError
+    with pytest.raises(IntegrityError) as e:
+        scaleattn.fit(ds, tmp_path / "run", solver="stream", resume=True)
+    assert "run again with `overwrite=True` instead of `resume=True`" in e.value.scaleattn_hint
+    assert (tmp_path / "run.checkpoint.zarr").exists()
+
+
 def test_cli_interrupt_line_says_how_to_continue(tmp_path, monkeypatch, capsys):
     """``scaleattn fit --solver stream`` stopped by Ctrl-C: exit 130 and the line names the checkpoint, what it
     keeps and --resume; the same command with --resume finishes and removes it."""
