@@ -26,6 +26,7 @@ from .display import _text as _text
 from .display._progress import as_reporter
 from .distributed.build import build_statistics, check_unchanged
 from .distributed.evaluate import evaluate
+from .distributed.journal import PassJournal
 from .distributed.memory import (
     available_memory,
     check_fit_memory,
@@ -35,10 +36,11 @@ from .distributed.memory import (
     trim_heap,
 )
 from .distributed.operator import remote_build
+from .distributed.partition import row_groups
 from .distributed.reduction import check_client, check_reachable
 from .distributed.stream import stream_operator
 from .distributed.tsqr import check_qr_memory, compute_r
-from .errors import ParameterError, ScaleattnError, with_hint
+from .errors import CheckpointError, DatasetError, IntegrityError, ParameterError, ScaleattnError, with_hint
 from .features import coef_distance, n_features
 from .heads._algebra import Heads, coef_from_heads
 from .heads._search import DEFAULT_BUDGET
@@ -53,7 +55,9 @@ from .linalg._solver import (
     solve_validated,
 )
 from .linalg._stream import (
+    BLOCK_ROWS,
     FIT_SOLVERS,
+    StreamOperator,
     check_path_memory,
     count_rows,
     dual_solve,
@@ -189,11 +193,16 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     plots : bool
         With ``out``, also write the PNG plots of :mod:`scaleattn.plot` next to the report.
     resume : bool
-        Continue from the checkpoint: finished row groups are not recomputed (bit-identical statistics).
+        Continue from the checkpoint: finished row groups are not recomputed (bit-identical statistics); a
+        ``"stream"`` fit reads back its first sweep and every finished data pass and computes the rest, its
+        answer bit-identical to a fit never interrupted (:mod:`scaleattn.distributed.journal`).
     checkpoint : str, path-like or Location, optional
-        Checkpoint store of the statistics build (DESIGN §6); default ``out + ".checkpoint.zarr"`` when
-        ``out`` is given. Written while running, removed after success unless ``keep_checkpoint``. An existing
-        one is refused unless ``resume`` or ``overwrite`` (start over).
+        Checkpoint store of the statistics build (DESIGN §6), or of a ``"stream"`` fit its pass journal
+        (DESIGN §4b; psi k floats per pass, about 6 MB at d = 64, d_out = 1; the dual keeps none); default
+        ``out + ".checkpoint.zarr"`` when ``out`` is given. Written while running, removed after success unless
+        ``keep_checkpoint``. An existing one is refused unless ``resume`` or ``overwrite`` (start over); one of
+        the other kind, or made from another dataset, d or grouping, is refused
+        (:class:`~scaleattn.errors.CheckpointError`).
     keep_checkpoint : bool
         Keep the checkpoint after a successful fit.
     solver : "auto" | "eigh" | "cholesky" | "krylov" | "stream"
@@ -249,7 +258,8 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     IntegrityError
         Absent, changed or damaged chunks (naming the array and the samples), or a store a worker sees differently.
     CheckpointError
-        The checkpoint was made from another dataset, chunking or version.
+        The checkpoint was made from another dataset, chunking or version, or is of the other kind (a statistics
+        build's where a ``"stream"`` fit resumes, or a pass journal where the Gram route does).
     InsufficientMemoryError
         The solve cannot fit in the memory of this process (or of the workers).
 
@@ -288,8 +298,9 @@ def fit(dataset, out=None, *, client=None, heads="svd", cutoff_rtol: float | Non
     out_label = out.url if isinstance(out, Location) else None if out is None else str(out)  # as the user gave it
     path, why = _stream_path(train, solver, heads, ridge, certificate)
     if path is not None:
-        return _fit_streaming(ds, train, run_locations(ds, out, None, storage_options)[0], out_label, path, why,
-                              cutoff_rtol, overwrite, reporter, t0, client)
+        out, ckpt = run_locations(ds, out, checkpoint, storage_options)
+        return _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0, client,
+                              _Resume(ckpt, resume, keep_checkpoint))
     out, ckpt = run_locations(ds, out, checkpoint, storage_options)
     # refused before the build (InsufficientMemoryError); "auto" becomes the path that fits
     solver = check_fit_memory(ds.d, ds.d_out, client=client, solver=solver, chunk_bytes=chunk_bytes(ds),
@@ -425,18 +436,20 @@ def _stream_path(ds, solver: str, heads, ridge: float, certificate: str) -> tupl
     return path, why
 
 
-def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False, note=None):
+def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False, note=None, journal=None):
     """The streaming or dual solve of ``ds`` (DESIGN §4b): ``(solution or certificate, cluster summary or None,
     where it ran, for the report's reason, or "")``. The streaming CG's passes run on the cluster of ``client``
     (:mod:`scaleattn.distributed.stream`; in this process without one: the same row groups and tree, the same
     bits); the dual needs all rows at once (one N x N kernel) and runs in this process. ``note``: the progress
-    phase's note (the sweep's rows, each pass)."""
+    phase's note (the sweep's rows, each pass). ``journal``: the fit's pass journal
+    (:class:`scaleattn.distributed.journal.PassJournal`; the dual keeps its sweep only)."""
     if path == "dual":
         where = "" if client is None else ("; in this process, not on the cluster: the dual holds all rows at once"
                                            " (one N x N kernel)")
         src = rows_from_dataset(ds, targets=not certify_only)
-        return dual_solve(src, cutoff_rtol=cutoff_rtol, certify_only=certify_only, note=note), None, where
-    op = stream_operator(ds, client, targets=not certify_only, note=note)
+        op = StreamOperator(src, note, journal)
+        return dual_solve(src, cutoff_rtol=cutoff_rtol, certify_only=certify_only, op=op), None, where
+    op = stream_operator(ds, client, targets=not certify_only, note=note, journal=journal)
     try:
         sol = stream_solve(op.source, cutoff_rtol=cutoff_rtol, op=op, certify_only=certify_only)
     finally:  # the token features kept on the workers are freed as the solve ends, failed or not
@@ -447,19 +460,70 @@ def _streamed(ds, path: str, client, cutoff_rtol, certify_only: bool = False, no
     return sol, op.summary(), f"; its passes on the Dask cluster ({op.workers} workers, {len(op.groups)} row groups)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """A streaming fit's checkpoint options: the journal's location (None: none kept), ``resume``,
+    ``keep_checkpoint``."""
+
+    store: Location | None
+    resume: bool = False
+    keep: bool = False
+
+
+def _open_journal(ds, path: str, r: _Resume):
+    """The pass journal of a streaming fit (:mod:`scaleattn.distributed.journal`), after the locks are held:
+    ``(journal or None, created now?)``. Without ``resume`` an existing one (``overwrite``: preflight checked it
+    is scaleattn's) is removed first: the fit starts over."""
+    if r.store is None:
+        return None, False
+    if not r.resume and r.store.exists():
+        r.store.remove()
+    if path == "dual":  # (the dual reads the rows in one sweep and one more read: no passes to keep)
+        return None, False
+    new = not r.store.exists()
+    return PassJournal.open(r.store, ds, row_groups(ds), targets=True, block_rows=BLOCK_ROWS), new
+
+
+def _after_failed_stream(e: BaseException, journal, r: _Resume, new: bool) -> None:
+    """After a streaming fit failed or was interrupted: remove a journal this fit created that holds nothing
+    worth resuming (bad data, or no finished first sweep), else attach the resume hint to ``e``."""
+    if journal is None or isinstance(e, CheckpointError):  # (someone else's store: never touched)
+        return
+    try:
+        worth = journal.has_sweep() and not isinstance(e, DatasetError)
+        if new and not worth and r.store.exists():
+            r.store.remove()
+            with_hint(e, "no checkpoint was kept")
+        elif isinstance(e, IntegrityError) and r.store.exists():  # (a resume would be refused: the rows changed)
+            with_hint(e, f"the checkpoint {r.store.url} holds passes over the data as it was before: once nothing"
+                         " writes to the input, run again with `overwrite=True` instead of `resume=True`")
+        elif r.store.exists():
+            with_hint(e, f"the checkpoint {r.store.url} keeps {journal.held()}: repeat the fit with `resume=True`"
+                         " to continue")
+    except Exception:  # (the store unreachable now: the error that stopped the fit is what matters)
+        return
+
+
 def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite, reporter, t0,
-                   client=None) -> FitResult:
+                   client=None, r: _Resume = _Resume(None)) -> FitResult:
     """A fit by :mod:`scaleattn.linalg._stream` (DESIGN §4b), its passes on the cluster of ``client`` or in this
     process: the ``train`` samples of ``ds`` read chunk by chunk in every pass (or kept as token features when they
     fit), no statistics (no ``stats.zarr``), svd heads, the training MSE from the path's own pass; the held-out
-    samples (``validation``) measured by :func:`_validate`."""
+    samples (``validation``) measured by :func:`_validate`. The first sweep and every pass are kept in the pass
+    journal at ``r.store`` (:mod:`scaleattn.distributed.journal`) and, with ``r.resume``, read back from it:
+    removed once the run is written, unless ``r.keep``."""
     full, ds = ds, train
-    with holding(full, out, None):
-        preflight(full, out, overwrite)
+    with holding(full, out, r.store):
+        preflight(full, out, overwrite, checkpoint=r.store, resume=r.resume)
+        journal, new = _open_journal(ds, path, r)
         times = {}
         t = time.perf_counter()
-        with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
-            sol, cluster, where = _streamed(ds, path, client, cutoff_rtol, note=note)
+        try:
+            with reporter.phase("solve", f"{path}, psi {n_features(ds.d):,}") as note:
+                sol, cluster, where = _streamed(ds, path, client, cutoff_rtol, note=note, journal=journal)
+        except BaseException as e:
+            _after_failed_stream(e, journal, r, new)
+            raise
         times["solve"] = time.perf_counter() - t
         h = recover_heads(sol.coef, ds.d, "svd")
         model = model_from_heads(sol, h, ds.d, ds.causal)
@@ -474,21 +538,37 @@ def _fit_streaming(ds, train, out, out_label, path, why, cutoff_rtol, overwrite,
                   "heads_residual": h.residual, "head_singular_values": h.spectrum.tolist(), "loss_vs_heads": [],
                   "ridge": 0.0, "effective_dof": sol.effective_dof,
                   "solver_path": {"path": path, "reason": why + where, "statistics_written": False,
-                                  **({} if cluster is None else {"cluster": cluster})}}
+                                  **({} if cluster is None else {"cluster": cluster}),
+                                  **({} if journal is None else {"sweep_resumed": journal.sweep_resumed,
+                                                                 "passes_resumed": journal.resumed,
+                                                                 "passes_computed": journal.computed})}}
         teacher = full.teacher()
         if teacher is not None:
             report["teacher_heads"] = int(teacher[0].shape[0])
             report["teacher_coef_distance"] = coef_distance(model.coef, coef_from_heads(*teacher))
         model.attrs.update({"dataset": full.url, "scaleattn_version": __version__, "heads_method": h.method})
+        kept = journal is not None and r.keep
         report.update(timings=times, scaleattn_version=__version__, dataset=full.url,
-                      dataset_fingerprint=full.fingerprint, checkpoint=None, seconds=time.perf_counter() - t0)
+                      dataset_fingerprint=full.fingerprint, checkpoint=r.store.url if kept else None,
+                      seconds=time.perf_counter() - t0)
         result = FitResult(model, None, sol, h, report)
-        if train.n_samples < full.n_samples:
-            _validate(result, full, train.n_samples, client, reporter, times)
-        if out is not None:
-            with reporter.phase("write", out_label):
-                result.files = write_run(result, out, overwrite=overwrite)
-                result.out = out_label
+        try:
+            if train.n_samples < full.n_samples:
+                _validate(result, full, train.n_samples, client, reporter, times)
+            if out is not None:
+                with reporter.phase("write", out_label):
+                    result.files = write_run(result, out, overwrite=overwrite)
+                    result.out = out_label
+        except BaseException as e:
+            _after_failed_stream(e, journal, r, False)
+            raise
+        if journal is not None and not r.keep:
+            try:
+                r.store.remove()
+            except BaseException as e:  # (Ctrl-C here) the run is complete: say so, not "nothing was written"
+                with_hint(e, f"{out_label or 'the fit'} was written in full; the checkpoint {r.store.url} may be"
+                             " left behind (remove it)")
+                raise
     return result
 
 

@@ -22,6 +22,7 @@ from .store._outputs import (
     check_replaceable,
     clean_leftovers,
     hold,
+    owner_of,
     reading,
 )
 
@@ -96,7 +97,9 @@ def preflight(dataset, out=None, overwrite: bool = False, storage_options=None, 
         if not overwrite:
             raise OutputExistsError(f"checkpoint {ckpt.url!r} of an unfinished fit exists: pass `resume=True` to"
                                     " continue it, or `overwrite=True` to start over")
-        check_replaceable(ckpt, "`checkpoint`", _formats.CHECKPOINT[0])
+        # either kind of checkpoint (a statistics build's, a streaming fit's pass journal) is a fit's to replace
+        journal = owner_of(ckpt)[1] == _formats.JOURNAL[0]
+        check_replaceable(ckpt, "`checkpoint`", _formats.JOURNAL[0] if journal else _formats.CHECKPOINT[0])
     return ds
 
 

@@ -172,7 +172,7 @@ def _cmd_fit(args) -> int:
     if args.resume and not args.overwrite and (ckpt is None or not ckpt.exists()):  # (then a whole fit follows)
         where = f"at {args.checkpoint}" if args.checkpoint else f"for {args.out}"
         # a Note: one line ``PROG: note: ...`` (scaleattn.cli's warning lines), not --quiet's to silence
-        warnings.warn(f"no checkpoint {where} yet: starting from the first row group", Note, stacklevel=1)
+        warnings.warn(f"no checkpoint {where} yet: starting from the beginning", Note, stacklevel=1)
     t = time.perf_counter()
     with holding(ds, args.out, args.checkpoint, opts), _cluster(args, reporter) as client:
         cluster_s = None if client is None else _since(t)

@@ -192,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
                         " the pass still runs where that round-off passes 1e-6 of the mean y^2)")
     f.add_argument("--device", choices=list(DEVICES), default="auto", help="worker array device (default auto)")
     f.add_argument("--resume", action="store_true",
-                   help="continue an interrupted fit from its checkpoint: finished row groups are not recomputed")
+                   help="continue an interrupted fit from its checkpoint: finished row groups (--solver stream: the"
+                        " first sweep and the finished data passes) are not recomputed")
     f.add_argument("--checkpoint", metavar="PATH", default=None,
-                   help="checkpoint store of the statistics build (default OUT.checkpoint.zarr next to --out)")
+                   help="checkpoint store of the statistics build, or of the data passes with --solver stream"
+                        " (default OUT.checkpoint.zarr next to --out)")
     f.add_argument("--keep-checkpoint", action="store_true", help="keep the checkpoint after a successful fit")
     f.add_argument("--no-plots", action="store_true", help="do not write the PNG plots next to report.json")
     _add_absent_arg(f)

@@ -121,6 +121,10 @@ class Checkpoint:
             except Exception as e:  # not a zarr group
                 raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
                                       " choose another `checkpoint` path") from None
+            if have.get("format") == _formats.JOURNAL[0]:
+                raise CheckpointError(
+                    f"checkpoint {url!r} is the pass journal of a streaming fit (`solver='stream'`), not a statistics"
+                    f" build: resume it with `solver='stream'`, or {_START_OVER}")
             if have.get("format") == FORMAT and have.get("format_version") != FORMAT_VERSION:
                 raise CheckpointError(
                     f"checkpoint {url!r} was written by an older scaleattn (format v{have.get('format_version')},"

@@ -160,6 +160,9 @@ class DistributedStreamOperator(StreamOperator):
         Partials combined per reduction task.
     note : callable, optional
         ``note(text)``: told of the first sweep and of each pass (a progress phase's note).
+    journal : PassJournal, optional
+        As :class:`~scaleattn.linalg._stream.StreamOperator`'s: kept and read back here, on the client (the
+        workers only compute passes; a journal made in this process is resumed on a cluster and the other way).
 
     Attributes
     ----------
@@ -188,11 +191,12 @@ class DistributedStreamOperator(StreamOperator):
     """
 
     def __init__(self, client, dataset, *, targets: bool = True, groups=None, block_rows: int = BLOCK_ROWS,
-                 cache_bytes: float | None = None, split_every: int = SPLIT_EVERY, note=None):
+                 cache_bytes: float | None = None, split_every: int = SPLIT_EVERY, note=None, journal=None):
         if client is None:
             raise ParameterError("DistributedStreamOperator needs a Dask client (without one, StreamOperator)")
         check_reachable(client, [("dataset", dataset.store)])
         self.client, self.split_every, self.note = client, int(split_every), note or (lambda text: None)
+        self.journal = journal
         self.d = dataset.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
@@ -222,7 +226,7 @@ class DistributedStreamOperator(StreamOperator):
             for j, run in enumerate(self._runs):
                 self._keep(j, run, slots[j * len(slots) // len(self._runs)] if slots else None)
         try:
-            self._finish_sweep(self._pass(group_sweep, self.d, self.source.d_out))
+            self._finish_sweep(self._swept(lambda: self._pass(group_sweep, self.d, self.source.d_out)))
             self.note(f"first sweep (diag G, K-FAC factors, moments): {self.n_rows:,} rows, {len(self.groups)} row"
                       f" groups on {self.workers} workers")
         except BaseException:
@@ -300,15 +304,16 @@ class DistributedStreamOperator(StreamOperator):
         W = np.asarray(W, np.float64)
         k = W.shape[1]
         t = time.perf_counter()
-        out = self._pass(group_gw, c_order(W.reshape(self.m, self.d * k)), k)
+        out, back = self._journaled("gw", group_gw, c_order(W.reshape(self.m, self.d * k)), k)
         self.passes += 1
-        self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s, {self.workers} workers)")
+        took = f"{time.perf_counter() - t:.1f} s, {self.workers} workers"
+        self.note(f"data pass {self.passes} ({k} columns, {'read back from the checkpoint' if back else took})")
         return out.reshape(self.psi, k)
 
     def residual_sse(self, coef) -> float:
         c = np.asarray(coef, np.float64)
         k = c.shape[1]
-        return float(self._pass(group_sse, c_order(c.reshape(self.m, self.d * k)), k))
+        return float(self._journaled("sse", group_sse, c_order(c.reshape(self.m, self.d * k)), k)[0])
 
     def release(self) -> None:
         """Drop the kept token features from the workers (a fit does so when it ends, failed or not)."""
@@ -331,4 +336,4 @@ def stream_operator(dataset, client=None, *, targets: bool = True, **kwargs) -> 
     with_y = bool(targets) and dataset.d_out > 0
     return StreamOperator(rows_from_dataset(dataset, targets=with_y, groups=row_groups(dataset),
                                             **{k: v for k, v in kwargs.items() if k == "block_rows"}),
-                          kwargs.get("note"))
+                          kwargs.get("note"), kwargs.get("journal"))

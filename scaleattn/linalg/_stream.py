@@ -123,10 +123,15 @@ class StreamOperator:
     source : RowSource
     note : callable, optional
         ``note(text)``: where the sweep and each pass say how far they are (a progress phase's note).
+    journal : object, optional
+        Where the sweep and the passes are kept and read back (:class:`scaleattn.distributed.journal.PassJournal`:
+        ``sweep()``, ``record_sweep(total)``, ``replay(kind, W)``, ``record(kind, W, out)``, host arrays): the
+        sweep, and each pass the journal holds for that very input, is read back instead of computed, every other
+        one computed and recorded (an interrupted fit resumed, bit-identical to one never interrupted).
     """
 
-    def __init__(self, source: RowSource, note=None):
-        self.source, self.note = source, note or (lambda text: None)
+    def __init__(self, source: RowSource, note=None, journal=None):
+        self.source, self.note, self.journal = source, note or (lambda text: None), journal
         self.d = source.d
         self.m, self.psi = n_pairs(self.d), n_features(self.d)
         self.passes = 0
@@ -136,7 +141,32 @@ class StreamOperator:
             rows[0] += 0 if part is None else part[5]
             self.note(f"first sweep (diag G, K-FAC factors, moments): {rows[0]:,} rows")
 
-        self._finish_sweep(self.map_groups(group_sweep, self.d, source.d_out, on_part=swept))
+        self._finish_sweep(self._swept(lambda: self.map_groups(group_sweep, self.d, source.d_out, on_part=swept)))
+
+    def _swept(self, compute):
+        """The first sweep's sums: read back from the journal, else ``compute()`` (and recorded)."""
+        j = self.journal
+        total = None if j is None else j.sweep()
+        if total is not None:
+            self.note(f"first sweep read back from the checkpoint: {total[5]:,} rows")
+            return total
+        total = compute()
+        if j is not None and total is not None:
+            j.record_sweep(tuple(to_numpy(t) if not isinstance(t, (int, float)) else t for t in total))
+        return total
+
+    def _journaled(self, kind: str, func, W3, k: int):
+        """``(map_groups(func, W3, k), read back?)``: the pass from the journal when it holds this very input (its
+        host values moved to the rows' device), else computed and recorded."""
+        j = self.journal
+        if j is not None:
+            out = j.replay(kind, to_numpy(W3))
+            if out is not None:
+                return (from_host(out, self.xp, self.device) if kind == "gw" else float(out[0])), True
+        out = self.map_groups(func, W3, k)
+        if j is not None:
+            j.record(kind, to_numpy(W3), to_numpy(out) if kind == "gw" else [out])
+        return out, False
 
     def _finish_sweep(self, total) -> None:
         """Keep the first sweep's sums (:func:`group_sweep`'s tuple over all groups)."""
@@ -185,9 +215,10 @@ class StreamOperator:
         k = W.shape[1]
         W3 = xp.reshape(xp.asarray(on_device(W, xp, self.device), dtype=xp.float64), (m, d * k))
         t = time.perf_counter()
-        out = self.map_groups(group_gw, c_order(W3), k)
+        out, back = self._journaled("gw", group_gw, c_order(W3), k)
         self.passes += 1
-        self.note(f"data pass {self.passes} ({k} columns, {time.perf_counter() - t:.1f} s)")
+        self.note(f"data pass {self.passes} ({k} columns, "
+                  + ("read back from the checkpoint)" if back else f"{time.perf_counter() - t:.1f} s)"))
         return xp.reshape(out, (self.psi, k))
 
     def __matmul__(self, W):
@@ -198,7 +229,7 @@ class StreamOperator:
         xp = self.xp
         c = xp.asarray(on_device(coef, xp, self.device), dtype=xp.float64)  # host coefficients moved to the rows
         k = c.shape[1]
-        return float(self.map_groups(group_sse, c_order(xp.reshape(c, (self.m, self.d * k))), k))
+        return float(self._journaled("sse", group_sse, c_order(xp.reshape(c, (self.m, self.d * k))), k)[0])
 
     def rows(self):
         """All rows at once: ``(S (N, m), X (N, d), Y (N, d_out) or None)`` (the dual path; N x (m + d) floats)."""

@@ -21,18 +21,20 @@ import numpy as np
 
 from ..errors import FormatError
 
-__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "SPECTRUM", "READABLE", "RUN_ENTRIES", "RUN_STORES",
-           "PREFIX", "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "entries_key", "loss_curve", "check_format",
-           "check_types", "json_default", "dumps", "loads"]
+__all__ = ["DATASET", "STATISTICS", "MODEL", "CHECKPOINT", "JOURNAL", "SPECTRUM", "READABLE", "RUN_ENTRIES",
+           "RUN_STORES", "PREFIX", "PLOT_SOFTWARE", "LOSS_KEYS", "loss_key", "entries_key", "loss_curve",
+           "check_format", "check_types", "json_default", "dumps", "loads"]
 
 #: ``(format, format_version)`` of each store kind (what is written)
 DATASET = ("scaleattn-dataset", 2)
 STATISTICS = ("scaleattn-statistics", 3)
 MODEL = ("scaleattn-model", 3)
 CHECKPOINT = ("scaleattn-checkpoint", 2)
+#: the pass journal of a streaming fit (:mod:`scaleattn.distributed.journal`): its checkpoint
+JOURNAL = ("scaleattn-pass-journal", 1)
 SPECTRUM = ("scaleattn-spectrum", 3)
 #: versions each kind's reader accepts
-READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2, 3), MODEL[0]: (1, 2, 3), CHECKPOINT[0]: (2,),
+READABLE = {DATASET[0]: (1, 2), STATISTICS[0]: (1, 2, 3), MODEL[0]: (1, 2, 3), CHECKPOINT[0]: (2,), JOURNAL[0]: (1,),
             SPECTRUM[0]: (1, 2, 3)}
 #: the ``format`` of every scaleattn store starts with this (how ``--overwrite`` recognises its own outputs)
 PREFIX = "scaleattn-"

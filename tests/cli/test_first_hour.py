@@ -124,7 +124,7 @@ def test_resume_of_a_finished_run_says_nothing_to_resume(causal_ds, tmp_path, cl
 def test_resume_without_a_checkpoint_says_it_starts_from_the_first_group(causal_ds, tmp_path, cli):
     """--resume where no fit was interrupted silently did a whole fit: now one note says so."""
     r = cli("fit", causal_ds.url, "--out", tmp_path / "new", "--local", "--resume", "--no-plots", "--quiet")
-    note = f"scaleattn fit: note: no checkpoint for {tmp_path / 'new'} yet: starting from the first row group"
+    note = f"scaleattn fit: note: no checkpoint for {tmp_path / 'new'} yet: starting from the beginning"
     assert r.stderr.splitlines() == [note] and (tmp_path / "new" / "report.json").exists()
     r = cli("fit", causal_ds.url, "--out", tmp_path / "plain", "--local", "--no-plots", "--quiet")
     assert "note:" not in r.stderr

@@ -13,6 +13,9 @@ by an environment variable so that it reaches the CLI processes the tests start:
   ends that process with the signal first (``KILL``, as the kernel's OOM killer does).
 - ``SCALEATTN_TEST_TASK_MEMORY=BYTES``: every statistics task in a worker process first holds that many bytes
   (touched), to push its worker past its Dask memory limit.
+- ``SCALEATTN_TEST_KILL_AFTER_PASSES=K[:mid]``: a streaming fit's process sends itself SIGKILL (no cleanup, no
+  line) once its pass journal has recorded K passes in this run; with ``:mid``, while writing the K-th: its
+  values written, not yet marked done (:class:`scaleattn.distributed.journal.PassJournal`).
 
 :func:`install` patches modules already imported and, for those not yet imported, hooks their import.
 """
@@ -85,6 +88,33 @@ def _patch_build(build) -> None:
 _held = []
 
 
+def _patch_journal(journal) -> None:
+    """The pass journal, SIGKILLing its process after (or, ``:mid``, inside) the K-th pass it records."""
+    k, _, where = os.environ.get("SCALEATTN_TEST_KILL_AFTER_PASSES", "").partition(":")
+    if not k:
+        return
+    cls, k = journal.PassJournal, int(k)
+    record, mark = cls.record, cls._mark_done
+
+    def _kill():
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)  # (the signal ends the process meanwhile)
+
+    @functools.wraps(mark)
+    def _mark_done(self, *args, **kwargs):
+        if where == "mid" and self.computed + 1 >= k:
+            _kill()
+        return mark(self, *args, **kwargs)
+
+    @functools.wraps(record)
+    def record_(self, *args, **kwargs):
+        record(self, *args, **kwargs)
+        if self.computed >= k:
+            _kill()
+
+    cls.record, cls._mark_done = record_, _mark_done
+
+
 def _patch_cluster(cluster) -> None:
     """A command's cluster, with a pause as it is stopped."""
     connect = cluster.connect
@@ -143,11 +173,13 @@ def _after_package(package) -> None:
     import scaleattn.cli.commands
     import scaleattn.distributed.build
     import scaleattn.distributed.cluster
+    import scaleattn.distributed.journal
     import scaleattn.pipeline
 
     _patch_pipeline(scaleattn.pipeline)
     _patch_build(scaleattn.distributed.build)
     _patch_cluster(scaleattn.distributed.cluster)
+    _patch_journal(scaleattn.distributed.journal)
     _patch_commands(scaleattn.cli.commands)
     at, _, path = os.environ.get("SCALEATTN_TEST_PAUSE", "").partition(":")
     if at == "atexit":  # (registered after scaleattn._startup's last exit handler: runs before it)
