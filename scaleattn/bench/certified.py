@@ -83,6 +83,7 @@ def _solve_comparison(st, reps: int) -> dict:
 def comparison(d: int, rows: int | None = None, reps: int | None = None) -> dict:
     """Both comparisons at ``d`` (module docstring): seconds, ratios, the certificate, the load average."""
     from scaleattn.features import phi, row_targets, token_features
+    from scaleattn.linalg._gram import blas_single_thread
     from scaleattn.linalg._solver import solve
     from scaleattn.statistics._container import statistics_from_arrays
 
@@ -106,7 +107,10 @@ def comparison(d: int, rows: int | None = None, reps: int | None = None) -> dict
     y = row_targets(y3, None, True)
     f = phi(s, x)  # ready: not timed
     del s, x
-    t_np, c_np = _timed(lambda: np.linalg.solve(f.T @ f, f.T @ y))
+    # numpy's f.T @ f is OpenBLAS's threaded dsyrk, which dies with SIGSEGV past POTRF_MAX too (20,000 x 16,896):
+    # there the peer runs on one BLAS thread, as cho_factor does
+    with blas_single_thread() if r["peer_single_thread"] else contextlib.nullcontext():
+        t_np, c_np = _timed(lambda: np.linalg.solve(f.T @ f, f.T @ y))
     r.update({"numpy_normal_eq_s": t_np, "fit_vs_numpy_normal_eq": t_np / r["fit_s"],
               "fit_coef_rel_diff": _rel(fit.coef, c_np), "load_average": [load0, os.getloadavg()[0]]})
     return r

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ..features import n_pairs, triu_index
+from ..linalg._dense import row_gram
 from ._algebra import Heads, coef_from_heads, coef_to_W
 
 __all__ = ["fit_heads", "VARPRO_MAX", "WORK_MAX", "SMALL_D"]
@@ -131,11 +132,11 @@ class _Target:
         U3 = Ut.reshape(m, nl, n_perp)
         if n_perp * na < H * d * nl:  # J J^T = sum_l U_l^T (N0 N0^T) U_l
             N2 = N0.reshape(m * na, H * d)
-            K = (N2 @ N2.T).reshape(m, na, m, na)
+            K = row_gram(N2).reshape(m, na, m, na)  # (row_gram: never the threaded dsyrk numpy would call)
             Y = np.tensordot(U3, K, axes=([0], [0]))  # (l, s, a, p', a')
             A = np.tensordot(Y, U3, axes=([0, 3], [1, 0]))  # (s, a, a', s')
             return A.transpose(0, 1, 3, 2).reshape(n_perp * na, n_perp * na), True, N0
-        Pi = (Ut @ Ut.T).reshape(m, nl, m, nl)  # J^T J = sum_a N0_a^T (Ut Ut^T) N0_a
+        Pi = row_gram(Ut).reshape(m, nl, m, nl)  # J^T J = sum_a N0_a^T (Ut Ut^T) N0_a
         X = np.tensordot(Pi, N0, axes=([2], [0]))  # (p, l, l', a, h', k')
         A = np.tensordot(N0, X, axes=([0, 1], [0, 3]))  # (h, k, l, l', h', k')
         return A.transpose(0, 1, 2, 4, 5, 3).reshape(H * d * nl, H * d * nl), False, N0

@@ -34,11 +34,12 @@ import functools
 
 import numpy as np
 
+from .._backend import device_of, get_xp
 from ._gram import blas_single_thread
 from ._lanczos import EPS, EigenEstimate
 
-__all__ = ["blocked_cholesky", "cholesky", "gemm", "symmetric_product", "largest_eigenvalues", "CHOLESKY_BLOCK",
-           "NARROW", "POTRF_MAX"]
+__all__ = ["blocked_cholesky", "cholesky", "gemm", "symmetric_product", "row_gram", "largest_eigenvalues",
+           "CHOLESKY_BLOCK", "NARROW", "POTRF_MAX", "ROW_GRAM_BLOCK"]
 
 #: width of the diagonal blocks :func:`blocked_cholesky` hands to LAPACK: far below the orders at which OpenBLAS's
 #: threaded dpotrf fails (16,896 and up), wide enough that the GEMM updates run at their full rate. Measured at
@@ -254,6 +255,51 @@ def gemm(a: np.ndarray, x: np.ndarray, trans: bool = False) -> np.ndarray:
         dgemm(_C["N"], _C["T" if trans else "N"], _i(k), _i(rows), _i(x.shape[0]), _d(1.0), _at(x, 0, 0), _i(k),
               _at(a, 0, 0), _i(c), _d(0.0), _at(y, 0, 0), _i(k))
     return y
+
+
+#: rows per GEMM of :func:`row_gram`: at most this many rows of ``A A^T`` per product, so that no product is the
+#: square ``A @ A.T`` numpy hands to ``dsyrk`` (its threaded form dies at N = 20,000, k = 528: see the module notes)
+ROW_GRAM_BLOCK = 4096
+
+
+def row_gram(a, block: int = ROW_GRAM_BLOCK):
+    """``A A^T`` (the Gram matrix of ``A``'s rows) by blocks of rows, each one GEMM, never the library's ``dsyrk``.
+
+    numpy computes ``a @ a.T`` by ``dsyrk``, and OpenBLAS 0.3.31's threaded ``dsyrk`` (AVX-512 kernels, 2 threads)
+    dies with SIGSEGV on this project's machines for ``a`` of 20,000 x 528 (the dual's kernel at d = 32) and
+    18,000 x 16,896, while 16,000 x 528, 20,000 x 100 and every GEMM tried worked (the module notes). The blocks
+    cost twice ``dsyrk``'s flops (both triangles), at the GEMM rate on every thread.
+
+    Parameters
+    ----------
+    a : array (n, k) float64
+        numpy or any array-API array (its own namespace multiplies).
+    block : int
+        Rows of the result per product (default :data:`ROW_GRAM_BLOCK`); one product when ``n <= block``.
+
+    Returns
+    -------
+    array (n, n) float64
+        ``a a^T``, symmetric to round-off (the blocks' sums may differ in the last bit across the diagonal).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.random.default_rng(0).standard_normal((50, 7))
+    >>> bool(np.allclose(row_gram(a, block=16), a @ a.T))
+    True
+    """
+    xp = get_xp(a)
+    n = a.shape[0]
+    block = max(int(block), 1)
+    if n <= block:  # (a small product: dsyrk is safe there, and half the flops)
+        return xp.matmul(a, a.T)
+    at = a.T
+    g = xp.empty((n, n), dtype=a.dtype, device=device_of(a))
+    for i in range(0, n, block):
+        e = min(i + block, n)  # (the array API leaves a stop past the end unspecified)
+        g[i:e, ...] = xp.matmul(a[i:e, ...], at)
+    return g
 
 
 def symmetric_product(a: np.ndarray, x: np.ndarray) -> np.ndarray:

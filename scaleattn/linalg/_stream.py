@@ -59,6 +59,7 @@ from .._tree import TreeReducer
 from ..errors import DatasetError, InsufficientMemoryError, ParameterError
 from ..features import n_features, n_pairs
 from ._certificate import Certificate, certificate_from_krylov
+from ._dense import row_gram
 from ._gram import _blas_controller, blas_single_thread
 from ._kfac import FACTOR_FLOOR, KFAC  # noqa: F401  (KFAC and its floor are re-exported here)
 from ._krylov import LANCZOS_MAX, MAXITER, MIN_EIG_PASSES, krylov_solve, lockstep
@@ -623,10 +624,11 @@ def dual_solve(source: RowSource, *, cutoff_rtol: float | None = None, seed: int
     St, Xt = S / ds[None, :], X / dx[None, :]
     fscale = xp.reshape(ds[:, None] * dx[None, :], (psi, 1))  # phi~ = phi / fscale (feature P d + l)
     with _blas_threads():
-        K = xp.matmul(S, S.T) * xp.matmul(X, X.T)
+        # (row_gram: by GEMMs of row blocks; numpy's S @ S.T is a threaded dsyrk, which dies at N = 20,000)
+        K = row_gram(S) * row_gram(X)
         K = (K + K.T) / 2
         w0 = xp.linalg.eigvalsh(K)
-        Kt = xp.matmul(St, St.T) * xp.matmul(Xt, Xt.T)
+        Kt = row_gram(St) * row_gram(Xt)
         Kt = (Kt + Kt.T) / 2
         w, U = xp.linalg.eigh(Kt)
     del Kt

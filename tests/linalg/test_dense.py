@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 
 from scaleattn.generate import make_mhla
-from scaleattn.linalg._dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues
+from scaleattn.linalg._dense import NARROW, blocked_cholesky, gemm, largest_eigenvalues, row_gram
 from scaleattn.linalg._solver import certify
 from scaleattn.linalg._spectrum import (
     EIG_MAXITER,
@@ -56,6 +56,27 @@ def test_blocked_cholesky_refuses_what_scipy_refuses():
     assert cholesky_factor(g, default_rtol(200), 150) is None
     with pytest.raises(ValueError, match="square"):
         blocked_cholesky(np.ones((3, 4)))
+
+
+@pytest.mark.parametrize("n,block", [(1, 4), (16, 16), (17, 16), (100, 7), (333, 64)])
+def test_row_gram_is_the_rows_gram_matrix(n, block):
+    """Row blocks of GEMM give ``A A^T`` (einsum over the rows, no BLAS) to round-off, every block size."""
+    a = np.random.default_rng(n).standard_normal((n, 9)) * np.logspace(-3, 3, 9)
+    ref = np.einsum("ik,jk->ij", a, a)
+    g = row_gram(a, block=block)
+    assert g.shape == (n, n)
+    np.testing.assert_allclose(g, ref, rtol=1e-13, atol=1e-13 * np.abs(ref).max())
+
+
+@pytest.mark.slow
+def test_row_gram_past_the_size_at_which_threaded_dsyrk_dies():
+    """20,000 x 528 (the dual's kernel at d = 32): ``a @ a.T`` on numpy's threaded OpenBLAS died with SIGSEGV here;
+    the row blocks run, and sampled rows equal their own products (each a GEMM of a few rows)."""
+    a = np.random.default_rng(0).standard_normal((20_000, 528))
+    g = row_gram(a)
+    rows = [0, 4095, 4096, 12_345, 19_999]
+    np.testing.assert_allclose(g[rows], np.einsum("ik,jk->ij", a[rows], a), rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(g[:, rows].T, g[rows], rtol=1e-12, atol=1e-9)
 
 
 def test_gemm_is_matmul():
