@@ -35,7 +35,7 @@ import functools
 import numpy as np
 
 from .._backend import device_of, get_xp
-from ._gram import blas_single_thread
+from ._gram import _blas_controller, blas_single_thread
 from ._lanczos import EPS, EigenEstimate
 
 __all__ = ["blocked_cholesky", "cholesky", "gemm", "symmetric_product", "row_gram", "largest_eigenvalues",
@@ -164,14 +164,21 @@ def blocked_cholesky(a, *, overwrite_a: bool = False, block: int = CHOLESKY_BLOC
 #: up to this order :func:`cholesky` hands the whole array to LAPACK ``dpotrf`` (in place, on the transposed
 #: view), above it to :func:`blocked_cholesky`. Measured on 2 cores at psi = 7,200 (d = 24): dpotrf 1.05 s against
 #: 2.0 s blocked with 2 threads (1.94 / 2.5 s with one). OpenBLAS 0.3.30's threaded dpotrf (AVX-512 kernels) dies
-#: with SIGSEGV at psi = 16,896 (d = 32) and ran at 9,126, 11,368 and 13,000 (2 threads, random SPD matrices)
+#: with SIGSEGV at psi = 16,896 (d = 32) and ran at 9,126, 11,368 and 13,000 (2 threads, random SPD matrices).
+#: On one BLAS thread dpotrf runs at any order (d = 32: 27.2 s against 30.2 s blocked, Intel Xeon AVX-512, 0.3.31)
 POTRF_MAX = 13_000
+
+
+def _blas_threads() -> int:
+    """The BLAS thread count now (the most of the loaded libraries'; 1 inside :func:`blas_single_thread`)."""
+    return max((lib.num_threads for lib in _blas_controller().lib_controllers), default=1)
 
 
 def cholesky(a, *, overwrite_a: bool = False) -> np.ndarray:
     """Lower Cholesky factor ``L`` (C-ordered, strict upper triangle 0) of a symmetric positive definite ``a``:
-    LAPACK ``dpotrf`` on the Fortran view of ``a``'s memory up to :data:`POTRF_MAX`, :func:`blocked_cholesky`
-    above (same arguments, result and errors as :func:`blocked_cholesky`).
+    LAPACK ``dpotrf`` on the Fortran view of ``a``'s memory up to :data:`POTRF_MAX` or on one BLAS thread (its
+    unthreaded code ran at every order tried: 16,896 takes 0.77x the blocked time), :func:`blocked_cholesky`
+    above on several threads (same arguments, result and errors as :func:`blocked_cholesky`).
 
     Examples
     --------
@@ -183,7 +190,7 @@ def cholesky(a, *, overwrite_a: bool = False) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"cholesky needs a square matrix, got shape {a.shape}")
-    if a.shape[0] > POTRF_MAX:
+    if a.shape[0] > POTRF_MAX and _blas_threads() > 1:  # (one thread: dpotrf is safe at any order, and faster)
         return blocked_cholesky(a, overwrite_a=overwrite_a)
     from scipy.linalg import lapack
 

@@ -39,6 +39,24 @@ def test_blocked_cholesky_is_scipys_factor(n, block):
     assert np.array_equal(b, L)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cholesky_past_potrf_max_takes_lapack_on_one_thread_and_blocks_on_several(threads, monkeypatch):
+    """Past POTRF_MAX the factor is LAPACK's one call on one BLAS thread (safe there, and faster) and the blocked
+    one on several (OpenBLAS's threaded dpotrf dies there): which ran is seen by the call made, and both are
+    scipy's factor."""
+    import scaleattn.linalg._dense as dense
+
+    a = _spd(300, seed=3)
+    monkeypatch.setattr(dense, "POTRF_MAX", 100)
+    monkeypatch.setattr(dense, "_blas_threads", lambda: threads)
+    calls = []
+    real = dense.blocked_cholesky
+    monkeypatch.setattr(dense, "blocked_cholesky", lambda *x, **k: calls.append(1) or real(*x, **k))
+    L = dense.cholesky(a)
+    assert calls == ([] if threads == 1 else [1])
+    np.testing.assert_allclose(L, scipy.linalg.cholesky(a, lower=True), rtol=0, atol=1e-12)
+
+
 def test_blocked_cholesky_refuses_what_scipy_refuses():
     a = _spd(200, cond=1e2)
     a[150, 150] = -1.0  # the leading minor of order 151 is indefinite
