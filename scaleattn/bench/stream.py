@@ -5,7 +5,8 @@
 - :func:`compare` per d (16 / 24 / 32 by default; 44 with ``dims``): realizable causal data (a 2-head teacher) with
   3 rows per feature and d_out = d, fitted once by the Gram route (statistics, then :func:`scaleattn.solve`,
   path ``auto``) and once by :func:`scaleattn.linalg._stream.stream_solve`, each in a fresh process (its peak RSS
-  is its own: ``ru_maxrss``, data generation included): wall, passes over the data, peak RSS, the verdicts and the
+  is its own: ``ru_maxrss``, data generation included; and the fit's own, ``VmHWM`` reset once the data are made,
+  the tokens and targets held): wall, passes over the data, peak RSS, the verdicts and the
   coefficients' largest relative difference;
 - :func:`pass_timing` at d = 64, d_out = 1, 3 rows per feature (about 400,000 causal rows of random tokens: the
   cost of a pass does not depend on the values): the first sweep and
@@ -52,12 +53,37 @@ def _peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
 
 
+def _reset_peak() -> bool:
+    """Start the process's peak RSS (``VmHWM``) again from its RSS now, the freed heap handed back first (Linux
+    ``clear_refs`` 5): what a route's fit holds, the data generation's buffers not counted. False where the
+    kernel does not offer it."""
+    from scaleattn.distributed.memory import trim_heap
+
+    trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm() -> float:
+    """``VmHWM`` (bytes) of this process, NaN where /proc has none."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024.0 for line in fh if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return float("nan")
+
+
 def _route(args):
     """One fit in this (fresh) process: ``(figures, coef)``."""
     route, d, d_out, rpf = args
     import numpy as np
 
     tok, y = _data(d, d_out, rpf)
+    reset = _reset_peak()  # (the fit's own peak from here: the tokens and targets held, the generation's buffers not)
     t = time.perf_counter()
     out = {"route": route, "d": d, "rows": int(tok.shape[0] * tok.shape[1]), "load_before": os.getloadavg()[0]}
     if route == "gram":
@@ -82,6 +108,7 @@ def _route(args):
     out["wall_s"] = time.perf_counter() - t
     out.update(verdict=sol.certificate.verdict, lambda_min=sol.certificate.lambda_min,
                lambda_max=sol.certificate.lambda_max, peak_rss_gib=_peak_rss() / 2**30,
+               fit_peak_rss_gib=_hwm() / 2**30 if reset else float("nan"),
                load_after=os.getloadavg()[0])
     return out, np.asarray(sol.coef)
 
@@ -104,7 +131,8 @@ def compare(d: int, d_out: int | None = None, rows_per_feature: float = ROWS_PER
     diff = float(np.abs(cs - cg).max() / max(np.abs(cg).max(), 1e-300))
     return {"d": d, "d_out": d_out, "rows_per_feature": rows_per_feature, "gram": g, "stream": s,
             "coef_rel_diff": diff, "wall_ratio": s["wall_s"] / g["wall_s"],
-            "rss_ratio": s["peak_rss_gib"] / g["peak_rss_gib"]}
+            "rss_ratio": s["peak_rss_gib"] / g["peak_rss_gib"],
+            "fit_rss_ratio": s["fit_peak_rss_gib"] / g["fit_peak_rss_gib"]}
 
 
 def _timing(args):
@@ -259,15 +287,17 @@ def workers_timing(d: int = 24, rows_per_feature: float = ROWS_PER_FEATURE, out_
 
 def markdown(result: dict) -> str:
     """The tables of ``bench-stream.md``."""
-    lines = ["| d | psi | rows | route | passes (CG) | wall (s) | peak RSS (GiB) | verdict | coef rel. diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | psi | rows | route | passes (CG) | wall (s) | peak RSS (GiB) | the fit's peak RSS (GiB) | verdict |"
+             " coef rel. diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["compare"]:
         psi = c["d"] ** 2 * (c["d"] + 1) // 2
         for r in ("gram", "stream"):
             x = c[r]
             cg = f" ({x['cg_iterations']})" if x.get("cg_iterations") else ""
             lines.append(f"| {c['d']} | {psi:,} | {x['rows']:,} | {x['path']} | {x['passes'] or '-'}{cg} |"
-                         f" {x['wall_s']:.1f} | {x['peak_rss_gib']:.2f} | {x['verdict']} |"
+                         f" {x['wall_s']:.1f} | {x['peak_rss_gib']:.2f} | {x.get('fit_peak_rss_gib', float('nan')):.2f} |"
+                         f" {x['verdict']} |"
                          f" {c['coef_rel_diff']:.1e} |")
     t = result.get("pass_timing")
     if t:

@@ -303,8 +303,11 @@ def test_fit_stream_writes_no_statistics_and_matches_the_gram_fit(tmp_path, cli)
     ds = scaleattn.write_dataset(str(tmp_path / "d.zarr"), tok, y, lengths=lengths, chunk_samples=16)
     res = scaleattn.fit(ds, str(tmp_path / "run"), solver="stream")
     ref = scaleattn.fit(ds, client=None)
+    # (a fresh fit: every data pass computed, none read back from a journal; the SSE pass is not a data pass)
     assert res.report["solver_path"] == {"path": "stream", "reason": "asked for (solver='stream')",
-                                         "statistics_written": False}
+                                         "statistics_written": False, "sweep_resumed": False, "passes_resumed": 0,
+                                         "passes_computed": res.report["estimates"]["data_passes"]}
+    assert res.report["estimates"]["data_passes"] > 0
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model.zarr", "report.json"]
     assert res.statistics is None and res.report["verdict"] == ref.report["verdict"] == "identifiable"
     assert np.abs(res.model.coef - ref.model.coef).max() <= 1e-8 * np.abs(ref.model.coef).max()
