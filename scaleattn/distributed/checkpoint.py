@@ -60,6 +60,28 @@ def _layout(dataset, groups, tiles, targets: bool) -> dict:
             "groups": [[int(a), int(b)] for a, b in groups], "tiles": [[int(a), int(b)] for a, b in tiles]}
 
 
+def stored_attrs(store: Location) -> dict:
+    """The attributes of the checkpoint store at ``store`` (a build's or a pass journal's), to check before it is
+    reused; a :class:`~scaleattn.errors.CheckpointError` where it is not a Zarr group at all."""
+    try:
+        return dict(store.open_group("r").attrs)
+    except Exception as e:  # not a zarr group
+        raise CheckpointError(f"checkpoint {store.url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
+                              " choose another `checkpoint` path") from None
+
+
+def first_difference(have: dict, want: dict) -> tuple | None:
+    """The first attribute of ``want`` that the stored ``have`` does not match: ``(name, stored, wanted)``, each
+    value cut to 80 characters for a message; None when all match."""
+    def shown(x):
+        return x if len(repr(x)) < 80 else repr(x)[:77] + "..."
+
+    for k, v in want.items():
+        if have.get(k) != v:
+            return k, shown(have.get(k)), shown(v)
+    return None
+
+
 def partial_checksum(part, source: int, with_moments: bool) -> int:
     """Digest of a partial's values (tile of ``Tc``; ``B`` and ``yy`` for tile 0), its row count and ``source``."""
     parts = [np.ascontiguousarray(part.gram_compact, dtype="<f8").tobytes()]
@@ -116,11 +138,7 @@ class Checkpoint:
         want = _layout(dataset, groups, tiles, targets)
         args = (store, tuple(map(tuple, want["groups"])), tuple(map(tuple, want["tiles"])), want["d"], want["d_out"])
         if store.exists():
-            try:
-                have = dict(store.open_group("r").attrs)
-            except Exception as e:  # not a zarr group
-                raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
-                                      " choose another `checkpoint` path") from None
+            have = stored_attrs(store)
             if have.get("format") == _formats.JOURNAL[0]:
                 raise CheckpointError(
                     f"checkpoint {url!r} is the pass journal of a streaming fit (`solver='stream'`), not a statistics"
@@ -132,12 +150,12 @@ class Checkpoint:
                     f" cannot be verified, so it is never reused; {_START_OVER}")
             if have.get("format") == FORMAT and "groups" not in have:
                 raise CheckpointError(f"checkpoint {url!r} is incomplete (its creation was cut short); {_START_OVER}")
-            for k, v in want.items():
-                if have.get(k) != v:
-                    shown = (lambda x: x if len(repr(x)) < 80 else repr(x)[:77] + "...")
-                    raise CheckpointError(
-                        f"checkpoint {url!r} was made by a different build ({k}: stored {shown(have.get(k))!r}, this "
-                        f"job {shown(v)!r}); it is never mixed in; {_START_OVER}")
+            differs = first_difference(have, want)
+            if differs is not None:
+                k, stored, ours = differs
+                raise CheckpointError(
+                    f"checkpoint {url!r} was made by a different build ({k}: stored {stored!r}, this "
+                    f"job {ours!r}); it is never mixed in; {_START_OVER}")
             built = have.get("kernel", "numpy")  # before the attribute, numpy was the only kernel
             if built != kernel:
                 raise CheckpointError(

@@ -50,12 +50,11 @@ from ..features import n_features, n_pairs
 from ..store import _bounds, _formats, _integrity
 from ..store._location import Location
 from ..store._outputs import writing
+from .checkpoint import _START_OVER, first_difference, stored_attrs
 
 __all__ = ["PassJournal", "input_digest", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT, FORMAT_VERSION = _formats.JOURNAL
-#: how to start over from a journal that is never reused, in the Python API's words (:mod:`scaleattn.errors`)
-_START_OVER = "start over (remove it, or fit with `overwrite=True` instead of `resume=True`)"
 #: the sweep's arrays in :meth:`PassJournal.record_sweep`'s order (the tuple of
 #: :func:`scaleattn.linalg._passes.group_sweep`)
 _SWEEP = ("diag", "A", "B", "moments", "yy", "rows")
@@ -155,11 +154,7 @@ class PassJournal:
         if not store.exists():
             journal._create(want)
             return journal
-        try:
-            have = dict(store.open_group("r").attrs)
-        except Exception as e:  # not a zarr group
-            raise CheckpointError(f"checkpoint {url!r} is not a scaleattn checkpoint ({e}); remove it yourself or"
-                                  " choose another `checkpoint` path") from None
+        have = stored_attrs(store)
         if have.get("format") == _formats.CHECKPOINT[0]:
             raise CheckpointError(f"checkpoint {url!r} holds the statistics build of a fit by the Gram route, not"
                                   " the pass journal of a streaming fit: resume it with that fit's `solver`, or"
@@ -169,13 +164,13 @@ class PassJournal:
                                   f" scaleattn reads v{FORMAT_VERSION}; {_START_OVER}")
         if have.get("format") == FORMAT and "groups" not in have:
             raise CheckpointError(f"checkpoint {url!r} is incomplete (its creation was cut short); {_START_OVER}")
-        for k, v in want.items():
-            if have.get(k) != v:
-                shown = (lambda x: x if len(repr(x)) < 80 else repr(x)[:77] + "...")
-                why = " (the dataset's rows changed since)" if k == "rows" else ""
-                raise CheckpointError(f"checkpoint {url!r} was made by a different fit{why} ({k}: stored"
-                                      f" {shown(have.get(k))!r}, this fit {shown(v)!r}); it is never mixed in;"
-                                      f" {_START_OVER}")
+        differs = first_difference(have, want)
+        if differs is not None:
+            k, stored, ours = differs
+            why = " (the dataset's rows changed since)" if k == "rows" else ""
+            raise CheckpointError(f"checkpoint {url!r} was made by a different fit{why} ({k}: stored"
+                                  f" {stored!r}, this fit {ours!r}); it is never mixed in;"
+                                  f" {_START_OVER}")
         return journal
 
     def _create(self, attrs: dict) -> None:
